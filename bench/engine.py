@@ -1,0 +1,305 @@
+"""Engine benchmark: pdserve's single-rank engine vs Hugging Face transformers, same checkpoint.
+
+Claim measured: on the built-in `small` glm_moe_dsa model (DSA, index_topk 256) our engine
+  1. prefills faster than transformers and its prefill memory grows linearly with the prompt
+     (peak RSS growth 16k / 4k is about 4x; a [S, S] score tensor would make it 16x), and
+  2. decodes faster (tokens/s at batch 1 and 8, prefill excluded).
+Every measurement runs in a fresh subprocess (this script with --worker) with
+torch.set_num_threads(2), a 14 GiB address-space cap and a timeout, so a transformers run that
+runs out of memory or time is recorded as {"error": ...} instead of crashing the benchmark.
+Peak memory is the peak RSS (ru_maxrss, after resetting it via /proc/self/clear_refs) minus the
+RSS after the weights are loaded and warmed up; for our engine it includes the KV pool.
+Decode: requests are prefilled, WARMUP_STEPS untimed steps run, then --decode-steps steps are timed
+(ours: engine.step(); transformers: a greedy forward loop with past_key_values).
+
+Run:  .venv/bin/python bench/engine.py          (writes bench/results/engine.json and engine.png)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+MEM_CAP = 14 * 2**30
+WARMUP_STEPS = 2
+MARK = "BENCH_RESULT "
+ENGINES = ("ours", "transformers")
+
+
+# ---------------------------------------------------------------- worker side (one measurement)
+def rss_kb() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # "5" resets VmHWM and so ru_maxrss
+        f.write("5")
+
+
+def prompt_ids(n: int, seed: int, vocab: int) -> list[int]:
+    import torch
+
+    return torch.randint(1, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def peak_growth_mb(base_kb: int) -> float:
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_kb) / 1024
+
+
+def ours_engine(model, kv_tokens: int):
+    from pdserve.engine.llm_engine import LLMEngine
+
+    return LLMEngine(model, max_kv_tokens=kv_tokens, prefill_chunk=4096)
+
+
+def ours_prefill(model_dir: str, length: int) -> dict:
+    import torch
+    from pdserve.engine.request import SamplingParams
+    from pdserve.model.weights import load_model
+
+    model = load_model(model_dir, torch.float32)
+    ours_engine(model, 512).generate([prompt_ids(300, 1, model.config.vocab_size)], SamplingParams(max_tokens=2))
+    ids = prompt_ids(length, length, model.config.vocab_size)
+    reset_peak()
+    base = rss_kb()
+    engine = ours_engine(model, length + 16)  # the KV pool counts as prefill memory
+    t0 = time.perf_counter()
+    engine.generate([ids], SamplingParams(max_tokens=1, ignore_eos=True))
+    dt = time.perf_counter() - t0
+    return {"seconds": dt, "tokens_per_s": length / dt, "peak_mb": peak_growth_mb(base), "base_rss_mb": base / 1024}
+
+
+def hf_model(model_dir: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_prefill(model_dir: str, length: int) -> dict:
+    import torch
+
+    model = hf_model(model_dir)
+    vocab = model.config.vocab_size
+    with torch.inference_mode():
+        model(torch.tensor([prompt_ids(300, 1, vocab)])).logits[:, -1]
+        ids = torch.tensor([prompt_ids(length, length, vocab)])
+        reset_peak()
+        base = rss_kb()
+        t0 = time.perf_counter()
+        model(ids).logits[:, -1]
+        dt = time.perf_counter() - t0
+    return {"seconds": dt, "tokens_per_s": length / dt, "peak_mb": peak_growth_mb(base), "base_rss_mb": base / 1024}
+
+
+def ours_decode(model_dir: str, batch: int, context: int, steps: int) -> dict:
+    import torch
+    from pdserve.engine.request import SamplingParams
+    from pdserve.model.weights import load_model
+
+    model = load_model(model_dir, torch.float32)
+    engine = ours_engine(model, batch * (context + steps + WARMUP_STEPS + 16))
+    params = SamplingParams(max_tokens=steps + WARMUP_STEPS + 1, ignore_eos=True)
+    reqs = [engine.add_request(prompt_ids(context, 100 + i, model.config.vocab_size), params) for i in range(batch)]
+    while len(engine.scheduler.running) < batch or any(len(r.output_ids) < 1 for r in reqs):
+        engine.step()
+    for _ in range(WARMUP_STEPS):
+        engine.step()
+    t0 = time.perf_counter()
+    produced = sum(len(engine.step()) for _ in range(steps))
+    dt = time.perf_counter() - t0
+    assert produced == batch * steps, f"expected {batch * steps} tokens, got {produced}"
+    return {"seconds": dt, "tokens_per_s": produced / dt, "ms_per_step": 1000 * dt / steps}
+
+
+def hf_decode(model_dir: str, batch: int, context: int, steps: int) -> dict:
+    import torch
+
+    model = hf_model(model_dir)
+    ids = torch.tensor([prompt_ids(context, 100 + i, model.config.vocab_size) for i in range(batch)])
+    mask = torch.ones_like(ids)
+    with torch.inference_mode():
+        out = model(ids, attention_mask=mask, use_cache=True)
+
+        def step(out, mask):
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)  # greedy, EOS ignored
+            mask = torch.cat([mask, torch.ones_like(tok)], dim=1)
+            return model(tok, attention_mask=mask, past_key_values=out.past_key_values, use_cache=True), mask
+
+        for _ in range(WARMUP_STEPS):
+            out, mask = step(out, mask)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            out, mask = step(out, mask)
+        dt = time.perf_counter() - t0
+    return {"seconds": dt, "tokens_per_s": batch * steps / dt, "ms_per_step": 1000 * dt / steps}
+
+
+TASKS = {("ours", "prefill"): ours_prefill, ("transformers", "prefill"): hf_prefill,
+         ("ours", "decode"): ours_decode, ("transformers", "decode"): hf_decode}
+
+
+def worker(spec: dict) -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (MEM_CAP, MEM_CAP))
+    import torch
+
+    torch.set_num_threads(2)
+    try:
+        result = TASKS[spec["engine"], spec["kind"]](*spec["args"])
+    except (MemoryError, RuntimeError) as e:
+        if not isinstance(e, MemoryError) and "alloc" not in str(e).lower():
+            raise
+        result = {"error": "out of memory"}
+    print(MARK + json.dumps(result), flush=True)
+
+
+# ---------------------------------------------------------------- parent side
+def run_worker(engine: str, kind: str, args: list, timeout: float) -> dict:
+    spec = json.dumps({"engine": engine, "kind": kind, "args": args})
+    label = f"{engine} {kind} {args[1:]}"
+    print(f"  running {label} ...", file=sys.stderr, flush=True)
+    try:
+        p = subprocess.run([sys.executable, __file__, "--worker", spec], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": "timeout"}
+    for line in p.stdout.splitlines():
+        if line.startswith(MARK):
+            return json.loads(line[len(MARK):])
+    tail = p.stderr.strip().splitlines()[-3:]
+    oom = p.returncode == -9 or any("alloc" in t.lower() for t in tail)
+    print(f"  {label} failed (rc {p.returncode}): {' | '.join(tail)}", file=sys.stderr)
+    return {"error": "out of memory" if oom else f"exit {p.returncode}: {tail[-1] if tail else ''}"}
+
+
+def measure(a: argparse.Namespace, model_dir: str) -> dict:
+    engines = ENGINES[:1] if a.skip_transformers else ENGINES
+    res = {"prefill": {e: {} for e in engines}, "decode": {e: {} for e in engines}}
+    for e in engines:
+        for n in a.lengths:
+            res["prefill"][e][str(n)] = run_worker(e, "prefill", [model_dir, n], a.timeout)
+        for b in a.decode_batches:
+            res["decode"][e][str(b)] = run_worker(e, "decode", [model_dir, b, a.decode_context, a.decode_steps], a.timeout)
+    return res
+
+
+def val(res: dict, kind: str, engine: str, key: str, field: str) -> float | None:
+    return res[kind].get(engine, {}).get(key, {}).get(field)
+
+
+def ratios(res: dict, a: argparse.Namespace) -> dict:
+    out = {}
+    b = str(max(a.decode_batches))
+    o, t = val(res, "decode", "ours", b, "tokens_per_s"), val(res, "decode", "transformers", b, "tokens_per_s")
+    out[f"decode_tokens_per_s_batch{b}_ours_over_transformers"] = o / t if o and t else None
+    if len(a.lengths) >= 2:
+        lo, hi = (str(n) for n in sorted(a.lengths)[-2:])
+        m_lo, m_hi = val(res, "prefill", "ours", lo, "peak_mb"), val(res, "prefill", "ours", hi, "peak_mb")
+        out[f"ours_prefill_peak_mb_{hi}_over_{lo}"] = m_hi / m_lo if m_lo and m_hi else None
+    return out
+
+
+def fmt(r: dict, field: str) -> str:
+    if "error" in r:
+        return {"out of memory": "OOM", "timeout": "timeout"}.get(r["error"], "error")
+    return f"{r[field]:.1f}" if field in r else "-"
+
+
+def table(res: dict) -> str:
+    rows = [("metric", "ours", "transformers", "ours/transformers")]
+    specs = [("prefill", "tokens_per_s", "prefill tok/s @{}"), ("prefill", "peak_mb", "prefill peak MB @{}"),
+             ("decode", "tokens_per_s", "decode tok/s batch {}")]
+    for kind, field, name in specs:
+        for key, r_ours in res[kind]["ours"].items():
+            r_hf = res[kind].get("transformers", {}).get(key, {})
+            ratio = r_ours.get(field, 0) / r_hf[field] if r_hf.get(field) and r_ours.get(field) else None
+            rows.append((name.format(key), fmt(r_ours, field), fmt(r_hf, field) if r_hf else "-",
+                         f"{ratio:.2f}x" if ratio else "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.8))
+    for i, e in enumerate(res["prefill"]):
+        for ax, field in ((ax1, "tokens_per_s"), (ax3, "peak_mb")):
+            pts = [(int(n), r[field]) for n, r in res["prefill"][e].items() if field in r]
+            if pts:
+                ax.plot(*zip(*pts), "o-", color=f"C{i}", label=e)
+            for n, r in res["prefill"][e].items():
+                if "error" in r:
+                    ax.annotate(fmt(r, field), (int(n), 0.02), xycoords=("data", "axes fraction"), color=f"C{i}", ha="center")
+        batches = list(res["decode"][e])
+        ax2.bar([j + 0.38 * i for j in range(len(batches))], [res["decode"][e][b].get("tokens_per_s", 0) for b in batches],
+                0.38, color=f"C{i}", label=e)
+    ax2.set_xticks([j + 0.19 for j in range(len(batches))], [f"batch {b}" for b in batches])
+    ours = [(int(n), r["peak_mb"]) for n, r in res["prefill"]["ours"].items() if "peak_mb" in r]
+    if ours:
+        n0, m0 = ours[0]
+        xs = [n for n, _ in ours]
+        ax3.plot(xs, [m0 * n / n0 for n in xs], "k--", lw=1, label="linear reference")
+    ax1.set(xscale="log", title="Prefill throughput (1 request)", xlabel="prompt tokens", ylabel="tokens/s")
+    ax2.set(title="Decode throughput (1024-token context)", ylabel="tokens/s")
+    ax3.set(xscale="log", yscale="log", title="Prefill peak RSS growth", xlabel="prompt tokens", ylabel="MB")
+    for ax in (ax1, ax2, ax3):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", type=ints, default=[1024, 4096, 16384], help="prefill prompt lengths, comma-separated (default 1024,4096,16384)")
+    p.add_argument("--decode-batches", type=ints, default=[1, 8], help="decode batch sizes, comma-separated (default 1,8)")
+    p.add_argument("--decode-context", type=int, default=1024, help="prompt tokens per request before decode (default 1024)")
+    p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps, one token per request each (default 32)")
+    p.add_argument("--skip-transformers", action="store_true", help="measure only our engine")
+    p.add_argument("--model", type=str, default=None, help="checkpoint directory (default: the built-in small glm_moe_dsa model)")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="output folder for engine.json and engine.png (default bench/results)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds allowed per measurement subprocess (default 600)")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, even without pip install -e
+    if a.worker:
+        return worker(json.loads(a.worker))
+    from pdserve.cli import ensure_builtin_model
+
+    model_dir = str(Path(a.model) if a.model else ensure_builtin_model())
+    res = measure(a, model_dir)
+    machine = {"cpu_count": os.cpu_count(), "torch_threads": 2, "platform": platform.platform(), "python": platform.python_version(),
+               "torch": version("torch"), "transformers": version("transformers"), "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k != "worker"}
+    doc = {"machine": machine, "config": dict(config, model=model_dir, warmup_steps=WARMUP_STEPS, mem_cap_bytes=MEM_CAP), **res, "ratios": ratios(res, a)}
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "engine.json").write_text(json.dumps(doc, indent=2) + "\n")
+    plot(res, a.out / "engine.png")
+    print(table(res))
+    for name, r in doc["ratios"].items():
+        print(f"{name}: {r:.2f}" if r else f"{name}: n/a")
+    print(f"wrote {a.out / 'engine.json'} and {a.out / 'engine.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""pdserve: disaggregated prefill/decode serving for long-context MLA models."""

@@ -1,0 +1,146 @@
+"""The `pdserve` command line. One entry point, one subcommand per process role or tool."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(
+    help="pdserve: disaggregated prefill/decode serving for long-context MLA + sparse-attention models.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+class Arch(str, Enum):
+    glm_moe_dsa = "glm_moe_dsa"
+    deepseek_v32 = "deepseek_v32"
+    deepseek_v3 = "deepseek_v3"
+
+
+class Size(str, Enum):
+    tiny = "tiny"
+    small = "small"
+
+
+class DType(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float64 = "float64"
+
+
+BUILTIN_ARCH, BUILTIN_SIZE = "glm_moe_dsa", "small"
+
+
+def builtin_model_dir() -> Path:
+    """The built-in model, written once by `make-model` and reused."""
+    root = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
+    return root / "models" / f"{BUILTIN_SIZE}-{BUILTIN_ARCH}-seed0"
+
+
+def ensure_builtin_model() -> Path:
+    path = builtin_model_dir()
+    if not (path / "config.json").is_file():
+        from .model.random_checkpoint import make_model
+
+        print(f"building the built-in {BUILTIN_SIZE} {BUILTIN_ARCH} model in {path} (once)", file=sys.stderr)
+        make_model(path, BUILTIN_ARCH, BUILTIN_SIZE, seed=0, overwrite=True)
+    return path
+
+
+def fail(msg: str) -> None:
+    typer.echo(f"error: {msg}", err=True)
+    raise typer.Exit(2)
+
+
+@app.command("make-model")
+def make_model_cmd(
+    out_dir: Path = typer.Argument(..., help="Directory to write the checkpoint into (must be empty or absent)."),
+    arch: Arch = typer.Option(Arch.glm_moe_dsa, help="Architecture (Hugging Face model_type)."),
+    size: Size = typer.Option(Size.tiny, help="tiny: for tests (seconds); small: for benchmarks (tens of millions of parameters)."),
+    seed: int = typer.Option(0, help="Random seed; the same seed writes byte-identical files."),
+    max_shard_mb: Optional[float] = typer.Option(None, help="Split the weights into shards of at most this many MiB (with model.safetensors.index.json)."),
+    overwrite: bool = typer.Option(False, help="Replace OUT_DIR if it already holds files."),
+):
+    """Write a deterministic random checkpoint in the Hugging Face layout (transformers loads it too)."""
+    from .model.random_checkpoint import make_model
+
+    shard = int(max_shard_mb * 2**20) if max_shard_mb else None
+    try:
+        path = make_model(out_dir, arch.value, size.value, seed=seed, max_shard_bytes=shard, overwrite=overwrite)
+    except (ValueError, FileExistsError) as e:
+        fail(str(e))
+    typer.echo(str(path))
+
+
+def _parse_token_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        fail(f"--token-ids must be comma-separated integers, got {text!r}")
+
+
+@app.command()
+def generate(
+    model: Optional[Path] = typer.Option(None, help="Checkpoint directory. Default: the built-in small model (built on first use)."),
+    prompt: Optional[str] = typer.Option(None, help="Prompt text (tokenized with the checkpoint's tokenizer)."),
+    token_ids: Optional[str] = typer.Option(None, help="Prompt as comma-separated token ids, e.g. 1,2,3 (instead of --prompt)."),
+    chat: bool = typer.Option(False, help="Wrap --prompt as a user message with the checkpoint's chat template."),
+    max_new_tokens: int = typer.Option(32, min=1, help="Number of tokens to generate at most."),
+    temperature: float = typer.Option(0.0, min=0.0, help="Sampling temperature; 0 means greedy."),
+    top_p: float = typer.Option(1.0, min=0.0, max=1.0, help="Nucleus sampling: keep the smallest set of tokens with this much probability."),
+    top_k: int = typer.Option(0, min=0, help="Keep only the k most likely tokens; 0 disables."),
+    seed: Optional[int] = typer.Option(None, help="Seed for sampling (ignored when greedy)."),
+    dtype: DType = typer.Option(DType.float32, help="Weights, activations and KV cache dtype."),
+    threads: int = typer.Option(0, min=0, help="torch threads; 0 means one per CPU core."),
+    ignore_eos: bool = typer.Option(False, help="Keep generating past the end-of-sequence token."),
+    as_json: bool = typer.Option(False, "--json", help='Print one JSON object {"token_ids": [...], "text": "..."} (generated tokens only).'),
+):
+    """Run the single-rank engine on one prompt and print the generated text."""
+    import torch
+
+    from .engine.llm_engine import LLMEngine
+    from .engine.request import SamplingParams
+    from .model.tokenizer import Tokenizer
+
+    if (prompt is None) == (token_ids is None):
+        fail("give exactly one of --prompt or --token-ids")
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    model_dir = model or ensure_builtin_model()
+    if not (model_dir / "config.json").is_file():
+        fail(f"{model_dir} is not a checkpoint directory (no config.json)")
+    tok = Tokenizer.from_pretrained(model_dir)
+    if prompt is not None:
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+        ids = tok.encode(text)
+    else:
+        ids = _parse_token_ids(token_ids)
+    if not ids:
+        fail("the prompt is empty")
+    try:
+        params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                top_k=top_k, seed=seed, ignore_eos=ignore_eos)
+        engine = LLMEngine.from_pretrained(model_dir, dtype.value, max_kv_tokens=len(ids) + max_new_tokens)
+        out = engine.generate([ids], params)[0]
+    except ValueError as e:
+        fail(str(e))
+    text_out = tok.decode(out)
+    if as_json:
+        typer.echo(json.dumps({"token_ids": out, "text": text_out}))
+    else:
+        typer.echo(text_out)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

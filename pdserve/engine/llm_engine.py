@@ -1,0 +1,110 @@
+"""The single-process, single-rank engine: schedule -> forward -> postprocess.
+
+Used directly by `pdserve generate`, by the benchmarks, and as the reference that the parallel
+prefill and decode servers must agree with.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..model.config import ModelConfig
+from ..model.transformer import CausalLM
+from ..model.weights import load_model
+from .kv_cache import KVPool
+from .model_runner import ModelRunner
+from .page_allocator import PageAllocator
+from .request import Request, SamplingParams
+from .sampler import Sampler
+from .scheduler import Scheduler
+from .single_backend import SingleRankBackend
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {name!r} (supported: {', '.join(DTYPES)})")
+    return DTYPES[name]
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: CausalLM,
+        max_kv_tokens: int = 32768,
+        page_size: int = 16,
+        prefill_chunk: int = 4096,
+        query_block: int = 256,
+        max_batch: int = 64,
+    ):
+        self.model, self.config = model, model.config
+        dtype = next(model.parameters()).dtype
+        pages = -(-max_kv_tokens // page_size)
+        self.allocator = PageAllocator(pages, page_size)
+        self.pool = KVPool(self.config, pages * page_size, dtype)
+        self.backend = SingleRankBackend(self.config, self.pool, query_block)
+        self.runner = ModelRunner(model, self.allocator, self.backend)
+        self.scheduler = Scheduler(self.allocator, self.config.eos_token_ids, prefill_chunk, max_batch)
+        self.sampler = Sampler()
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, dtype: str | torch.dtype = "float32", **kwargs) -> "LLMEngine":
+        return cls(load_model(model_dir, parse_dtype(dtype)), **kwargs)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.config
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Request:
+        bad = [t for t in prompt_ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
+        req = Request(list(prompt_ids), params or SamplingParams())
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> None:
+        if self.scheduler.abort(request_id) is not None:
+            self.sampler.forget(request_id)
+
+    def step(self) -> list[tuple[Request, int]]:
+        """Runs one step; returns the (request, token) pairs it produced."""
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        logits = self.runner.run(chunks)
+        tokens: list[int | None] = [None] * len(chunks)
+        done = [i for i, c in enumerate(chunks) if c.start + c.n == c.request.num_tokens]
+        if done:
+            sampled = self.sampler.sample(
+                logits[done], [chunks[i].request.params for i in done], [chunks[i].request.request_id for i in done]
+            )
+            for i, tok in zip(done, sampled):
+                tokens[i] = tok
+        for req in self.scheduler.postprocess(chunks, tokens):
+            self.sampler.forget(req.request_id)
+        return [(c.request, t) for c, t in zip(chunks, tokens) if t is not None]
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None) -> list[list[int]]:
+        """Runs the given prompts together (continuous batching) and returns their output ids."""
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        while self.scheduler.has_work():
+            self.step()
+        return [r.output_ids for r in reqs]
+
+    def prefill_logits(self, prompt_ids: list[int]) -> torch.Tensor:
+        """Logits at every prompt position [T, V] (for checks against a reference); frees its cache."""
+        req = Request(list(prompt_ids), SamplingParams(max_tokens=1))
+        req.pages = self.allocator.allocate(len(prompt_ids))
+        try:
+            from .scheduler import Chunk
+
+            return self.runner.run([Chunk(req, 0, len(prompt_ids))], all_logits=True)
+        finally:
+            self.allocator.free(req.pages)

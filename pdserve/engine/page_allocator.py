@@ -1,0 +1,57 @@
+"""KV bookkeeping: an integer page allocator, separate from the tensors that hold the cache.
+
+A page is `page_size` consecutive slots; slot s of page p is p * page_size + s.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class OutOfPages(RuntimeError):
+    pass
+
+
+class PageAllocator:
+    def __init__(self, num_pages: int, page_size: int):
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")
+        self.num_pages, self.page_size = num_pages, page_size
+        self._free: deque[int] = deque(range(num_pages))
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        return self.pages_for(num_tokens) <= len(self._free)
+
+    def allocate(self, num_tokens: int) -> list[int]:
+        n = self.pages_for(num_tokens)
+        if n > len(self._free):
+            raise OutOfPages(f"need {n} pages for {num_tokens} tokens, {len(self._free)} free")
+        pages = [self._free.popleft() for _ in range(n)]
+        self._used.update(pages)
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        for p in pages:
+            if p not in self._used:
+                raise ValueError(f"page {p} is not allocated (double free?)")
+            self._used.remove(p)
+            self._free.append(p)
+
+    def check_integrity(self) -> None:
+        free = set(self._free)
+        assert len(free) == len(self._free), "a page is on the free list twice"
+        assert not (free & self._used), "a page is both free and used"
+        assert free | self._used == set(range(self.num_pages)), "a page is lost"
+
+    def slots(self, pages: list[int], start: int, end: int) -> list[int]:
+        """Slots holding token positions [start, end) of a request that owns `pages`."""
+        ps = self.page_size
+        return [pages[p // ps] * ps + p % ps for p in range(start, end)]

@@ -1,0 +1,123 @@
+"""Single-rank attention backend: the whole cache on one device, addressed through pages.
+
+For each forward the runner describes the batch (which flattened tokens belong to which request,
+at which positions, and the slots of every request's context). In each layer the backend writes
+the new latent entries (and index keys), picks the keys each query reads, and runs the kernel:
+  - a request with several new tokens (prefill, chunked or not) is processed in query blocks of
+    `query_block` tokens, so memory grows with block x context, never context x context;
+  - requests with one new token (decode) are batched together over a padded context.
+Sparse-attention models select keys with the indexer's top-k (tie rule: earlier token wins);
+`shared` layers reuse the selection of the previous full layer from the same forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..model.backend import IndexerInputs
+from ..model.config import ModelConfig
+from ..model.kernels import attend, index_scores, topk_earliest
+from .kv_cache import KVPool
+
+
+@dataclass
+class SeqChunk:
+    ctx_slots: torch.Tensor  # [S] slots of positions 0..S-1, where S = start + n
+    start: int  # position of the first new token
+    n: int  # new tokens in this forward
+    offset: int  # index of the first new token in the flattened batch
+
+
+@dataclass
+class ForwardBatch:
+    seqs: list[SeqChunk]
+    new_slots: torch.Tensor  # [T] where each new token's entry is written
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.new_slots.numel())
+
+
+class SingleRankBackend:
+    def __init__(self, cfg: ModelConfig, pool: KVPool, query_block: int = 256):
+        self.cfg, self.pool, self.query_block = cfg, pool, query_block
+        self.batch: ForwardBatch | None = None
+
+    def begin(self, batch: ForwardBatch) -> None:
+        """Called by the runner before each forward."""
+        self.batch = batch
+        self._selection: dict[int, torch.Tensor] = {}  # seq index (-1: decode group) -> [n, k]
+        self._multi = [i for i, s in enumerate(batch.seqs) if s.n > 1]
+        single = [i for i, s in enumerate(batch.seqs) if s.n == 1]
+        self._single = single
+        if single:
+            lens = [batch.seqs[i].ctx_slots.numel() for i in single]
+            smax = max(lens)
+            self._dec_slots = torch.zeros(len(single), smax, dtype=torch.int64)  # [B, Smax], padded with slot 0
+            for row, i in enumerate(single):
+                self._dec_slots[row, : lens[row]] = batch.seqs[i].ctx_slots
+            self._dec_valid = torch.arange(smax)[None, :] < torch.tensor(lens)[:, None]  # [B, Smax]
+            self._dec_rows = torch.tensor([batch.seqs[i].offset for i in single])
+
+    def attention(self, layer: int, q: torch.Tensor, kv: torch.Tensor, index: IndexerInputs | None, scale: float) -> torch.Tensor:
+        batch = self.batch
+        self.pool.write(layer, batch.new_slots, kv, index.k if index is not None else None)
+        out = q.new_empty(q.shape[0], q.shape[1], self.cfg.kv_lora_rank)  # [T, H, c]
+        for i in self._multi:
+            s = batch.seqs[i]
+            rows = slice(s.offset, s.offset + s.n)
+            out[rows] = self._prefill_seq(layer, i, s, q[rows], _rows(index, rows), scale)
+        if self._single:
+            out[self._dec_rows] = self._decode(layer, q[self._dec_rows], _rows(index, self._dec_rows), scale)
+        return out
+
+    def _select(self, key: int, index: IndexerInputs | None, rows: slice, idx_keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Top-k for these query rows, or the stored selection of the last full layer."""
+        if index is None:
+            return self._selection[key][rows]
+        scores = index_scores(index.q[rows], index.weights[rows], idx_keys, index.softmax_scale)
+        return topk_earliest(scores, valid, self.cfg.index_topk)
+
+    def _prefill_seq(self, layer: int, key: int, s: SeqChunk, q: torch.Tensor, index: IndexerInputs | None, scale: float) -> torch.Tensor:
+        cfg = self.cfg
+        keys = self.pool.read_kv(layer, s.ctx_slots)  # [S, c + rope]
+        idx_keys = self.pool.read_index(layer, s.ctx_slots) if index is not None else None  # [S, Di]
+        key_pos = torch.arange(s.ctx_slots.numel())
+        outs, sels = [], []
+        for b0 in range(0, s.n, self.query_block):
+            b1 = min(s.n, b0 + self.query_block)
+            kend = s.start + b1  # the last query of the block reads keys [0, kend)
+            q_pos = torch.arange(s.start + b0, s.start + b1)
+            valid = key_pos[None, :kend] <= q_pos[:, None]  # [B, kend]
+            if cfg.is_sparse:
+                sel = self._select(key, index, slice(b0, b1), idx_keys[:kend] if idx_keys is not None else None, valid)
+                sels.append(sel)
+                o, _ = attend(q[b0:b1], keys[sel.clamp(min=0)], sel >= 0, scale, cfg.kv_lora_rank)
+            else:
+                o, _ = attend(q[b0:b1], keys[:kend], valid, scale, cfg.kv_lora_rank)
+            outs.append(o)
+        if index is not None:
+            self._selection[key] = torch.cat(sels)
+        return torch.cat(outs)
+
+    def _decode(self, layer: int, q: torch.Tensor, index: IndexerInputs | None, scale: float) -> torch.Tensor:
+        cfg = self.cfg
+        slots, valid = self._dec_slots, self._dec_valid
+        if not cfg.is_sparse:
+            o, _ = attend(q, self.pool.read_kv(layer, slots), valid, scale, cfg.kv_lora_rank)
+            return o
+        idx_keys = self.pool.read_index(layer, slots) if index is not None else None  # [B, Smax, Di]
+        sel = self._select(-1, index, slice(None), idx_keys, valid)
+        if index is not None:
+            self._selection[-1] = sel
+        keys = self.pool.read_kv(layer, slots.gather(1, sel.clamp(min=0)))  # [B, k, c + rope]
+        o, _ = attend(q, keys, sel >= 0, scale, cfg.kv_lora_rank)
+        return o
+
+
+def _rows(index: IndexerInputs | None, rows) -> IndexerInputs | None:
+    if index is None:
+        return None
+    return IndexerInputs(index.q[rows], index.k[rows], index.weights[rows], index.softmax_scale)

@@ -1,0 +1,84 @@
+"""Multi-head latent attention (MLA) and the DeepSeek Sparse Attention indexer: projections only.
+
+Everything that touches the cache (storing entries, choosing which keys a query reads, the
+kernel, any collective) happens in the AttentionBackend the caller hands in. The module computes
+the absorbed query q_nope @ W_UK so the backend attends directly over latent entries, and maps the
+latent output back through W_UV.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .backend import AttentionBackend, IndexerInputs
+from .config import ModelConfig
+from .layers import LayerNorm, Linear, RMSNorm
+from .rope import apply_rope
+
+
+class Indexer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+        self.interleave = cfg.indexer_rope_interleave
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim)
+        self.wk = Linear(cfg.hidden_size, self.head_dim)
+        self.k_norm = LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = Linear(cfg.hidden_size, self.n_heads)  # kept in float32, as the reference does
+
+    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> IndexerInputs:
+        T = x.shape[0]
+        q = self.wq_b(q_resid).view(T, self.n_heads, self.head_dim)
+        q_rot, q_pass = torch.split(q, [self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        k = self.k_norm(self.wk(x))  # [T, Di]
+        k_rot, k_pass = torch.split(k, [self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        q = torch.cat([apply_rope(q_rot, cos, sin, self.interleave), q_pass], dim=-1)
+        k = torch.cat([apply_rope(k_rot, cos, sin, self.interleave), k_pass], dim=-1)
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5
+        return IndexerInputs(q=q, k=k, weights=w, softmax_scale=self.head_dim**-0.5)
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads = cfg.num_heads
+        self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora = cfg.kv_lora_rank
+        self.rope_interleave = cfg.rope_interleave
+        self.scale = cfg.softmax_scale
+        qk = self.nope + self.rope_dim
+        if cfg.q_lora_rank is None:
+            self.q_proj = Linear(cfg.hidden_size, self.n_heads * qk)
+        else:
+            self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
+            self.q_b_proj = Linear(cfg.q_lora_rank, self.n_heads * qk)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_lora_rank + self.rope_dim, bias=cfg.attention_bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, self.n_heads * (self.nope + self.v_dim))
+        self.o_proj = Linear(self.n_heads * self.v_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        self.indexer = Indexer(cfg) if cfg.has_indexer(layer) else None
+
+    def _absorb_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora)
+        return w[:, : self.nope, :], w[:, self.nope :, :]  # W_UK [H, nope, c], W_UV [H, v, c]
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+        T = x.shape[0]
+        if hasattr(self, "q_proj"):
+            q_resid, q = None, self.q_proj(x)
+        else:
+            q_resid = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_resid)
+        q_nope, q_pe = torch.split(q.view(T, self.n_heads, -1), [self.nope, self.rope_dim], dim=-1)
+        q_pe = apply_rope(q_pe, cos, sin, self.rope_interleave)
+        c_kv, k_pe = torch.split(self.kv_a_proj_with_mqa(x), [self.kv_lora, self.rope_dim], dim=-1)
+        kv = torch.cat([self.kv_a_layernorm(c_kv), apply_rope(k_pe, cos, sin, self.rope_interleave)], dim=-1)
+        w_uk, w_uv = self._absorb_weights()
+        q_lat = torch.cat([torch.einsum("thd,hdc->thc", q_nope, w_uk), q_pe], dim=-1)  # [T, H, c + rope]
+        index = self.indexer(x, q_resid, cos, sin) if self.indexer is not None else None
+        o_lat = backend.attention(self.layer, q_lat, kv, index, self.scale)  # [T, H, c]
+        o = torch.einsum("thc,hvc->thv", o_lat, w_uv)  # [T, H, v]
+        return self.o_proj(o.reshape(T, self.n_heads * self.v_dim))

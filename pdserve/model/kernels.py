@@ -1,0 +1,97 @@
+"""Attention math as plain functions over tensors: no cache, no ranks.
+
+MLA in absorbed form: a query is [H, kv_lora + rope] (q_nope already multiplied by W_UK), a key is
+the cached latent entry [kv_lora + rope], and the value is the first kv_lora values of that entry.
+Every attention function returns (out, lse) so that partial results over disjoint key sets can be
+merged exactly (decode context parallelism); lse is -inf where a query saw no key, and then out is
+exactly zero.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scale: float, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of B queries over S keys each.
+
+    q [B, H, D]; keys [S, D] (shared by all queries) or [B, S, D] (per query); valid [B, S] bool.
+    Returns out [B, H, dv] (values are keys[..., :dv]) and lse [B, H] (natural log, scaled scores).
+    """
+    if keys.dim() == 2:
+        scores = torch.einsum("bhd,sd->bhs", q, keys)
+    else:
+        scores = torch.einsum("bhd,bsd->bhs", q, keys)
+    scores = (scores * scale).masked_fill(~valid[:, None, :], float("-inf"))  # [B, H, S]
+    lse = torch.logsumexp(scores, dim=-1)  # [B, H]
+    safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    probs = torch.exp(scores - safe_lse[..., None])  # exp(-inf) = 0 for masked keys
+    values = keys[..., :dv]
+    if keys.dim() == 2:
+        out = torch.einsum("bhs,sd->bhd", probs, values)
+    else:
+        out = torch.einsum("bhs,bsd->bhd", probs, values)
+    return out, lse
+
+
+def merge_attention(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of N partial results over disjoint key sets (log-sum-exp rule).
+
+    outs [N, ..., dv], lses [N, ...] -> (out [..., dv], lse [...]).
+    out = sum_i exp(lse_i - logsumexp(lse)) * out_i; a part with lse -inf contributes exactly 0,
+    and if every part is -inf the result is 0 with lse -inf (never NaN).
+    """
+    total = torch.logsumexp(lses, dim=0)  # [...]
+    safe_total = torch.where(torch.isinf(total), torch.zeros_like(total), total)
+    weights = torch.exp(lses - safe_total.unsqueeze(0))  # exp(-inf - x) = 0
+    out = (weights.unsqueeze(-1).to(outs.dtype) * outs).sum(dim=0)
+    return out, total
+
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """DSA indexer scores, computed in float32 like the reference.
+
+    q [B, Hi, Di] (roped index queries), w [B, Hi] (per-head weights, already scaled by Hi^-0.5),
+    keys [S, Di] shared or [B, S, Di] per query. Returns [B, S] = sum_h w_h * relu(scale * q_h . k).
+    """
+    qf, kf = q.float(), keys.float()
+    if keys.dim() == 2:
+        s = torch.matmul(qf, kf.t()) * softmax_scale  # [B, Hi, S]
+    else:
+        s = torch.matmul(qf, kf.transpose(1, 2)) * softmax_scale
+    s = torch.relu(s)
+    return torch.matmul(w.float().unsqueeze(1), s).squeeze(1)  # [B, S]
+
+
+def topk_earliest(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k per row with the tie rule of DESIGN.md invariant 3: among equal scores the earlier
+    (lower index) key wins. Invalid keys are never selected.
+
+    scores [B, S] float, valid [B, S] bool -> indices [B, k] in ascending order, -1 where a row has
+    fewer than k valid keys.
+    """
+    B, S = scores.shape
+    if k <= 0 or S == 0:
+        return torch.full((B, max(k, 0)), -1, dtype=torch.int64)
+    s = scores.masked_fill(~valid, float("-inf"))
+    n_valid = valid.sum(dim=-1, keepdim=True)  # [B, 1]
+    kk = min(k, S)
+    kth = s.topk(kk, dim=-1).values[:, -1:]  # [B, 1]: the k-th largest score
+    above = s > kth
+    tied = (s == kth) & valid
+    need = kk - above.sum(dim=-1, keepdim=True)  # how many tied keys still fit
+    chosen = above | (tied & (torch.cumsum(tied, dim=-1) <= need))
+    # rows with fewer than k valid keys take every valid key
+    chosen = torch.where(n_valid <= kk, valid, chosen)
+    return _ascending_indices(chosen, k)
+
+
+def _ascending_indices(chosen: torch.Tensor, k: int) -> torch.Tensor:
+    """chosen [B, S] bool with at most k per row -> [B, k] ascending indices padded with -1."""
+    B, S = chosen.shape
+    pos = torch.arange(S, dtype=torch.int64).expand(B, S)
+    keyed = torch.where(chosen, pos, torch.full_like(pos, S))  # unchosen sort to the end
+    idx = keyed.topk(min(k, S), dim=-1, largest=False, sorted=True).values
+    if idx.shape[1] < k:
+        idx = torch.cat([idx, torch.full((B, k - idx.shape[1]), S, dtype=torch.int64)], dim=1)
+    return torch.where(idx >= S, torch.full_like(idx, -1), idx)

@@ -1,0 +1,141 @@
+"""Norms, the dense MLP and the routed MoE block with shared experts.
+
+Parameters are allocated with torch.empty: the weight loader fills them in place, so a model is
+never initialised and then overwritten, and the weights exist once in memory.
+Tokens are flattened: every activation here is [T, hidden] for T tokens of any number of requests.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+
+def empty_param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b); W is [out, in] as in checkpoints."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.weight = empty_param(out_features, in_features)
+        self.bias = empty_param(out_features) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """The reference normalises in float32 and casts back before the weight multiply; so do we."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = empty_param(dim)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = empty_param(dim)
+        self.bias = empty_param(dim)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = Linear(hidden, intermediate)
+        self.up_proj = Linear(hidden, intermediate)
+        self.down_proj = Linear(intermediate, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TopkRouter(nn.Module):
+    """Grouped sigmoid routing with a score-correction bias that steers selection but not weights."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = empty_param(cfg.n_routed_experts, cfg.hidden_size)
+        self.e_score_correction_bias = empty_param(cfg.n_routed_experts)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (weights [T, k] float32, expert ids [T, k])."""
+        cfg = self.cfg
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E], float32 like the reference
+        choice = scores + self.e_score_correction_bias.float()
+        per_group = cfg.n_routed_experts // cfg.n_group
+        group_scores = choice.view(-1, cfg.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+        group_idx = group_scores.topk(cfg.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        expert_mask = group_mask.unsqueeze(-1).expand(-1, cfg.n_group, per_group).reshape(-1, cfg.n_routed_experts)
+        choice = choice.masked_fill(~expert_mask.bool(), float("-inf"))
+        ids = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, ids
+
+
+class Experts(nn.Module):
+    """Routed experts stored stacked: gate and up fused per expert, as [E, 2I, H] and [E, H, I]."""
+
+    def __init__(self, n_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up_proj = empty_param(n_experts, 2 * intermediate, hidden)
+        self.down_proj = empty_param(n_experts, hidden, intermediate)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        flat_ids = ids.flatten()
+        order = flat_ids.argsort(stable=True)  # group (token, slot) pairs by expert
+        counts = torch.bincount(flat_ids, minlength=self.gate_up_proj.shape[0]).tolist()
+        token_of = order // ids.shape[1]
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            sel = order[start : start + n]
+            tok = token_of[start : start + n]
+            start += n
+            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            h = F.linear(F.silu(gate) * up, self.down_proj[e])
+            h = h * weights.flatten()[sel, None]
+            out.index_add_(0, tok, h.to(out.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = TopkRouter(cfg)
+        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_experts = (
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

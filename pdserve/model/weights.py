@@ -1,0 +1,140 @@
+"""Load a Hugging Face safetensors checkpoint into a CausalLM without a second copy of the weights.
+
+The model is built on the meta device, given uninitialised storage in the target dtype, and each
+checkpoint tensor is read once and copied into its parameter (at most one tensor is in flight).
+Released checkpoints and transformers' save_pretrained store routed experts per expert
+(`mlp.experts.N.gate_proj.weight`); transformers' in-memory fused layout (`mlp.experts.gate_up_proj`)
+is accepted too. Anything missing, misshapen or unknown is a one-line WeightError naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .config import ModelConfig
+from .transformer import CausalLM
+
+# Parameters the reference keeps in float32 whatever the model dtype.
+FP32_PARAM_PATTERNS = (re.compile(r"\.indexer\.weights_proj\."), re.compile(r"\.e_score_correction_bias$"))
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class WeightError(ValueError):
+    """A checkpoint's tensors do not match the model; the message names the tensor."""
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / f for f in sorted(set(weight_map.values()))]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise WeightError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+
+
+def build_empty_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu") -> CausalLM:
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    model.to(dtype)
+    for name, p in model.named_parameters():
+        if any(pat.search(name) for pat in FP32_PARAM_PATTERNS):
+            p.data = p.data.float()
+    model.to_empty(device=device)
+    if cfg.tie_word_embeddings:  # to_empty gives every parameter its own storage; re-tie
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+class _Filler:
+    """Routes checkpoint tensors to parameter slices and remembers what has been filled."""
+
+    def __init__(self, model: CausalLM, cfg: ModelConfig):
+        self.cfg = cfg
+        self.params = dict(model.named_parameters(remove_duplicate=False))
+        self.todo = set(self.params)
+        if cfg.tie_word_embeddings:
+            self.todo.discard("lm_head.weight")
+        self.expert_parts: dict[str, set[tuple[int, str]]] = {}
+
+    def target(self, key: str) -> tuple[str, torch.Tensor] | None:
+        m = _EXPERT.match(key)
+        if m:
+            prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
+            inter = self.cfg.moe_intermediate_size
+            if kind == "down_proj":
+                return f"{prefix}.down_proj", self.params[f"{prefix}.down_proj"][e]
+            full = self.params[f"{prefix}.gate_up_proj"][e]
+            return f"{prefix}.gate_up_proj", full[:inter] if kind == "gate_proj" else full[inter:]
+        if key in self.params:
+            return key, self.params[key]
+        return None
+
+    def ignorable(self, key: str) -> bool:
+        m = _LAYER.match(key)
+        if m and int(m.group(1)) >= self.cfg.num_layers:
+            return True  # multi-token-prediction layers shipped after the last decoder layer
+        return key.endswith("rotary_emb.inv_freq") or (key == "lm_head.weight" and self.cfg.tie_word_embeddings)
+
+    def fill(self, key: str, tensor: torch.Tensor, where: Path) -> None:
+        hit = self.target(key)
+        if hit is None:
+            if self.ignorable(key):
+                return
+            raise WeightError(f"unexpected tensor {key} in {where.name}: not part of a {self.cfg.model_type} model")
+        name, dest = hit
+        if tuple(tensor.shape) != tuple(dest.shape):
+            raise WeightError(f"tensor {key} has shape {list(tensor.shape)}, expected {list(dest.shape)}")
+        if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise WeightError(f"tensor {key} is {tensor.dtype}: quantized checkpoints are not supported yet")
+        dest.copy_(tensor)
+        m = _EXPERT.match(key)
+        if m:
+            parts = self.expert_parts.setdefault(name, set())
+            parts.add((int(m.group(2)), m.group(3)))
+            n_needed = self.cfg.n_routed_experts * (1 if name.endswith("down_proj") else 2)
+            if len(parts) == n_needed:
+                self.todo.discard(name)
+        else:
+            self.todo.discard(name)
+
+    def check_complete(self, model_dir: Path) -> None:
+        if self.todo:
+            first = sorted(self.todo)[0]
+            more = f" (and {len(self.todo) - 1} more)" if len(self.todo) > 1 else ""
+            raise WeightError(f"missing tensor {first}{more} in {model_dir}")
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    progress: Callable[[str], None] | None = None,
+) -> CausalLM:
+    model_dir = Path(model_dir)
+    cfg = ModelConfig.from_pretrained(model_dir)
+    files = checkpoint_files(model_dir)
+    if progress is None and len(files) > 1:
+        progress = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    model = build_empty_model(cfg, dtype, device)
+    filler = _Filler(model, cfg)
+    with torch.no_grad():
+        for i, path in enumerate(files, 1):
+            if not path.is_file():
+                raise WeightError(f"checkpoint shard {path.name} listed in the index is missing from {model_dir}")
+            if progress:
+                progress(f"loading weights: shard {i}/{len(files)} ({path.name})")
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    filler.fill(key, f.get_tensor(key), path)
+    filler.check_complete(model_dir)
+    return model

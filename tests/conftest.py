@@ -1,0 +1,61 @@
+"""Shared fixtures: tiny checkpoints written by `make-model` and by transformers' save_pretrained."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+ARCHS = ("glm_moe_dsa", "deepseek_v32", "deepseek_v3")
+
+
+def randomize_hf_model(model, seed: int) -> None:
+    """Give every weight a non-default random value: norms around 1, biases and the routing
+    correction bias non-zero, matrices N(0, 1/fan_in) so activations stay O(1)."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    with torch.no_grad():
+        for name, t in tensors:
+            if not t.is_floating_point() or "inv_freq" in name:
+                continue
+            if name.endswith("e_score_correction_bias") or name.endswith(".bias"):
+                t.copy_(0.1 * torch.randn(t.shape, generator=g))
+            elif "norm" in name:
+                t.copy_(1 + 0.1 * torch.randn(t.shape, generator=g))
+            elif t.dim() == 1:
+                t.copy_(0.1 * torch.randn(t.shape, generator=g))
+            else:
+                fan_in = t.shape[-1]
+                std = 1.0 if "embed_tokens" in name else 1 / math.sqrt(fan_in)
+                t.copy_(std * torch.randn(t.shape, generator=g))
+
+
+def save_pretrained_checkpoint(arch: str, out_dir, seed: int = 1):
+    """A tiny checkpoint written by transformers itself from a randomly initialised model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pdserve.model.presets import hf_config
+    from pdserve.model.bpe_builder import write_tokenizer_files
+
+    d = {k: v for k, v in hf_config(arch, "tiny").items() if k not in ("architectures", "model_type")}
+    config = AutoConfig.for_model(arch, **d)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    randomize_hf_model(model, seed)
+    model.save_pretrained(out_dir)
+    write_tokenizer_files(out_dir, hf_config(arch, "tiny")["vocab_size"])
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory):
+    """{(arch, source): path} for source in ("make-model", "save_pretrained")."""
+    from pdserve.model.random_checkpoint import make_model
+
+    root = tmp_path_factory.mktemp("ckpt")
+    out = {}
+    for arch in ARCHS:
+        out[(arch, "make-model")] = make_model(root / f"mm-{arch}", arch, "tiny", seed=0)
+        out[(arch, "save_pretrained")] = save_pretrained_checkpoint(arch, root / f"hf-{arch}")
+    return out
