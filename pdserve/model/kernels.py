@@ -16,8 +16,13 @@ def attend(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scale: floa
     """Softmax attention of B queries over S keys each.
 
     q [B, H, D]; keys [S, D] (shared by all queries) or [B, S, D] (per query); valid [B, S] bool.
-    Returns out [B, H, dv] (values are keys[..., :dv]) and lse [B, H] (natural log, scaled scores).
+    Returns out [B, H, dv] (values are keys[..., :dv]) in q's dtype and lse [B, H] (natural log of
+    the scaled scores) in the compute dtype. Half-precision inputs are computed in float32, as
+    attention kernels accumulate.
     """
+    out_dtype = q.dtype
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q, keys = q.to(compute), keys.to(compute)
     if keys.dim() == 2:
         scores = torch.einsum("bhd,sd->bhs", q, keys)
     else:
@@ -31,7 +36,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scale: floa
         out = torch.einsum("bhs,sd->bhd", probs, values)
     else:
         out = torch.einsum("bhs,bsd->bhd", probs, values)
-    return out, lse
+    return out.to(out_dtype), lse
 
 
 def merge_attention(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

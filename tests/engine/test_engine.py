@@ -102,3 +102,12 @@ def test_chunked_prefill_equals_one_shot(tiny_checkpoints):
     one = LLMEngine.from_pretrained(path, "float64", max_kv_tokens=128).generate([ids], p)
     chunked = LLMEngine.from_pretrained(path, "float64", max_kv_tokens=128, prefill_chunk=7, query_block=4).generate([ids], p)
     assert one == chunked
+
+
+def test_bfloat16_engine_runs_with_a_bfloat16_cache(tiny_checkpoints):
+    engine = LLMEngine.from_pretrained(tiny_checkpoints[("glm_moe_dsa", "make-model")], "bfloat16", max_kv_tokens=128)
+    assert engine.pool.kv.dtype == torch.bfloat16
+    logits = engine.prefill_logits(list(range(5, 40)))
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
+    out = engine.generate([list(range(5, 40))], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    assert len(out) == 6
