@@ -1,0 +1,47 @@
+"""Loading never holds two copies of the weights: peak anonymous memory during load_model stays
+close to one copy of the parameters (file pages mapped by safetensors are page cache, not counted)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent(
+    """
+    import threading, time, torch
+    from pdserve.model.random_checkpoint import make_model
+    from pdserve.model.weights import load_model
+
+    def anon_kb():
+        for line in open("/proc/self/status"):
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1])
+
+    path = make_model(r"{out}", "glm_moe_dsa", "small", seed=0, max_shard_bytes=64 << 20)
+    torch.zeros(1)
+    base, peak, stop = anon_kb(), [0], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], anon_kb())
+            time.sleep(0.0005)
+
+    t = threading.Thread(target=sample)
+    t.start()
+    model = load_model(path, progress=lambda m: None)
+    stop.set(); t.join()
+    weights_kb = sum(p.numel() * p.element_size() for p in model.parameters()) // 1024
+    print(weights_kb, peak[0] - base)
+    """
+)
+
+
+def test_peak_memory_while_loading_is_one_copy_of_the_weights(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", SCRIPT.format(out=tmp_path / "small")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    weights_kb, peak_growth_kb = map(int, proc.stdout.split())
+    assert weights_kb > 100_000  # ~45M float32 parameters
+    # one copy of the weights plus at most one tensor in flight (the largest is ~8 MB) and slack
+    assert peak_growth_kb < weights_kb * 1.15, (weights_kb, peak_growth_kb)
