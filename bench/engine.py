@@ -165,6 +165,10 @@ TASKS = {("ours", "prefill"): ours_prefill, ("transformers", "prefill"): hf_pref
          ("ours", "decode"): ours_decode, ("transformers", "decode"): hf_decode}
 
 
+def is_oom(text: str) -> bool:
+    return any(s in text.lower() for s in ("can't allocate", "cannot allocate", "out of memory", "memoryerror"))
+
+
 def worker(spec: dict) -> None:
     global REPEATS
     REPEATS = spec["repeats"]
@@ -175,7 +179,7 @@ def worker(spec: dict) -> None:
     try:
         result = TASKS[spec["engine"], spec["kind"]](*spec["args"])
     except (MemoryError, RuntimeError) as e:
-        if not isinstance(e, MemoryError) and "alloc" not in str(e).lower():
+        if not isinstance(e, MemoryError) and not is_oom(str(e)):
             raise
         result = {"error": "out of memory"}
     print(MARK + json.dumps(result), flush=True)
@@ -194,7 +198,7 @@ def run_worker(engine: str, kind: str, args: list, a: argparse.Namespace) -> dic
         if line.startswith(MARK):
             return json.loads(line[len(MARK):])
     tail = p.stderr.strip().splitlines()[-3:]
-    oom = p.returncode == -9 or any("alloc" in t.lower() for t in tail)
+    oom = p.returncode == -9 or is_oom(" ".join(tail))
     print(f"  {label} failed (rc {p.returncode}): {' | '.join(tail)}", file=sys.stderr)
     return {"error": "out of memory" if oom else f"exit {p.returncode}: {tail[-1] if tail else ''}"}
 
@@ -210,18 +214,14 @@ def measure(a: argparse.Namespace, model_dir: str) -> dict:
     return res
 
 
-def val(res: dict, kind: str, engine: str, key: str, field: str) -> float | None:
-    return res[kind].get(engine, {}).get(key, {}).get(field)
-
-
 def ratios(res: dict, a: argparse.Namespace) -> dict:
-    out = {}
+    out, val = {}, lambda kind, e, key, field: res[kind].get(e, {}).get(key, {}).get(field)
     b = str(max(a.decode_batches))
-    o, t = val(res, "decode", "ours", b, "tokens_per_s"), val(res, "decode", "transformers", b, "tokens_per_s")
+    o, t = val("decode", "ours", b, "tokens_per_s"), val("decode", "transformers", b, "tokens_per_s")
     out[f"decode_tokens_per_s_batch{b}_ours_over_transformers"] = o / t if o and t else None
     if len(a.lengths) >= 2:
         lo, hi = (str(n) for n in sorted(a.lengths)[-2:])
-        m_lo, m_hi = val(res, "prefill", "ours", lo, "peak_mb"), val(res, "prefill", "ours", hi, "peak_mb")
+        m_lo, m_hi = val("prefill", "ours", lo, "peak_mb"), val("prefill", "ours", hi, "peak_mb")
         out[f"ours_prefill_peak_mb_{hi}_over_{lo}"] = m_hi / m_lo if m_lo and m_hi else None
     return out
 
@@ -246,11 +246,12 @@ def table(res: dict) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
 
 
-def plot(res: dict, path: Path) -> None:
+def plot(res: dict, path: Path, context: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.8))
     for i, e in enumerate(res["prefill"]):
@@ -270,12 +271,18 @@ def plot(res: dict, path: Path) -> None:
         n0, m0 = ours[0]
         xs = [n for n, _ in ours]
         ax3.plot(xs, [m0 * n / n0 for n in xs], "k--", lw=1, label="linear reference")
-    ax1.set(xscale="log", title="Prefill throughput (1 request)", xlabel="prompt tokens", ylabel="tokens/s")
-    ax2.set(title="Decode throughput (1024-token context)", ylabel="tokens/s")
-    ax3.set(xscale="log", yscale="log", title="Prefill peak RSS growth", xlabel="prompt tokens", ylabel="MB")
+    lengths = sorted({int(n) for r in res["prefill"].values() for n in r})
+    ax1.set(xscale="log", title="Prefill throughput (1 request)", xlabel="prompt tokens", ylabel="tokens/s", ylim=(0, None))
+    ax2.set(title=f"Decode throughput ({context}-token context)", ylabel="tokens/s")
+    ax3.set(xscale="log", yscale="log", title="Prefill peak RSS growth over loaded model", xlabel="prompt tokens", ylabel="MB")
     for ax in (ax1, ax2, ax3):
         ax.grid(alpha=0.3)
         ax.legend()
+    for ax in (ax1, ax3):
+        ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.minorticks_off()
+    ax3.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5)))
+    ax3.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -311,7 +318,7 @@ def main(argv=None) -> None:
     doc = {"machine": machine, "config": dict(config, model=model_dir, warmup_steps=WARMUP_STEPS, mem_cap_bytes=MEM_CAP), **res, "ratios": ratios(res, a)}
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "engine.json").write_text(json.dumps(doc, indent=2) + "\n")
-    plot(res, a.out / "engine.png")
+    plot(res, a.out / "engine.png", a.decode_context)
     print(table(res))
     for name, r in doc["ratios"].items():
         print(f"{name}: {r:.2f}" if r else f"{name}: n/a")

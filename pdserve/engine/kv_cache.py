@@ -11,12 +11,24 @@ from ..model.config import ModelConfig
 
 
 class KVPool:
-    def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: str | torch.device = "cpu"):
+    """Holds the entries of `layers` (default: every layer); a layer-split prefill rank holds a few."""
+
+    def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: str | torch.device = "cpu",
+                 layers: list[int] | None = None):
         self.num_slots = num_slots
-        self.kv = torch.zeros(cfg.num_layers, num_slots, cfg.kv_entry_dim, dtype=dtype, device=device)  # [L, slots, c+rope]
-        self.index_row = {layer: i for i, layer in enumerate(cfg.indexer_layers)}
-        n_idx = len(self.index_row)
-        self.index_k = torch.zeros(n_idx, num_slots, max(cfg.index_head_dim, 1), dtype=dtype, device=device)  # [Li, slots, Di]
+        self.layers = list(range(cfg.num_layers)) if layers is None else list(layers)
+        self.kv_row = {layer: i for i, layer in enumerate(self.layers)}
+        self.kv = torch.zeros(len(self.layers), num_slots, cfg.kv_entry_dim, dtype=dtype, device=device)  # [L, slots, c+rope]
+        indexed = [layer for layer in self.layers if cfg.has_indexer(layer)]
+        self.index_row = {layer: i for i, layer in enumerate(indexed)}
+        self.index_k = torch.zeros(len(indexed), num_slots, max(cfg.index_head_dim, 1), dtype=dtype, device=device)  # [Li, slots, Di]
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size() + self.index_k.numel() * self.index_k.element_size()
+
+    def holds(self, layer: int) -> bool:
+        return layer in self.kv_row
 
     @staticmethod
     def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -24,12 +36,12 @@ class KVPool:
         return item * (cfg.num_layers * cfg.kv_entry_dim + len(cfg.indexer_layers) * cfg.index_head_dim)
 
     def write(self, layer: int, slots: torch.Tensor, kv: torch.Tensor, index_k: torch.Tensor | None) -> None:
-        self.kv[layer, slots] = kv.to(self.kv.dtype)
+        self.kv[self.kv_row[layer], slots] = kv.to(self.kv.dtype)
         if index_k is not None:
             self.index_k[self.index_row[layer], slots] = index_k.to(self.index_k.dtype)
 
     def read_kv(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        return self.kv[layer, slots]
+        return self.kv[self.kv_row[layer], slots]
 
     def read_index(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         return self.index_k[self.index_row[layer], slots]

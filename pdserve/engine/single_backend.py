@@ -20,6 +20,7 @@ from ..model.backend import IndexerInputs
 from ..model.config import ModelConfig
 from ..model.kernels import attend, index_scores, topk_earliest
 from .kv_cache import KVPool
+from .prefill_attention import prefill_attention
 
 
 @dataclass
@@ -81,26 +82,13 @@ class SingleRankBackend:
         return topk_earliest(scores, valid, self.cfg.index_topk)
 
     def _prefill_seq(self, layer: int, key: int, s: SeqChunk, q: torch.Tensor, index: IndexerInputs | None, scale: float) -> torch.Tensor:
-        cfg = self.cfg
         keys = self.pool.read_kv(layer, s.ctx_slots)  # [S, c + rope]
         idx_keys = self.pool.read_index(layer, s.ctx_slots) if index is not None else None  # [S, Di]
-        key_pos = torch.arange(s.ctx_slots.numel())
-        outs, sels = [], []
-        for b0 in range(0, s.n, self.query_block):
-            b1 = min(s.n, b0 + self.query_block)
-            kend = s.start + b1  # the last query of the block reads keys [0, kend)
-            q_pos = torch.arange(s.start + b0, s.start + b1)
-            valid = key_pos[None, :kend] <= q_pos[:, None]  # [B, kend]
-            if cfg.is_sparse:
-                sel = self._select(key, index, slice(b0, b1), idx_keys[:kend] if idx_keys is not None else None, valid)
-                sels.append(sel)
-                o, _ = attend(q[b0:b1], keys[sel.clamp(min=0)], sel >= 0, scale, cfg.kv_lora_rank)
-            else:
-                o, _ = attend(q[b0:b1], keys[:kend], valid, scale, cfg.kv_lora_rank)
-            outs.append(o)
+        q_pos = torch.arange(s.start, s.start + s.n)
+        out, sel = prefill_attention(self.cfg, keys, idx_keys, q, q_pos, index, self._selection.get(key), scale, self.query_block)
         if index is not None:
-            self._selection[key] = torch.cat(sels)
-        return torch.cat(outs)
+            self._selection[key] = sel
+        return out
 
     def _decode(self, layer: int, q: torch.Tensor, index: IndexerInputs | None, scale: float) -> torch.Tensor:
         cfg = self.cfg

@@ -60,11 +60,8 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, softmax_s
     keys [S, Di] shared or [B, S, Di] per query. Returns [B, S] = sum_h w_h * relu(scale * q_h . k).
     """
     qf, kf = q.float(), keys.float()
-    if keys.dim() == 2:
-        s = torch.matmul(qf, kf.t()) * softmax_scale  # [B, Hi, S]
-    else:
-        s = torch.matmul(qf, kf.transpose(1, 2)) * softmax_scale
-    s = torch.relu(s)
+    s = torch.matmul(qf, kf.t() if keys.dim() == 2 else kf.transpose(1, 2))  # [B, Hi, S]
+    s.mul_(softmax_scale).relu_()  # in place: at long context this tensor is the largest temporary
     return torch.matmul(w.float().unsqueeze(1), s).squeeze(1)  # [B, S]
 
 

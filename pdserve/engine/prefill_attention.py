@@ -1,0 +1,47 @@
+"""Attention for many queries of one request over its cached context, in query blocks.
+
+Shared by the single-rank backend (contiguous query positions) and the prefill context-parallel
+backend (each rank's own, non-contiguous positions). Memory is block x context, never
+context x context.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.backend import IndexerInputs
+from ..model.config import ModelConfig
+from ..model.kernels import attend, index_scores, topk_earliest
+
+
+def prefill_attention(
+    cfg: ModelConfig,
+    keys: torch.Tensor,  # [S, c + rope]: entries of positions 0..S-1
+    idx_keys: torch.Tensor | None,  # [S, Di]: index keys (layers that run the indexer)
+    q: torch.Tensor,  # [n, H, c + rope]
+    q_pos: torch.Tensor,  # [n] ascending positions of the queries
+    index: IndexerInputs | None,  # the queries' indexer inputs, None in shared / dense layers
+    prev_selection: torch.Tensor | None,  # [n, k]: a shared layer reuses the last full layer's
+    scale: float,
+    query_block: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Returns (out [n, H, c], this layer's top-k selection [n, k] or None for dense models)."""
+    key_pos = torch.arange(keys.shape[0])
+    outs, sels = [], []
+    for b0 in range(0, q.shape[0], query_block):
+        b1 = min(q.shape[0], b0 + query_block)
+        pos = q_pos[b0:b1]
+        kend = int(pos.max()) + 1  # keys beyond the block's last query are never read
+        valid = key_pos[None, :kend] <= pos[:, None]  # [B, kend] causal
+        if not cfg.is_sparse:
+            o, _ = attend(q[b0:b1], keys[:kend], valid, scale, cfg.kv_lora_rank)
+        else:
+            if index is not None:
+                scores = index_scores(index.q[b0:b1], index.weights[b0:b1], idx_keys[:kend], index.softmax_scale)
+                sel = topk_earliest(scores, valid, cfg.index_topk)  # [B, k], -1 padded
+            else:
+                sel = prev_selection[b0:b1]
+            sels.append(sel)
+            o, _ = attend(q[b0:b1], keys[sel.clamp(min=0)], sel >= 0, scale, cfg.kv_lora_rank)
+        outs.append(o)
+    return torch.cat(outs), (torch.cat(sels) if sels else None)
