@@ -53,8 +53,9 @@ class LLMEngine:
         self.sampler = Sampler()
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, dtype: str | torch.dtype = "float32", **kwargs) -> "LLMEngine":
-        return cls(load_model(model_dir, parse_dtype(dtype)), **kwargs)
+    def from_pretrained(cls, model_dir: str | Path, dtype: str | torch.dtype = "float32", float32_islands: bool = True,
+                        **kwargs) -> "LLMEngine":
+        return cls(load_model(model_dir, parse_dtype(dtype), float32_islands=float32_islands), **kwargs)
 
     @property
     def model_config(self) -> ModelConfig:

@@ -26,6 +26,9 @@ def prefill_attention(
     query_block: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns (out [n, H, c], this layer's top-k selection [n, k] or None for dense models)."""
+    if q.shape[0] == 0:  # a context-parallel rank may own no token of a short chunk
+        k = cfg.index_topk if cfg.is_sparse else 0
+        return q.new_zeros(0, q.shape[1], cfg.kv_lora_rank), (torch.zeros(0, k, dtype=torch.int64) if k else None)
     key_pos = torch.arange(keys.shape[0])
     outs, sels = [], []
     for b0 in range(0, q.shape[0], query_block):

@@ -22,6 +22,7 @@ class Indexer(nn.Module):
         super().__init__()
         self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
         self.interleave = cfg.indexer_rope_interleave
+        self.score_dtype = torch.float32 if cfg.float32_islands else torch.float64
         self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim)
         self.wk = Linear(cfg.hidden_size, self.head_dim)
         self.k_norm = LayerNorm(self.head_dim, eps=1e-6)
@@ -35,7 +36,7 @@ class Indexer(nn.Module):
         k_rot, k_pass = torch.split(k, [self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
         q = torch.cat([apply_rope(q_rot, cos, sin, self.interleave), q_pass], dim=-1)
         k = torch.cat([apply_rope(k_rot, cos, sin, self.interleave), k_pass], dim=-1)
-        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads**-0.5
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).to(self.score_dtype) * self.n_heads**-0.5
         return IndexerInputs(q=q, k=k, weights=w, softmax_scale=self.head_dim**-0.5)
 
 
@@ -53,10 +54,10 @@ class MLAttention(nn.Module):
             self.q_proj = Linear(cfg.hidden_size, self.n_heads * qk)
         else:
             self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, bias=cfg.attention_bias)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, islands=cfg.float32_islands)
             self.q_b_proj = Linear(cfg.q_lora_rank, self.n_heads * qk)
         self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_lora_rank + self.rope_dim, bias=cfg.attention_bias)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, islands=cfg.float32_islands)
         self.kv_b_proj = Linear(cfg.kv_lora_rank, self.n_heads * (self.nope + self.v_dim))
         self.o_proj = Linear(self.n_heads * self.v_dim, cfg.hidden_size, bias=cfg.attention_bias)
         self.indexer = Indexer(cfg) if cfg.has_indexer(layer) else None
@@ -72,7 +73,7 @@ class MLAttention(nn.Module):
         else:
             q_resid = self.q_a_layernorm(self.q_a_proj(x))
             q = self.q_b_proj(q_resid)
-        q_nope, q_pe = torch.split(q.view(T, self.n_heads, -1), [self.nope, self.rope_dim], dim=-1)
+        q_nope, q_pe = torch.split(q.view(T, self.n_heads, self.nope + self.rope_dim), [self.nope, self.rope_dim], dim=-1)
         q_pe = apply_rope(q_pe, cos, sin, self.rope_interleave)
         c_kv, k_pe = torch.split(self.kv_a_proj_with_mqa(x), [self.kv_lora, self.rope_dim], dim=-1)
         kv = torch.cat([self.kv_a_layernorm(c_kv), apply_rope(k_pe, cos, sin, self.rope_interleave)], dim=-1)

@@ -20,7 +20,7 @@ class IndexerInputs:
 
     q: torch.Tensor  # [T, Hi, Di] roped index queries
     k: torch.Tensor  # [T, Di] roped, normed index keys (these get cached)
-    weights: torch.Tensor  # [T, Hi] float32 per-head weights, already scaled by Hi^-0.5
+    weights: torch.Tensor  # [T, Hi] per-head weights scaled by Hi^-0.5; their dtype is the score dtype
     softmax_scale: float  # Di^-0.5
 
 

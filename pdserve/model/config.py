@@ -77,6 +77,11 @@ class ModelConfig:
     indexer_rope_interleave: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Run-time numerics, not from config.json. The reference computes norms, the router and the
+    # indexer in float32 even in a float64 model ("float32 islands"); we do the same by default so
+    # float64 runs match it. False computes them in the model dtype: true float64, which parallel
+    # equality checks need, since float32 rounding turns 1e-16 reorderings into 1e-7 differences.
+    float32_islands: bool = True
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:

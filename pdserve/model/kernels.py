@@ -54,15 +54,15 @@ def merge_attention(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tenso
 
 
 def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, softmax_scale: float) -> torch.Tensor:
-    """DSA indexer scores, computed in float32 like the reference.
+    """DSA indexer scores, computed in w's dtype (float32 like the reference, or float64).
 
     q [B, Hi, Di] (roped index queries), w [B, Hi] (per-head weights, already scaled by Hi^-0.5),
     keys [S, Di] shared or [B, S, Di] per query. Returns [B, S] = sum_h w_h * relu(scale * q_h . k).
     """
-    qf, kf = q.float(), keys.float()
+    qf, kf = q.to(w.dtype), keys.to(w.dtype)
     s = torch.matmul(qf, kf.t() if keys.dim() == 2 else kf.transpose(1, 2))  # [B, Hi, S]
     s.mul_(softmax_scale).relu_()  # in place: at long context this tensor is the largest temporary
-    return torch.matmul(w.float().unsqueeze(1), s).squeeze(1)  # [B, S]
+    return torch.matmul(w.unsqueeze(1), s).squeeze(1)  # [B, S]
 
 
 def topk_earliest(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:

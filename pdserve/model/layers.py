@@ -14,6 +14,11 @@ from torch import nn
 from .config import ModelConfig
 
 
+def island_dtype(dtype: torch.dtype, islands: bool) -> torch.dtype:
+    """Compute dtype of a float32 island (see ModelConfig.float32_islands)."""
+    return torch.float64 if dtype == torch.float64 and not islands else torch.float32
+
+
 def empty_param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
@@ -33,14 +38,14 @@ class Linear(nn.Module):
 class RMSNorm(nn.Module):
     """The reference normalises in float32 and casts back before the weight multiply; so do we."""
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    def __init__(self, dim: int, eps: float = 1e-6, islands: bool = True):
         super().__init__()
         self.weight = empty_param(dim)
-        self.eps = eps
+        self.eps, self.islands = eps, islands
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        h = x.to(torch.float32)
+        h = x.to(island_dtype(dtype, self.islands))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
 
@@ -79,10 +84,11 @@ class TopkRouter(nn.Module):
         self.e_score_correction_bias = empty_param(cfg.n_routed_experts)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> (weights [T, k] float32, expert ids [T, k])."""
+        """x [T, hidden] -> (weights [T, k] in the island dtype, expert ids [T, k])."""
         cfg = self.cfg
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E], float32 like the reference
-        choice = scores + self.e_score_correction_bias.float()
+        ct = island_dtype(x.dtype, cfg.float32_islands)
+        scores = F.linear(x.to(ct), self.weight.to(ct)).sigmoid()  # [T, E], float32 like the reference
+        choice = scores + self.e_score_correction_bias.to(ct)
         per_group = cfg.n_routed_experts // cfg.n_group
         group_scores = choice.view(-1, cfg.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
         group_idx = group_scores.topk(cfg.topk_group, dim=-1, sorted=False)[1]

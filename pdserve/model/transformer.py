@@ -21,8 +21,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = MLAttention(cfg, layer)
         self.mlp = MoE(cfg) if cfg.mlp_layer_types[layer] == "sparse" else MLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.float32_islands)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.float32_islands)
 
     def forward(self, x, cos, sin, backend: AttentionBackend) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend)
@@ -43,7 +43,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.float32_islands)
         self.rotary_emb = RotaryEmbedding(cfg.rope)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:

@@ -13,6 +13,7 @@ import json
 import re
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -47,7 +48,7 @@ def build_empty_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.
         model = CausalLM(cfg)
     model.to(dtype)
     for name, p in model.named_parameters():
-        if any(pat.search(name) for pat in FP32_PARAM_PATTERNS):
+        if cfg.float32_islands and any(pat.search(name) for pat in FP32_PARAM_PATTERNS):
             p.data = p.data.float()
     model.to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty gives every parameter its own storage; re-tie
@@ -119,9 +120,11 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     progress: Callable[[str], None] | None = None,
+    float32_islands: bool = True,
 ) -> CausalLM:
+    """float32_islands: see ModelConfig; False gives a true float64 model (parallel equality checks)."""
     model_dir = Path(model_dir)
-    cfg = ModelConfig.from_pretrained(model_dir)
+    cfg = replace(ModelConfig.from_pretrained(model_dir), float32_islands=float32_islands)
     files = checkpoint_files(model_dir)
     if progress is None and len(files) > 1:
         progress = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731

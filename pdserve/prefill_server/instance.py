@@ -1,0 +1,116 @@
+"""The main-process side of a prefill instance: its ranks, its page bookkeeping, one call per request.
+
+Every rank holds the same slot numbering (full cache) or the same numbering for its own layers
+(layer-split), so one PageAllocator here serves all of them. A request's pages stay held after its
+prefill until `release()`: the KV hand-off (issue 5) reads them before they are freed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..engine.launcher import LaunchConfig, RankGroup
+from ..engine.page_allocator import PageAllocator
+from ..engine.request import SamplingParams
+from ..model.config import ModelConfig
+from .layouts import check_layout_allowed
+from .rank_worker import DumpCacheCmd, PrefillCmd, PrefillRankWorker, PrefillWorkerConfig
+
+
+@dataclass
+class PrefillResult:
+    request_id: str
+    token: int
+    logits: object  # torch.Tensor [vocab] when asked for, else None
+    slots: list[int]
+
+
+class PrefillInstance:
+    def __init__(self, worker: PrefillWorkerConfig, launch: LaunchConfig, page_size: int = 16, chunk_size: int = 4096):
+        self.model_config = ModelConfig.from_pretrained(worker.model_dir)
+        check_layout_allowed(self.model_config.model_type, worker.layout)
+        if chunk_size < 1:
+            raise ValueError(f"chunk size must be >= 1, got {chunk_size}")
+        self.worker, self.launch, self.chunk_size = worker, launch, chunk_size
+        self.allocator = PageAllocator(worker.num_slots // page_size, page_size)
+        self.ranks = RankGroup(PrefillRankWorker, worker, launch)
+        self.held: dict[str, list[int]] = {}  # request id -> pages, until release()
+        self.rank_infos: list[dict] = []
+
+    def start(self) -> "PrefillInstance":
+        self.rank_infos = self.ranks.start()
+        return self
+
+    def shutdown(self) -> None:
+        self.ranks.shutdown()
+
+    def __enter__(self) -> "PrefillInstance":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def info(self) -> dict:
+        return {
+            "model_type": self.model_config.model_type,
+            "cp_size": self.launch.world_size,
+            "layout": self.worker.layout,
+            "cache": self.worker.cache,
+            "moe_tp": self.worker.moe_tp,
+            "chunk_size": self.chunk_size,
+            "dtype": self.worker.dtype,
+            "ranks": [{k: r[k] for k in ("rank", "pid", "cache_bytes", "weight_bytes", "layers")} for r in self.rank_infos],
+            "free_tokens": self.allocator.num_free * self.allocator.page_size,
+            "total_tokens": self.allocator.num_pages * self.allocator.page_size,
+        }
+
+    def prefill(self, request_id: str, token_ids: list[int], params: SamplingParams | None = None,
+                chunk_size: int | None = None, want_logits: bool = False, prefix_of: str | None = None,
+                cached_len: int = 0) -> PrefillResult:
+        """Runs one prompt through every rank; its pages stay held until release(request_id).
+
+        prefix_of/cached_len: the first cached_len positions are already cached in the pages of the
+        held request `prefix_of` (same tokens); only the new tokens are split across the ranks.
+        """
+        if request_id in self.held:
+            raise ValueError(f"request {request_id} is already held")
+        bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
+        if not token_ids or bad:
+            raise ValueError("token_ids must be non-empty ids inside the vocabulary")
+        pages = self._pages_for(token_ids, prefix_of, cached_len)
+        try:
+            slots = self.allocator.slots(pages, 0, len(token_ids))
+            cmd = PrefillCmd(request_id, list(token_ids), slots, chunk_size or self.chunk_size,
+                             params or SamplingParams(), cached_len, want_logits)
+            replies = self.ranks.call(cmd)
+        except BaseException:
+            self.allocator.free(pages)
+            raise
+        self.held[request_id] = pages
+        owner = next(r for r in replies if r["token"] is not None)
+        return PrefillResult(request_id, owner["token"], owner.get("logits"), slots)
+
+    def _pages_for(self, token_ids: list[int], prefix_of: str | None, cached_len: int) -> list[int]:
+        if prefix_of is None:
+            if cached_len:
+                raise ValueError("cached_len needs prefix_of (the held request that cached those tokens)")
+            return self.allocator.allocate(len(token_ids))
+        if not 0 < cached_len < len(token_ids):
+            raise ValueError(f"cached_len must be in [1, {len(token_ids) - 1}], got {cached_len}")
+        # Copy-free prefix reuse: the new request takes over the prefix request's pages.
+        prefix_pages = self.held.pop(prefix_of)
+        ps = self.allocator.page_size
+        if cached_len % ps:
+            raise ValueError(f"cached_len must be a multiple of the page size {ps} to share pages")
+        keep = prefix_pages[: cached_len // ps]
+        self.allocator.free(prefix_pages[cached_len // ps :])
+        return keep + self.allocator.allocate(len(token_ids) - cached_len)
+
+    def release(self, request_id: str) -> None:
+        pages = self.held.pop(request_id, None)
+        if pages is not None:
+            self.allocator.free(pages)
+
+    def dump_cache(self, slots: list[int]) -> list[dict]:
+        """Every rank's cache entries at these slots, per layer it holds (for checks)."""
+        return self.ranks.call(DumpCacheCmd(slots))

@@ -1,0 +1,115 @@
+"""What one prefill rank process does: load the model, hold its share of the cache, run chunks.
+
+The launcher (engine/launcher.py) sends every rank the same command; each rank computes its own
+tokens of every chunk, and the rank that holds the prompt's last token samples the first token.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..engine.kv_cache import KVPool
+from ..engine.llm_engine import parse_dtype
+from ..engine.request import SamplingParams
+from ..engine.sampler import Sampler
+from ..model.weights import load_model
+from .cp_backend import ChunkPlan, CPBackend, layer_owners
+from .layouts import split_positions
+from .moe_tp import TokenSplit, apply_moe_tp
+
+CACHE_MODES = ("full", "layer-split")
+
+
+@dataclass(frozen=True)
+class PrefillWorkerConfig:
+    model_dir: str
+    num_slots: int
+    dtype: str = "float32"
+    layout: str = "interleave"
+    cache: str = "full"
+    moe_tp: bool = False
+    query_block: int = 256
+    float32_islands: bool = True  # False: true float64 (see ModelConfig)
+
+    def __post_init__(self):
+        if self.cache not in CACHE_MODES:
+            raise ValueError(f"unknown cache mode {self.cache!r} (allowed: {', '.join(CACHE_MODES)})")
+
+
+@dataclass(frozen=True)
+class PrefillCmd:
+    request_id: str
+    token_ids: list[int]
+    slots: list[int]  # cache slot of every position [0, len(token_ids))
+    chunk_size: int
+    params: SamplingParams
+    cached_len: int = 0  # positions [0, cached_len) are already in the cache at those slots
+    want_logits: bool = False
+
+
+@dataclass(frozen=True)
+class DumpCacheCmd:
+    slots: list[int]  # returns this rank's entries at these slots for every layer it holds
+
+
+class PrefillRankWorker:
+    def __init__(self, rank: int, world: int, cfg: PrefillWorkerConfig):
+        self.rank, self.world, self.cfg = rank, world, cfg
+        dtype = parse_dtype(cfg.dtype)
+        self.model = load_model(cfg.model_dir, dtype, float32_islands=cfg.float32_islands)
+        self.mcfg = self.model.config
+        self.split = TokenSplit(rank, world)
+        if cfg.moe_tp:
+            apply_moe_tp(self.model, self.split)
+        layers = None
+        if cfg.cache == "layer-split":
+            layers = [i for i, owner in enumerate(layer_owners(self.mcfg.num_layers, world)) if owner == rank]
+        self.pool = KVPool(self.mcfg, cfg.num_slots, dtype, layers=layers)
+        self.backend = CPBackend(self.mcfg, self.pool, rank, world, cfg.query_block)
+        self.sampler = Sampler()
+
+    def info(self) -> dict:
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return {"rank": self.rank, "pid": os.getpid(), "cache_bytes": self.pool.nbytes, "weight_bytes": weights,
+                "layers": self.pool.layers}
+
+    def handle(self, cmd):
+        if isinstance(cmd, PrefillCmd):
+            return self.prefill(cmd)
+        if isinstance(cmd, DumpCacheCmd):
+            return self.dump(cmd)
+        raise TypeError(f"unknown command {type(cmd).__name__}")
+
+    @torch.inference_mode()
+    def prefill(self, cmd: PrefillCmd) -> dict:
+        n = len(cmd.token_ids)
+        slots = torch.tensor(cmd.slots, dtype=torch.int64)
+        last_hidden = None
+        for c0 in range(cmd.cached_len, n, cmd.chunk_size):
+            c1 = min(n, c0 + cmd.chunk_size)
+            plan = ChunkPlan(c0, c1, split_positions(self.cfg.layout, c0, c1, self.world), slots[:c1])
+            mine = plan.positions[self.rank]
+            self.split.counts = plan.counts
+            self.backend.begin(plan)
+            ids = torch.tensor([cmd.token_ids[p] for p in mine], dtype=torch.int64)
+            hidden = self.model(ids, torch.tensor(mine, dtype=torch.int64), self.backend)  # [len(mine), hidden]
+            self.backend.finish()
+            if c1 == n and mine and mine[-1] == n - 1:
+                last_hidden = hidden[-1:]
+        if last_hidden is None:
+            return {"rank": self.rank, "token": None}
+        logits = self.model.compute_logits(last_hidden)  # [1, vocab]
+        token = self.sampler.sample(logits, [cmd.params], [cmd.request_id])[0]
+        self.sampler.forget(cmd.request_id)
+        return {"rank": self.rank, "token": token, "logits": logits[0] if cmd.want_logits else None}
+
+    def dump(self, cmd: DumpCacheCmd) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
+        slots = torch.tensor(cmd.slots, dtype=torch.int64)
+        out = {}
+        for layer in self.pool.layers:
+            idx = self.pool.read_index(layer, slots) if self.mcfg.has_indexer(layer) else None
+            out[layer] = (self.pool.read_kv(layer, slots), idx)
+        return out

@@ -1,0 +1,103 @@
+"""DESIGN.md invariant 2 for prefill: a prefill instance of C_p real rank processes (gloo) stores
+exactly the cache entries, and computes exactly the first-token logits, of the single-rank engine.
+
+Float64, max abs difference <= 1e-8, for C_p in {1, 2, 3, 4}, every allowed layout, both storage
+modes, with and without --moe-tp, chunk sizes {whole prompt, 7, 64}, prompt lengths
+{1, C_p - 1, C_p + 1, index_topk + 1, 257}, plus a cached prefix where only the new tokens are split.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+
+import pytest
+import torch
+
+from pdserve.engine.launcher import LaunchConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.request import Request, SamplingParams
+from pdserve.engine.scheduler import Chunk
+from pdserve.prefill_server.instance import PrefillInstance
+from pdserve.prefill_server.layouts import ALLOWED_LAYOUTS
+from pdserve.prefill_server.rank_worker import PrefillWorkerConfig
+
+TOPK = 8
+ARCHS = ("glm_moe_dsa", "deepseek_v3")
+CONFIGS = [
+    (arch, cp, layout, cache, moe_tp)
+    for arch in ARCHS
+    for cp in (1, 2, 3, 4)
+    for layout in (ALLOWED_LAYOUTS[arch] if cp > 1 else ALLOWED_LAYOUTS[arch][:1])  # one split when C = 1
+    for cache in ("full", "layer-split")
+    for moe_tp in (False, True)
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def reference(engine: LLMEngine, ids: list[int]):
+    """Single-rank prefill: last-position logits and every layer's entries in position order."""
+    req = Request(list(ids), SamplingParams(max_tokens=1))
+    req.pages = engine.allocator.allocate(len(ids))
+    try:
+        logits = engine.runner.run([Chunk(req, 0, len(ids))])[0]
+        slots = torch.tensor(engine.allocator.slots(req.pages, 0, len(ids)))
+        cfg = engine.config
+        entries = {
+            layer: (engine.pool.read_kv(layer, slots), engine.pool.read_index(layer, slots) if cfg.has_indexer(layer) else None)
+            for layer in range(cfg.num_layers)
+        }
+        return logits, entries
+    finally:
+        engine.allocator.free(req.pages)
+
+
+def assert_close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    err = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+    assert a.shape == b.shape and err <= 1e-8, f"{what}: shape {tuple(a.shape)} vs {tuple(b.shape)}, max abs {err}"
+
+
+def check_instance(inst: PrefillInstance, engine: LLMEngine, ids: list[int], chunk: int, tag: str) -> None:
+    want_logits, want_entries = reference(engine, ids)
+    res = inst.prefill(f"r-{tag}", ids, SamplingParams(), chunk_size=chunk, want_logits=True)
+    assert_close(res.logits, want_logits, f"{tag} logits")
+    assert res.token == int(want_logits.argmax())
+    held = set()
+    for rank, dump in enumerate(inst.dump_cache(res.slots)):
+        for layer, (kv, idx) in dump.items():
+            held.add(layer)
+            assert_close(kv, want_entries[layer][0], f"{tag} rank {rank} layer {layer} latent")
+            if want_entries[layer][1] is not None:
+                assert_close(idx, want_entries[layer][1], f"{tag} rank {rank} layer {layer} index keys")
+    assert held == set(range(engine.config.num_layers)), f"{tag}: layers held {sorted(held)}"
+    inst.release(res.request_id)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,cp,layout,cache,moe_tp", CONFIGS)
+def test_prefill_instance_matches_single_rank(tiny_checkpoints, arch, cp, layout, cache, moe_tp):
+    path = str(tiny_checkpoints[(arch, "make-model")])
+    # true float64 on both sides: the reference's float32 islands would round 1e-16 reorderings to 1e-7
+    engine = LLMEngine.from_pretrained(path, "float64", float32_islands=False, max_kv_tokens=512)
+    worker = PrefillWorkerConfig(path, num_slots=1024, dtype="float64", layout=layout, cache=cache, moe_tp=moe_tp,
+                                 query_block=16, float32_islands=False)
+    with PrefillInstance(worker, LaunchConfig(cp, free_port())) as inst:
+        lengths = sorted({1, max(cp - 1, 1), cp + 1, TOPK + 1, 257})
+        for n, chunk in itertools.product(lengths, (None, 7, 64)):
+            ids = torch.randint(4, 500, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+            check_instance(inst, engine, ids, chunk or n, f"n={n} chunk={chunk}")
+        # a cached prefix: only the new tokens are split across the ranks
+        ids = torch.randint(4, 500, (70,), generator=torch.Generator().manual_seed(70)).tolist()
+        first = inst.prefill("prefix", ids[:32], chunk_size=7)
+        res = inst.prefill("full", ids, chunk_size=7, want_logits=True, prefix_of="prefix", cached_len=32)
+        want_logits, _ = reference(engine, ids)
+        assert_close(res.logits, want_logits, "cached prefix logits")
+        inst.release("full")
+        assert first.request_id not in inst.held and not inst.held
+        inst.allocator.check_integrity()
+        assert inst.allocator.num_free == inst.allocator.num_pages
