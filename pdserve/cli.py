@@ -138,6 +138,53 @@ def generate(
         typer.echo(text_out)
 
 
+class Layout(str, Enum):
+    interleave = "interleave"
+    zigzag = "zigzag"
+    contiguous = "contiguous"
+
+
+class CacheMode(str, Enum):
+    full = "full"
+    layer_split = "layer-split"
+
+
+@app.command()
+def prefill(
+    model: Optional[Path] = typer.Option(None, help="Checkpoint directory. Default: the built-in small model."),
+    cp_size: int = typer.Option(1, min=1, help="Context-parallel ranks C_p: the prompt's tokens are split across them."),
+    cp_layout: Layout = typer.Option(Layout.interleave, help="Token layout: interleave (token p on rank p % C_p; the only one for sparse-attention models), zigzag (2*C_p blocks, for dense models), contiguous (comparison only)."),
+    cache: CacheMode = typer.Option(CacheMode.full, help="full: every rank keeps every layer's cache; layer-split: each rank keeps a contiguous block of layers."),
+    chunk_size: int = typer.Option(4096, min=1, help="Prompt tokens per prefill chunk; each chunk is split across the ranks, earlier chunks are read from the cache."),
+    moe_tp: bool = typer.Option(False, "--moe-tp", help="Split MLP/MoE weights across the ranks (all-gather tokens, reduce-scatter outputs) instead of replicating them."),
+    host: str = typer.Option("127.0.0.1", help="Address the HTTP control API listens on."),
+    port: int = typer.Option(8100, help="Port of the HTTP control API."),
+    dist_port: int = typer.Option(29500, help="TCP port the ranks use to form their torch.distributed group."),
+    dtype: DType = typer.Option(DType.float32, help="Weights, activations and KV cache dtype."),
+    max_kv_tokens: int = typer.Option(65536, min=16, help="KV cache capacity in tokens (per rank, every rank holds the same slots)."),
+    threads_per_rank: int = typer.Option(1, min=1, help="torch threads in each rank process."),
+    check_config: bool = typer.Option(False, "--check-config", help="Validate the flags and the checkpoint, print the config, and exit without starting."),
+):
+    """Run a prefill instance: C_p rank processes with context parallelism, behind an HTTP control API."""
+    from dataclasses import asdict
+
+    from .prefill_server.server import PrefillServerConfig, serve
+
+    try:
+        cfg = PrefillServerConfig(
+            model=str(model or ensure_builtin_model()), cp_size=cp_size, cp_layout=cp_layout.value, cache=cache.value,
+            chunk_size=chunk_size, moe_tp=moe_tp, host=host, port=port, dist_port=dist_port, dtype=dtype.value,
+            max_kv_tokens=max_kv_tokens, threads_per_rank=threads_per_rank,
+        )
+        cfg.validate_model()
+    except (ValueError, FileNotFoundError) as e:
+        fail(str(e))
+    if check_config:
+        typer.echo(json.dumps(asdict(cfg)))
+        return
+    serve(cfg)
+
+
 def main() -> None:
     app()
 

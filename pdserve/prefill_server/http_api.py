@@ -1,0 +1,83 @@
+"""HTTP control API of a prefill instance.
+
+GET  /health      200 when every rank is alive, 503 with the failed rank otherwise
+GET  /info        model, ranks (pid, cache bytes, layers held), layout, storage, queue depth
+POST /v1/prefill  {"token_ids": [...], "temperature", "top_p", "top_k", "seed", "request_id"?,
+                   "chunk_size"?} -> {"request_id", "first_token", "prompt_tokens", "seconds"}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from fastapi import FastAPI, HTTPException
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+from ..engine.request import SamplingParams
+from .scheduler import PrefillJob, PrefillScheduler
+
+
+class PrefillBody(BaseModel):
+    token_ids: list[int] = Field(min_length=1)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    request_id: str | None = None
+    chunk_size: int | None = Field(default=None, ge=1)
+
+
+def create_app(instance, scheduler: PrefillScheduler, dead_rank) -> FastAPI:
+    """dead_rank() -> message naming a dead rank, or None."""
+    app = FastAPI(title="pdserve prefill instance")
+
+    @app.get("/health")
+    def health():
+        dead = dead_rank()
+        if dead:
+            return JSONResponse({"status": "unhealthy", "error": dead}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/info")
+    def info():
+        return {**instance.info(), "queue_depth": scheduler.queue_depth}
+
+    @app.post("/v1/prefill")
+    async def prefill(body: PrefillBody):
+        try:
+            params = SamplingParams(max_tokens=1, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                                    seed=body.seed)
+        except ValueError as e:
+            raise HTTPException(400, str(e)) from None
+        vocab = instance.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in body.token_ids):
+            raise HTTPException(400, f"token ids must be in [0, {vocab})")
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        job = PrefillJob(list(body.token_ids), params, chunk_size=body.chunk_size,
+                         on_done=lambda j: loop.call_soon_threadsafe(_resolve, done, j))
+        if body.request_id:
+            job.request_id = body.request_id
+        start = time.perf_counter()
+        try:
+            scheduler.submit(job)
+        except ValueError as e:
+            raise HTTPException(400, str(e)) from None
+        try:
+            await done
+        except asyncio.CancelledError:  # the client went away
+            scheduler.abort(job.request_id)
+            raise
+        if job.error:
+            raise HTTPException(500, f"prefill of {job.request_id} failed: {job.error}")
+        return {"request_id": job.request_id, "first_token": job.first_token, "prompt_tokens": len(job.token_ids),
+                "seconds": time.perf_counter() - start}
+
+    return app
+
+
+def _resolve(fut: asyncio.Future, job: PrefillJob) -> None:
+    if not fut.done():
+        fut.set_result(job)

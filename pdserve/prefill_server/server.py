@@ -1,0 +1,102 @@
+"""`pdserve prefill`: one process that owns the rank processes, the scheduler and the HTTP API.
+
+Startup: spawn the C_p ranks and wait for every readiness ack, then serve HTTP. A watchdog
+thread checks the ranks; if any dies, the instance logs which one, stops every other rank and
+exits with status 1 (it never hangs in a collective). SIGTERM/SIGINT shut everything down cleanly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from ..engine.launcher import LaunchConfig
+from .instance import PrefillInstance
+from .layouts import check_layout_allowed
+from .rank_worker import CACHE_MODES, PrefillWorkerConfig
+from .scheduler import PrefillScheduler
+
+log = logging.getLogger("pdserve.prefill")
+
+
+@dataclass(frozen=True)
+class PrefillServerConfig:
+    model: str
+    cp_size: int = 1
+    cp_layout: str = "interleave"
+    cache: str = "full"
+    chunk_size: int = 4096
+    moe_tp: bool = False
+    host: str = "127.0.0.1"
+    port: int = 8100
+    dist_port: int = 29500
+    dtype: str = "float32"
+    max_kv_tokens: int = 65536
+    page_size: int = 16
+    threads_per_rank: int = 1
+
+    def __post_init__(self):
+        if self.cp_size < 1:
+            raise ValueError(f"--cp-size must be >= 1, got {self.cp_size}")
+        if self.cache not in CACHE_MODES:
+            raise ValueError(f"--cache must be one of {', '.join(CACHE_MODES)}, got {self.cache!r}")
+        if self.chunk_size < 1 or self.max_kv_tokens < self.page_size:
+            raise ValueError("--chunk-size must be >= 1 and --max-kv-tokens at least one page")
+        if self.port == self.dist_port:
+            raise ValueError("--port and --dist-port must differ")
+
+    def validate_model(self) -> None:
+        """Checks that need the checkpoint's config (a clear error before any rank starts)."""
+        from ..model.config import ModelConfig
+
+        check_layout_allowed(ModelConfig.from_pretrained(self.model).model_type, self.cp_layout)
+
+    def build_instance(self) -> PrefillInstance:
+        num_slots = -(-self.max_kv_tokens // self.page_size) * self.page_size
+        worker = PrefillWorkerConfig(self.model, num_slots, self.dtype, self.cp_layout, self.cache, self.moe_tp)
+        launch = LaunchConfig(self.cp_size, self.dist_port, threads_per_rank=self.threads_per_rank)
+        return PrefillInstance(worker, launch, page_size=self.page_size, chunk_size=self.chunk_size)
+
+
+def _worker_loop(scheduler: PrefillScheduler, stop: threading.Event) -> None:
+    while not stop.is_set():
+        if not scheduler.run_once() and scheduler.waiting:
+            time.sleep(0.01)  # waiting for pages held by hand-offs in flight
+
+
+def _watchdog(instance: PrefillInstance, stop: threading.Event) -> None:
+    while not stop.wait(0.2):
+        dead = instance.ranks.dead_rank()
+        if dead:
+            log.error("%s; stopping the prefill instance", dead)
+            print(f"error: {dead}; stopping the prefill instance", file=sys.stderr, flush=True)
+            instance.shutdown()
+            os._exit(1)
+
+
+def serve(cfg: PrefillServerConfig) -> None:
+    import uvicorn
+
+    from .http_api import create_app
+
+    cfg.validate_model()
+    instance = cfg.build_instance()
+    print(f"starting {cfg.cp_size} prefill rank(s) for {cfg.model}", file=sys.stderr, flush=True)
+    instance.start()
+    scheduler = PrefillScheduler(instance)
+    stop = threading.Event()
+    threads = [threading.Thread(target=_worker_loop, args=(scheduler, stop), daemon=True),
+               threading.Thread(target=_watchdog, args=(instance, stop), daemon=True)]
+    for t in threads:
+        t.start()
+    app = create_app(instance, scheduler, instance.ranks.dead_rank)
+    try:
+        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
+    finally:
+        stop.set()
+        scheduler.stop()
+        instance.shutdown()
