@@ -11,6 +11,8 @@ from typing import Optional
 
 import typer
 
+from .admin_cli import admin_app
+
 app = typer.Typer(
     help="pdserve: disaggregated prefill/decode serving for long-context MLA + sparse-attention models.",
     no_args_is_help=True,
@@ -183,6 +185,9 @@ def prefill(
         typer.echo(json.dumps(asdict(cfg)))
         return
     serve(cfg)
+
+
+app.add_typer(admin_app, name="admin")
 
 
 def main() -> None:

@@ -1,6 +1,13 @@
 """KV storage: the tensors that hold latent cache entries and index keys, addressed by slot.
 
 Bookkeeping (which request owns which slots) lives in PageAllocator; this class only stores.
+
+kv_cache_dtype "auto" stores in the model dtype. "fp8_e4m3" stores one byte per value:
+  - latent entries with a static scale of 1.0 (clamped to +-448), as FP8 MLA caches do: they come out
+    of an RMSNorm (c_kv) or are rope'd keys of similar size, so one fixed scale keeps them in range;
+  - index keys with one float32 scale per key (token x layer): their magnitudes vary a lot between
+    tokens, and a per-key scale keeps small keys as accurate as large ones (132 bytes per key at 128).
+Reads always return the pool's compute dtype, so attention code never sees fp8.
 """
 
 from __future__ import annotations
@@ -8,40 +15,83 @@ from __future__ import annotations
 import torch
 
 from ..model.config import ModelConfig
+from .capacity import check_kv_cache_dtype, entry_bytes, index_bytes
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 class KVPool:
-    """Holds the entries of `layers` (default: every layer); a layer-split prefill rank holds a few."""
+    """Holds the entries of `layers` (default: every layer); a layer-split prefill rank holds a few.
+
+    index_slots (default num_slots) sizes the index separately: a decode rank with a copied index
+    keeps index keys for every slot of the instance but latent entries only for its own 1/C_d."""
 
     def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: str | torch.device = "cpu",
-                 layers: list[int] | None = None):
+                 layers: list[int] | None = None, kv_cache_dtype: str = "auto", index_slots: int | None = None):
         self.num_slots = num_slots
+        self.index_slots = num_slots if index_slots is None else index_slots
+        self.dtype = dtype  # compute dtype: what reads return
+        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
+        self.fp8 = kv_cache_dtype == "fp8_e4m3"
+        store = FP8 if self.fp8 else dtype
         self.layers = list(range(cfg.num_layers)) if layers is None else list(layers)
         self.kv_row = {layer: i for i, layer in enumerate(self.layers)}
-        self.kv = torch.zeros(len(self.layers), num_slots, cfg.kv_entry_dim, dtype=dtype, device=device)  # [L, slots, c+rope]
+        self.kv = torch.zeros(len(self.layers), num_slots, cfg.kv_entry_dim, dtype=store, device=device)  # [L, slots, c+rope]
         indexed = [layer for layer in self.layers if cfg.has_indexer(layer)]
         self.index_row = {layer: i for i, layer in enumerate(indexed)}
-        self.index_k = torch.zeros(len(indexed), num_slots, max(cfg.index_head_dim, 1), dtype=dtype, device=device)  # [Li, slots, Di]
+        shape = (len(indexed), self.index_slots)
+        self.index_k = torch.zeros(*shape, max(cfg.index_head_dim, 1), dtype=store, device=device)  # [Li, slots, Di]
+        # Per-key dequantization scale; None when keys are stored in the model dtype.
+        self.index_scale = torch.ones(shape, dtype=torch.float32, device=device) if self.fp8 else None
 
     @property
     def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size() + self.index_k.numel() * self.index_k.element_size()
+        tensors = [self.kv, self.index_k] + ([self.index_scale] if self.fp8 else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def holds(self, layer: int) -> bool:
         return layer in self.kv_row
 
     @staticmethod
-    def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-        item = torch.empty(0, dtype=dtype).element_size()
-        return item * (cfg.num_layers * cfg.kv_entry_dim + len(cfg.indexer_layers) * cfg.index_head_dim)
+    def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+        """E + I: one token's bytes in a pool holding every layer (see engine/capacity.py)."""
+        return entry_bytes(cfg, kv_cache_dtype, dtype) + index_bytes(cfg, kv_cache_dtype, dtype)
 
     def write(self, layer: int, slots: torch.Tensor, kv: torch.Tensor, index_k: torch.Tensor | None) -> None:
-        self.kv[self.kv_row[layer], slots] = kv.to(self.kv.dtype)
+        """Latent entries and (in indexer layers) index keys of the same slots."""
+        self.write_kv(layer, slots, kv)
         if index_k is not None:
-            self.index_k[self.index_row[layer], slots] = index_k.to(self.index_k.dtype)
+            self.write_index(layer, slots, index_k)
+
+    def write_kv(self, layer: int, rows: torch.Tensor, kv: torch.Tensor) -> None:
+        if self.fp8:
+            kv = kv.float().clamp(-FP8_MAX, FP8_MAX)
+        self.kv[self.kv_row[layer], rows] = kv.to(self.kv.dtype)
+
+    def write_index(self, layer: int, rows: torch.Tensor, index_k: torch.Tensor) -> None:
+        """Index rows may differ from latent rows (a decode rank's copied index holds every slot)."""
+        row = self.index_row[layer]
+        if self.fp8:
+            index_k, scale = _quantize_per_key(index_k)
+            self.index_scale[row, rows] = scale
+        self.index_k[row, rows] = index_k.to(self.index_k.dtype)
 
     def read_kv(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        return self.kv[self.kv_row[layer], slots]
+        return self.kv[self.kv_row[layer], slots].to(self.dtype)
 
     def read_index(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        return self.index_k[self.index_row[layer], slots]
+        row = self.index_row[layer]
+        if not self.fp8:
+            return self.index_k[row, slots]
+        scale = self.index_scale[row, slots].unsqueeze(-1)
+        return (self.index_k[row, slots].float() * scale).to(self.dtype)
+
+
+def _quantize_per_key(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k / scale, scale) with scale = max|k| / 448 per key, so each key uses fp8's full range.
+    An all-zero key gets scale 1 instead of 0 (which would make 0/0 = NaN)."""
+    k = k.float()
+    amax = k.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (k / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX), scale

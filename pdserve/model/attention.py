@@ -61,10 +61,13 @@ class MLAttention(nn.Module):
         self.kv_b_proj = Linear(cfg.kv_lora_rank, self.n_heads * (self.nope + self.v_dim))
         self.o_proj = Linear(self.n_heads * self.v_dim, cfg.hidden_size, bias=cfg.attention_bias)
         self.indexer = Indexer(cfg) if cfg.has_indexer(layer) else None
+        # Heads whose output this module produces, among the n_heads whose queries it computes.
+        # All of them on one rank; tensor parallelism narrows both from outside (decode_server/tp.py).
+        self.out_heads = slice(0, self.n_heads)
 
     def _absorb_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora)
-        return w[:, : self.nope, :], w[:, self.nope :, :]  # W_UK [H, nope, c], W_UV [H, v, c]
+        return w[:, : self.nope, :], w[self.out_heads, self.nope :, :]  # W_UK [H, nope, c], W_UV [H_out, v, c]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         T = x.shape[0]
@@ -80,6 +83,6 @@ class MLAttention(nn.Module):
         w_uk, w_uv = self._absorb_weights()
         q_lat = torch.cat([torch.einsum("thd,hdc->thc", q_nope, w_uk), q_pe], dim=-1)  # [T, H, c + rope]
         index = self.indexer(x, q_resid, cos, sin) if self.indexer is not None else None
-        o_lat = backend.attention(self.layer, q_lat, kv, index, self.scale)  # [T, H, c]
-        o = torch.einsum("thc,hvc->thv", o_lat, w_uv)  # [T, H, v]
-        return self.o_proj(o.reshape(T, self.n_heads * self.v_dim))
+        o_lat = backend.attention(self.layer, q_lat, kv, index, self.scale)  # [T, H_out, c]
+        o = torch.einsum("thc,hvc->thv", o_lat, w_uv)  # [T, H_out, v]
+        return self.o_proj(o.reshape(T, w_uv.shape[0] * self.v_dim))

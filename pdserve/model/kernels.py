@@ -48,9 +48,10 @@ def merge_attention(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tenso
     """
     total = torch.logsumexp(lses, dim=0)  # [...]
     safe_total = torch.where(torch.isinf(total), torch.zeros_like(total), total)
-    weights = torch.exp(lses - safe_total.unsqueeze(0))  # exp(-inf - x) = 0
-    out = (weights.unsqueeze(-1).to(outs.dtype) * outs).sum(dim=0)
-    return out, total
+    weights = torch.exp(lses - safe_total.unsqueeze(0)).unsqueeze(-1).to(outs.dtype)  # exp(-inf - x) = 0
+    # a part that saw no key may carry anything (even NaN) in its output: it must add exactly 0
+    contrib = torch.where(weights > 0, weights * outs, torch.zeros_like(outs))
+    return contrib.sum(dim=0), total
 
 
 def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, softmax_scale: float) -> torch.Tensor:

@@ -115,7 +115,7 @@ class CPBackend:
                 parts.append(self.pool.read_index(layer, slots))
             buf = torch.cat(parts, dim=1).contiguous()
         else:
-            buf = self.pool.kv.new_empty(plan.start, width)
+            buf = torch.empty(plan.start, width, dtype=self.pool.dtype)
         self._pending[layer] = (buf, dist.broadcast(buf, src=owner, async_op=True))
 
     def _wait(self, layer: int) -> torch.Tensor:

@@ -13,33 +13,8 @@ import torch
 from torch import nn
 
 from ..engine.collectives import all_gather_rows, reduce_scatter_rows
-from ..model.layers import MLP, MoE
+from ..engine.tp_shard import shard_ffn
 from ..model.transformer import CausalLM
-
-
-def _span(size: int, rank: int, world: int) -> slice:
-    return slice(rank * size // world, (rank + 1) * size // world)
-
-
-def _keep(param: nn.Parameter, value: torch.Tensor) -> None:
-    param.data = value.contiguous().clone()  # a fresh, smaller storage: the full weight is freed
-
-
-def shard_mlp(mlp: MLP, rank: int, world: int) -> None:
-    cols = _span(mlp.gate_proj.weight.shape[0], rank, world)
-    _keep(mlp.gate_proj.weight, mlp.gate_proj.weight[cols])
-    _keep(mlp.up_proj.weight, mlp.up_proj.weight[cols])
-    _keep(mlp.down_proj.weight, mlp.down_proj.weight[:, cols])
-
-
-def shard_moe(moe: MoE, rank: int, world: int) -> None:
-    gate_up = moe.experts.gate_up_proj  # [E, 2I, H]: gate rows, then up rows
-    inter = gate_up.shape[1] // 2
-    cols = _span(inter, rank, world)
-    _keep(gate_up, torch.cat([gate_up[:, :inter][:, cols], gate_up[:, inter:][:, cols]], dim=1))
-    _keep(moe.experts.down_proj, moe.experts.down_proj[:, :, cols])
-    if moe.shared_experts is not None:
-        shard_mlp(moe.shared_experts, rank, world)
 
 
 class TokenSplit:
@@ -64,8 +39,5 @@ class TensorParallelMLP(nn.Module):
 
 def apply_moe_tp(model: CausalLM, split: TokenSplit) -> None:
     for layer in model.model.layers:
-        if isinstance(layer.mlp, MoE):
-            shard_moe(layer.mlp, split.rank, split.world)
-        else:
-            shard_mlp(layer.mlp, split.rank, split.world)
+        shard_ffn(layer.mlp, split.rank, split.world)
         layer.mlp = TensorParallelMLP(layer.mlp, split)

@@ -78,3 +78,35 @@ def test_index_scores_weight_relu_per_head():
     keys = torch.tensor([[1.0, 1.0], [-1.0, 3.0], [-1.0, -1.0]])
     # head scores: k0 -> (1, 1), k1 -> (relu(-1)=0, 3), k2 -> (0, 0)
     assert index_scores(q, w, keys, 1.0).tolist() == [[2.0 - 1.0, -3.0, 0.0]]
+
+
+def test_merge_of_one_part_is_that_part():
+    out = torch.randn(3, 4, 5, dtype=torch.float64)
+    lse = torch.randn(3, 4, dtype=torch.float64)
+    merged, merged_lse = merge_attention(out[None], lse[None])
+    assert torch.equal(merged, out) and torch.equal(merged_lse, lse)
+
+
+def test_merge_with_equal_lses_is_the_mean():
+    outs = torch.randn(4, 2, 3, dtype=torch.float64)
+    lses = torch.full((4, 2), 1.5, dtype=torch.float64)
+    merged, lse = merge_attention(outs, lses)
+    assert torch.allclose(merged, outs.mean(0), atol=1e-15)
+    assert torch.allclose(lse, torch.full((2,), 1.5 + torch.log(torch.tensor(4.0, dtype=torch.float64)).item()), atol=1e-15)
+
+
+def test_merge_with_one_dominant_part_returns_it():
+    outs = torch.randn(3, 2, 6, dtype=torch.float64)
+    lses = torch.tensor([[0.0, 0.0], [800.0, 800.0], [1.0, 1.0]], dtype=torch.float64)  # exp(-800) underflows
+    merged, lse = merge_attention(outs, lses)
+    assert torch.equal(merged, outs[1]) and torch.equal(lse, lses[1])
+
+
+def test_merge_ignores_a_minus_inf_part_even_if_it_holds_nan():
+    outs = torch.randn(3, 2, 4, dtype=torch.float64)
+    lses = torch.randn(3, 2, dtype=torch.float64)
+    outs[2] = float("nan")
+    lses[2] = float("-inf")
+    merged, _ = merge_attention(outs, lses)
+    want, _ = merge_attention(outs[:2], lses[:2])
+    assert not torch.isnan(merged).any() and torch.equal(merged, want)

@@ -9,18 +9,17 @@ modes, with and without --moe-tp, chunk sizes {whole prompt, 7, 64}, prompt leng
 from __future__ import annotations
 
 import itertools
-import socket
 
 import pytest
 import torch
 
 from pdserve.engine.launcher import LaunchConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import Request, SamplingParams
-from pdserve.engine.scheduler import Chunk
+from pdserve.engine.request import SamplingParams
 from pdserve.prefill_server.instance import PrefillInstance
 from pdserve.prefill_server.layouts import ALLOWED_LAYOUTS
 from pdserve.prefill_server.rank_worker import PrefillWorkerConfig
+from tests.reference import assert_close, free_port, reference_prefill as reference
 
 TOPK = 8
 ARCHS = ("glm_moe_dsa", "deepseek_v3")
@@ -32,34 +31,6 @@ CONFIGS = [
     for cache in ("full", "layer-split")
     for moe_tp in (False, True)
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def reference(engine: LLMEngine, ids: list[int]):
-    """Single-rank prefill: last-position logits and every layer's entries in position order."""
-    req = Request(list(ids), SamplingParams(max_tokens=1))
-    req.pages = engine.allocator.allocate(len(ids))
-    try:
-        logits = engine.runner.run([Chunk(req, 0, len(ids))])[0]
-        slots = torch.tensor(engine.allocator.slots(req.pages, 0, len(ids)))
-        cfg = engine.config
-        entries = {
-            layer: (engine.pool.read_kv(layer, slots), engine.pool.read_index(layer, slots) if cfg.has_indexer(layer) else None)
-            for layer in range(cfg.num_layers)
-        }
-        return logits, entries
-    finally:
-        engine.allocator.free(req.pages)
-
-
-def assert_close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    err = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
-    assert a.shape == b.shape and err <= 1e-8, f"{what}: shape {tuple(a.shape)} vs {tuple(b.shape)}, max abs {err}"
 
 
 def check_instance(inst: PrefillInstance, engine: LLMEngine, ids: list[int], chunk: int, tag: str) -> None:

@@ -1,0 +1,163 @@
+"""Decode context-parallel attention backend (article sections 3-4).
+
+Inside a DCP group of C_d ranks, global slot s lives on group rank s % C_d at row s // C_d; pages
+are C_d-wide and C_d-aligned, so a request's token p is on group rank p % C_d. One decode step
+(one new token per request) in each attention layer:
+  1. the new token's latent entry is written by the rank that owns its slot; its index key by
+     every rank (copied index) or by the owner (split index);
+  2. every rank gets the queries of all head slices of its group (all-gather, or computed locally
+     with a replicated query projection);
+  3. sparse models select keys: with a copied index every rank scores every token and computes
+     the same top-k; with a split index each rank scores its own tokens, proposes its best k, one
+     all-gather exchanges the candidates and all agree on the global top-k (ties: earlier token);
+  4. each rank attends over its own selected rows for every head slice of the group, giving
+     (out, lse); a rank that selected nothing has lse = -inf and contributes exactly zero;
+  5. the exact merge: `a2a` (one all-to-all carrying outputs and LSEs together, merged by the head
+     slice's owner) or `ag_rs` (all-gather of LSEs, reduce-scatter of rescaled outputs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..model.backend import IndexerInputs
+from ..model.config import ModelConfig
+from ..model.kernels import attend, index_scores, merge_attention, topk_earliest
+
+INDEX_MODES = ("copy", "split")
+COMM_MODES = ("a2a", "ag_rs")
+
+
+@dataclass
+class DecodeBatch:
+    slots: list[torch.Tensor]  # per request: global slots of positions 0..S-1 (S-1 is the new token)
+
+
+@dataclass(frozen=True)
+class DCPGroup:
+    rank: int  # rank within the group (= slot % C_d it owns)
+    size: int  # C_d
+    group: object  # torch.distributed group of its members (None when size == 1)
+
+
+class DCPBackend:
+    def __init__(self, cfg: ModelConfig, pool, dcp: DCPGroup, index_mode: str, comm: str, replicate_q: bool):
+        if index_mode not in INDEX_MODES or comm not in COMM_MODES:
+            raise ValueError(f"index mode {index_mode!r} / comm {comm!r} (allowed: {INDEX_MODES}, {COMM_MODES})")
+        self.cfg, self.pool, self.dcp = cfg, pool, dcp
+        self.index_mode, self.comm, self.replicate_q = index_mode, comm, replicate_q
+        self.empty_selections = 0  # (request, layer) pairs where this rank selected no token
+
+    def begin(self, batch: DecodeBatch) -> None:
+        C, me = self.dcp.size, self.dcp.rank
+        lens = [s.numel() for s in batch.slots]
+        smax = max(lens)
+        self._slots = torch.zeros(len(lens), smax, dtype=torch.int64)  # [B, Smax] global slots, 0-padded
+        for i, s in enumerate(batch.slots):
+            self._slots[i, : lens[i]] = s
+        self._valid = torch.arange(smax)[None, :] < torch.tensor(lens)[:, None]  # [B, Smax]
+        own_pos = torch.arange(me, smax, C)  # positions this rank may own
+        self._own_pos = own_pos.expand(len(lens), -1)  # [B, N]
+        self._own_valid = self._valid[:, own_pos]
+        self._own_rows = self._slots[:, own_pos] // C
+        last = torch.tensor(lens) - 1
+        new_slots = self._slots[torch.arange(len(lens)), last]
+        self._new_mine = (last % C) == me
+        self._new_rows = new_slots // C
+        self._new_slots = new_slots
+        self._selection: torch.Tensor | None = None
+
+    # ---- the AttentionBackend method ------------------------------------------------------
+    def attention(self, layer: int, q: torch.Tensor, kv: torch.Tensor, index: IndexerInputs | None, scale: float) -> torch.Tensor:
+        self._store(layer, kv, index)
+        q_group = q if (self.replicate_q or self.dcp.size == 1) else self._gather_heads(q)  # [B, Hg, D]
+        keys, valid = self._keys(layer, index)
+        self.empty_selections += int((valid.sum(-1) == 0).sum())
+        out, lse = attend(q_group, keys, valid, scale, self.cfg.kv_lora_rank)  # [B, Hg, c], [B, Hg]
+        if self.dcp.size == 1:
+            return out
+        merged = self._merge_a2a(out, lse) if self.comm == "a2a" else self._merge_ag_rs(out, lse)
+        return merged.to(q.dtype)
+
+    # ---- cache -------------------------------------------------------------------------------
+    def _store(self, layer: int, kv: torch.Tensor, index: IndexerInputs | None) -> None:
+        mine = self._new_mine
+        self.pool.write_kv(layer, self._new_rows[mine], kv[mine])
+        if index is not None:
+            if self.index_mode == "copy":
+                self.pool.write_index(layer, self._new_slots, index.k)
+            else:
+                self.pool.write_index(layer, self._new_rows[mine], index.k[mine])
+
+    def _keys(self, layer: int, index: IndexerInputs | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's keys for each request [B, n, D] and which of them are read [B, n]."""
+        if not self.cfg.is_sparse:
+            return self.pool.read_kv(layer, self._own_rows), self._own_valid
+        if index is not None:
+            self._selection = self._select_copy(layer, index) if self.index_mode == "copy" else self._select_split(layer, index)
+        sel = self._selection  # [B, k] global positions, -1 padded; shared layers reuse it
+        mine = (sel >= 0) & (sel % self.dcp.size == self.dcp.rank)
+        rows = self._slots.gather(1, sel.clamp(min=0)) // self.dcp.size
+        return self.pool.read_kv(layer, rows), mine
+
+    def _select_copy(self, layer: int, index: IndexerInputs) -> torch.Tensor:
+        idx_keys = self.pool.read_index(layer, self._slots)  # [B, Smax, Di]: every token's key
+        scores = index_scores(index.q, index.weights, idx_keys, index.softmax_scale)
+        return topk_earliest(scores, self._valid, self.cfg.index_topk)
+
+    def _select_split(self, layer: int, index: IndexerInputs) -> torch.Tensor:
+        k = self.cfg.index_topk
+        idx_keys = self.pool.read_index(layer, self._own_rows)  # [B, N, Di]: own tokens' keys only
+        scores = index_scores(index.q, index.weights, idx_keys, index.softmax_scale)  # [B, N]
+        local = topk_earliest(scores, self._own_valid, k)  # [B, k] indices into own tokens
+        ok = local >= 0
+        cand_score = torch.where(ok, scores.gather(1, local.clamp(min=0)), torch.full_like(scores[:, :1], float("-inf")))
+        cand_pos = torch.where(ok, self._own_pos.gather(1, local.clamp(min=0)), torch.full_like(local, -1))
+        packed = torch.stack([cand_score.double(), cand_pos.double()], dim=-1)  # [B, k, 2]: one collective
+        every = _all_gather(packed, self.dcp)  # [C, B, k, 2]
+        every = every.permute(1, 0, 2, 3).reshape(packed.shape[0], -1, 2)  # [B, C*k, 2]
+        pos = every[..., 1].long()
+        order = torch.where(pos >= 0, pos, torch.full_like(pos, 1 << 62)).argsort(dim=-1)  # by position
+        pos = pos.gather(1, order)
+        score = every[..., 0].gather(1, order).to(scores.dtype)
+        pick = topk_earliest(score, pos >= 0, k)  # ties: the earlier position comes first in this order
+        return torch.where(pick >= 0, pos.gather(1, pick.clamp(min=0)), torch.full_like(pick, -1))
+
+    # ---- head slices and the merge -------------------------------------------------------------
+    def _gather_heads(self, q: torch.Tensor) -> torch.Tensor:
+        C = self.dcp.size
+        every = _all_gather(q, self.dcp)  # [C, B, Hl, D]
+        return every.permute(1, 0, 2, 3).reshape(q.shape[0], C * q.shape[1], q.shape[2])  # [B, Hg, D]
+
+    def _merge_a2a(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        C, (B, Hg, c) = self.dcp.size, out.shape
+        packed = torch.cat([out.to(lse.dtype), lse.unsqueeze(-1)], dim=-1)  # [B, Hg, c + 1]
+        send = packed.view(B, C, Hg // C, c + 1).permute(1, 0, 2, 3).contiguous()  # [C, B, Hl, c + 1]
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.dcp.group)  # recv[j]: group rank j's part of my slice
+        merged, _ = merge_attention(recv[..., :c], recv[..., c])
+        return merged
+
+    def _merge_ag_rs(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        C, (B, Hg, c) = self.dcp.size, out.shape
+        lses = _all_gather(lse, self.dcp)  # [C, B, Hg]
+        total = torch.logsumexp(lses, dim=0)
+        safe = torch.where(torch.isinf(total), torch.zeros_like(total), total)
+        weight = torch.exp(lse - safe)  # exp(-inf) = 0 for a rank that read nothing
+        scaled = out.to(lse.dtype) * weight.unsqueeze(-1)
+        send = scaled.view(B, C, Hg // C, c).permute(1, 0, 2, 3).reshape(C * B, Hg // C, c)  # slice-major
+        recv = send.new_empty(B, Hg // C, c)
+        dist.reduce_scatter_single(recv, send, group=self.dcp.group)  # sums group rank j's part of my slice
+        return recv
+
+
+def _all_gather(x: torch.Tensor, dcp: DCPGroup) -> torch.Tensor:
+    """[...] on each group rank -> [C, ...] in group-rank order."""
+    if dcp.size == 1:
+        return x.unsqueeze(0)
+    out = x.new_empty((dcp.size * x.shape[0],) + tuple(x.shape[1:]))
+    dist.all_gather_single(out, x.contiguous(), group=dcp.group)
+    return out.view((dcp.size,) + tuple(x.shape))

@@ -1,0 +1,147 @@
+"""What one decode rank process does: its weight slices, its rows of the cache, one step at a time.
+
+The launcher sends every rank the same command. A step runs the model on every running request's
+newest token (tensor parallel over the W ranks, context parallel over the DCP group); rank 0
+returns the logits (every rank holds the same replicated LM head, so one answer is enough).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from ..engine.kv_cache import KVPool
+from ..engine.llm_engine import parse_dtype
+from ..model.weights import load_model
+from .dcp_backend import COMM_MODES, INDEX_MODES, DCPBackend, DCPGroup, DecodeBatch
+from .tp import apply_decode_tp
+
+
+@dataclass(frozen=True)
+class DecodeWorkerConfig:
+    model_dir: str
+    num_slots: int  # global slots of the instance; each rank stores num_slots / dcp_size rows
+    dcp_size: int = 1
+    index_mode: str = "copy"
+    comm: str = "a2a"
+    replicate_q: bool = False
+    dtype: str = "float32"
+    kv_cache_dtype: str = "auto"
+    float32_islands: bool = True
+
+    def __post_init__(self):
+        if self.index_mode not in INDEX_MODES:
+            raise ValueError(f"--dcp-index must be one of {', '.join(INDEX_MODES)}, got {self.index_mode!r}")
+        if self.comm not in COMM_MODES:
+            raise ValueError(f"--dcp-comm must be one of {', '.join(COMM_MODES)}, got {self.comm!r}")
+        if self.dcp_size < 1 or self.num_slots % self.dcp_size:
+            raise ValueError(f"num_slots {self.num_slots} must be a multiple of --dcp-size {self.dcp_size}")
+
+
+@dataclass(frozen=True)
+class LoadCmd:
+    """A request's prompt cache given directly (for tests; the KV hand-off replaces it)."""
+
+    slots: list[int]  # global slots of positions 0..P-1
+    kv: torch.Tensor  # [L, P, c + rope]
+    index: dict[int, torch.Tensor]  # indexer layer -> [P, Di]
+
+
+@dataclass(frozen=True)
+class StepCmd:
+    token_ids: list[int]  # the newest token of each running request
+    slots: list[list[int]]  # per request: global slots of positions 0..S-1 (S-1 is the newest token)
+
+
+@dataclass(frozen=True)
+class DumpCmd:
+    slots: list[int]  # returns this rank's stored rows among these global slots
+
+
+@dataclass(frozen=True)
+class ReconfigureCmd:
+    """Switches index mode / merge backend and clears the cache (lets tests sweep them on one instance)."""
+
+    index_mode: str
+    comm: str
+
+
+class DecodeRankWorker:
+    def __init__(self, rank: int, world: int, cfg: DecodeWorkerConfig):
+        if world % cfg.dcp_size:
+            raise ValueError(f"--dcp-size {cfg.dcp_size} must divide --tp-size {world}")
+        self.rank, self.world, self.cfg = rank, world, cfg
+        self.dtype = parse_dtype(cfg.dtype)
+        self.model = load_model(cfg.model_dir, self.dtype, float32_islands=cfg.float32_islands)
+        self.mcfg = self.model.config
+        apply_decode_tp(self.model, rank, world, cfg.dcp_size, cfg.replicate_q)
+        group = None
+        for g in range(world // cfg.dcp_size):  # every rank creates every group, in the same order
+            members = list(range(g * cfg.dcp_size, (g + 1) * cfg.dcp_size))
+            pg = dist.new_group(members) if cfg.dcp_size > 1 else None
+            if rank in members:
+                group = pg
+        self.dcp = DCPGroup(rank % cfg.dcp_size, cfg.dcp_size, group)
+        self._build(cfg.index_mode, cfg.comm)
+
+    def _build(self, index_mode: str, comm: str) -> None:
+        cfg = self.cfg = replace(self.cfg, index_mode=index_mode, comm=comm)
+        rows = cfg.num_slots // cfg.dcp_size
+        self.pool = KVPool(self.mcfg, rows, self.dtype, kv_cache_dtype=cfg.kv_cache_dtype,
+                           index_slots=cfg.num_slots if index_mode == "copy" else rows)
+        self.backend = DCPBackend(self.mcfg, self.pool, self.dcp, index_mode, comm, cfg.replicate_q)
+
+    def info(self) -> dict:
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return {"rank": self.rank, "pid": os.getpid(), "cache_bytes": self.pool.nbytes, "weight_bytes": weights,
+                "empty_selections": self.backend.empty_selections}
+
+    def handle(self, cmd):
+        if isinstance(cmd, StepCmd):
+            return self.step(cmd)
+        if isinstance(cmd, LoadCmd):
+            return self.load(cmd)
+        if isinstance(cmd, DumpCmd):
+            return self.dump(cmd)
+        if isinstance(cmd, ReconfigureCmd):
+            self._build(cmd.index_mode, cmd.comm)
+            return self.info()
+        if cmd == "info":
+            return self.info()
+        raise TypeError(f"unknown command {type(cmd).__name__}")
+
+    def _own(self, slots: torch.Tensor) -> torch.Tensor:
+        return slots % self.dcp.size == self.dcp.rank
+
+    def load(self, cmd: LoadCmd) -> None:
+        slots = torch.tensor(cmd.slots, dtype=torch.int64)
+        own = self._own(slots)
+        rows = slots[own] // self.dcp.size
+        for layer in range(self.mcfg.num_layers):
+            self.pool.write_kv(layer, rows, cmd.kv[layer][own])
+            if layer in cmd.index:
+                if self.cfg.index_mode == "copy":
+                    self.pool.write_index(layer, slots, cmd.index[layer])
+                else:
+                    self.pool.write_index(layer, rows, cmd.index[layer][own])
+
+    @torch.inference_mode()
+    def step(self, cmd: StepCmd):
+        slots = [torch.tensor(s, dtype=torch.int64) for s in cmd.slots]
+        self.backend.begin(DecodeBatch(slots))
+        positions = torch.tensor([len(s) - 1 for s in cmd.slots], dtype=torch.int64)
+        hidden = self.model(torch.tensor(cmd.token_ids, dtype=torch.int64), positions, self.backend)  # [B, hidden]
+        return self.model.compute_logits(hidden) if self.rank == 0 else None
+
+    def dump(self, cmd: DumpCmd) -> dict:
+        slots = torch.tensor(cmd.slots, dtype=torch.int64)
+        own = self._own(slots)
+        rows = slots[own] // self.dcp.size
+        index = {}
+        for layer in self.pool.index_row:
+            index[layer] = self.pool.read_index(layer, slots if self.cfg.index_mode == "copy" else rows)
+        return {"slots": slots[own].tolist(), "kv": {l: self.pool.read_kv(l, rows) for l in self.pool.layers},
+                "index": index}
