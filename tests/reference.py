@@ -7,8 +7,6 @@ import socket
 import torch
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import Request, SamplingParams
-from pdserve.engine.scheduler import Chunk
 
 
 def free_port() -> int:
@@ -19,20 +17,8 @@ def free_port() -> int:
 
 def reference_prefill(engine: LLMEngine, ids: list[int]):
     """Single-rank prefill of ids: (last-position logits [V], {layer: (latent [n, D], index keys [n, Di] or None)})."""
-    req = Request(list(ids), SamplingParams(max_tokens=1))
-    req.pages = engine.allocator.allocate(len(ids))
-    try:
-        logits = engine.runner.run([Chunk(req, 0, len(ids))])[0]
-        slots = torch.tensor(engine.allocator.slots(req.pages, 0, len(ids)))
-        cfg = engine.config
-        entries = {
-            layer: (engine.pool.read_kv(layer, slots).clone(),
-                    engine.pool.read_index(layer, slots).clone() if cfg.has_indexer(layer) else None)
-            for layer in range(cfg.num_layers)
-        }
-        return logits, entries
-    finally:
-        engine.allocator.free(req.pages)
+    logits, kv, index = engine.prefill_with_cache(ids)
+    return logits, {layer: (kv[layer], index.get(layer)) for layer in range(engine.config.num_layers)}
 
 
 def assert_close(a: torch.Tensor, b: torch.Tensor, what: str, tol: float = 1e-8) -> None:

@@ -18,7 +18,7 @@ from .model_runner import ModelRunner
 from .page_allocator import PageAllocator
 from .request import Request, SamplingParams
 from .sampler import Sampler
-from .scheduler import Scheduler
+from .scheduler import Chunk, Scheduler
 from .single_backend import SingleRankBackend
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -101,11 +101,21 @@ class LLMEngine:
 
     def prefill_logits(self, prompt_ids: list[int]) -> torch.Tensor:
         """Logits at every prompt position [T, V] (for checks against a reference); frees its cache."""
+        return self._prefill_once(prompt_ids, all_logits=True)[0]
+
+    def prefill_with_cache(self, prompt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+        """One prompt's last-position logits [V], latent entries [L, n, c + rope] and index keys
+        {indexer layer: [n, Di]}: what a decode instance needs to continue it. Frees its pages."""
+        logits, slots = self._prefill_once(prompt_ids, all_logits=False)
+        kv = torch.stack([self.pool.read_kv(layer, slots) for layer in range(self.config.num_layers)])
+        index = {layer: self.pool.read_index(layer, slots) for layer in self.config.indexer_layers}
+        return logits[0], kv, index
+
+    def _prefill_once(self, prompt_ids: list[int], all_logits: bool) -> tuple[torch.Tensor, torch.Tensor]:
         req = Request(list(prompt_ids), SamplingParams(max_tokens=1))
         req.pages = self.allocator.allocate(len(prompt_ids))
         try:
-            from .scheduler import Chunk
-
-            return self.runner.run([Chunk(req, 0, len(prompt_ids))], all_logits=True)
+            logits = self.runner.run([Chunk(req, 0, len(prompt_ids))], all_logits=all_logits)
+            return logits, torch.tensor(self.allocator.slots(req.pages, 0, len(prompt_ids)))
         finally:
             self.allocator.free(req.pages)

@@ -1,0 +1,79 @@
+"""Drives a decode instance: schedule -> forward -> postprocess, one step at a time.
+
+The scheduler decides (plain Python over requests and pages), the instance executes on its ranks,
+the sampler picks tokens. Requests submitted with their cache given directly (or computed by a
+local single-rank prefill when none is given) are the path the KV hand-off replaces.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..engine.llm_engine import LLMEngine
+from ..engine.request import SamplingParams
+from ..engine.sampler import Sampler
+from .instance import DecodeInstance
+from .scheduler import DecodeRequest, DecodeScheduler
+
+
+class DecodeEngine:
+    def __init__(self, instance: DecodeInstance, max_batch: int = 64):
+        self.instance = instance
+        self.scheduler = DecodeScheduler(instance.allocator, instance.model_config.eos_token_ids, max_batch)
+        self.sampler = Sampler()
+        self._caches: dict[str, tuple[torch.Tensor, dict[int, torch.Tensor], int]] = {}
+        self._local: LLMEngine | None = None
+
+    def _local_prefill(self) -> LLMEngine:
+        if self._local is None:  # built on first use: only the direct-load path needs it
+            w = self.instance.worker
+            self._local = LLMEngine.from_pretrained(w.model_dir, w.dtype, float32_islands=w.float32_islands,
+                                                    max_kv_tokens=self.instance.allocator.num_pages * self.instance.allocator.page_size)
+        return self._local
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, request_id: str | None = None,
+               cache: tuple[torch.Tensor, dict[int, torch.Tensor], int] | None = None) -> DecodeRequest:
+        """Accepts a request; `cache` = (latent [L, P, D], index keys, first token) or None to prefill locally."""
+        params = params or SamplingParams()
+        req = DecodeRequest(len(prompt_ids), params)
+        if request_id:
+            req.request_id = request_id
+        self.scheduler.submit(req)
+        if cache is None:
+            logits, kv, index = self._local_prefill().prefill_with_cache(list(prompt_ids))
+            first = self.sampler.sample(logits[None], [params], [req.request_id])[0]
+            cache = (kv, index, first)
+        self._caches[req.request_id] = cache
+        return req
+
+    def abort(self, request_id: str) -> DecodeRequest | None:
+        self._caches.pop(request_id, None)
+        self.sampler.forget(request_id)
+        return self.scheduler.abort(request_id)
+
+    def step(self) -> list[tuple[DecodeRequest, int]]:
+        """Admits what fits (loading its cache), then decodes one token for every running request."""
+        events = []
+        for req in self.scheduler.admit():
+            kv, index, first = self._caches.pop(req.request_id)
+            self.instance.load(req.pages, kv, index)
+            self.scheduler.kv_ready(req.request_id, first)
+            events.append((req, first))
+        batch = list(self.scheduler.running)
+        if batch:
+            logits = self.instance.step([r.output_ids[-1] for r in batch],
+                                        [self.instance.slots(r.pages, r.num_tokens) for r in batch])
+            tokens = self.sampler.sample(logits, [r.params for r in batch], [r.request_id for r in batch])
+            self.scheduler.postprocess(batch, tokens)
+            events += list(zip(batch, tokens))
+        for req, _ in events:
+            if req.state in ("finished", "aborted"):
+                self.sampler.forget(req.request_id)
+        return events
+
+    def run_until_idle(self, max_steps: int = 100_000) -> None:
+        for _ in range(max_steps):
+            if self.scheduler.is_idle():
+                return
+            self.step()
+        raise RuntimeError("decode engine did not become idle")

@@ -1,0 +1,133 @@
+"""Decode instance scheduler: the request lifecycle, as explicit queues (plain Python, no torch).
+
+    submit() --> waiting_for_kv --(pages for prompt + max_tokens reserved; cache arrives)--> running
+                                                                                              |
+    finished <--(EOS, a stop token id, max_tokens)--------------------------------------------+
+    aborted  <--(abort(), from any state: the request's pages are freed at once)
+
+- Admission reserves every slot the request can ever need (prompt + max_tokens - 1: the last
+  token is never cached), so a running request never stalls for memory and nothing is preempted.
+  Requests are admitted in arrival order; one that does not fit yet waits at the head.
+- waiting_for_kv: pages are reserved, the cache is being delivered (loaded directly today, by the
+  KV hand-off in issue 5). `kv_ready()` moves a request to running.
+- running: continuous batching. Every step decodes one token for every running request;
+  requests join and leave between steps.
+The first output token comes with the cache (the prefill sampled it), so a request with
+max_tokens = 1, or whose first token is EOS, finishes without a decode step.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..engine.page_allocator import PageAllocator
+from ..engine.request import SamplingParams
+
+_ids = itertools.count()
+
+
+@dataclass
+class DecodeRequest:
+    prompt_len: int
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = field(default_factory=lambda: f"decode-{next(_ids)}")
+    pages: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)  # output_ids[0] is the prefill's first token
+    state: str = "new"  # new | waiting_for_kv | running | finished | aborted
+    finish_reason: str | None = None  # stop | length | abort
+
+    @property
+    def num_slots_needed(self) -> int:
+        return self.prompt_len + self.params.max_tokens - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + len(self.output_ids)
+
+
+class DecodeScheduler:
+    def __init__(self, allocator: PageAllocator, eos_ids: tuple[int, ...], max_batch: int = 64):
+        self.allocator, self.eos_ids, self.max_batch = allocator, set(eos_ids), max_batch
+        self.queued: deque[DecodeRequest] = deque()  # accepted, no pages yet
+        self.waiting_for_kv: dict[str, DecodeRequest] = {}
+        self.running: list[DecodeRequest] = []
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.allocator.num_pages * self.allocator.page_size
+
+    def submit(self, req: DecodeRequest) -> None:
+        if req.num_slots_needed > self.capacity_tokens:
+            raise ValueError(f"request needs {req.num_slots_needed} KV slots (prompt {req.prompt_len} + max_tokens "
+                             f"{req.params.max_tokens}); this instance holds {self.capacity_tokens}")
+        req.state = "queued"
+        self.queued.append(req)
+
+    def admit(self) -> list[DecodeRequest]:
+        """Reserves pages for queued requests in order; returns those now waiting for their cache."""
+        admitted = []
+        while self.queued and len(self.running) + len(self.waiting_for_kv) < self.max_batch:
+            req = self.queued[0]
+            if not self.allocator.can_allocate(req.num_slots_needed):
+                break
+            self.queued.popleft()
+            req.pages = self.allocator.allocate(req.num_slots_needed)
+            req.state = "waiting_for_kv"
+            self.waiting_for_kv[req.request_id] = req
+            admitted.append(req)
+        return admitted
+
+    def kv_ready(self, request_id: str, first_token: int) -> DecodeRequest:
+        """The cache is in place and the prefill sampled `first_token`; returns the request."""
+        req = self.waiting_for_kv.pop(request_id)
+        req.output_ids.append(first_token)
+        req.state = "running"
+        self.running.append(req)
+        reason = self._finish_reason(req, first_token)
+        if reason:
+            self._finish(req, reason)
+        return req
+
+    def postprocess(self, batch: list[DecodeRequest], tokens: list[int]) -> list[DecodeRequest]:
+        """Records one decode step's tokens; returns the requests that finished."""
+        finished = []
+        for req, tok in zip(batch, tokens):
+            if req.state != "running":  # aborted while the step ran
+                continue
+            req.output_ids.append(tok)
+            reason = self._finish_reason(req, tok)
+            if reason:
+                self._finish(req, reason)
+                finished.append(req)
+        return finished
+
+    def _finish_reason(self, req: DecodeRequest, tok: int) -> str | None:
+        if tok in req.params.stop_token_ids or (tok in self.eos_ids and not req.params.ignore_eos):
+            return "stop"
+        if len(req.output_ids) >= req.params.max_tokens:
+            return "length"
+        return None
+
+    def _finish(self, req: DecodeRequest, reason: str) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        self.waiting_for_kv.pop(req.request_id, None)
+        if req in self.queued:
+            self.queued.remove(req)
+        if req.pages:
+            self.allocator.free(req.pages)
+            req.pages = []
+        req.state = "aborted" if reason == "abort" else "finished"
+        req.finish_reason = reason
+
+    def abort(self, request_id: str) -> DecodeRequest | None:
+        for req in list(self.queued) + list(self.waiting_for_kv.values()) + self.running:
+            if req.request_id == request_id:
+                self._finish(req, "abort")
+                return req
+        return None
+
+    def is_idle(self) -> bool:
+        return not (self.queued or self.waiting_for_kv or self.running)
