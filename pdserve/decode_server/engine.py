@@ -61,8 +61,8 @@ class DecodeEngine:
             events.append((req, first))
         batch = list(self.scheduler.running)
         if batch:
-            logits = self.instance.step([r.output_ids[-1] for r in batch],
-                                        [self.instance.slots(r.pages, r.num_tokens) for r in batch])
+            logits = self.instance.step([r.output_ids[-1] for r in batch], [r.pages for r in batch],
+                                        [r.num_tokens for r in batch])
             tokens = self.sampler.sample(logits, [r.params for r in batch], [r.request_id for r in batch])
             self.scheduler.postprocess(batch, tokens)
             events += list(zip(batch, tokens))

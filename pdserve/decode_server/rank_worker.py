@@ -53,7 +53,16 @@ class LoadCmd:
 @dataclass(frozen=True)
 class StepCmd:
     token_ids: list[int]  # the newest token of each running request
-    slots: list[list[int]]  # per request: global slots of positions 0..S-1 (S-1 is the newest token)
+    pages: list[list[int]]  # per request: its pages (page tables are small; slot lists would be O(context))
+    lengths: list[int]  # per request: S, so positions 0..S-1 are read and S-1 is the newest token
+    page_size: int
+
+    def slots(self) -> list[torch.Tensor]:
+        out = []
+        for pages, n in zip(self.pages, self.lengths):
+            pos = torch.arange(n)
+            out.append(torch.tensor(pages, dtype=torch.int64)[pos // self.page_size] * self.page_size + pos % self.page_size)
+        return out
 
 
 @dataclass(frozen=True)
@@ -130,9 +139,8 @@ class DecodeRankWorker:
 
     @torch.inference_mode()
     def step(self, cmd: StepCmd):
-        slots = [torch.tensor(s, dtype=torch.int64) for s in cmd.slots]
-        self.backend.begin(DecodeBatch(slots))
-        positions = torch.tensor([len(s) - 1 for s in cmd.slots], dtype=torch.int64)
+        self.backend.begin(DecodeBatch(cmd.slots()))
+        positions = torch.tensor(cmd.lengths, dtype=torch.int64) - 1
         hidden = self.model(torch.tensor(cmd.token_ids, dtype=torch.int64), positions, self.backend)  # [B, hidden]
         return self.model.compute_logits(hidden) if self.rank == 0 else None
 

@@ -58,7 +58,7 @@ def decode_all(inst: DecodeInstance, cases) -> tuple[list[list[int]], list[torch
         seqs.append(list(ids) + [tokens[0]])  # the first token comes from the prefill
     all_logits = [[] for _ in cases]
     for _ in range(TOKENS - 1):
-        logits = inst.step([s[-1] for s in seqs], [inst.slots(p, len(s)) for p, s in zip(pages, seqs)])
+        logits = inst.step([s[-1] for s in seqs], pages, [len(s) for s in seqs])
         for i, row in enumerate(logits):
             all_logits[i].append(row)
             seqs[i].append(int(row.argmax()))
