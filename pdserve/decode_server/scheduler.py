@@ -85,7 +85,7 @@ class DecodeScheduler:
         req.output_ids.append(first_token)
         req.state = "running"
         self.running.append(req)
-        reason = self._finish_reason(req, first_token)
+        reason = req.params.finish_reason(first_token, len(req.output_ids), self.eos_ids)
         if reason:
             self._finish(req, reason)
         return req
@@ -97,18 +97,11 @@ class DecodeScheduler:
             if req.state != "running":  # aborted while the step ran
                 continue
             req.output_ids.append(tok)
-            reason = self._finish_reason(req, tok)
+            reason = req.params.finish_reason(tok, len(req.output_ids), self.eos_ids)
             if reason:
                 self._finish(req, reason)
                 finished.append(req)
         return finished
-
-    def _finish_reason(self, req: DecodeRequest, tok: int) -> str | None:
-        if tok in req.params.stop_token_ids or (tok in self.eos_ids and not req.params.ignore_eos):
-            return "stop"
-        if len(req.output_ids) >= req.params.max_tokens:
-            return "length"
-        return None
 
     def _finish(self, req: DecodeRequest, reason: str) -> None:
         if req in self.running:

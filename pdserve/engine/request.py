@@ -33,6 +33,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
+    def finish_reason(self, token: int, num_output: int, eos_ids: set[int]) -> str | None:
+        """Why a request that just produced `token` (its num_output-th) stops, or None."""
+        if token in self.stop_token_ids or (token in eos_ids and not self.ignore_eos):
+            return "stop"
+        if num_output >= self.max_tokens:
+            return "length"
+        return None
+
 
 class Status(enum.Enum):
     WAITING = "waiting"

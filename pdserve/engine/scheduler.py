@@ -80,18 +80,11 @@ class Scheduler:
                 self.prefilling.remove(req)
                 self.running.append(req)
             req.output_ids.append(tok)
-            reason = self._finish_reason(req, tok)
+            reason = req.params.finish_reason(tok, len(req.output_ids), self.eos_ids)
             if reason:
                 self._finish(req, reason)
                 finished.append(req)
         return finished
-
-    def _finish_reason(self, req: Request, tok: int) -> str | None:
-        if tok in req.params.stop_token_ids or (tok in self.eos_ids and not req.params.ignore_eos):
-            return "stop"
-        if len(req.output_ids) >= req.params.max_tokens:
-            return "length"
-        return None
 
     def _finish(self, req: Request, reason: str) -> None:
         for queue in (self.running, self.prefilling, self.waiting):

@@ -7,21 +7,17 @@ exits with status 1 (it never hangs in a collective). SIGTERM/SIGINT shut everyt
 
 from __future__ import annotations
 
-import logging
-import os
 import sys
 import threading
 import time
 from dataclasses import dataclass
 
 from ..engine.launcher import LaunchConfig
+from ..engine.watchdog import start_watchdog
 from .instance import PrefillInstance
 from .layouts import check_layout_allowed
 from .rank_worker import CACHE_MODES, PrefillWorkerConfig
 from .scheduler import PrefillScheduler
-
-log = logging.getLogger("pdserve.prefill")
-
 
 @dataclass(frozen=True)
 class PrefillServerConfig:
@@ -68,16 +64,6 @@ def _worker_loop(scheduler: PrefillScheduler, stop: threading.Event) -> None:
             time.sleep(0.01)  # waiting for pages held by hand-offs in flight
 
 
-def _watchdog(instance: PrefillInstance, stop: threading.Event) -> None:
-    while not stop.wait(0.2):
-        dead = instance.ranks.dead_rank()
-        if dead:
-            log.error("%s; stopping the prefill instance", dead)
-            print(f"error: {dead}; stopping the prefill instance", file=sys.stderr, flush=True)
-            instance.shutdown()
-            os._exit(1)
-
-
 def serve(cfg: PrefillServerConfig) -> None:
     import uvicorn
 
@@ -89,10 +75,8 @@ def serve(cfg: PrefillServerConfig) -> None:
     instance.start()
     scheduler = PrefillScheduler(instance)
     stop = threading.Event()
-    threads = [threading.Thread(target=_worker_loop, args=(scheduler, stop), daemon=True),
-               threading.Thread(target=_watchdog, args=(instance, stop), daemon=True)]
-    for t in threads:
-        t.start()
+    threading.Thread(target=_worker_loop, args=(scheduler, stop), daemon=True).start()
+    start_watchdog(instance, "prefill", stop)
     app = create_app(instance, scheduler, instance.ranks.dead_rank)
     try:
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")

@@ -1,0 +1,46 @@
+"""The rank watchdog shared by the prefill and decode servers.
+
+A server's ranks run in lock-step: once one dies, the others block in their next collective until
+its timeout (minutes). So the server never tries to limp on: a watchdog thread polls the launcher,
+and on the first dead rank it says which one, stops every other rank and exits with status 1.
+Whatever supervises the server (a shell, docker, Kubernetes) then sees a clear failure at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from typing import NoReturn
+
+log = logging.getLogger("pdserve.watchdog")
+
+POLL_S = 0.2
+# The watchdog and a server's own failure path can both decide to stop; exactly one does.
+_stopping = threading.Lock()
+
+
+def stop_instance(instance, role: str, message: str) -> NoReturn:
+    """Prints `error: <message>; stopping the <role> instance`, stops the ranks, exits with status 1."""
+    with _stopping:
+        log.error("%s; stopping the %s instance", message, role)
+        print(f"error: {message}; stopping the {role} instance", file=sys.stderr, flush=True)
+        try:
+            instance.shutdown()
+        finally:  # os._exit: the main thread may be inside uvicorn or a rank call; nothing must wait on it
+            os._exit(1)
+
+
+def watch_ranks(instance, role: str, stop: threading.Event, poll_s: float = POLL_S) -> None:
+    """Thread body: returns when `stop` is set; never returns if a rank dies."""
+    while not stop.wait(poll_s):
+        dead = instance.ranks.dead_rank()  # "rank 1 (pid 123) exited with code -9"
+        if dead:
+            stop_instance(instance, role, dead)
+
+
+def start_watchdog(instance, role: str, stop: threading.Event) -> threading.Thread:
+    thread = threading.Thread(target=watch_ranks, args=(instance, role, stop), name=f"{role}-watchdog", daemon=True)
+    thread.start()
+    return thread
