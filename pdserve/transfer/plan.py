@@ -1,0 +1,199 @@
+"""Packing plan of one request's cache hand-off from a prefill instance to a decode instance.
+
+The plan lists, for one request, the rows each prefill rank sends to each decode rank: one
+`Transfer` per (src_rank, dst_rank, layer, kind) with at least one row, made of `Run`s (first
+source row, first destination row, length). It is a pure function of the two layouts (no torch,
+no I/O): every prefill rank computes the same plan and executes the transfers it is the source of.
+
+Where position p of the prompt lives (DESIGN.md section 3, invariant 4):
+  prefill  every rank that holds layer l keeps p's entries at prefill slot `slots[p]` (the same
+           slot numbering on every rank). `full`: every rank holds every layer. `layer-split`:
+           rank r holds a contiguous block of layers (`layer_owners`, the rule of
+           prefill_server.cp_backend, re-implemented here to stay torch-free; a test checks they agree).
+  decode   global slot s = pages[p // page_size] * page_size + p % page_size. The W ranks form
+           W / C_d DCP groups of C_d consecutive ranks; in EVERY group the member with group rank
+           s % C_d stores p's latent entry ("kv") at row s // C_d, so each group holds one full copy.
+           Index keys ("index", indexer layers only): mode "copy" -> every decode rank, at row s;
+           mode "split" -> only the latent owners, at row s // C_d.
+
+Who sends:
+  layer-split  the layer's owner, the only prefill rank that has it.
+  full         every prefill rank has everything, so the sending is spread. The unit is a whole
+               (layer, dst_rank) pair (its kv and index rows travel together). Pairs are taken in
+               decreasing row count (ties: ascending (layer, dst_rank)) and each goes to the prefill
+               rank that has the fewest rows so far (ties: lowest rank) -- greedy longest-first.
+               Each rank gets a disjoint share; all ranks send once there are >= C_p pairs; the
+               busiest rank sends at most the average plus one pair's rows.
+
+Why runs: the sender issues one NIXL WRITE descriptor (or one packing copy) per run, so rows whose
+source and destination both advance by 1 are merged. A transfer's rows are sorted by source row
+before merging, which makes the runs maximal: no two runs of one transfer could be joined.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CACHE_MODES = ("full", "layer-split")
+INDEX_MODES = ("copy", "split")
+
+
+def layer_owners(num_layers: int, cp_size: int) -> list[int]:
+    """Prefill rank that stores each layer in layer-split mode: contiguous blocks, as even as possible.
+    Same rule as `pdserve.prefill_server.cp_backend.layer_owners`."""
+    return [min(r for r in range(cp_size) if layer < (r + 1) * num_layers // cp_size) for layer in range(num_layers)]
+
+
+@dataclass(frozen=True)
+class PrefillSide:
+    cp_size: int
+    cache: str  # "full" | "layer-split"
+    num_layers: int
+    indexer_layers: tuple[int, ...]
+    slots: tuple[int, ...]  # prefill slot of each prompt position 0..n-1 (same on every prefill rank)
+
+    def __post_init__(self):
+        object.__setattr__(self, "indexer_layers", tuple(self.indexer_layers))
+        object.__setattr__(self, "slots", tuple(self.slots))
+        if self.cp_size < 1 or self.num_layers < 1:
+            raise ValueError(f"need cp_size >= 1 and num_layers >= 1, got {self.cp_size}, {self.num_layers}")
+        if self.cache not in CACHE_MODES:
+            raise ValueError(f"unknown prefill cache mode {self.cache!r} (allowed: {CACHE_MODES})")
+        bad = [i for i in self.indexer_layers if not 0 <= i < self.num_layers]
+        if bad or len(set(self.indexer_layers)) != len(self.indexer_layers):
+            raise ValueError(f"indexer_layers {self.indexer_layers} must be distinct layers in [0, {self.num_layers})")
+
+    def holds(self, rank: int, layer: int) -> bool:
+        return self.cache == "full" or layer_owners(self.num_layers, self.cp_size)[layer] == rank
+
+
+@dataclass(frozen=True)
+class DecodeSide:
+    tp_size: int  # W
+    dcp_size: int  # C_d, divides W
+    index_mode: str  # "copy" | "split"
+    page_size: int  # multiple of dcp_size
+    pages: tuple[int, ...]  # global pages reserved for the request (enough for the prompt)
+
+    def __post_init__(self):
+        object.__setattr__(self, "pages", tuple(self.pages))
+        if self.tp_size < 1 or self.dcp_size < 1 or self.tp_size % self.dcp_size:
+            raise ValueError(f"dcp_size {self.dcp_size} must divide tp_size {self.tp_size} (both >= 1)")
+        if self.index_mode not in INDEX_MODES:
+            raise ValueError(f"unknown index mode {self.index_mode!r} (allowed: {INDEX_MODES})")
+        if self.page_size < 1 or self.page_size % self.dcp_size:
+            raise ValueError(f"page_size {self.page_size} must be a positive multiple of dcp_size {self.dcp_size}")
+
+
+@dataclass(frozen=True)
+class Run:
+    src: int  # first source row (prefill slot)
+    dst: int  # first destination row on the decode rank
+    length: int
+
+
+@dataclass(frozen=True)
+class Transfer:
+    src_rank: int
+    dst_rank: int
+    layer: int
+    kind: str  # "kv" (latent entries) | "index" (index keys)
+    runs: tuple[Run, ...]  # maximal runs, ascending source rows
+
+    @property
+    def rows(self) -> int:
+        return sum(r.length for r in self.runs)
+
+
+def plan_transfer(prefill: PrefillSide, decode: DecodeSide, prompt_len: int) -> list[Transfer]:
+    """Every row of the prompt's cache that the decode instance stores, with its source; sorted by
+    (src_rank, dst_rank, layer, kind)."""
+    _check_room(prefill, decode, prompt_len)
+    if prompt_len == 0:
+        return []
+    member_runs, all_runs = _runs(prefill, decode, prompt_len)
+    C, indexer = decode.dcp_size, set(prefill.indexer_layers)
+    pairs: dict[tuple[int, int], dict[str, tuple[Run, ...]]] = {}  # (layer, dst) -> kind -> runs
+    for layer in range(prefill.num_layers):
+        for dst in range(decode.tp_size):
+            kinds = {"kv": member_runs[dst % C]}  # group rank = dst % C_d (groups are C_d-aligned)
+            if layer in indexer:
+                kinds["index"] = all_runs if decode.index_mode == "copy" else member_runs[dst % C]
+            if kinds := {k: runs for k, runs in kinds.items() if runs}:
+                pairs[layer, dst] = kinds
+    rows = {pair: sum(r.length for rs in kinds.values() for r in rs) for pair, kinds in pairs.items()}
+    senders = _senders(prefill, rows)
+    plan = [Transfer(senders[layer, dst], dst, layer, kind, runs)
+            for (layer, dst), kinds in pairs.items() for kind, runs in kinds.items()]
+    return sorted(plan, key=lambda t: (t.src_rank, t.dst_rank, t.layer, t.kind))
+
+
+def bytes_per_pair(plan: list[Transfer], kv_row_bytes: int, index_row_bytes: int) -> dict[tuple[int, int], int]:
+    """Bytes each prefill rank ships to each decode rank: {(src_rank, dst_rank): bytes}."""
+    row_bytes = {"kv": kv_row_bytes, "index": index_row_bytes}
+    out: dict[tuple[int, int], int] = {}
+    for t in plan:
+        key = (t.src_rank, t.dst_rank)
+        out[key] = out.get(key, 0) + t.rows * row_bytes[t.kind]
+    return out
+
+
+def summary(plan: list[Transfer]) -> dict[str, int]:
+    """Sizes for staging buffers and descriptor lists: transfers, runs, kv_rows, index_rows."""
+    out = {"transfers": len(plan), "runs": sum(len(t.runs) for t in plan), "kv_rows": 0, "index_rows": 0}
+    for t in plan:
+        out[f"{t.kind}_rows"] += t.rows
+    return out
+
+
+def _check_room(prefill: PrefillSide, decode: DecodeSide, n: int) -> None:
+    if n < 0:
+        raise ValueError(f"prompt_len must be >= 0, got {n}")
+    if len(prefill.slots) < n:
+        raise ValueError(f"prefill side gives {len(prefill.slots)} slots for a {n}-token prompt")
+    need = -(-n // decode.page_size)
+    if len(decode.pages) < need:
+        raise ValueError(f"decode side gives {len(decode.pages)} pages of {decode.page_size} slots "
+                         f"for a {n}-token prompt (needs {need})")
+    slots, pages = prefill.slots[:n], decode.pages[:need]
+    if min(slots, default=0) < 0 or len(set(slots)) != n:
+        raise ValueError("prefill slots of the prompt must be distinct and >= 0")
+    if min(pages, default=0) < 0 or len(set(pages)) != need:
+        raise ValueError("decode pages of the prompt must be distinct and >= 0")
+
+
+def _runs(prefill: PrefillSide, decode: DecodeSide, n: int):
+    """Merged runs of the rows each DCP group member stores (row s // C_d), and of all positions
+    at row s (copied index). Shared by every layer and every group."""
+    C, ps = decode.dcp_size, decode.page_size
+    member: list[list[tuple[int, int]]] = [[] for _ in range(C)]
+    every: list[tuple[int, int]] = []
+    for p in range(n):
+        s = decode.pages[p // ps] * ps + p % ps
+        member[s % C].append((prefill.slots[p], s // C))
+        every.append((prefill.slots[p], s))
+    return [_merge(rows) for rows in member], _merge(every)
+
+
+def _merge(rows: list[tuple[int, int]]) -> tuple[Run, ...]:
+    runs: list[list[int]] = []  # [src, dst, length]
+    for src, dst in sorted(rows):
+        last = runs[-1] if runs else None
+        if last and last[0] + last[2] == src and last[1] + last[2] == dst:
+            last[2] += 1
+        else:
+            runs.append([src, dst, 1])
+    return tuple(Run(*r) for r in runs)
+
+
+def _senders(prefill: PrefillSide, rows: dict[tuple[int, int], int]) -> dict[tuple[int, int], int]:
+    """Prefill rank that sends each (layer, dst_rank) pair (see "Who sends" above)."""
+    if prefill.cache == "layer-split":
+        owners = layer_owners(prefill.num_layers, prefill.cp_size)
+        return {pair: owners[pair[0]] for pair in rows}
+    sent = [0] * prefill.cp_size
+    out = {}
+    for pair in sorted(rows, key=lambda pair: (-rows[pair], pair)):
+        out[pair] = rank = min(range(prefill.cp_size), key=lambda r: (sent[r], r))
+        sent[rank] += rows[pair]
+    return out
