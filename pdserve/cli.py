@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from .admin_cli import admin_app
+from .admin_cli import KVCacheDType, admin_app, parse_bytes
 
 app = typer.Typer(
     help="pdserve: disaggregated prefill/decode serving for long-context MLA + sparse-attention models.",
@@ -183,6 +183,63 @@ def prefill(
         fail(str(e))
     if check_config:
         typer.echo(json.dumps(asdict(cfg)))
+        return
+    serve(cfg)
+
+
+class DcpIndex(str, Enum):
+    copy = "copy"
+    split = "split"
+
+
+class DcpComm(str, Enum):
+    a2a = "a2a"
+    ag_rs = "ag_rs"
+
+
+@app.command()
+def decode(
+    model: Optional[Path] = typer.Option(None, help="Checkpoint directory. Default: the built-in small model."),
+    tp_size: int = typer.Option(1, min=1, help="Decode ranks W: attention heads are split across them (tensor parallel)."),
+    dcp_size: int = typer.Option(1, min=1, help="Decode context-parallel size C_d (must divide --tp-size): each group of C_d ranks splits the KV cache by token."),
+    dcp_index: DcpIndex = typer.Option(DcpIndex.copy, help="Sparse-attention index keys: copy (every rank keeps all) or split (by token like the cache; ranks merge top-k candidates)."),
+    dcp_comm: DcpComm = typer.Option(DcpComm.a2a, help="How partial attention results are merged: a2a (all-to-all) or ag_rs (all-gather + reduce-scatter)."),
+    replicate_q_proj: bool = typer.Option(False, "--replicate-q-proj", help="Each rank keeps the query projection for every head slice of its DCP group, so queries need no all-gather (more weight memory)."),
+    kv_cache_dtype: KVCacheDType = typer.Option(KVCacheDType.auto, help="KV cache storage: auto (the model dtype) or fp8_e4m3 (1 byte per value, index keys with a float32 scale)."),
+    kv_memory: Optional[str] = typer.Option(None, help="KV cache budget per rank, e.g. 80GiB, 512MiB or plain bytes; sets the token capacity (instead of --max-kv-tokens)."),
+    max_kv_tokens: Optional[int] = typer.Option(None, min=1, help="KV cache capacity in tokens of the whole instance, rounded up to whole pages (default 65536 unless --kv-memory is given)."),
+    page_size: int = typer.Option(64, min=1, help="KV slots per page; must be a multiple of --dcp-size (pages are C_d-wide)."),
+    host: str = typer.Option("127.0.0.1", help="Address the HTTP API listens on."),
+    port: int = typer.Option(8200, help="Port of the HTTP API."),
+    dist_port: int = typer.Option(29600, help="TCP port the ranks use to form their torch.distributed group."),
+    dtype: DType = typer.Option(DType.float32, help="Weights and activations dtype (and KV cache dtype when --kv-cache-dtype is auto)."),
+    threads_per_rank: int = typer.Option(1, min=1, help="torch threads in each rank process (and in the server's local prefill)."),
+    max_batch: int = typer.Option(64, min=1, help="Most requests decoded together in one step (continuous batching)."),
+    check_config: bool = typer.Option(False, "--check-config", help="Validate the flags and the checkpoint, print the config with its num_slots as JSON, and exit without starting."),
+):
+    """Run a decode instance: W rank processes with tensor + decode context parallelism, behind an HTTP API."""
+    from dataclasses import asdict
+
+    from .decode_server.server import DEFAULT_MAX_KV_TOKENS, DecodeServerConfig, serve
+
+    if kv_memory is not None and max_kv_tokens is not None:
+        fail("give either --kv-memory or --max-kv-tokens, not both")
+    try:
+        budget = parse_bytes(kv_memory) if kv_memory is not None else None
+        cfg = DecodeServerConfig(
+            model=str(model or ensure_builtin_model()), tp_size=tp_size, dcp_size=dcp_size,
+            dcp_index=dcp_index.value, dcp_comm=dcp_comm.value, replicate_q_proj=replicate_q_proj,
+            kv_cache_dtype=kv_cache_dtype.value, kv_memory=budget,
+            max_kv_tokens=DEFAULT_MAX_KV_TOKENS if budget is None and max_kv_tokens is None else max_kv_tokens,
+            page_size=page_size, host=host, port=port, dist_port=dist_port, dtype=dtype.value,
+            threads_per_rank=threads_per_rank, max_batch=max_batch,
+        )
+        cfg.validate_model()
+        num_slots = cfg.num_slots()
+    except (ValueError, FileNotFoundError) as e:
+        fail(str(e))
+    if check_config:
+        typer.echo(json.dumps({**asdict(cfg), "num_slots": num_slots}))
         return
     serve(cfg)
 

@@ -38,12 +38,13 @@ class DecodeEngine:
         req = DecodeRequest(len(prompt_ids), params)
         if request_id:
             req.request_id = request_id
-        self.scheduler.submit(req)
-        if cache is None:
+        self.scheduler.check_fits(req)
+        if cache is None:  # before queueing: a failed prefill must leave nothing behind
             logits, kv, index = self._local_prefill().prefill_with_cache(list(prompt_ids))
             first = self.sampler.sample(logits[None], [params], [req.request_id])[0]
             cache = (kv, index, first)
         self._caches[req.request_id] = cache
+        self.scheduler.submit(req)
         return req
 
     def abort(self, request_id: str) -> DecodeRequest | None:

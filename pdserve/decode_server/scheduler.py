@@ -58,10 +58,13 @@ class DecodeScheduler:
     def capacity_tokens(self) -> int:
         return self.allocator.num_pages * self.allocator.page_size
 
-    def submit(self, req: DecodeRequest) -> None:
+    def check_fits(self, req: DecodeRequest) -> None:
         if req.num_slots_needed > self.capacity_tokens:
             raise ValueError(f"request needs {req.num_slots_needed} KV slots (prompt {req.prompt_len} + max_tokens "
                              f"{req.params.max_tokens}); this instance holds {self.capacity_tokens}")
+
+    def submit(self, req: DecodeRequest) -> None:
+        self.check_fits(req)
         req.state = "queued"
         self.queued.append(req)
 

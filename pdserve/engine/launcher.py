@@ -87,6 +87,7 @@ class RankGroup:
         self.procs: list[mp.process.BaseProcess] = []
         self.conns: list[Connection] = []
         self.infos: list[dict] = []
+        self.broken: str | None = None  # set when a call failed: replies may be out of step, so no more calls
 
     @property
     def pids(self) -> list[int]:
@@ -118,10 +119,19 @@ class RankGroup:
         return None
 
     def call(self, cmd: Any, timeout_s: float | None = None) -> list[Any]:
-        """Sends the same command to every rank and returns their replies in rank order."""
+        """Sends the same command to every rank and returns their replies in rank order.
+
+        A failure breaks the group for good: the other ranks may still be inside a collective, and
+        their late replies would answer the next command."""
+        if self.broken:
+            raise RankError(f"the rank group is broken: {self.broken}")
         for conn in self.conns:
             conn.send(cmd)
-        return self._gather(time.monotonic() + (timeout_s or self.cfg.collective_timeout_s), "ok")
+        try:
+            return self._gather(time.monotonic() + (timeout_s or self.cfg.collective_timeout_s), "ok")
+        except RankError as e:
+            self.broken = str(e).splitlines()[0]
+            raise
 
     def _gather(self, deadline: float, want: str) -> list[Any]:
         replies: list[Any] = [None] * len(self.conns)

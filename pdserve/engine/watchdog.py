@@ -8,13 +8,10 @@ Whatever supervises the server (a shell, docker, Kubernetes) then sees a clear f
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import threading
 from typing import NoReturn
-
-log = logging.getLogger("pdserve.watchdog")
 
 POLL_S = 0.2
 # The watchdog and a server's own failure path can both decide to stop; exactly one does.
@@ -24,7 +21,6 @@ _stopping = threading.Lock()
 def stop_instance(instance, role: str, message: str) -> NoReturn:
     """Prints `error: <message>; stopping the <role> instance`, stops the ranks, exits with status 1."""
     with _stopping:
-        log.error("%s; stopping the %s instance", message, role)
         print(f"error: {message}; stopping the {role} instance", file=sys.stderr, flush=True)
         try:
             instance.shutdown()
@@ -36,7 +32,7 @@ def watch_ranks(instance, role: str, stop: threading.Event, poll_s: float = POLL
     """Thread body: returns when `stop` is set; never returns if a rank dies."""
     while not stop.wait(poll_s):
         dead = instance.ranks.dead_rank()  # "rank 1 (pid 123) exited with code -9"
-        if dead:
+        if dead and not stop.is_set():  # set before a clean shutdown stops the ranks on purpose
             stop_instance(instance, role, dead)
 
 

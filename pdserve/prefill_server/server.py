@@ -19,6 +19,7 @@ from .layouts import check_layout_allowed
 from .rank_worker import CACHE_MODES, PrefillWorkerConfig
 from .scheduler import PrefillScheduler
 
+
 @dataclass(frozen=True)
 class PrefillServerConfig:
     model: str

@@ -1,0 +1,169 @@
+"""HTTP API of a decode instance.
+
+GET  /health       200 {"status": "ok"} while every rank lives; 503 {"error": "rank 1 (pid ...) ..."} otherwise
+GET  /capacity     total / free KV tokens, bytes per token per rank (DESIGN.md invariant 6), index mode,
+                   tp_size, dcp_size, kv_cache_dtype, page_size, running / queued requests, ranks (pid, cache bytes)
+POST /v1/generate  {"token_ids": [...], "max_tokens": 16, "temperature", "top_p", "top_k", "seed",
+                    "stop_token_ids": [], "ignore_eos": false, "stream": false, "request_id"?}
+                   -> {"request_id", "token_ids", "finish_reason"}; with "stream": true, newline-delimited
+                   JSON: one {"token": id} line per token, then {"finish_reason", "request_id"}
+                   (or {"error", "request_id"} if the instance failed). Bad input is a 400 with the reason.
+POST /v1/abort     {"request_id"} -> {"aborted": true | false (no such live request)}
+
+Request lifecycle (the engine thread in server.py owns the engine; handlers never touch it):
+1. The handler validates the body (token ids inside the vocab, sampling params) and puts a submit
+   command on the engine thread's queue, with a callback that feeds this request's asyncio.Queue
+   through `loop.call_soon_threadsafe`.
+2. The engine thread takes the command at the top of its next iteration. The decode scheduler
+   accepts it or rejects it (it can never fit this instance's KV slots: 400). Without a KV hand-off
+   the engine prefills the prompt locally; the request then waits for pages for prompt + max_tokens.
+3. Each engine step delivers the request's tokens (the first comes from the prefill) as they are
+   sampled; then exactly one finish (stop | length | abort) or error event.
+4. A client that disconnects before the finish aborts the request: its pages are freed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
+
+from ..engine import capacity
+from ..engine.request import SamplingParams
+from .server import Unavailable
+
+DISCONNECT_POLL_S = 1.0  # how often a non-streaming handler checks whether its client is still there
+
+
+class GenerateBody(BaseModel):
+    token_ids: list[int] = Field(min_length=1)
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    stream: bool = False
+    request_id: str | None = Field(default=None, min_length=1)
+
+
+class AbortBody(BaseModel):
+    request_id: str
+
+
+def create_app(cfg, instance, engine_loop, dead_rank) -> FastAPI:
+    """cfg: DecodeServerConfig; engine_loop: server.EngineLoop; dead_rank() -> message or None."""
+    app = FastAPI(title="pdserve decode instance")
+    mcfg, alloc = instance.model_config, instance.allocator
+    static = {  # fixed for the life of the instance
+        "total_tokens": alloc.num_pages * alloc.page_size, "page_size": alloc.page_size,
+        "bytes_per_token_per_rank": capacity.bytes_per_token_per_rank(mcfg, cfg.dcp_size, cfg.dcp_index,
+                                                                      cfg.kv_cache_dtype, cfg.dtype),
+        "index_mode": cfg.dcp_index, "tp_size": cfg.tp_size, "dcp_size": cfg.dcp_size,
+        "kv_cache_dtype": cfg.kv_cache_dtype, "dtype": cfg.dtype,
+        "ranks": [{"rank": i, "pid": r["pid"], "cache_bytes": r["cache_bytes"]}
+                  for i, r in enumerate(instance.rank_infos)],
+    }
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(request: Request, exc: RequestValidationError):  # 400, not FastAPI's 422: one code for bad input
+        errors = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:])}: {e['msg']}" for e in exc.errors())
+        return JSONResponse({"detail": errors or "invalid request body"}, status_code=400)
+
+    @app.get("/health")
+    def health():
+        dead = dead_rank()
+        if dead:
+            return JSONResponse({"status": "unhealthy", "error": dead}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/capacity")
+    def capacity_():
+        return {**static, **engine_loop.stats}
+
+    @app.post("/v1/generate")
+    async def generate(body: GenerateBody, request: Request):
+        params = _sampling_params(body, mcfg.vocab_size)
+        request_id = body.request_id or f"gen-{uuid.uuid4().hex}"
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        accepted = engine_loop.submit(body.token_ids, params, request_id,
+                                      lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        try:
+            await asyncio.wrap_future(accepted)
+        except ValueError as e:  # the scheduler's verdict, e.g. more KV slots than the instance holds
+            raise HTTPException(400, str(e)) from None
+        except Unavailable as e:
+            raise HTTPException(503, str(e)) from None
+        except Exception as e:
+            raise HTTPException(500, f"request {request_id} failed: {type(e).__name__}: {e}") from None
+        # also catches a client that left during the local prefill, or before its stream started
+        watcher = asyncio.create_task(_abort_on_disconnect(request, request_id, engine_loop))
+        if body.stream:
+            return StreamingResponse(_stream(request_id, events, engine_loop, watcher),
+                                     media_type="application/x-ndjson")
+        return await _collect(request_id, events, watcher)
+
+    @app.post("/v1/abort")
+    async def abort(body: AbortBody):
+        return {"aborted": await asyncio.wrap_future(engine_loop.abort(body.request_id))}
+
+    return app
+
+
+def _sampling_params(body: GenerateBody, vocab: int) -> SamplingParams:
+    if any(not 0 <= t < vocab for t in body.token_ids):
+        raise HTTPException(400, f"token ids must be in [0, {vocab})")
+    if any(not 0 <= t < vocab for t in body.stop_token_ids):
+        raise HTTPException(400, f"stop_token_ids must be in [0, {vocab})")
+    try:
+        return SamplingParams(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
+                              top_k=body.top_k, seed=body.seed, stop_token_ids=tuple(body.stop_token_ids),
+                              ignore_eos=body.ignore_eos)
+    except ValueError as e:
+        raise HTTPException(400, str(e)) from None
+
+
+async def _stream(request_id: str, events: asyncio.Queue, engine_loop, watcher: asyncio.Task):
+    ended = False
+    try:
+        while True:
+            kind, value = await events.get()
+            if kind == "token":
+                yield json.dumps({"token": value}) + "\n"
+                continue
+            ended = True
+            key = "finish_reason" if kind == "finish" else "error"
+            yield json.dumps({key: value, "request_id": request_id}) + "\n"
+            return
+    finally:  # starlette cancels this generator when the client disconnects
+        watcher.cancel()
+        if not ended:
+            engine_loop.abort(request_id)  # frees the request's pages; nothing waits for the answer
+
+
+async def _collect(request_id: str, events: asyncio.Queue, watcher: asyncio.Task):
+    tokens: list[int] = []
+    try:
+        while True:
+            kind, value = await events.get()
+            if kind == "token":
+                tokens.append(value)
+            elif kind == "finish":  # "abort" too, when the watcher saw the client leave
+                return {"request_id": request_id, "token_ids": tokens, "finish_reason": value}
+            else:
+                raise HTTPException(500, f"request {request_id} failed: {value}")
+    finally:
+        watcher.cancel()
+
+
+async def _abort_on_disconnect(request: Request, request_id: str, engine_loop) -> None:
+    """Starlette does not cancel a handler whose client left before its response started: poll, then abort."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+    engine_loop.abort(request_id)  # frees its pages; a no-op if the request already ended

@@ -1,0 +1,293 @@
+"""`pdserve decode`: one process that owns the W rank processes, the decode engine and the HTTP API.
+
+Threads: uvicorn (main thread) runs the HTTP handlers; one engine thread owns the `DecodeEngine`
+and is the only code that touches it (the scheduler and allocator are plain Python without locks);
+the shared rank watchdog stops the instance, naming the rank, if any rank dies. Handlers talk to
+the engine thread through a thread-safe command queue (submit / abort), and the engine thread
+answers through per-request callbacks. SIGTERM/SIGINT stop HTTP, the engine thread and the ranks.
+"""
+
+from __future__ import annotations
+
+import queue
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import uvicorn
+
+from ..engine import capacity
+from ..engine.launcher import LaunchConfig
+from ..engine.request import SamplingParams
+from ..engine.watchdog import start_watchdog, stop_instance
+from ..model.config import ModelConfig
+from .dcp_backend import COMM_MODES
+from .engine import DecodeEngine
+from .instance import DecodeInstance
+from .rank_worker import DecodeWorkerConfig
+
+DEFAULT_MAX_KV_TOKENS = 65536
+IDLE_WAIT_S = 0.1  # how long an idle engine thread blocks on the command queue before re-checking stop
+
+
+@dataclass(frozen=True)
+class DecodeServerConfig:
+    model: str
+    tp_size: int = 1
+    dcp_size: int = 1
+    dcp_index: str = "copy"
+    dcp_comm: str = "a2a"
+    replicate_q_proj: bool = False
+    kv_cache_dtype: str = "auto"
+    kv_memory: int | None = None  # KV budget in bytes per rank; exactly one of this and max_kv_tokens
+    max_kv_tokens: int | None = None
+    page_size: int = 64
+    host: str = "127.0.0.1"
+    port: int = 8200
+    dist_port: int = 29600
+    dtype: str = "float32"
+    threads_per_rank: int = 1
+    max_batch: int = 64
+
+    def __post_init__(self):
+        if self.tp_size < 1 or self.dcp_size < 1 or self.tp_size % self.dcp_size:
+            raise ValueError(f"--dcp-size {self.dcp_size} must divide --tp-size {self.tp_size} (both >= 1)")
+        capacity.check_index_mode(self.dcp_index)
+        capacity.check_kv_cache_dtype(self.kv_cache_dtype)
+        capacity.dtype_bytes(self.dtype)
+        if self.dcp_comm not in COMM_MODES:
+            raise ValueError(f"--dcp-comm must be one of {', '.join(COMM_MODES)}, got {self.dcp_comm!r}")
+        if self.page_size < 1 or self.page_size % self.dcp_size:  # pages are C_d-wide (invariant 4)
+            raise ValueError(f"--page-size {self.page_size} must be a positive multiple of --dcp-size {self.dcp_size}")
+        if (self.kv_memory is None) == (self.max_kv_tokens is None):
+            raise ValueError("give exactly one of --kv-memory or --max-kv-tokens")
+        if (self.kv_memory or 1) < 1 or (self.max_kv_tokens or 1) < 1:
+            raise ValueError("--kv-memory and --max-kv-tokens must be positive")
+        if self.port == self.dist_port:
+            raise ValueError("--port and --dist-port must differ")
+        if self.threads_per_rank < 1 or self.max_batch < 1:
+            raise ValueError("--threads-per-rank and --max-batch must be >= 1")
+
+    def num_slots(self) -> int:
+        """Global KV slots of the instance: whole pages that fit the per-rank budget, or max_kv_tokens rounded up."""
+        if self.kv_memory is None:
+            return -(-self.max_kv_tokens // self.page_size) * self.page_size
+        mcfg = ModelConfig.from_pretrained(self.model)
+        slots = capacity.tokens_for_budget(mcfg, self.kv_memory, self.dcp_size, self.dcp_index, self.page_size,
+                                           self.kv_cache_dtype, self.dtype)
+        if slots == 0:
+            page = capacity.page_bytes_per_rank(mcfg, self.dcp_size, self.dcp_index, self.page_size,
+                                                self.kv_cache_dtype, self.dtype)
+            raise ValueError(f"--kv-memory {self.kv_memory} bytes holds no page ({page} bytes per page per rank)")
+        return slots
+
+    def validate_model(self) -> None:
+        """Checks that need the checkpoint's config (a clear error before any rank starts)."""
+        heads = ModelConfig.from_pretrained(self.model).num_heads
+        if heads % self.tp_size:
+            raise ValueError(f"the model's {heads} attention heads cannot be split over --tp-size {self.tp_size}")
+        self.num_slots()
+
+    def build_instance(self) -> DecodeInstance:
+        worker = DecodeWorkerConfig(self.model, self.num_slots(), self.dcp_size, self.dcp_index, self.dcp_comm,
+                                    self.replicate_q_proj, self.dtype, self.kv_cache_dtype)
+        launch = LaunchConfig(self.tp_size, self.dist_port, threads_per_rank=self.threads_per_rank)
+        return DecodeInstance(worker, launch, page_size=self.page_size)
+
+
+# An event for one request, delivered from the engine thread:
+# ("token", id) ... then exactly one of ("finish", reason) or ("error", message).
+Listener = Callable[[tuple[str, object]], None]
+
+
+class Unavailable(RuntimeError):
+    """The instance is shutting down: the request was not accepted (HTTP 503)."""
+
+
+@dataclass
+class _Submit:
+    prompt_ids: list[int]
+    params: SamplingParams
+    request_id: str
+    listener: Listener
+    accepted: Future  # None when queued; ValueError (bad request), Unavailable or another exception otherwise
+
+
+@dataclass
+class _Abort:
+    request_id: str
+    done: Future  # True when the request was live
+
+
+class EngineLoop:
+    """The engine thread. submit(), abort() and stop() are thread-safe; the rest runs on the thread."""
+
+    def __init__(self, engine: DecodeEngine, on_fatal: Callable[[str], None]):
+        self.engine, self.on_fatal = engine, on_fatal
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.listeners: dict[str, Listener] = {}
+        self._stop = threading.Event()
+        self._closed, self._lock = False, threading.Lock()  # once closed, no command can be left unanswered
+        self.stats = self._snapshot()  # replaced (never mutated) after every iteration: readers need no lock
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, listener: Listener) -> Future:
+        return self._put(_Submit(list(prompt_ids), params, request_id, listener, Future()))
+
+    def abort(self, request_id: str) -> Future:
+        return self._put(_Abort(request_id, Future()))
+
+    def _put(self, cmd):
+        with self._lock:
+            if self._closed:
+                _refuse(cmd)
+            else:
+                self.commands.put(cmd)
+        return cmd.accepted if isinstance(cmd, _Submit) else cmd.done
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.commands.put(None)  # wakes an idle thread
+
+    def run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain(block=self.engine.scheduler.is_idle())
+                if not self.engine.scheduler.is_idle():
+                    self._dispatch(self.engine.step())
+                self.stats = self._snapshot()
+        except Exception as e:  # a rank failed mid-step (or a bug): the ranks' state can no longer be trusted
+            message = f"decode step failed: {type(e).__name__}: {e}"
+            self._fail_all(message)
+            if not self._stop.is_set():  # while stopping, the ranks going away is expected
+                time.sleep(0.5)  # lets the handlers flush the error to their clients
+                self.on_fatal(message)
+        with self._lock:
+            self._closed = True
+        self._fail_all("the decode instance is shutting down")
+        while not self.commands.empty():
+            cmd = self.commands.get_nowait()
+            if cmd is not None:
+                _refuse(cmd)
+
+    def _drain(self, block: bool) -> None:
+        try:  # idle: sleep on the queue (no busy loop); busy: take what is there and go on decoding
+            cmd = self.commands.get(timeout=IDLE_WAIT_S) if block else self.commands.get_nowait()
+            while cmd is not None:
+                self._handle(cmd)
+                cmd = self.commands.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _handle(self, cmd) -> None:
+        if isinstance(cmd, _Abort):
+            req = self.engine.abort(cmd.request_id)  # frees its pages at once
+            listener = self.listeners.pop(cmd.request_id, None)
+            if listener:
+                _send(listener, ("finish", "abort"))
+            cmd.done.set_result(req is not None)
+        elif cmd.request_id in self.listeners:
+            cmd.accepted.set_exception(ValueError(f"request id {cmd.request_id!r} is already in use"))
+        else:
+            try:  # without a cache the engine prefills locally, here on this thread (the KV hand-off replaces it)
+                self.engine.submit(cmd.prompt_ids, cmd.params, cmd.request_id)
+            except Exception as e:
+                self.engine.abort(cmd.request_id)  # a failed local prefill must not leave the request queued
+                cmd.accepted.set_exception(e)
+                return
+            self.listeners[cmd.request_id] = cmd.listener
+            cmd.accepted.set_result(None)
+
+    def _dispatch(self, events) -> None:
+        finished = {}
+        for req, token in events:  # a request's finish follows all of its tokens of this step
+            listener = self.listeners.get(req.request_id)
+            if listener:
+                _send(listener, ("token", token))
+            if req.state in ("finished", "aborted"):
+                finished[req.request_id] = req.finish_reason
+        for request_id, reason in finished.items():
+            listener = self.listeners.pop(request_id, None)
+            if listener:
+                _send(listener, ("finish", reason))
+
+    def _fail_all(self, message: str) -> None:
+        for request_id, listener in list(self.listeners.items()):
+            self.engine.abort(request_id)
+            _send(listener, ("error", message))
+        self.listeners.clear()
+
+    def _snapshot(self) -> dict:
+        s, alloc = self.engine.scheduler, self.engine.instance.allocator
+        return {"free_tokens": alloc.num_free * alloc.page_size, "running": len(s.running),
+                "queued": len(s.queued) + len(s.waiting_for_kv)}
+
+
+def _refuse(cmd) -> None:
+    if isinstance(cmd, _Submit):
+        cmd.accepted.set_exception(Unavailable("the decode instance is shutting down"))
+    else:
+        cmd.done.set_result(False)
+
+
+def _send(listener: Listener, event: tuple[str, object]) -> None:
+    try:
+        listener(event)
+    except RuntimeError:  # the handler's event loop is closed (server shutting down): nobody to tell
+        pass
+
+
+class _HTTPServer(uvicorn.Server):
+    """uvicorn waits for open responses before it stops: stopping the engine first ends every
+    request with a clear error at once, instead of cutting streams after a timeout."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]):
+        super().__init__(config)
+        self.on_exit = on_exit
+
+    def handle_exit(self, sig, frame) -> None:
+        self.on_exit()
+        super().handle_exit(sig, frame)
+
+
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(0)
+
+
+def serve(cfg: DecodeServerConfig) -> None:
+    import torch
+
+    from .http_api import create_app
+
+    # uvicorn re-raises SIGTERM after its graceful shutdown; with the default handler that kills the
+    # process before the ranks are stopped, so turn both signals into SystemExit and clean up below.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGINT, _exit_on_signal)
+    torch.set_num_threads(cfg.threads_per_rank)  # the local prefill must not take the ranks' cores
+    cfg.validate_model()
+    instance = cfg.build_instance()
+    print(f"starting {cfg.tp_size} decode rank(s) (DCP {cfg.dcp_size}) for {cfg.model}", file=sys.stderr, flush=True)
+    stop = threading.Event()
+    loop: EngineLoop | None = None
+    thread: threading.Thread | None = None
+    try:
+        instance.start()
+        loop = EngineLoop(DecodeEngine(instance, cfg.max_batch), lambda msg: stop_instance(instance, "decode", msg))
+        thread = threading.Thread(target=loop.run, name="decode-engine", daemon=True)
+        thread.start()
+        start_watchdog(instance, "decode", stop)
+        app = create_app(cfg, instance, loop, instance.ranks.dead_rank)
+        config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5)
+        _HTTPServer(config, on_exit=loop.stop).run()
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not interrupt the shutdown
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        stop.set()
+        if loop:
+            loop.stop()
+        if thread:  # finish the current step before the ranks go away under it
+            thread.join(timeout=10)
+        instance.shutdown()

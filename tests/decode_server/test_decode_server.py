@@ -1,0 +1,194 @@
+"""`pdserve decode` as users run it: a real process with real rank processes behind HTTP.
+
+/capacity agrees with the capacity formula; /v1/generate (plain and streamed) agrees with the
+single-rank engine; a client that goes away mid-stream gets its pages freed; bad input is a 400;
+killing a rank stops the instance within 10 s naming the rank, with no orphans; SIGTERM stops
+everything; --check-config reports the capacity formula's slots and startup errors are clear.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from pdserve.engine import capacity
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.request import SamplingParams
+from pdserve.model.config import ModelConfig
+from tests.reference import free_port
+
+MAX_KV_TOKENS = 4096  # room for a long request, so the disconnect test can only pass by aborting it
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is gone for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def pdserve_decode(model, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pdserve.cli", "decode", "--model", str(model), *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def start_decode(model, *args) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "decode", "--model", str(model), "--port", str(port),
+         "--dist-port", str(free_port()), "--max-kv-tokens", str(MAX_KV_TOKENS), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"decode server exited: {proc.stderr.read()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("decode server not healthy within 120 s")
+
+
+def wait_all_free(url: str, timeout_s: float = 15) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        cap = httpx.get(f"{url}/capacity").json()
+        if cap["free_tokens"] == cap["total_tokens"] and cap["running"] == cap["queued"] == 0:
+            return cap
+        time.sleep(0.1)
+    raise AssertionError(f"KV pages not freed within {timeout_s} s: {cap}")
+
+
+def assert_no_orphans(rank_pids: list[int]) -> None:
+    deadline = time.monotonic() + 10
+    while any(pid_alive(p) for p in rank_pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(pid_alive(p) for p in rank_pids), "orphan rank processes remain"
+
+
+@pytest.fixture()
+def glm(tiny_checkpoints):
+    return tiny_checkpoints[("glm_moe_dsa", "make-model")]
+
+
+def check_capacity(url: str, glm) -> dict:
+    cap = httpx.get(f"{url}/capacity").json()
+    assert cap["total_tokens"] == cap["free_tokens"] == MAX_KV_TOKENS and cap["running"] == cap["queued"] == 0
+    want = capacity.bytes_per_token_per_rank(ModelConfig.from_pretrained(glm), 2, "split", "auto", "float32")
+    assert cap["bytes_per_token_per_rank"] == want
+    assert (cap["index_mode"], cap["tp_size"], cap["dcp_size"], cap["kv_cache_dtype"]) == ("split", 2, 2, "auto")
+    assert len(cap["ranks"]) == 2 and all(r["cache_bytes"] == want * MAX_KV_TOKENS for r in cap["ranks"])
+    return cap
+
+
+def check_generate(url: str, glm) -> None:
+    ids, n = list(range(5, 40)), 12
+    want = LLMEngine.from_pretrained(glm).generate([ids], SamplingParams(max_tokens=n, ignore_eos=True))[0]
+    body = {"token_ids": ids, "max_tokens": n, "ignore_eos": True}
+    r = httpx.post(f"{url}/v1/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["token_ids"] == want and r.json()["finish_reason"] == "length"
+    with httpx.stream("POST", f"{url}/v1/generate", json={**body, "stream": True, "request_id": "s1"}, timeout=60) as r:
+        lines = [json.loads(line) for line in r.iter_lines() if line]
+    assert [x["token"] for x in lines[:-1]] == want
+    assert lines[-1] == {"finish_reason": "length", "request_id": "s1"}
+
+
+def check_disconnect_frees_pages(url: str) -> None:
+    body = {"token_ids": [7] * 10, "max_tokens": MAX_KV_TOKENS - 10, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/generate", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert "token" in json.loads(next(lines)) and "token" in json.loads(next(lines))
+        assert httpx.get(f"{url}/capacity").json()["running"] == 1
+    wait_all_free(url)  # about 4000 more decode steps had it not been aborted
+
+
+def check_bad_input(url: str) -> None:
+    bad = httpx.post(f"{url}/v1/generate", json={"token_ids": [1, 10**7]})
+    assert bad.status_code == 400 and "token ids must be in [0, 512)" in bad.text
+    bad = httpx.post(f"{url}/v1/generate", json={"token_ids": [1], "top_p": 0})
+    assert bad.status_code == 400 and "top_p" in bad.text
+    too_big = httpx.post(f"{url}/v1/generate", json={"token_ids": [5] * 100, "max_tokens": MAX_KV_TOKENS})
+    assert too_big.status_code == 400 and f"holds {MAX_KV_TOKENS}" in too_big.text
+    assert httpx.post(f"{url}/v1/abort", json={"request_id": "nope"}).json() == {"aborted": False}
+
+
+def sigterm_mid_stream(proc: subprocess.Popen, url: str) -> None:
+    """A stream still running at SIGTERM ends with an error line, not a cut connection."""
+    body = {"token_ids": [7] * 10, "max_tokens": MAX_KV_TOKENS - 10, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/generate", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert "token" in json.loads(next(lines))
+        proc.send_signal(signal.SIGTERM)
+        last = json.loads([line for line in lines if line][-1])
+    assert last["error"] == "the decode instance is shutting down"
+
+
+@pytest.mark.slow
+def test_decode_server_serves_streams_frees_and_stops_on_sigterm(glm):
+    proc, url = start_decode(glm, "--tp-size", "2", "--dcp-size", "2", "--dcp-index", "split")
+    rank_pids = []
+    try:
+        rank_pids = [r["pid"] for r in check_capacity(url, glm)["ranks"]]
+        check_generate(url, glm)
+        check_disconnect_frees_pages(url)
+        check_bad_input(url)
+        wait_all_free(url)
+        sigterm_mid_stream(proc, url)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    assert proc.returncode == 0, proc.stderr.read()
+    assert_no_orphans(rank_pids)
+
+
+@pytest.mark.slow
+def test_killing_a_rank_stops_the_instance_naming_it(glm):
+    proc, url = start_decode(glm, "--tp-size", "2", "--dcp-size", "2")
+    rank_pids = [r["pid"] for r in httpx.get(f"{url}/capacity").json()["ranks"]]
+    os.kill(rank_pids[1], signal.SIGKILL)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError("the instance did not stop within 10 s of a rank's death") from None
+    assert proc.returncode != 0
+    assert "rank 1" in proc.stderr.read()
+    assert_no_orphans(rank_pids)
+
+
+def test_check_config_reports_the_capacity_formulas_slots(glm):
+    proc = pdserve_decode(glm, "--tp-size", "2", "--dcp-size", "2", "--dcp-index", "split", "--kv-memory", "64MiB",
+                          "--check-config")
+    assert proc.returncode == 0, proc.stderr
+    cfg = json.loads(proc.stdout)
+    want = capacity.tokens_for_budget(ModelConfig.from_pretrained(glm), 64 * 2**20, 2, "split", 64, "auto", "float32")
+    assert cfg["num_slots"] == want > 0 and cfg["kv_memory"] == 64 * 2**20 and cfg["max_kv_tokens"] is None
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--tp-size", "3"), "4 attention heads cannot be split over --tp-size 3"),
+    (("--tp-size", "2", "--dcp-size", "3"), "--dcp-size 3 must divide --tp-size 2"),
+    (("--kv-memory", "1GiB", "--max-kv-tokens", "64"), "not both"),
+])
+def test_bad_decode_config_is_a_clear_startup_error(glm, args, message):
+    proc = pdserve_decode(glm, *args, "--check-config")
+    assert proc.returncode == 2
+    assert message in proc.stderr
