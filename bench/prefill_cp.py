@@ -15,7 +15,7 @@ On a 2-core machine the ceiling is 2x.
      waits (collectives, the busiest rank) instead of computing. The machine is shared, so before
      each timed prefill the script waits (up to --idle-wait s) until other processes use under
      0.25 cores, and records the cores they used during the run (/proc/stat minus our processes);
-     a run they disturbed is marked "*" in the table.
+     a run where they took more than 0.15 of the cores its C_p ranks needed is marked "*".
   2. Layout balance, pure accounting (no model): for C = 2, 4, 8 ranks and prompts of 16 and
      131072 tokens, the busiest rank's causal query-key pairs over the average per rank, for the
      interleave, zigzag and contiguous layouts (pdserve.prefill_server.layouts.balance).
@@ -46,7 +46,7 @@ PAGE_SIZE = 16
 LAYOUTS = ("interleave", "zigzag", "contiguous")
 CLAIM_RATIO = 1.7
 IDLE_CORES = 0.25  # "idle": other processes use less than this many cores
-NOISY_CORES = 0.15  # a run during which other processes used more than this is flagged with "*"
+NOISY_CORES = 0.15  # a run is "contended" (flagged "*") when other processes took more than this of the cores its ranks needed
 
 
 # ---------------------------------------------------------------- helpers
@@ -122,7 +122,7 @@ class Bench:
         longest = max(a.lengths + [WARMUP_TOKENS, a.chunk_size])
         num_slots = -(-longest // PAGE_SIZE) * PAGE_SIZE  # one request held at a time; whole pages
         self.worker = PrefillWorkerConfig(model_dir, num_slots=num_slots, dtype="float32", layout=a.layout,
-                                          cache=a.cache, moe_tp=False)
+                                          cache=a.cache, moe_tp=False, query_block=a.query_block)
         self.instances: dict[int, object] = {}
         self.errors: dict[int, str] = {}
         self.startup: dict[str, dict] = {}
@@ -178,8 +178,10 @@ class Bench:
             inst.release(rid)
         except Exception:
             return self._fail(cp, f"prefill of {len(ids)} tokens")
+        others = max(0.0, others / dt)
         return {"seconds": dt, "token": res.token, "rank_cpu_seconds": cpu, "rank_cpu_over_wall": [c / dt for c in cpu],
-                "other_processes_cores": max(0.0, others / dt), "idle_wait": idle}
+                "other_processes_cores": others, "contended": others + cp > (os.cpu_count() or 1) + NOISY_CORES,
+                "idle_wait": idle}
 
     def measure(self) -> dict:
         out: dict[str, dict] = {str(cp): {} for cp in self.a.cp_sizes}
@@ -248,7 +250,7 @@ def ratios(ttft: dict, cp_sizes: list[int], lengths: list[int]) -> dict:
 def fmt_s(r: dict) -> str:
     if "seconds" not in r:
         return "error"
-    return f"{r['seconds']:.2f}" + ("*" if r.get("other_processes_cores", 0) > NOISY_CORES else "")
+    return f"{r['seconds']:.2f}" + ("*" if r.get("contended") else "")
 
 
 def ttft_table(ttft: dict, rat: dict, toks: dict, a: argparse.Namespace) -> str:
@@ -301,7 +303,8 @@ def plot(ttft: dict, rat: dict, bal: dict, a: argparse.Namespace, path: Path) ->
         f = a.cp_sizes[-1] / a.cp_sizes[0]
         ax1.plot([n for n, _ in base_pts], [t / f for _, t in base_pts], ":", color="gray", lw=1,
                  label=f"C_p={a.cp_sizes[0]} / {f:g} (perfect scaling)")
-    ax1.set(xscale="log", yscale="log", title=f"Time to first token ({a.layout}, {a.cache} cache, chunk {a.chunk_size})",
+    qb = "" if a.query_block == 256 else f", query block {a.query_block}"
+    ax1.set(xscale="log", yscale="log", title=f"Time to first token ({a.layout}, {a.cache} cache, chunk {a.chunk_size}{qb})",
             xlabel="prompt tokens", ylabel="seconds")
     ax1.set_xticks(lengths, [str(n) for n in lengths])
     ax1.minorticks_off()
@@ -361,6 +364,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="full: every rank keeps every layer's KV; layer-split: each rank keeps a block of layers and the owner "
                         "broadcasts earlier chunks (default full)")
     p.add_argument("--chunk-size", type=int, default=4096, help="prefill chunk in tokens; longer prompts run in several chunks (default 4096)")
+    p.add_argument("--query-block", type=int, default=256,
+                   help="queries per attention/indexer block in each rank (PrefillWorkerConfig.query_block, default 256); "
+                        "the per-block temporaries are query_block x context")
     p.add_argument("--model", type=str, default=None, help="checkpoint directory (default: the built-in small glm_moe_dsa model)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results",
                    help="output folder for prefill_cp.json and prefill_cp.png (default bench/results)")
@@ -373,8 +379,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="prompt lengths of the balance table, comma-separated (default 16,131072); the plot uses the longest")
     p.add_argument("--balance-cp", type=ints, default=[2, 4, 8], help="rank counts C of the balance table (default 2,4,8)")
     a = p.parse_args(argv)
-    if not a.lengths or not a.cp_sizes or a.repeats < 1 or a.chunk_size < 1:
-        p.error("need at least one length and one C_p, --repeats >= 1 and --chunk-size >= 1")
+    if not a.lengths or not a.cp_sizes or a.repeats < 1 or a.chunk_size < 1 or a.query_block < 1:
+        p.error("need at least one length and one C_p, --repeats >= 1, --chunk-size >= 1 and --query-block >= 1")
     return a
 
 
@@ -412,8 +418,9 @@ def main(argv=None) -> None:
     (a.out / "prefill_cp.json").write_text(json.dumps(doc, indent=2) + "\n")
     plot(ttft, rat, bal, a, a.out / "prefill_cp.png")
     print(ttft_table(ttft, rat, toks, a))
-    if any(r.get("other_processes_cores", 0) > NOISY_CORES for per in ttft.values() for r in per.values()):
-        print(f"* other processes used more than {NOISY_CORES} cores during that (best) run: the machine is shared")
+    if any(r.get("contended") for per in ttft.values() for r in per.values()):
+        print(f"* contended: other processes took more than {NOISY_CORES} of the cores this (best) run's ranks needed"
+              " (the machine is shared)")
     print()
     print("layout balance: busiest rank's query-key pairs / average (1 = perfect)")
     print(balance_text(bal, a.balance_cp, a.balance_lengths))
