@@ -85,3 +85,24 @@ def test_500_requests_with_random_aborts_leave_the_allocator_idle(engine):
     alloc.check_integrity()
     assert alloc.num_free == alloc.num_pages
     assert not engine._caches and not engine.sampler._generators
+
+
+@pytest.mark.slow
+def test_fp8_cache_decodes_with_one_byte_entries(tiny_checkpoints):
+    from pdserve.engine.capacity import bytes_per_token_per_rank
+
+    path = str(tiny_checkpoints[("glm_moe_dsa", "make-model")])
+    worker = DecodeWorkerConfig(path, num_slots=256, dcp_size=2, index_mode="split", kv_cache_dtype="fp8_e4m3")
+    with DecodeInstance(worker, LaunchConfig(2, free_port()), page_size=4) as inst:
+        cfg = inst.model_config
+        per_token = bytes_per_token_per_rank(cfg, 2, "split", "fp8_e4m3", "float32")
+        assert inst.rank_infos[0]["cache_bytes"] == pytest.approx(per_token * 256, rel=1e-9)
+        engine = DecodeEngine(inst)
+        ids = list(range(5, 45))
+        req = engine.submit(ids, SamplingParams(max_tokens=6, ignore_eos=True))
+        engine.step()  # admitted with the fp8 cache, then one decode step
+        single = LLMEngine.from_pretrained(path, max_kv_tokens=256)
+        first = single.generate([ids], SamplingParams(max_tokens=1, ignore_eos=True))[0]
+        assert req.output_ids[0] == first[0]  # the first token comes from the (unquantized) prefill
+        engine.run_until_idle()
+        assert len(req.output_ids) == 6 and req.finish_reason == "length"
