@@ -23,6 +23,7 @@ class DecodeEngine:
         self.sampler = Sampler()
         self._caches: dict[str, tuple[torch.Tensor, dict[int, torch.Tensor], int]] = {}
         self._local: LLMEngine | None = None
+        self._remote: set[str] = set()  # requests whose cache comes by KV hand-off (transfer/handoff.py)
 
     def _local_prefill(self) -> LLMEngine:
         if self._local is None:  # built on first use: only the direct-load path needs it
@@ -47,19 +48,34 @@ class DecodeEngine:
         self.scheduler.submit(req)
         return req
 
+    def submit_remote(self, prompt_len: int, params: SamplingParams | None = None,
+                      request_id: str | None = None) -> DecodeRequest:
+        """Accepts a request whose cache a KV hand-off will deliver: once admitted it waits in
+        waiting_for_kv until `kv_ready()` (after a verified transfer) or `abort()`."""
+        req = DecodeRequest(prompt_len, params or SamplingParams())
+        if request_id:
+            req.request_id = request_id
+        self.scheduler.submit(req)
+        self._remote.add(req.request_id)
+        return req
+
+    def kv_ready(self, request_id: str, first_token: int) -> DecodeRequest:
+        """A hand-off delivered and verified this request's cache: it joins the running batch."""
+        self._remote.discard(request_id)
+        req = self.scheduler.kv_ready(request_id, first_token)
+        if req.state == "finished":
+            self.sampler.forget(request_id)
+        return req
+
     def abort(self, request_id: str) -> DecodeRequest | None:
+        self._remote.discard(request_id)
         self._caches.pop(request_id, None)
         self.sampler.forget(request_id)
         return self.scheduler.abort(request_id)
 
     def step(self) -> list[tuple[DecodeRequest, int]]:
         """Admits what fits (loading its cache), then decodes one token for every running request."""
-        events = []
-        for req in self.scheduler.admit():
-            kv, index, first = self._caches.pop(req.request_id)
-            self.instance.load(req.pages, kv, index)
-            self.scheduler.kv_ready(req.request_id, first)
-            events.append((req, first))
+        events = self.admit()
         batch = list(self.scheduler.running)
         if batch:
             logits = self.instance.step([r.output_ids[-1] for r in batch], [r.pages for r in batch],
@@ -72,9 +88,27 @@ class DecodeEngine:
                 self.sampler.forget(req.request_id)
         return events
 
+    def admit(self) -> list[tuple[DecodeRequest, int]]:
+        """Reserves pages for what fits; loads directly given caches (those run at once). Requests
+        submitted with submit_remote() stay in waiting_for_kv, their pages reserved for the hand-off."""
+        events = []
+        for req in self.scheduler.admit():
+            if req.request_id in self._remote:
+                continue
+            kv, index, first = self._caches.pop(req.request_id)
+            self.instance.load(req.pages, kv, index)
+            self.scheduler.kv_ready(req.request_id, first)
+            events.append((req, first))
+        return events
+
     def run_until_idle(self, max_steps: int = 100_000) -> None:
         for _ in range(max_steps):
-            if self.scheduler.is_idle():
+            if self.scheduler.is_idle() or self._only_awaiting_transfers():
                 return
             self.step()
         raise RuntimeError("decode engine did not become idle")
+
+    def _only_awaiting_transfers(self) -> bool:
+        """Nothing can progress here: every request left waits for a hand-off someone else drives."""
+        s = self.scheduler
+        return not s.queued and not s.running and set(s.waiting_for_kv) <= self._remote

@@ -7,11 +7,16 @@ request's token p lands on group rank p % C_d. The scheduler decides; this class
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ..engine.launcher import LaunchConfig, RankGroup
 from ..engine.page_allocator import PageAllocator
 from ..model.config import ModelConfig
+from ..transfer.messages import DecodeReservation, Fingerprint, model_hash
+from ..transfer.plan import DecodeSide, PrefillSide, Transfer, plan_transfer
+from ..transfer.tcp import ANY_SRC, ExpectCmd, ForgetCmd, TransferStatusCmd
 from .rank_worker import DecodeRankWorker, DecodeWorkerConfig, DumpCmd, LoadCmd, ReconfigureCmd, StepCmd
 
 
@@ -28,6 +33,7 @@ class DecodeInstance:
         self.allocator = PageAllocator(worker.num_slots // page_size, page_size)
         self.ranks = RankGroup(DecodeRankWorker, worker, launch)
         self.rank_infos: list[dict] = []
+        self._tickets = itertools.count(1)  # one per reservation: late frames of an earlier use of a room id are dropped
 
     def start(self) -> "DecodeInstance":
         self.rank_infos = self.ranks.start()
@@ -62,3 +68,46 @@ class DecodeInstance:
 
     def rank_info(self) -> list[dict]:
         return self.ranks.call("info")
+
+    # ---- KV hand-off (transfer/handoff.py) ------------------------------------------------------
+    @property
+    def index_mode(self) -> str:
+        return self.rank_infos[0]["index_mode"]  # follows reconfigure()
+
+    def fingerprint(self) -> Fingerprint:
+        w, cfg = self.worker, self.model_config
+        return Fingerprint(model_hash(w.model_dir), w.kv_cache_dtype, w.dtype, self.allocator.page_size,
+                           cfg.num_layers, w.dcp_size, self.index_mode)
+
+    def reservation(self, room: str, pages: list[int], generation: int = 0) -> DecodeReservation:
+        return DecodeReservation(room, self.fingerprint(), generation, self.launch.world_size, self.worker.dcp_size,
+                                 self.allocator.page_size, tuple(pages),
+                                 {i["rank"]: i["data_endpoint"] for i in self.rank_infos}, next(self._tickets))
+
+    def decode_side(self, pages: list[int]) -> DecodeSide:
+        return DecodeSide(self.launch.world_size, self.worker.dcp_size, self.index_mode, self.allocator.page_size, pages)
+
+    def expect(self, room: str, ticket: int, plan: list[Transfer]) -> None:
+        """Every rank starts accepting its rows of `plan` for this room (before anything is sent)."""
+        expected: dict[int, dict[int, int]] = {}
+        for t in plan:
+            per_src = expected.setdefault(t.dst_rank, {})
+            per_src[t.src_rank] = per_src.get(t.src_rank, 0) + t.rows
+        self.ranks.call(ExpectCmd(room, ticket, expected))
+
+    def expect_totals(self, room: str, ticket: int, pages: list[int], prompt_len: int) -> None:
+        """Like expect(), without the prefill's plan: each rank's row total is fixed by the decode
+        layout alone (a one-rank prefill plan has the same rows per destination as any other)."""
+        cfg = self.model_config
+        any_prefill = PrefillSide(1, "full", cfg.num_layers, cfg.indexer_layers, range(prompt_len))
+        totals: dict[int, dict[int, int]] = {}
+        for t in plan_transfer(any_prefill, self.decode_side(pages), prompt_len):
+            per = totals.setdefault(t.dst_rank, {ANY_SRC: 0})
+            per[ANY_SRC] += t.rows
+        self.ranks.call(ExpectCmd(room, ticket, totals))
+
+    def transfer_status(self, room: str) -> list[dict]:
+        return self.ranks.call(TransferStatusCmd(room))
+
+    def forget(self, room: str) -> None:
+        self.ranks.call(ForgetCmd(room))

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from ..engine.kv_cache import KVPool
 from ..engine.llm_engine import parse_dtype
 from ..model.weights import load_model
+from ..transfer.tcp import TRANSFER_CMDS, TcpReceiver
 from .dcp_backend import COMM_MODES, INDEX_MODES, DCPBackend, DCPGroup, DecodeBatch
 from .tp import apply_decode_tp
 
@@ -95,6 +96,8 @@ class DecodeRankWorker:
                 group = pg
         self.dcp = DCPGroup(rank % cfg.dcp_size, cfg.dcp_size, group)
         self._build(cfg.index_mode, cfg.comm)
+        # KV hand-off data path (transfer/tcp.py): writes arriving rows into the current pool
+        self.receiver = TcpReceiver(rank, lambda: self.pool)
 
     def _build(self, index_mode: str, comm: str) -> None:
         cfg = self.cfg = replace(self.cfg, index_mode=index_mode, comm=comm)
@@ -106,7 +109,8 @@ class DecodeRankWorker:
     def info(self) -> dict:
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return {"rank": self.rank, "pid": os.getpid(), "cache_bytes": self.pool.nbytes, "weight_bytes": weights,
-                "empty_selections": self.backend.empty_selections}
+                "empty_selections": self.backend.empty_selections, "index_mode": self.cfg.index_mode,
+                "data_endpoint": self.receiver.endpoint if hasattr(self, "receiver") else None}
 
     def handle(self, cmd):
         if isinstance(cmd, StepCmd):
@@ -118,6 +122,8 @@ class DecodeRankWorker:
         if isinstance(cmd, ReconfigureCmd):
             self._build(cmd.index_mode, cmd.comm)
             return self.info()
+        if isinstance(cmd, TRANSFER_CMDS):
+            return self.receiver.handle(cmd)
         if cmd == "info":
             return self.info()
         raise TypeError(f"unknown command {type(cmd).__name__}")

@@ -14,6 +14,9 @@ from ..engine.page_allocator import PageAllocator
 from ..engine.request import SamplingParams
 from ..model.config import ModelConfig
 from .layouts import check_layout_allowed
+from ..transfer.plan import PrefillSide, Transfer
+from ..transfer.tcp import SendCmd, merge_checksums
+from .cp_backend import layer_owners
 from .rank_worker import DumpCacheCmd, PrefillCmd, PrefillRankWorker, PrefillWorkerConfig
 
 
@@ -114,3 +117,21 @@ class PrefillInstance:
     def dump_cache(self, slots: list[int]) -> list[dict]:
         """Every rank's cache entries at these slots, per layer it holds (for checks)."""
         return self.ranks.call(DumpCacheCmd(slots))
+
+    # ---- KV hand-off (transfer/handoff.py) ------------------------------------------------------
+    def prefill_side(self, slots: list[int]) -> PrefillSide:
+        """This instance's side of a transfer plan for a prompt stored at these prefill slots."""
+        cfg = self.model_config
+        return PrefillSide(self.launch.world_size, self.worker.cache, cfg.num_layers, cfg.indexer_layers, slots)
+
+    def layer_owners(self) -> list[int]:
+        return layer_owners(self.model_config.num_layers, self.launch.world_size)
+
+    def send(self, request_id: str, room: str, ticket: int, plan: list[Transfer], endpoints: dict[int, str],
+             corrupt: bool = False, send_timeout_ms: int = 10_000) -> dict[int, int]:
+        """Every rank sends its share of `plan` from the held request's rows; returns the checksum of
+        what went to each decode rank (SendError if a destination accepted nothing for send_timeout_ms).
+        The pages stay held: the caller releases them either way."""
+        if request_id not in self.held:
+            raise KeyError(f"request {request_id} is not held (prefill it first)")
+        return merge_checksums(self.ranks.call(SendCmd(room, ticket, plan, endpoints, corrupt, send_timeout_ms)))

@@ -16,6 +16,7 @@ from ..engine.llm_engine import parse_dtype
 from ..engine.request import SamplingParams
 from ..engine.sampler import Sampler
 from ..model.weights import load_model
+from ..transfer.tcp import SendCmd, TcpSender
 from .cp_backend import ChunkPlan, CPBackend, layer_owners
 from .layouts import split_positions
 from .moe_tp import TokenSplit, apply_moe_tp
@@ -70,6 +71,7 @@ class PrefillRankWorker:
         self.pool = KVPool(self.mcfg, cfg.num_slots, dtype, layers=layers)
         self.backend = CPBackend(self.mcfg, self.pool, rank, world, cfg.query_block)
         self.sampler = Sampler()
+        self.sender = TcpSender(rank, self.pool)  # KV hand-off data path (transfer/tcp.py)
 
     def info(self) -> dict:
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -81,6 +83,8 @@ class PrefillRankWorker:
             return self.prefill(cmd)
         if isinstance(cmd, DumpCacheCmd):
             return self.dump(cmd)
+        if isinstance(cmd, SendCmd):
+            return self.sender.send(cmd)
         raise TypeError(f"unknown command {type(cmd).__name__}")
 
     @torch.inference_mode()

@@ -1,0 +1,68 @@
+"""The side channel over real ZMQ sockets in one process: a reservation reaches the prefill's
+ROUTER, the outcome goes back to the DEALER that reserved the room (not another), decode aborts
+reach the prefill, a missing reservation is a bootstrap timeout, garbage frames are dropped."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pdserve.transfer.messages import DecodeReservation, Fingerprint, Heartbeat, TransferDone, TransferFailed
+from pdserve.transfer.side_channel import BootstrapServer, BootstrapTimeout, DecodeClient
+
+FP = Fingerprint("h", "auto", "float64", 4, 4, 2, "copy")
+
+
+def reservation(room: str) -> DecodeReservation:
+    return DecodeReservation(room, FP, 1, 2, 2, 4, (1, 2), {0: "tcp://127.0.0.1:1", 1: "tcp://127.0.0.1:2"}, ticket=5)
+
+
+def wait_for(cond, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+
+
+@pytest.fixture()
+def channel():
+    server = BootstrapServer()
+    a, b = DecodeClient(server.endpoint), DecodeClient(server.endpoint)
+    yield server, a, b
+    for x in (a, b, server):
+        x.close()
+
+
+def test_reservation_and_outcome_go_to_the_right_peer(channel):
+    server, a, b = channel
+    a.send(reservation("ra"))
+    b.send(reservation("rb"))
+    a.send(Heartbeat("decode-a", 1, 0.0))
+    assert server.wait_reservation("rb", 5) == reservation("rb")
+    assert server.wait_reservation("ra", 5) == reservation("ra")
+    server.reply(TransferDone("ra", 7, {0: 1}, FP))
+    server.reply(TransferFailed("rb", "refused"))
+    wait_for(lambda: a.outcome("ra") is not None and b.outcome("rb") is not None)
+    assert a.outcome("ra") == TransferDone("ra", 7, {0: 1}, FP) and a.outcome("rb") is None
+    assert b.outcome("rb") == TransferFailed("rb", "refused") and b.outcome("ra") is None
+    assert "decode-a" in server.heartbeats and not server.reservations and not server.peers
+
+
+def test_decode_abort_reaches_the_prefill(channel):
+    server, a, _ = channel
+    a.send(reservation("r"))
+    server.wait_reservation("r", 5)
+    a.send(TransferFailed("r", "client went away"))
+    wait_for(lambda: server.drain() or "r" in server.aborted)
+    assert server.aborted["r"] == "client went away"
+    server.forget("r")
+    assert not (server.aborted or server.reservations or server.peers)
+
+
+def test_bootstrap_timeout_and_garbage(channel):
+    server, a, _ = channel
+    a.sock.send(b"\x93not a message")
+    with pytest.raises(BootstrapTimeout, match="room nobody"):
+        server.wait_reservation("nobody", 0.2)
+    assert server.bad_frames == 1 and not server.reservations

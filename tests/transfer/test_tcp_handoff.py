@@ -1,0 +1,305 @@
+"""KV hand-off over the TCP data path between real rank processes (gloo + pyzmq on loopback).
+
+After a hand-off from a prefill instance (C_p in {1, 2, 3}, full and layer-split) into a decode
+instance ((W, C_d) in {(1,1), (2,2), (4,2)}, copy and split index): every decode rank's rows are
+bit-identical to the prefill instance's rows of its tokens (the transfer itself is exact) and equal
+the single-rank engine's within 1e-8 (prefill CP reorders float64 sums), and 32 greedy tokens
+decoded after the hand-off equal the single-rank engine's `generate`. Faults: a corrupted payload,
+data that never comes, late data for an aborted (or reused) room, a fingerprint mismatch; afterwards
+both sides are back at idle (pages, held requests, receiver rooms). The same hand-off also runs as
+the two main processes would, talking only over the ZMQ side channel (transfer/two_sided.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+
+import pytest
+import torch
+
+from pdserve.decode_server.engine import DecodeEngine
+from pdserve.decode_server.instance import DecodeInstance
+from pdserve.decode_server.rank_worker import DecodeWorkerConfig
+from pdserve.engine.launcher import LaunchConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.request import SamplingParams
+from pdserve.prefill_server.instance import PrefillInstance
+from pdserve.prefill_server.rank_worker import PrefillWorkerConfig
+from pdserve.transfer.handoff import HandoffHooks, TransferError, hand_off
+from pdserve.transfer.messages import TransferDone, TransferFailed
+from pdserve.transfer.plan import plan_transfer
+from pdserve.transfer.side_channel import BootstrapServer, DecodeClient
+from pdserve.transfer.tcp import SendError
+from pdserve.transfer.two_sided import decode_finish, decode_reserve, prefill_serve
+from tests.reference import assert_close, free_port
+
+pytestmark = pytest.mark.slow
+
+# (decode (W, C_d), index mode, prefill (C_p, cache)): every decode shape, both index modes, every
+# prefill shape and storage mode, without the full cross product (each instance is started once).
+CASES = [
+    ((1, 1), "copy", (1, "full")),
+    ((2, 2), "split", (2, "layer-split")),
+    ((2, 2), "copy", (3, "full")),
+    ((4, 2), "copy", (2, "layer-split")),
+    ((4, 2), "split", (3, "layer-split")),
+    ((1, 1), "split", (2, "full")),
+]
+PROMPT_LENGTHS = (1, 9, 23)  # one token, index_topk + 1, not a multiple of any C or page size
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_checkpoints):
+    return str(tiny_checkpoints[("glm_moe_dsa", "make-model")])
+
+
+@pytest.fixture(scope="module")
+def single(model_path):
+    return LLMEngine.from_pretrained(model_path, "float64", float32_islands=False, max_kv_tokens=512)
+
+
+class Instances:
+    """Started on first use, one per shape, shut down with the module."""
+
+    def __init__(self, path: str):
+        self.path, self.prefill, self.decode = path, {}, {}
+
+    def get_prefill(self, cp: int, cache: str) -> PrefillInstance:
+        if (cp, cache) not in self.prefill:
+            w = PrefillWorkerConfig(self.path, num_slots=512, dtype="float64", cache=cache, query_block=16,
+                                    float32_islands=False)
+            self.prefill[cp, cache] = PrefillInstance(w, LaunchConfig(cp, free_port())).start()
+        return self.prefill[cp, cache]
+
+    def get_decode(self, w: int, c: int, index_mode: str) -> DecodeEngine:
+        if (w, c) not in self.decode:
+            cfg = DecodeWorkerConfig(self.path, num_slots=256, dcp_size=c, index_mode=index_mode, dtype="float64",
+                                     float32_islands=False)
+            self.decode[w, c] = DecodeEngine(DecodeInstance(cfg, LaunchConfig(w, free_port()), page_size=4).start())
+        engine = self.decode[w, c]
+        if engine.instance.index_mode != index_mode:
+            engine.instance.reconfigure(index_mode, "a2a")
+        return engine
+
+    def close(self):
+        for inst in list(self.prefill.values()) + [e.instance for e in self.decode.values()]:
+            inst.shutdown()
+
+
+@pytest.fixture(scope="module")
+def instances(model_path):
+    inst = Instances(model_path)
+    yield inst
+    inst.close()
+
+
+def prompt(n: int) -> list[int]:
+    return torch.randint(4, 500, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+
+
+def assert_idle(prefill: PrefillInstance, decode: DecodeEngine) -> None:
+    assert not prefill.held and prefill.allocator.num_free == prefill.allocator.num_pages
+    prefill.allocator.check_integrity()
+    alloc = decode.instance.allocator
+    assert decode.scheduler.is_idle() and alloc.num_free == alloc.num_pages
+    alloc.check_integrity()
+    assert all(s["open_rooms"] == 0 for s in decode.instance.transfer_status("none"))
+
+
+def check_rows(prefill: PrefillInstance, decode: DecodeEngine, single: LLMEngine, ids: list[int], pages: list[int],
+               prefill_rows: dict, tag: str) -> None:
+    """Every decode rank stores exactly the prefill's rows of its tokens, which match the single-rank engine."""
+    _, want_kv, want_index = single.prefill_with_cache(ids)
+    inst, n = decode.instance, len(ids)
+    slots, C = inst.slots(pages, n), inst.worker.dcp_size
+    copy = inst.index_mode == "copy"
+    for rank, dump in enumerate(inst.dump(slots)):
+        own = [p for p in range(n) if slots[p] % C == rank % C]
+        assert dump["slots"] == [slots[p] for p in own], f"{tag} rank {rank} slots"
+        for layer, rows in dump["kv"].items():
+            assert torch.equal(rows, prefill_rows[layer][0][own]), f"{tag} rank {rank} layer {layer} latent"
+            assert_close(rows, want_kv[layer][own], f"{tag} rank {rank} layer {layer} latent vs single")
+        for layer, keys in dump["index"].items():
+            pos = list(range(n)) if copy else own
+            assert torch.equal(keys, prefill_rows[layer][1][pos]), f"{tag} rank {rank} layer {layer} index"
+            assert_close(keys, want_index[layer][pos], f"{tag} rank {rank} layer {layer} index vs single")
+
+
+def prefill_rows_of(prefill: PrefillInstance, ids: list[int]) -> dict:
+    """The prefill instance's own cache rows of this prompt (from whichever rank holds each layer)."""
+    res = prefill.prefill("peek", ids)
+    rows = {}
+    for dump in prefill.dump_cache(res.slots):
+        rows.update(dump)
+    prefill.release("peek")
+    return rows
+
+
+@pytest.mark.parametrize("dshape,index_mode,pshape", CASES, ids=lambda v: str(v).replace(" ", ""))
+def test_handoff_matches_single_rank(instances, single, dshape, index_mode, pshape):
+    prefill = instances.get_prefill(*pshape)
+    decode = instances.get_decode(*dshape, index_mode)
+    for n in PROMPT_LENGTHS:
+        ids, tag = prompt(n), f"{pshape}->{dshape}/{index_mode} n={n}"
+        params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+        want = single.generate([ids], [params])[0]
+        rows = prefill_rows_of(prefill, ids)
+        req = hand_off(prefill, decode, ids, params)
+        check_rows(prefill, decode, single, ids, req.pages, rows, tag)
+        decode.run_until_idle()
+        assert req.output_ids == want, tag
+        assert_idle(prefill, decode)
+
+
+@pytest.fixture()
+def pair(instances):
+    prefill, decode = instances.get_prefill(2, "full"), instances.get_decode(2, 2, "split")
+    yield prefill, decode
+    assert_idle(prefill, decode)  # every fault path released both sides
+
+
+def test_corrupted_payload_is_rejected_and_released(pair):
+    prefill, decode = pair
+    with pytest.raises(TransferError, match="checksum mismatch") as e:
+        hand_off(prefill, decode, prompt(23), SamplingParams(max_tokens=4), hooks=HandoffHooks(corrupt=True))
+    req_id = e.value.failed.room
+    assert decode.scheduler.abort(req_id) is None  # nothing of it left to decode
+    ok = hand_off(prefill, decode, prompt(9), SamplingParams(max_tokens=4, ignore_eos=True))
+    decode.run_until_idle()  # the instances stay healthy
+    assert len(ok.output_ids) == 4
+
+
+def test_data_that_never_comes_times_out(pair):
+    prefill, decode = pair
+    with pytest.raises(TransferError, match="transfer timeout"):
+        hand_off(prefill, decode, prompt(9), timeout_s=0.3, hooks=HandoffHooks(skip_send=True))
+
+
+def test_fingerprint_mismatch_is_refused(pair, monkeypatch):
+    prefill, decode = pair
+    monkeypatch.setattr(prefill, "worker", dataclasses.replace(prefill.worker, dtype="float32"))  # what it claims
+    with pytest.raises(TransferError, match="model_dtype") as e:
+        hand_off(prefill, decode, prompt(9))
+    assert "'float32'" in str(e.value) and "'float64'" in str(e.value)
+
+
+@pytest.mark.parametrize("reused", [False, True])
+def test_late_data_for_an_aborted_room_is_dropped(pair, reused):
+    prefill, decode = pair
+    inst, ids = decode.instance, prompt(23)
+    req = decode.submit_remote(len(ids), SamplingParams(max_tokens=2), request_id="late")
+    decode.admit()
+    reservation = inst.reservation("late", req.pages)
+    res = prefill.prefill("late", ids)
+    plan = plan_transfer(prefill.prefill_side(res.slots), inst.decode_side(req.pages), len(ids))
+    inst.expect("late", reservation.ticket, plan)
+    slots = inst.slots(req.pages, len(ids))
+    before = inst.dump(slots)
+    inst.forget("late")  # decode aborts the room ...
+    decode.abort("late")
+    if reused:  # the room id is expected again, by a newer reservation (another ticket)
+        inst.expect("late", reservation.ticket + 1000, plan)
+    dropped = [s["dropped"] for s in inst.transfer_status("late")]
+    prefill.send("late", "late", reservation.ticket, plan, reservation.endpoints)  # ... then the data arrives
+    frames = [sum(1 for t in plan if t.dst_rank == r) for r in range(len(dropped))]
+    deadline = time.monotonic() + 10
+    while [s["dropped"] - d for s, d in zip(inst.transfer_status("late"), dropped)] != frames:
+        assert time.monotonic() < deadline, "late frames were not all seen and dropped"
+        time.sleep(0.01)
+    for b, a in zip(before, inst.dump(slots)):  # nothing was written
+        assert all(torch.equal(b["kv"][l], a["kv"][l]) for l in b["kv"])
+        assert all(torch.equal(b["index"][l], a["index"][l]) for l in b["index"])
+    if reused:
+        assert all(s["known"] and s["rows"] == 0 for s in inst.transfer_status("late"))
+        inst.forget("late")
+    prefill.release("late")
+
+
+def test_dead_decode_endpoint_fails_the_room_not_the_instance(pair):
+    prefill, decode = pair
+    ids = prompt(23)
+    res = prefill.prefill("dead", ids)
+    plan = plan_transfer(prefill.prefill_side(res.slots), decode.instance.decode_side([0, 1, 2, 3, 4, 5]), len(ids))
+    endpoints = {r: f"tcp://127.0.0.1:{free_port()}" for r in range(2)}  # nobody listens there
+    with pytest.raises(SendError, match="not receiving"):
+        prefill.send("dead", "dead", 1, plan, endpoints, send_timeout_ms=200)
+    assert prefill.ranks.broken is None  # the rank group still serves other requests
+    prefill.release("dead")
+    ok = hand_off(prefill, decode, ids, SamplingParams(max_tokens=2, ignore_eos=True))
+    decode.run_until_idle()
+    assert len(ok.output_ids) == 2
+
+
+def test_many_mixed_faults_leave_nothing_behind(pair):
+    """200 cases: successes, corrupted payloads, data that never comes and decode aborts mid-transfer (its
+    frames then arrive late and are dropped), in one run on the same instances; the `pair` fixture
+    then checks both sides are idle (DESIGN.md invariant 7)."""
+    prefill, decode = pair
+    rng = random.Random(0)
+    outcomes = {"ok": 0, "checksum mismatch": 0, "transfer timeout": 0, "dropped the room": 0}
+    for _ in range(200):
+        kind = rng.choice(list(outcomes))
+        hooks = HandoffHooks(corrupt=kind == "checksum mismatch", skip_send=kind == "transfer timeout",
+                             after_send=decode.instance.forget if kind == "dropped the room" else None)
+        try:
+            req = hand_off(prefill, decode, prompt(rng.randint(1, 30)), SamplingParams(max_tokens=1),
+                           timeout_s=0.05 if kind == "transfer timeout" else 10,
+                           hooks=hooks)
+            assert kind == "ok" and req.state == "finished"
+        except TransferError as e:
+            assert kind in str(e), (kind, str(e))
+        outcomes[kind] += 1
+    assert all(outcomes.values())
+
+
+# ---- the same hand-off between the two main processes' roles, over the ZMQ side channel ------------
+@pytest.fixture()
+def channel():
+    server = BootstrapServer()
+    client = DecodeClient(server.endpoint)
+    yield server, client
+    client.close()
+    server.close()
+
+
+def test_two_sided_handoff_over_side_channel(pair, channel, single):
+    (prefill, decode), (server, client) = pair, channel
+    ids, params = prompt(23), SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    req, reservation = decode_reserve(decode, client, "two-sided", len(ids), params)
+    sent = prefill_serve(prefill, server, "two-sided", ids, params, bootstrap_timeout_s=5)
+    assert isinstance(sent, TransferDone) and not prefill.held  # prefill released as soon as it sent
+    assert decode_finish(decode, client, reservation, timeout_s=10) is req
+    decode.run_until_idle()
+    assert req.output_ids == single.generate([ids], [params])[0]
+
+
+def test_two_sided_bootstrap_timeout_holds_nothing(pair, channel):
+    (prefill, _), (server, _) = pair, channel
+    failed = prefill_serve(prefill, server, "nobody-reserved", prompt(9), bootstrap_timeout_s=0.2)
+    assert isinstance(failed, TransferFailed) and "bootstrap timeout" in failed.reason
+
+
+@pytest.mark.parametrize("fault", ["fingerprint", "corrupt", "never"])
+def test_two_sided_faults_release_both_sides(pair, channel, monkeypatch, fault):
+    (prefill, decode), (server, client) = pair, channel
+    if fault == "fingerprint":
+        monkeypatch.setattr(prefill, "worker", dataclasses.replace(prefill.worker, dtype="float32"))
+    ids = prompt(9)
+    _, reservation = decode_reserve(decode, client, f"fault-{fault}", len(ids))
+    if fault != "never":  # "never": the prefill never answers; decode times out and tells it
+        prefill_serve(prefill, server, reservation.room, ids, hooks=HandoffHooks(corrupt=fault == "corrupt"))
+    want = {"fingerprint": "model_dtype", "corrupt": "checksum mismatch", "never": "transfer timeout"}[fault]
+    with pytest.raises(TransferError, match=want):
+        decode_finish(decode, client, reservation, timeout_s=0.3)
+    if fault == "never":
+        wait = time.monotonic() + 5
+        while reservation.room not in server.aborted:
+            assert time.monotonic() < wait
+            server.drain(10)
+        assert "transfer timeout" in server.aborted[reservation.room]
+        server.forget(reservation.room)
+    server.drain(50)  # decode's TransferFailed for a room the prefill already answered is not kept
+    assert not server.reservations and not server.peers and not server.aborted and not client.outcomes
