@@ -23,8 +23,8 @@ A rank failure (RankError, with the rank's traceback) is recorded as {"error": .
 that instance's remaining lengths are skipped; the other instances go on.
 
 Run:  .venv/bin/python bench/prefill_cp.py      (writes bench/results/prefill_cp.json and prefill_cp.png)
-      About 5 minutes on 2 cores with the defaults (the C_p = 1 prefill of 16384 tokens alone takes
-      about a minute, and runs twice).
+      About 5 minutes on 2 idle cores with the defaults (the C_p = 1 prefill of 16384 tokens takes
+      about 35 s and runs twice); longer on a busy machine, since it waits for other processes.
 """
 
 from __future__ import annotations

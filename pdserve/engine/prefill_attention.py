@@ -13,6 +13,16 @@ from ..model.backend import IndexerInputs
 from ..model.config import ModelConfig
 from ..model.kernels import attend, index_scores, topk_earliest
 
+# Bytes of float32 scores one query block may materialise ([block, heads, context]). Two ranks on
+# one socket share the last-level cache; blocks that overflow it cost up to 25% at 16k tokens.
+SCORE_BUDGET = 32 << 20
+
+
+def block_size(cfg: ModelConfig, heads: int, context: int, query_block: int) -> int:
+    """Queries per block: at most query_block, fewer at long context, at least 16."""
+    scored_heads = cfg.index_n_heads if cfg.is_sparse else heads
+    return max(16, min(query_block, SCORE_BUDGET // max(1, scored_heads * context * 4)))
+
 
 def prefill_attention(
     cfg: ModelConfig,
@@ -31,8 +41,9 @@ def prefill_attention(
         return q.new_zeros(0, q.shape[1], cfg.kv_lora_rank), (torch.zeros(0, k, dtype=torch.int64) if k else None)
     key_pos = torch.arange(keys.shape[0])
     outs, sels = [], []
-    for b0 in range(0, q.shape[0], query_block):
-        b1 = min(q.shape[0], b0 + query_block)
+    step = block_size(cfg, q.shape[1], keys.shape[0], query_block)
+    for b0 in range(0, q.shape[0], step):
+        b1 = min(q.shape[0], b0 + step)
         pos = q_pos[b0:b1]
         kend = int(pos.max()) + 1  # keys beyond the block's last query are never read
         valid = key_pos[None, :kend] <= pos[:, None]  # [B, kend] causal
