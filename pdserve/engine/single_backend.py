@@ -74,13 +74,6 @@ class SingleRankBackend:
             out[self._dec_rows] = self._decode(layer, q[self._dec_rows], _rows(index, self._dec_rows), scale)
         return out
 
-    def _select(self, key: int, index: IndexerInputs | None, rows: slice, idx_keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Top-k for these query rows, or the stored selection of the last full layer."""
-        if index is None:
-            return self._selection[key][rows]
-        scores = index_scores(index.q[rows], index.weights[rows], idx_keys, index.softmax_scale)
-        return topk_earliest(scores, valid, self.cfg.index_topk)
-
     def _prefill_seq(self, layer: int, key: int, s: SeqChunk, q: torch.Tensor, index: IndexerInputs | None, scale: float) -> torch.Tensor:
         keys = self.pool.read_kv(layer, s.ctx_slots)  # [S, c + rope]
         idx_keys = self.pool.read_index(layer, s.ctx_slots) if index is not None else None  # [S, Di]
@@ -96,10 +89,11 @@ class SingleRankBackend:
         if not cfg.is_sparse:
             o, _ = attend(q, self.pool.read_kv(layer, slots), valid, scale, cfg.kv_lora_rank)
             return o
-        idx_keys = self.pool.read_index(layer, slots) if index is not None else None  # [B, Smax, Di]
-        sel = self._select(-1, index, slice(None), idx_keys, valid)
-        if index is not None:
-            self._selection[-1] = sel
+        if index is not None:  # a full layer selects; the shared layers after it reuse the selection
+            idx_keys = self.pool.read_index(layer, slots)  # [B, Smax, Di]
+            scores = index_scores(index.q, index.weights, idx_keys, index.softmax_scale)
+            self._selection[-1] = topk_earliest(scores, valid, cfg.index_topk)
+        sel = self._selection[-1]
         keys = self.pool.read_kv(layer, slots.gather(1, sel.clamp(min=0)))  # [B, k, c + rope]
         o, _ = attend(q, keys, sel >= 0, scale, cfg.kv_lora_rank)
         return o
