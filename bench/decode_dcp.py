@@ -56,11 +56,12 @@ def fill_random_cache(inst: DecodeInstance, pages: list[int], n: int) -> None:
 
 def measure(model: str, name, tp, dcp, index_mode, comm, rq, context: int, batches: list[int], steps: int) -> dict:
     page = 64
-    slots = -(-(context + steps + WARMUP + 8) * max(batches) // page) * page
+    per_request = context + steps + WARMUP + 1
+    slots = -(-per_request // page) * page * max(batches)
     worker = DecodeWorkerConfig(model, num_slots=slots, dcp_size=dcp, index_mode=index_mode, comm=comm, replicate_q=rq)
     with DecodeInstance(worker, LaunchConfig(tp, free_port(), threads_per_rank=1), page_size=page) as inst:
         out = {"cache_bytes_per_rank": inst.rank_infos[0]["cache_bytes"], "slots": slots}
-        pages = [inst.allocator.allocate(context + steps + WARMUP + 1) for _ in range(max(batches))]
+        pages = [inst.allocator.allocate(per_request) for _ in range(max(batches))]
         for p in pages:
             fill_random_cache(inst, p, context)
         for b in batches:
