@@ -22,48 +22,14 @@ from pdserve.engine import capacity
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import SamplingParams
 from pdserve.model.config import ModelConfig
-from tests.reference import free_port
+from tests.servers import pid_alive, start_server
 
 MAX_KV_TOKENS = 4096  # room for a long request, so the disconnect test can only pass by aborting it
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is gone for our purposes
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def pdserve_decode(model, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pdserve.cli", "decode", "--model", str(model), *args],
                           capture_output=True, text=True, timeout=120)
-
-
-def start_decode(model, *args) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "decode", "--model", str(model), "--port", str(port),
-         "--dist-port", str(free_port()), "--max-kv-tokens", str(MAX_KV_TOKENS), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"decode server exited: {proc.stderr.read()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise AssertionError("decode server not healthy within 120 s")
 
 
 def wait_all_free(url: str, timeout_s: float = 15) -> dict:
@@ -143,7 +109,7 @@ def sigterm_mid_stream(proc: subprocess.Popen, url: str) -> None:
 
 @pytest.mark.slow
 def test_decode_server_serves_streams_frees_and_stops_on_sigterm(glm):
-    proc, url = start_decode(glm, "--tp-size", "2", "--dcp-size", "2", "--dcp-index", "split")
+    proc, url = start_server("decode", glm, "--tp-size", "2", "--dcp-size", "2", "--dcp-index", "split", max_kv_tokens=MAX_KV_TOKENS)
     rank_pids = []
     try:
         rank_pids = [r["pid"] for r in check_capacity(url, glm)["ranks"]]
@@ -161,7 +127,7 @@ def test_decode_server_serves_streams_frees_and_stops_on_sigterm(glm):
 
 @pytest.mark.slow
 def test_killing_a_rank_stops_the_instance_naming_it(glm):
-    proc, url = start_decode(glm, "--tp-size", "2", "--dcp-size", "2")
+    proc, url = start_server("decode", glm, "--tp-size", "2", "--dcp-size", "2", max_kv_tokens=MAX_KV_TOKENS)
     rank_pids = [r["pid"] for r in httpx.get(f"{url}/capacity").json()["ranks"]]
     os.kill(rank_pids[1], signal.SIGKILL)
     try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,46 +18,7 @@ import pytest
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import SamplingParams
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is gone for our purposes
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def start_prefill(model, *args) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "prefill", "--model", str(model), "--port", str(port),
-         "--dist-port", str(free_port()), "--max-kv-tokens", "2048", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"prefill server exited: {proc.stderr.read()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise AssertionError("prefill server not healthy within 120 s")
+from tests.servers import pid_alive, start_server
 
 
 @pytest.fixture()
@@ -68,7 +28,7 @@ def glm(tiny_checkpoints):
 
 @pytest.mark.slow
 def test_prefill_server_serves_and_stops_on_sigterm(glm):
-    proc, url = start_prefill(glm, "--cp-size", "2", "--chunk-size", "16")
+    proc, url = start_server("prefill", glm, "--cp-size", "2", "--chunk-size", "16")
     try:
         info = httpx.get(f"{url}/info").json()
         assert info["cp_size"] == 2 and info["layout"] == "interleave" and info["cache"] == "full"
@@ -94,7 +54,7 @@ def test_prefill_server_serves_and_stops_on_sigterm(glm):
 
 @pytest.mark.slow
 def test_killing_a_rank_stops_the_instance_naming_it(glm):
-    proc, url = start_prefill(glm, "--cp-size", "3", "--cache", "layer-split")
+    proc, url = start_server("prefill", glm, "--cp-size", "3", "--cache", "layer-split")
     rank_pids = [r["pid"] for r in httpx.get(f"{url}/info").json()["ranks"]]
     os.kill(rank_pids[1], signal.SIGKILL)
     start = time.monotonic()

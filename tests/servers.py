@@ -1,0 +1,49 @@
+"""Helpers for tests that run `pdserve prefill` / `pdserve decode` as real processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+
+from tests.reference import free_port
+
+
+def pid_alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def start_server(role: str, model, *args: str, max_kv_tokens: int = 2048) -> tuple[subprocess.Popen, str]:
+    """Starts `pdserve ROLE` on free ports and polls /health (deadline 120 s); returns (process, url)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", role, "--model", str(model), "--port", str(port),
+         "--dist-port", str(free_port()), "--max-kv-tokens", str(max_kv_tokens), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"{role} server exited: {proc.stderr.read()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"{role} server not healthy within 120 s")
+
