@@ -12,6 +12,7 @@ from typing import Optional
 import typer
 
 from .admin_cli import KVCacheDType, admin_app, parse_bytes
+from .admin_cli import ModelDType as DType
 
 app = typer.Typer(
     help="pdserve: disaggregated prefill/decode serving for long-context MLA + sparse-attention models.",
@@ -30,12 +31,6 @@ class Arch(str, Enum):
 class Size(str, Enum):
     tiny = "tiny"
     small = "small"
-
-
-class DType(str, Enum):
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float64 = "float64"
 
 
 BUILTIN_ARCH, BUILTIN_SIZE = "glm_moe_dsa", "small"
