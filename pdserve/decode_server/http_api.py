@@ -35,6 +35,7 @@ from pydantic import BaseModel, Field
 
 from ..engine import capacity
 from ..engine.request import SamplingParams
+from ..engine.watchdog import add_health_route
 from .server import Unavailable
 
 DISCONNECT_POLL_S = 1.0  # how often a non-streaming handler checks whether its client is still there
@@ -76,12 +77,7 @@ def create_app(cfg, instance, engine_loop, dead_rank) -> FastAPI:
         errors = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:])}: {e['msg']}" for e in exc.errors())
         return JSONResponse({"detail": errors or "invalid request body"}, status_code=400)
 
-    @app.get("/health")
-    def health():
-        dead = dead_rank()
-        if dead:
-            return JSONResponse({"status": "unhealthy", "error": dead}, status_code=503)
-        return {"status": "ok"}
+    add_health_route(app, dead_rank)
 
     @app.get("/capacity")
     def capacity_():

@@ -40,3 +40,15 @@ def start_watchdog(instance, role: str, stop: threading.Event) -> threading.Thre
     thread = threading.Thread(target=watch_ranks, args=(instance, role, stop), name=f"{role}-watchdog", daemon=True)
     thread.start()
     return thread
+
+
+def add_health_route(app, dead_rank) -> None:
+    """GET /health on a server's FastAPI app: 200 while every rank lives, 503 naming a dead one."""
+    from fastapi.responses import JSONResponse
+
+    @app.get("/health")
+    def health():
+        dead = dead_rank()
+        if dead:
+            return JSONResponse({"status": "unhealthy", "error": dead}, status_code=503)
+        return {"status": "ok"}

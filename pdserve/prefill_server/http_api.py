@@ -12,10 +12,10 @@ import asyncio
 import time
 
 from fastapi import FastAPI, HTTPException
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from ..engine.request import SamplingParams
+from ..engine.watchdog import add_health_route
 from .scheduler import PrefillJob, PrefillScheduler
 
 
@@ -33,12 +33,7 @@ def create_app(instance, scheduler: PrefillScheduler, dead_rank) -> FastAPI:
     """dead_rank() -> message naming a dead rank, or None."""
     app = FastAPI(title="pdserve prefill instance")
 
-    @app.get("/health")
-    def health():
-        dead = dead_rank()
-        if dead:
-            return JSONResponse({"status": "unhealthy", "error": dead}, status_code=503)
-        return {"status": "ok"}
+    add_health_route(app, dead_rank)
 
     @app.get("/info")
     def info():

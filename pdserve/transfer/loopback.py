@@ -65,7 +65,23 @@ class LoopbackBus:
             del self.rooms[room]
 
 
-class LoopbackReceiver:
+class _End:
+    """What both ends share: their state holder `s`, the bus and the room's ticket (once known)."""
+
+    s: TransferState
+    bus: "LoopbackBus"
+    ticket: int | None
+
+    @property
+    def failure_reason(self) -> str | None:
+        return self.s.reason
+
+    def _fail(self, reason: str) -> None:
+        if self.s.fail(reason) and self.ticket is not None:
+            self.bus.fail(self.s.room, self.ticket, reason)  # a tombstone that tells the peer why
+
+
+class LoopbackReceiver(_End):
     def __init__(self, bus: LoopbackBus, reservation: DecodeReservation, transfer_timeout_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic):
         self.bus, self.reservation, self.clock = bus, reservation, clock
@@ -75,10 +91,6 @@ class LoopbackReceiver:
         self.deadline = clock() + transfer_timeout_s
         self.frames: list[Frame] = []
         self.first_token: int | None = None
-
-    @property
-    def failure_reason(self) -> str | None:
-        return self.s.reason
 
     def poll(self) -> KVPoll:
         if self.s.done:
@@ -116,15 +128,11 @@ class LoopbackReceiver:
         self.s.advance(KVPoll.Success)
         self.bus.close(self.s.room, self.ticket)
 
-    def _fail(self, reason: str) -> None:
-        if self.s.fail(reason):
-            self.bus.fail(self.s.room, self.ticket, reason)  # a tombstone that tells the sender why
-
     def abort(self, reason: str = "aborted by decode") -> None:
         self._fail(reason)
 
 
-class LoopbackSender:
+class LoopbackSender(_End):
     def __init__(self, bus: LoopbackBus, room: str, fingerprint: Fingerprint, bootstrap_timeout_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic):
         self.bus, self.fingerprint, self.clock = bus, fingerprint, clock
@@ -132,10 +140,6 @@ class LoopbackSender:
         self.deadline = clock() + bootstrap_timeout_s
         self.ticket: int | None = None
         self.reservation: DecodeReservation | None = None
-
-    @property
-    def failure_reason(self) -> str | None:
-        return self.s.reason
 
     def poll(self) -> KVPoll:
         if self.s.done:
@@ -183,10 +187,6 @@ class LoopbackSender:
             return False
         self.s.advance(KVPoll.Success)
         return True
-
-    def _fail(self, reason: str) -> None:
-        if self.s.fail(reason) and self.ticket is not None:
-            self.bus.fail(self.s.room, self.ticket, reason)
 
     def abort(self, reason: str = "aborted by prefill") -> None:
         self._fail(reason)
