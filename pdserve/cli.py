@@ -192,6 +192,12 @@ class DcpComm(str, Enum):
     ag_rs = "ag_rs"
 
 
+class CpuComm(str, Enum):
+    auto = "auto"
+    shm = "shm"
+    gloo = "gloo"
+
+
 @app.command()
 def decode(
     model: Optional[Path] = typer.Option(None, help="Checkpoint directory. Default: the built-in small model."),
@@ -210,6 +216,7 @@ def decode(
     dtype: DType = typer.Option(DType.float32, help="Weights and activations dtype (and KV cache dtype when --kv-cache-dtype is auto)."),
     threads_per_rank: int = typer.Option(1, min=1, help="torch threads in each rank process (and in the server's local prefill)."),
     max_batch: int = typer.Option(64, min=1, help="Most requests decoded together in one step (continuous batching)."),
+    cpu_comm: CpuComm = typer.Option(CpuComm.auto, help="Collectives between CPU ranks: shm (shared memory, ~15 us each), gloo (loopback TCP, ~0.5 ms each) or auto (shm on x86)."),
     check_config: bool = typer.Option(False, "--check-config", help="Validate the flags and the checkpoint, print the config with its num_slots as JSON, and exit without starting."),
 ):
     """Run a decode instance: W rank processes with tensor + decode context parallelism, behind an HTTP API."""
@@ -227,7 +234,7 @@ def decode(
             kv_cache_dtype=kv_cache_dtype.value, kv_memory=budget,
             max_kv_tokens=DEFAULT_MAX_KV_TOKENS if budget is None and max_kv_tokens is None else max_kv_tokens,
             page_size=page_size, host=host, port=port, dist_port=dist_port, dtype=dtype.value,
-            threads_per_rank=threads_per_rank, max_batch=max_batch,
+            threads_per_rank=threads_per_rank, max_batch=max_batch, cpu_comm=cpu_comm.value,
         )
         cfg.validate_model()
         num_slots = cfg.num_slots()

@@ -21,7 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from ..model.backend import IndexerInputs
 from ..model.config import ModelConfig
@@ -40,7 +39,7 @@ class DecodeBatch:
 class DCPGroup:
     rank: int  # rank within the group (= slot % C_d it owns)
     size: int  # C_d
-    group: object  # torch.distributed group of its members (None when size == 1)
+    comm: object  # collectives of its members (engine/comm.py)
 
 
 class DCPBackend:
@@ -117,7 +116,7 @@ class DCPBackend:
         cand_score = torch.where(ok, scores.gather(1, local.clamp(min=0)), torch.full_like(scores[:, :1], float("-inf")))
         cand_pos = torch.where(ok, self._own_pos.gather(1, local.clamp(min=0)), torch.full_like(local, -1))
         packed = torch.stack([cand_score.double(), cand_pos.double()], dim=-1)  # [B, k, 2]: one collective
-        every = _all_gather(packed, self.dcp)  # [C, B, k, 2]
+        every = self.dcp.comm.all_gather(packed)  # [C, B, k, 2]
         every = every.permute(1, 0, 2, 3).reshape(packed.shape[0], -1, 2)  # [B, C*k, 2]
         pos = every[..., 1].long()
         order = torch.where(pos >= 0, pos, torch.full_like(pos, 1 << 62)).argsort(dim=-1)  # by position
@@ -129,35 +128,24 @@ class DCPBackend:
     # ---- head slices and the merge -------------------------------------------------------------
     def _gather_heads(self, q: torch.Tensor) -> torch.Tensor:
         C = self.dcp.size
-        every = _all_gather(q, self.dcp)  # [C, B, Hl, D]
+        every = self.dcp.comm.all_gather(q)  # [C, B, Hl, D]
         return every.permute(1, 0, 2, 3).reshape(q.shape[0], C * q.shape[1], q.shape[2])  # [B, Hg, D]
 
     def _merge_a2a(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         C, (B, Hg, c) = self.dcp.size, out.shape
         packed = torch.cat([out.to(lse.dtype), lse.unsqueeze(-1)], dim=-1)  # [B, Hg, c + 1]
         send = packed.view(B, C, Hg // C, c + 1).permute(1, 0, 2, 3).contiguous()  # [C, B, Hl, c + 1]
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.dcp.group)  # recv[j]: group rank j's part of my slice
+        recv = self.dcp.comm.all_to_all(send)  # recv[j]: group rank j's part of my slice
         merged, _ = merge_attention(recv[..., :c], recv[..., c])
         return merged
 
     def _merge_ag_rs(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         C, (B, Hg, c) = self.dcp.size, out.shape
-        lses = _all_gather(lse, self.dcp)  # [C, B, Hg]
+        lses = self.dcp.comm.all_gather(lse)  # [C, B, Hg]
         total = torch.logsumexp(lses, dim=0)
         safe = torch.where(torch.isinf(total), torch.zeros_like(total), total)
         weight = torch.exp(lse - safe)  # exp(-inf) = 0 for a rank that read nothing
         scaled = out.to(lse.dtype) * weight.unsqueeze(-1)
-        send = scaled.view(B, C, Hg // C, c).permute(1, 0, 2, 3).reshape(C * B, Hg // C, c)  # slice-major
-        recv = send.new_empty(B, Hg // C, c)
-        dist.reduce_scatter_single(recv, send, group=self.dcp.group)  # sums group rank j's part of my slice
-        return recv
+        send = scaled.view(B, C, Hg // C, c).permute(1, 0, 2, 3)  # [C, B, Hl, c]: part j for group rank j
+        return self.dcp.comm.reduce_scatter(send)  # the sum of every rank's part of my slice
 
-
-def _all_gather(x: torch.Tensor, dcp: DCPGroup) -> torch.Tensor:
-    """[...] on each group rank -> [C, ...] in group-rank order."""
-    if dcp.size == 1:
-        return x.unsqueeze(0)
-    out = x.new_empty((dcp.size * x.shape[0],) + tuple(x.shape[1:]))
-    dist.all_gather_single(out, x.contiguous(), group=dcp.group)
-    return out.view((dcp.size,) + tuple(x.shape))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from ..engine.comm import CPU_COMMS, make_comm
 from ..engine.kv_cache import KVPool
 from ..engine.llm_engine import parse_dtype
 from ..model.weights import load_model
@@ -32,12 +33,15 @@ class DecodeWorkerConfig:
     dtype: str = "float32"
     kv_cache_dtype: str = "auto"
     float32_islands: bool = True
+    cpu_comm: str = "auto"  # collectives between the ranks: shared memory or gloo (engine/comm.py)
 
     def __post_init__(self):
         if self.index_mode not in INDEX_MODES:
             raise ValueError(f"--dcp-index must be one of {', '.join(INDEX_MODES)}, got {self.index_mode!r}")
         if self.comm not in COMM_MODES:
             raise ValueError(f"--dcp-comm must be one of {', '.join(COMM_MODES)}, got {self.comm!r}")
+        if self.cpu_comm not in CPU_COMMS:
+            raise ValueError(f"--cpu-comm must be one of {', '.join(CPU_COMMS)}, got {self.cpu_comm!r}")
         if self.dcp_size < 1 or self.num_slots % self.dcp_size:
             raise ValueError(f"num_slots {self.num_slots} must be a multiple of --dcp-size {self.dcp_size}")
 
@@ -87,14 +91,15 @@ class DecodeRankWorker:
         self.dtype = parse_dtype(cfg.dtype)
         self.model = load_model(cfg.model_dir, self.dtype, float32_islands=cfg.float32_islands)
         self.mcfg = self.model.config
-        apply_decode_tp(self.model, rank, world, cfg.dcp_size, cfg.replicate_q)
+        self.tp_comm = make_comm(cfg.cpu_comm, rank, world)
+        apply_decode_tp(self.model, rank, world, cfg.dcp_size, cfg.replicate_q, self.tp_comm)
         group = None
         for g in range(world // cfg.dcp_size):  # every rank creates every group, in the same order
             members = list(range(g * cfg.dcp_size, (g + 1) * cfg.dcp_size))
             pg = dist.new_group(members) if cfg.dcp_size > 1 else None
             if rank in members:
                 group = pg
-        self.dcp = DCPGroup(rank % cfg.dcp_size, cfg.dcp_size, group)
+        self.dcp = DCPGroup(rank % cfg.dcp_size, cfg.dcp_size, make_comm(cfg.cpu_comm, rank % cfg.dcp_size, cfg.dcp_size, group))
         self._build(cfg.index_mode, cfg.comm)
         # KV hand-off data path (transfer/tcp.py): writes arriving rows into the current pool
         self.receiver = TcpReceiver(rank, lambda: self.pool)

@@ -27,6 +27,7 @@ from ..engine.watchdog import start_watchdog, stop_instance
 from ..model.config import ModelConfig
 from .dcp_backend import COMM_MODES
 from .engine import DecodeEngine
+from ..engine.comm import CPU_COMMS
 from .instance import DecodeInstance
 from .rank_worker import DecodeWorkerConfig
 
@@ -52,6 +53,7 @@ class DecodeServerConfig:
     dtype: str = "float32"
     threads_per_rank: int = 1
     max_batch: int = 64
+    cpu_comm: str = "auto"
 
     def __post_init__(self):
         if self.tp_size < 1 or self.dcp_size < 1 or self.tp_size % self.dcp_size:
@@ -71,6 +73,8 @@ class DecodeServerConfig:
             raise ValueError("--port and --dist-port must differ")
         if self.threads_per_rank < 1 or self.max_batch < 1:
             raise ValueError("--threads-per-rank and --max-batch must be >= 1")
+        if self.cpu_comm not in CPU_COMMS:
+            raise ValueError(f"--cpu-comm must be one of {', '.join(CPU_COMMS)}, got {self.cpu_comm!r}")
 
     def num_slots(self) -> int:
         """Global KV slots of the instance: whole pages that fit the per-rank budget, or max_kv_tokens rounded up."""
@@ -94,7 +98,7 @@ class DecodeServerConfig:
 
     def build_instance(self) -> DecodeInstance:
         worker = DecodeWorkerConfig(self.model, self.num_slots(), self.dcp_size, self.dcp_index, self.dcp_comm,
-                                    self.replicate_q_proj, self.dtype, self.kv_cache_dtype)
+                                    self.replicate_q_proj, self.dtype, self.kv_cache_dtype, cpu_comm=self.cpu_comm)
         launch = LaunchConfig(self.tp_size, self.dist_port, threads_per_rank=self.threads_per_rank)
         return DecodeInstance(worker, launch, page_size=self.page_size)
 

@@ -12,7 +12,6 @@ group's head slices are those of its members. Each rank keeps:
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..engine.tp_shard import keep, shard_ffn
@@ -21,16 +20,14 @@ from ..model.transformer import CausalLM
 
 
 class AllReduce(nn.Module):
-    """Runs `inner` on this rank's weight slice and sums the partial outputs over the group."""
+    """Runs `inner` on this rank's weight slice and sums the partial outputs over the ranks of `comm`."""
 
-    def __init__(self, inner: nn.Module, group=None):
+    def __init__(self, inner: nn.Module, comm):
         super().__init__()
-        self.inner, self.group = inner, group
+        self.inner, self.comm = inner, comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.inner(x).contiguous()
-        dist.all_reduce(y, group=self.group)
-        return y
+        return self.comm.all_reduce(self.inner(x).contiguous())
 
 
 def head_slices(num_heads: int, rank: int, world: int, dcp: int) -> tuple[range, range]:
@@ -47,7 +44,7 @@ def _rows_for_heads(weight: torch.Tensor, num_heads: int, heads: range) -> torch
     return weight.view(num_heads, per_head, -1)[heads.start : heads.stop].reshape(len(heads) * per_head, -1)
 
 
-def shard_attention(attn: MLAttention, rank: int, world: int, dcp: int, replicate_q: bool) -> None:
+def shard_attention(attn: MLAttention, rank: int, world: int, dcp: int, replicate_q: bool, comm) -> None:
     H = attn.n_heads
     own, group = head_slices(H, rank, world, dcp)
     q_heads = group if replicate_q else own
@@ -60,13 +57,14 @@ def shard_attention(attn: MLAttention, rank: int, world: int, dcp: int, replicat
         keep(attn.o_proj.bias, torch.zeros_like(attn.o_proj.bias))  # the bias is added once, by rank 0
     attn.n_heads = len(q_heads)
     attn.out_heads = slice(own.start - q_heads.start, own.stop - q_heads.start)
-    attn.o_proj = AllReduce(attn.o_proj)
+    attn.o_proj = AllReduce(attn.o_proj, comm)
 
 
-def apply_decode_tp(model: CausalLM, rank: int, world: int, dcp: int, replicate_q: bool) -> None:
+def apply_decode_tp(model: CausalLM, rank: int, world: int, dcp: int, replicate_q: bool, comm) -> None:
+    """comm: collectives over all W ranks (engine/comm.py)."""
     if world == 1:
         return
     for layer in model.model.layers:
-        shard_attention(layer.self_attn, rank, world, dcp, replicate_q)
+        shard_attention(layer.self_attn, rank, world, dcp, replicate_q, comm)
         shard_ffn(layer.mlp, rank, world)
-        layer.mlp = AllReduce(layer.mlp)
+        layer.mlp = AllReduce(layer.mlp, comm)

@@ -89,10 +89,11 @@ def test_decode_instance_matches_single_rank(tiny_checkpoints, expected, tp, dcp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,dcp", [(2, 2), (4, 2)])
-def test_dense_model_decode_matches_single_rank(tiny_checkpoints, expected, tp, dcp):
+@pytest.mark.parametrize("tp,dcp,cpu_comm", [(2, 2, "gloo"), (4, 2, "shm")])
+def test_dense_model_decode_matches_single_rank(tiny_checkpoints, expected, tp, dcp, cpu_comm):
+    """Also covers both collective backends (the sparse sweep above uses the default, shared memory)."""
     worker = DecodeWorkerConfig(str(tiny_checkpoints[("deepseek_v3", "make-model")]), num_slots=1024, dcp_size=dcp,
-                                dtype="float64", float32_islands=False)
+                                dtype="float64", float32_islands=False, cpu_comm=cpu_comm)
     with DecodeInstance(worker, LaunchConfig(tp, free_port()), page_size=4) as inst:
         tokens, logits = decode_all(inst, expected["deepseek_v3"])
         for (ids, want_tokens, want_logits, _), got_t, got_l in zip(expected["deepseek_v3"], tokens, logits):
