@@ -162,3 +162,18 @@ def hf_config(arch: str, size: str) -> dict[str, Any]:
     cfg["head_dim"] = cfg["qk_rope_head_dim"]
     cfg["qk_head_dim"] = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
     return cfg
+
+
+def glm53_like_config() -> dict[str, Any]:
+    """GLM-5.3's cache shapes (78 layers, 512 + 64 latent dims, 21 indexer layers of 128, the first
+    at layer 0), the rest plausible: for capacity accounting (the article's numbers), not make-model."""
+    full_layers = {k * 78 // 21 for k in range(21)}
+    return {
+        "model_type": "glm_moe_dsa", "vocab_size": 154880, "hidden_size": 6144, "num_hidden_layers": 78,
+        "num_attention_heads": 64, "q_lora_rank": 2048, "kv_lora_rank": 512, "qk_nope_head_dim": 192,
+        "qk_rope_head_dim": 64, "v_head_dim": 256, "intermediate_size": 12288, "moe_intermediate_size": 2048,
+        "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1,
+        "first_k_dense_replace": 3, "max_position_embeddings": 202752, "rope_theta": 1e6,
+        "index_topk": 2048, "index_n_heads": 32, "index_head_dim": 128,
+        "indexer_types": ["full" if i in full_layers else "shared" for i in range(78)],
+    }
