@@ -16,7 +16,7 @@ from ..engine.page_allocator import PageAllocator
 from ..model.config import ModelConfig
 from ..transfer.messages import DecodeReservation, Fingerprint, model_hash
 from ..transfer.plan import DecodeSide, PrefillSide, Transfer, plan_transfer
-from ..transfer.tcp import ANY_SRC, ExpectCmd, ForgetCmd, TransferStatusCmd
+from ..transfer.tcp import ANY_SRC, ExpectCmd, ForgetCmd, StageCmd, TransferStatusCmd
 from .rank_worker import DecodeRankWorker, DecodeWorkerConfig, DumpCmd, LoadCmd, ReconfigureCmd, StepCmd
 
 
@@ -79,10 +79,25 @@ class DecodeInstance:
         return Fingerprint(model_hash(w.model_dir), w.kv_cache_dtype, w.dtype, self.allocator.page_size,
                            cfg.num_layers, w.dcp_size, self.index_mode)
 
-    def reservation(self, room: str, pages: list[int], generation: int = 0) -> DecodeReservation:
+    def reservation(self, room: str, pages: list[int], generation: int = 0,
+                    prompt_len: int | None = None) -> DecodeReservation:
+        """A new ticket for the room, and every rank staged for it (StageCmd): each rank's endpoint,
+        NIXL's with a receive region sized for the rows it stores of a prompt_len-token prompt
+        (default: every reserved slot). RuntimeError, with nothing left staged, when a rank cannot."""
+        ticket = next(self._tickets)
+        n = len(pages) * self.allocator.page_size if prompt_len is None else prompt_len
+        rows: dict[int, dict[str, int]] = {}
+        for t in self._any_prefill_plan(pages, n):
+            per = rows.setdefault(t.dst_rank, {})
+            per[t.kind] = per.get(t.kind, 0) + t.rows
+        replies = self.ranks.call(StageCmd(room, ticket, rows))
+        errors = [f"decode rank {rank}: {r['error']}" for rank, r in enumerate(replies) if r["error"]]
+        if errors:
+            self.forget(room, quiesced=True)  # nothing was sent for this ticket
+            raise RuntimeError("; ".join(errors))
         return DecodeReservation(room, self.fingerprint(), generation, self.launch.world_size, self.worker.dcp_size,
                                  self.allocator.page_size, tuple(pages),
-                                 {i["rank"]: i["data_endpoint"] for i in self.rank_infos}, next(self._tickets))
+                                 {rank: r["endpoint"] for rank, r in enumerate(replies)}, ticket)
 
     def decode_side(self, pages: list[int]) -> DecodeSide:
         return DecodeSide(self.launch.world_size, self.worker.dcp_size, self.index_mode, self.allocator.page_size, pages)
@@ -98,16 +113,20 @@ class DecodeInstance:
     def expect_totals(self, room: str, ticket: int, pages: list[int], prompt_len: int) -> None:
         """Like expect(), without the prefill's plan: each rank's row total is fixed by the decode
         layout alone (a one-rank prefill plan has the same rows per destination as any other)."""
-        cfg = self.model_config
-        any_prefill = PrefillSide(1, "full", cfg.num_layers, cfg.indexer_layers, range(prompt_len))
         totals: dict[int, dict[int, int]] = {}
-        for t in plan_transfer(any_prefill, self.decode_side(pages), prompt_len):
+        for t in self._any_prefill_plan(pages, prompt_len):
             per = totals.setdefault(t.dst_rank, {ANY_SRC: 0})
             per[ANY_SRC] += t.rows
         self.ranks.call(ExpectCmd(room, ticket, totals))
 
+    def _any_prefill_plan(self, pages: list[int], prompt_len: int) -> list[Transfer]:
+        cfg = self.model_config
+        any_prefill = PrefillSide(1, "full", cfg.num_layers, cfg.indexer_layers, range(prompt_len))
+        return plan_transfer(any_prefill, self.decode_side(pages), prompt_len)
+
     def transfer_status(self, room: str) -> list[dict]:
         return self.ranks.call(TransferStatusCmd(room))
 
-    def forget(self, room: str) -> None:
-        self.ranks.call(ForgetCmd(room))
+    def forget(self, room: str, quiesced: bool = False) -> None:
+        """Every rank drops the room; quiesced: no sender will write for it any more (transfer/nixl.py)."""
+        self.ranks.call(ForgetCmd(room, quiesced))

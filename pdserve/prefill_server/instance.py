@@ -15,7 +15,7 @@ from ..engine.request import SamplingParams
 from ..model.config import ModelConfig
 from .layouts import check_layout_allowed
 from ..transfer.plan import PrefillSide, Transfer
-from ..transfer.tcp import SendCmd, merge_checksums
+from ..transfer.tcp import SendCmd, TransferStatusCmd, merge_checksums
 from .cp_backend import layer_owners
 from .rank_worker import DumpCacheCmd, PrefillCmd, PrefillRankWorker, PrefillWorkerConfig
 
@@ -135,3 +135,7 @@ class PrefillInstance:
         if request_id not in self.held:
             raise KeyError(f"request {request_id} is not held (prefill it first)")
         return merge_checksums(self.ranks.call(SendCmd(room, ticket, plan, endpoints, corrupt, send_timeout_ms)))
+
+    def transfer_status(self) -> list[dict]:
+        """Every rank's sender counters (transfer/tcp.py, nixl.py): what a send holds after it returned."""
+        return self.ranks.call(TransferStatusCmd(""))

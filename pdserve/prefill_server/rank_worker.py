@@ -16,7 +16,7 @@ from ..engine.llm_engine import parse_dtype
 from ..engine.request import SamplingParams
 from ..engine.sampler import Sampler
 from ..model.weights import load_model
-from ..transfer.tcp import SendCmd, TcpSender
+from ..transfer.tcp import SendCmd, TcpSender, TransferStatusCmd
 from .cp_backend import ChunkPlan, CPBackend, layer_owners
 from .layouts import split_positions
 from .moe_tp import TokenSplit, apply_moe_tp
@@ -85,6 +85,8 @@ class PrefillRankWorker:
             return self.dump(cmd)
         if isinstance(cmd, SendCmd):
             return self.sender.send(cmd)
+        if isinstance(cmd, TransferStatusCmd):
+            return self.sender.status()
         raise TypeError(f"unknown command {type(cmd).__name__}")
 
     @torch.inference_mode()

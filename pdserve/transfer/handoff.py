@@ -8,7 +8,10 @@
     decode   polls TransferStatusCmd until every expected row arrived (or the transfer timeout),
              checks errors, checksums and the layout echo -> kv_ready: the request runs.
 On any failure both sides release what they hold (prefill pages, decode pages and receiver room
-state) and `TransferError` names the reason; the instances stay usable (DESIGN.md 3.7-3.8).
+state) and `TransferError` names the reason; the instances stay usable (DESIGN.md 3.7-3.8). The
+decode side is told the room is quiesced (a NIXL receive region is reusable at once) unless the
+prefill ranks may still be sending: only when prefill.send itself broke off (not a SendError).
+The same code runs over either data path (the ranks' `transfer`: tcp or nixl).
 The prefill's pages are released on success too: the decode instance now owns the only copy.
 What crosses between the two sides are the side-channel messages (transfer/messages.py), so a
 ZMQ side channel between the two main processes can replace the direct calls without changing them.
@@ -27,6 +30,7 @@ from ..prefill_server.instance import PrefillInstance
 from .base import KVPoll, TransferState
 from .messages import DecodeReservation, Fingerprint, TransferDone, TransferFailed, model_hash
 from .plan import plan_transfer
+from .tcp import SendError
 
 _rooms = itertools.count()
 
@@ -69,7 +73,7 @@ def hand_off(prefill: PrefillInstance, decode: DecodeEngine, prompt_ids: list[in
         decode.admit()
         if req.state != "waiting_for_kv":
             raise HandoffFailure("the decode instance has no free pages for this request now")
-        reservation = decode.instance.reservation(room, req.pages)
+        reservation = decode.instance.reservation(room, req.pages, prompt_len=len(prompt_ids))
         prefill_fingerprint(prefill, reservation).check_compatible(reservation.fingerprint)
         state.advance(KVPoll.WaitingForInput)
         done = _transfer(prefill, decode, prompt_ids, params, reservation, state, hooks, timeout_s)
@@ -78,7 +82,7 @@ def hand_off(prefill: PrefillInstance, decode: DecodeEngine, prompt_ids: list[in
     except Exception as e:
         reason = e.reason if isinstance(e, HandoffFailure) else f"{type(e).__name__}: {e}"
         state.fail(reason)
-        _release(prefill, decode, room)
+        _release(prefill, decode, room, quiesced=not isinstance(e, HandoffFailure) or e.quiesced)
         raise TransferError(TransferFailed(room, reason)) from e
     _release(prefill, decode, room, abort_decode=False)
     return decode.kv_ready(room, done.first_token)
@@ -87,9 +91,10 @@ def hand_off(prefill: PrefillInstance, decode: DecodeEngine, prompt_ids: list[in
 class HandoffFailure(Exception):
     """Internal: a reason to fail the room (becomes TransferFailed / TransferError)."""
 
-    def __init__(self, reason: str):
+    def __init__(self, reason: str, quiesced: bool = True):
         super().__init__(reason)
         self.reason = reason
+        self.quiesced = quiesced  # False: prefill ranks may still be writing for the room
 
 
 def _transfer(prefill, decode, prompt_ids, params, reservation, state, hooks, timeout_s) -> TransferDone:
@@ -101,7 +106,12 @@ def _transfer(prefill, decode, prompt_ids, params, reservation, state, hooks, ti
     state.advance(KVPoll.Transferring)
     checksums = {}
     if not hooks.skip_send:
-        checksums = prefill.send(room, room, reservation.ticket, plan, reservation.endpoints, corrupt=hooks.corrupt)
+        try:
+            checksums = prefill.send(room, room, reservation.ticket, plan, reservation.endpoints, corrupt=hooks.corrupt)
+        except SendError:
+            raise  # every rank returned: what it posted is done or cancelled
+        except Exception as e:
+            raise HandoffFailure(f"{type(e).__name__}: {e}", quiesced=False) from e
     if hooks.after_send:
         hooks.after_send(room)
     done = TransferDone(room, result.token, checksums, prefill_fingerprint(prefill, reservation))
@@ -141,9 +151,10 @@ def verify_done(decode: DecodeEngine, reservation: DecodeReservation, done: Tran
                         f"sender sent {done.checksums.get(rank, 0):#010x}")
 
 
-def _release(prefill: PrefillInstance, decode: DecodeEngine, room: str, abort_decode: bool = True) -> None:
+def _release(prefill: PrefillInstance, decode: DecodeEngine, room: str, abort_decode: bool = True,
+             quiesced: bool = True) -> None:
     """Both sides drop the room; on failure the decode request is aborted (its pages freed)."""
-    for step in (lambda: decode.instance.forget(room), lambda: prefill.release(room)):
+    for step in (lambda: decode.instance.forget(room, quiesced), lambda: prefill.release(room)):
         try:
             step()
         except Exception:

@@ -7,6 +7,9 @@ Wire: one ZMQ multipart message per transfer (src_rank, dst_rank, layer, kind) o
 One PUSH socket per destination endpoint (cached), so frames to one decode rank arrive in the
 order they were sent; `seq` counts frames per (room, destination) for debugging.
 
+The command dataclasses, the room bookkeeping (`RoomRows`) and the frame checks (`frame_rows`,
+`store_rows`) are shared with the NIXL data path (transfer/nixl.py), which honours the same commands.
+
 Receiver invariants (DESIGN.md 3.7-3.8):
   - rows are written into the pool ONLY for a room that is currently expected with the same ticket
     (`ExpectCmd`); anything else (late data of an aborted room, an old reuse of the room id) is
@@ -46,13 +49,29 @@ class ExpectCmd:
 
 
 @dataclass(frozen=True)
+class StageCmd:
+    """Decode ranks, at reservation time: get ready to receive `room`; rows[dst_rank] = {kind: rows}
+    this rank will store. Reply {"endpoint": where the senders write, "error": None or why}. TCP's
+    endpoint is the rank's socket; NIXL's also names a receive region reserved for this room."""
+
+    room: str
+    ticket: int
+    rows: dict[int, dict[str, int]]
+
+
+@dataclass(frozen=True)
 class TransferStatusCmd:
     room: str
 
 
 @dataclass(frozen=True)
 class ForgetCmd:
+    """Drops the room. quiesced: the caller knows no sender will write for it any more (every
+    prefill rank's SendCmd returned), so a NIXL receive region is reusable at once; otherwise it is
+    quarantined (transfer/nixl.py)."""
+
     room: str
+    quiesced: bool = False
 
 
 @dataclass(frozen=True)
@@ -67,21 +86,67 @@ class SendCmd:
     send_timeout_ms: int = 10_000  # a destination that accepts nothing for this long is dead for this room
 
 
-TRANSFER_CMDS = (ExpectCmd, TransferStatusCmd, ForgetCmd)
+TRANSFER_CMDS = (StageCmd, ExpectCmd, TransferStatusCmd, ForgetCmd)
 ANY_SRC = -1
 
 
 @dataclass
-class _Room:
+class RoomRows:
+    """What a receiver knows of one room: rows expected per source, rows stored, their checksum."""
+
     ticket: int
-    expected: dict[int, int]  # src_rank -> rows
+    expected: dict[int, int]  # src_rank (or ANY_SRC) -> rows
     received: dict[int, int] = field(default_factory=dict)
     checksum: RoomChecksum = field(default_factory=RoomChecksum)
     error: str | None = None
 
+    def status(self) -> dict:
+        rows, expected = sum(self.received.values()), sum(self.expected.values())
+        return {"known": True, "rows": rows, "expected": expected, "complete": rows == expected,
+                "checksum": self.checksum.value(), "error": self.error}
 
-def _count_key(r: _Room, src: int) -> int:
+
+def _count_key(r: RoomRows, src: int) -> int:
     return src if src in r.expected else ANY_SRC
+
+
+def frame_rows(pool, r: RoomRows, h: dict, nbytes: int) -> torch.Tensor:
+    """The destination rows of one frame (header h: src_rank, layer, kind, runs, dtype, width) of
+    nbytes payload bytes, after checking it fits this rank's pool and the room's expectations;
+    ValueError (or KeyError / TypeError on a malformed header) says why it does not."""
+    layer, src = h["layer"], h["src_rank"]
+    if h["kind"] == "kv":
+        width, limit, ok = pool.kv.shape[-1], pool.num_slots, pool.holds(layer)
+    elif h["kind"] == "index":
+        width, limit, ok = pool.index_k.shape[-1], pool.index_slots, layer in pool.index_row
+    else:
+        raise ValueError(f"unknown kind {h['kind']!r}")
+    if not ok:
+        raise ValueError(f"this rank stores no {h['kind']} for layer {layer}")
+    if h["width"] != width or h["dtype"] not in DTYPES:
+        raise ValueError(f"layout mismatch: got width {h['width']} dtype {h['dtype']}, rank stores width {width}")
+    runs = [torch.arange(d, d + n) for d, n in h["runs"]]
+    rows = torch.cat(runs) if runs else torch.empty(0, dtype=torch.int64)
+    if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= limit):
+        raise ValueError(f"rows out of range [0, {limit})")
+    key = _count_key(r, src)
+    if r.received.get(key, 0) + len(rows) > r.expected.get(key, 0):
+        raise ValueError(f"more rows than expected from prefill rank {src}")
+    if nbytes != len(rows) * width * DTYPES[h["dtype"]].itemsize:
+        raise ValueError(f"payload of {nbytes} bytes for {len(rows)} rows of width {width}")
+    return rows
+
+
+def store_rows(pool, r: RoomRows, h: dict, rows: torch.Tensor, payload: bytearray | memoryview) -> None:
+    """Writes a checked frame's payload (a private, writable copy) into the pool and counts it."""
+    data = torch.frombuffer(payload, dtype=torch.uint8).view(DTYPES[h["dtype"]]).view(len(rows), h["width"])
+    if h["kind"] == "kv":
+        pool.write_kv(h["layer"], rows, data)
+    else:
+        pool.write_index(h["layer"], rows, data)
+    key = _count_key(r, h["src_rank"])
+    r.received[key] = r.received.get(key, 0) + len(rows)
+    r.checksum.update(h["src_rank"], h["layer"], h["kind"], payload)
 
 
 class TcpReceiver:
@@ -95,7 +160,7 @@ class TcpReceiver:
         port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
         self.lock = threading.Lock()
-        self.rooms: dict[str, _Room] = {}
+        self.rooms: dict[str, RoomRows] = {}
         self.dropped = 0  # frames for rooms not expected (late or stale): ignored by design
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name=f"kv-recv-{rank}", daemon=True)
@@ -103,8 +168,10 @@ class TcpReceiver:
 
     def handle(self, cmd):
         with self.lock:
+            if isinstance(cmd, StageCmd):
+                return {"endpoint": self.endpoint, "error": None}  # one socket for every room
             if isinstance(cmd, ExpectCmd):
-                self.rooms[cmd.room] = _Room(cmd.ticket, dict(cmd.expected.get(self.rank, {})))
+                self.rooms[cmd.room] = RoomRows(cmd.ticket, dict(cmd.expected.get(self.rank, {})))
                 return None
             if isinstance(cmd, ForgetCmd):
                 self.rooms.pop(cmd.room, None)
@@ -116,11 +183,7 @@ class TcpReceiver:
     def _status(self, room: str) -> dict:
         r = self.rooms.get(room)
         base = {"open_rooms": len(self.rooms), "dropped": self.dropped}
-        if r is None:
-            return {**base, "known": False}
-        rows, expected = sum(r.received.values()), sum(r.expected.values())
-        return {**base, "known": True, "rows": rows, "expected": expected, "complete": rows == expected,
-                "checksum": r.checksum.value(), "error": r.error}
+        return {**base, **(r.status() if r else {"known": False})}
 
     def _loop(self) -> None:
         poller = zmq.Poller()
@@ -144,43 +207,11 @@ class TcpReceiver:
             self.dropped += 1
             return
         try:
-            rows, data = self._unpack(h, payload, r)
+            rows = frame_rows(self.pool(), r, h, len(payload))
         except (ValueError, KeyError, TypeError, RuntimeError) as e:
             r.error = f"bad frame from prefill rank {h.get('src_rank')}: {e}"
             return
-        pool = self.pool()
-        if h["kind"] == "kv":
-            pool.write_kv(h["layer"], rows, data)
-        else:
-            pool.write_index(h["layer"], rows, data)
-        key = _count_key(r, h["src_rank"])
-        r.received[key] = r.received.get(key, 0) + len(rows)
-        r.checksum.update(h["src_rank"], h["layer"], h["kind"], payload)
-
-    def _unpack(self, h: dict, payload: bytes, r: _Room) -> tuple[torch.Tensor, torch.Tensor]:
-        pool, layer, src = self.pool(), h["layer"], h["src_rank"]
-        if h["kind"] == "kv":
-            width, limit, ok = pool.kv.shape[-1], pool.num_slots, pool.holds(layer)
-        elif h["kind"] == "index":
-            width, limit, ok = pool.index_k.shape[-1], pool.index_slots, layer in pool.index_row
-        else:
-            raise ValueError(f"unknown kind {h['kind']!r}")
-        if not ok:
-            raise ValueError(f"this rank stores no {h['kind']} for layer {layer}")
-        if h["width"] != width or h["dtype"] not in DTYPES:
-            raise ValueError(f"layout mismatch: got width {h['width']} dtype {h['dtype']}, rank stores width {width}")
-        runs = [torch.arange(d, d + n) for d, n in h["runs"]]
-        rows = torch.cat(runs) if runs else torch.empty(0, dtype=torch.int64)
-        if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= limit):
-            raise ValueError(f"rows out of range [0, {limit})")
-        key = _count_key(r, src)
-        if r.received.get(key, 0) + len(rows) > r.expected.get(key, 0):
-            raise ValueError(f"more rows than expected from prefill rank {src}")
-        dtype = DTYPES[h["dtype"]]
-        if len(payload) != len(rows) * width * dtype.itemsize:
-            raise ValueError(f"payload of {len(payload)} bytes for {len(rows)} rows of width {width}")
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).view(len(rows), width)
-        return rows, data
+        store_rows(self.pool(), r, h, rows, bytearray(payload))
 
     def close(self) -> None:
         self._stop.set()
@@ -222,12 +253,17 @@ class TcpSender:
                 payload[0] ^= 0x01  # after checksumming: as if flipped in flight
                 corrupt = False
             endpoint = cmd.endpoints[t.dst_rank]
+            if not endpoint.startswith("tcp://"):  # e.g. a NIXL decode instance: a clear error, not a ZMQError
+                return {"sums": {}, "error": f"decode rank {t.dst_rank} offers a non-tcp endpoint {endpoint[:12]!r}..."}
             try:
                 self._sock(endpoint, cmd.send_timeout_ms).send_multipart([msgpack.packb(header), bytes(payload)])
             except zmq.Again:
                 self.socks.pop(endpoint).close()  # LINGER 0: its queued frames go with it
                 return {"sums": {}, "error": f"decode rank {t.dst_rank} at {endpoint} is not receiving"}
         return {"sums": {dst: dict(c.streams) for dst, c in sums.items()}, "error": None}
+
+    def status(self) -> dict:
+        return {"open_rooms": 0, "peers": len(self.socks)}  # a send holds nothing once it returned
 
     def _pack(self, cmd: SendCmd, t: Transfer, seq: dict[int, int]) -> tuple[dict, bytearray]:
         src = torch.cat([torch.arange(r.src, r.src + r.length) for r in t.runs])

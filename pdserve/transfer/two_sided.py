@@ -32,7 +32,11 @@ def decode_reserve(engine: DecodeEngine, client: DecodeClient, room: str, prompt
     if req.state != "waiting_for_kv":
         engine.abort(room)
         raise TransferError(TransferFailed(room, "the decode instance has no free pages for this request now"))
-    reservation = engine.instance.reservation(room, req.pages)
+    try:
+        reservation = engine.instance.reservation(room, req.pages, prompt_len=prompt_len)
+    except RuntimeError as e:  # a rank could not stage the room (e.g. NIXL receive staging full)
+        engine.abort(room)
+        raise TransferError(TransferFailed(room, str(e))) from None
     engine.instance.expect_totals(room, reservation.ticket, req.pages, prompt_len)  # before anything is sent
     client.send(reservation)
     return req, reservation
@@ -78,7 +82,7 @@ def decode_finish(engine: DecodeEngine, client: DecodeClient, reservation: Decod
         verify_done(engine, reservation, done)
     except HandoffFailure as e:
         client.send(TransferFailed(room, e.reason))  # a prefill still working on the room stops
-        _release(engine, client, room)
+        _release(engine, client, room, quiesced=client.outcome(room) is not None)
         raise TransferError(TransferFailed(room, e.reason)) from None
     _release(engine, client, room, abort=False)
     return engine.kv_ready(room, done.first_token)
@@ -103,8 +107,10 @@ def _wait(engine: DecodeEngine, client: DecodeClient, room: str, timeout_s: floa
         client.drain(5)  # waits up to 5 ms for the outcome; rows are counted by the rank threads
 
 
-def _release(engine: DecodeEngine, client: DecodeClient, room: str, abort: bool = True) -> None:
-    engine.instance.forget(room)
+def _release(engine: DecodeEngine, client: DecodeClient, room: str, abort: bool = True,
+             quiesced: bool = True) -> None:
+    """quiesced: the prefill answered, so it sent everything it will (it answers after its ranks returned)."""
+    engine.instance.forget(room, quiesced)
     client.forget(room)
     if abort:
         engine.abort(room)
