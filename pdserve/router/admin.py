@@ -1,0 +1,93 @@
+"""The topology admin API under /admin, behind a bearer token.
+
+GET  /admin/topology  {"policy", "instances": [row, ...]} (rows: pool.Instance.summary)
+GET  /admin/capacity  the same rows after a fresh poll of every instance
+POST /admin/add       {"role": "prefill" | "decode", "url"} -> the new row (polled at once)
+POST /admin/remove    {"url"} -> the removed row; its running requests finish
+POST /admin/drain     {"url"} -> the row; no new requests go to it, running ones finish
+POST /admin/undrain   {"url"} -> the row; it takes requests again
+
+Without a configured token (--admin-token / PDSERVE_ADMIN_TOKEN) every route answers 404; with
+one, a missing or wrong `Authorization: Bearer <token>` gets 401.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel
+
+from .protocol import ApiError
+
+
+class AddBody(BaseModel):
+    role: str
+    url: str
+
+
+class UrlBody(BaseModel):
+    url: str
+
+
+def admin_router(token: str | None) -> APIRouter:
+    def authorize(request: Request) -> None:
+        if token is None:
+            raise ApiError(404, "the admin API is disabled: start the router with --admin-token or "
+                                "PDSERVE_ADMIN_TOKEN", code="admin_disabled")
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), token.encode()):
+            raise ApiError(401, "missing or wrong admin token (Authorization: Bearer <token>)",
+                           code="invalid_admin_token", type_="authentication_error")
+
+    router = APIRouter(prefix="/admin", dependencies=[Depends(authorize)])
+
+    def pool(request: Request):
+        return request.app.state.router.pool
+
+    def topology_of(request: Request) -> dict:
+        p = pool(request)
+        return {"policy": p.policy, "instances": [i.summary() for i in p.instances.values()]}
+
+    @router.get("/topology")
+    def topology(request: Request):
+        return topology_of(request)
+
+    @router.get("/capacity")
+    async def capacity(request: Request):
+        await pool(request).poll_all(request.app.state.router.client)
+        return topology_of(request)
+
+    @router.post("/add")
+    async def add(body: AddBody, request: Request):
+        try:
+            inst = pool(request).add(body.role, body.url)
+        except ValueError as e:
+            raise ApiError(400, str(e), "url") from None
+        await pool(request).poll(request.app.state.router.client, inst)
+        return inst.summary()
+
+    @router.post("/remove")
+    def remove(body: UrlBody, request: Request):
+        return _lookup(pool(request).remove, body.url).summary()
+
+    @router.post("/drain")
+    def drain(body: UrlBody, request: Request):
+        inst = _lookup(pool(request).get, body.url)
+        inst.draining = True
+        return inst.summary()
+
+    @router.post("/undrain")
+    def undrain(body: UrlBody, request: Request):
+        inst = _lookup(pool(request).get, body.url)
+        inst.draining = False
+        return inst.summary()
+
+    return router
+
+
+def _lookup(fn, url: str):
+    try:
+        return fn(url)
+    except KeyError:
+        raise ApiError(404, f"no instance {url} in the topology", "url", "instance_not_found") from None

@@ -1,0 +1,292 @@
+"""The router's FastAPI app: OpenAI-compatible API in front of prefill and decode instances.
+
+GET  /live                 200 while the process runs
+GET  /health               200 when at least one prefill and one decode instance are usable, else 503
+GET  /v1/models            the one served model
+POST /v1/completions       prompt (string or token ids), sampling fields, stop strings, stream (SSE)
+POST /v1/chat/completions  messages rendered with the checkpoint's chat template
+GET  /metrics              Prometheus text (metrics.py)
+/admin/...                 topology admin API, bearer token (admin.py)
+
+A request: validate -> tokenize -> check that some decode instance can ever hold prompt +
+max_tokens (400) and that instances are up (503) -> Orchestrator.generate (pair, room, both halves,
+retries) -> TextStream (incremental text, stop strings) -> JSON or SSE. A streaming request waits
+for its first piece of text before the 200 goes out, so a request that fails before any token
+still gets a proper status code. A client that goes away cancels the request: both halves abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from contextlib import aclosing, asynccontextmanager
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..model.tokenizer import Tokenizer
+from . import protocol as P
+from .admin import admin_router
+from .config import RouterConfig
+from .metrics import Metrics
+from .orchestrator import BadRequest, GenParams, Orchestrator, RequestFailed
+from .pool import NoInstance, Pool, TooLong
+from .text import TextStream
+
+DISCONNECT_POLL_S = 0.5
+
+
+class RouterState:
+    """Everything the routes share; built in the lifespan (the http client lives as long as the app)."""
+
+    def __init__(self, cfg: RouterConfig, client: httpx.AsyncClient):
+        self.cfg, self.client = cfg, client
+        self.tokenizer = Tokenizer.from_pretrained(cfg.model)
+        self.pool = Pool(cfg.prefill, cfg.decode, cfg.policy)
+        self.metrics = Metrics()
+        self.orch = Orchestrator(self.pool, client, self.metrics, cfg.max_attempts, cfg.retry_backoff_s,
+                                 cfg.request_timeout_s)
+
+
+def create_app(cfg: RouterConfig) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        timeout = httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s)
+        async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+            state = app.state.router = RouterState(cfg, client)
+            await state.pool.poll_all(client)
+            health = asyncio.create_task(state.pool.health_loop(client, cfg.health_interval_s))
+            try:
+                yield
+            finally:
+                health.cancel()
+
+    app = FastAPI(title="pdserve router", lifespan=lifespan)
+    _add_error_handlers(app)
+    app.include_router(admin_router(cfg.admin_token))
+
+    @app.get("/live")
+    def live():
+        return {"status": "ok"}
+
+    @app.get("/health")
+    def health(request: Request):
+        pool = request.app.state.router.pool
+        if pool.ready():
+            return {"status": "ok"}
+        down = [i.role for i in pool.instances.values() if i.usable]
+        missing = [r for r in ("prefill", "decode") if r not in down]
+        return JSONResponse({"status": "unavailable", "error": f"no usable {' or '.join(missing)} instance"},
+                            status_code=503)
+
+    @app.get("/v1/models")
+    def models():
+        return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": 0,
+                                            "owned_by": "pdserve"}]}
+
+    @app.get("/metrics")
+    def metrics(request: Request):
+        state = request.app.state.router
+        return PlainTextResponse(state.metrics.render(state.pool.instances.values()),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(body: P.CompletionRequest, request: Request):
+        state: RouterState = request.app.state.router
+        _check_model(cfg, body.model)
+        return await _serve(state, request, body, _completion_prompt(state.tokenizer, body.prompt), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: P.ChatRequest, request: Request):
+        state: RouterState = request.app.state.router
+        _check_model(cfg, body.model)
+        return await _serve(state, request, body, _chat_prompt(state.tokenizer, body.messages), chat=True)
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(P.ApiError)
+    async def api_error(request: Request, exc: P.ApiError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        if first.get("type") == "json_invalid":
+            message = f"invalid JSON body: {first.get('ctx', {}).get('error', 'cannot parse')}"
+        else:
+            message = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:])}: {e['msg']}" for e in errors)
+        return P.ApiError(400, message or "invalid request body", param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return JSONResponse(P.error_body(str(exc.detail), "invalid_request_error" if exc.status_code < 500
+                                         else "server_error"), status_code=exc.status_code, headers=exc.headers)
+
+
+def _check_model(cfg: RouterConfig, model: str) -> None:
+    if model != cfg.model_name:
+        raise P.ApiError(404, f"the model {model!r} does not exist; this router serves {cfg.model_name!r}",
+                         "model", "model_not_found")
+
+
+def _completion_prompt(tok: Tokenizer, prompt) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    elif isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        raise P.ApiError(400, "only one prompt per request is supported", "prompt")
+    ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    if not ids:
+        raise P.ApiError(400, "the prompt is empty", "prompt")
+    if any(not 0 <= t < tok.vocab_size for t in ids):
+        raise P.ApiError(400, f"prompt token ids must be in [0, {tok.vocab_size})", "prompt")
+    return ids
+
+
+def _chat_prompt(tok: Tokenizer, messages: list[dict]) -> list[int]:
+    if not messages:
+        raise P.ApiError(400, "messages must not be empty", "messages")
+    flat = []
+    for i, m in enumerate(messages):
+        if not isinstance(m.get("role"), str):
+            raise P.ApiError(400, f"messages[{i}] needs a role", "messages")
+        content = m.get("content") or ""
+        if isinstance(content, list):  # content parts: only text is understood
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        flat.append({**m, "content": content})
+    try:
+        text = tok.apply_chat_template(flat, add_generation_prompt=True)
+    except Exception as e:  # jinja's raise_exception(), or no template
+        raise P.ApiError(400, f"cannot apply the chat template: {e}", "messages") from None
+    return _completion_prompt(tok, text)
+
+
+async def _serve(state: RouterState, request: Request, body, prompt: list[int], chat: bool):
+    params = GenParams(**P.check_sampling(body, state.cfg.default_max_tokens))
+    try:
+        state.orch.check_fits(len(prompt), params.max_tokens)
+    except TooLong as e:
+        state.metrics.finished("client_error")
+        raise P.ApiError(400, str(e), "prompt", "context_length_exceeded") from None
+    except NoInstance as e:
+        state.metrics.finished("unavailable")
+        raise P.ApiError(503, str(e)) from None
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    pieces = _pieces(state, prompt, params, body.stop_list())
+    if not body.stream:
+        return await _until_disconnect(request, _collect(state, rid, chat, body, prompt, pieces))
+    first = await _until_disconnect(request, _first_piece(pieces))  # errors before any token keep their status
+    return StreamingResponse(_sse(state, rid, chat, body, len(prompt), first, pieces),
+                             media_type="text/event-stream")
+
+
+async def _pieces(state: RouterState, prompt: list[int], params: GenParams, stop: list[str]):
+    """Yields (text, token_ids, finish_reason | None); records the latency metrics and the outcome."""
+    m, text = state.metrics, TextStream(state.tokenizer, stop)
+    start = last = time.perf_counter()
+    ids: list[int] = []
+    outcome = "aborted"  # a client that leaves ends here with a CancelledError / GeneratorExit
+    try:
+        async with aclosing(state.orch.generate(prompt, params)) as events:
+            async for ev in events:
+                now = time.perf_counter()
+                if isinstance(ev, str):  # the finish reason
+                    outcome = "completed"
+                    yield text.finish(), ids, ev
+                    return
+                if text.token_ids:
+                    m.itl.observe(now - last)
+                else:
+                    m.ttft.observe(now - start)
+                last, m.tokens = now, m.tokens + 1
+                ids.append(ev)
+                delta = text.add(ev)
+                if text.stopped:  # a stop string: closing `events` aborts both halves
+                    outcome = "completed"
+                    yield delta, ids, "stop"
+                    return
+                if delta:
+                    yield delta, ids, None
+                    ids = []
+    except NoInstance as e:
+        outcome = "unavailable"
+        raise P.ApiError(503, str(e)) from None
+    except BadRequest as e:
+        outcome = "client_error"
+        raise P.ApiError(400, str(e)) from None
+    except RequestFailed as e:
+        outcome = "failed"
+        raise P.ApiError(502, str(e)) from None
+    finally:
+        m.e2e.observe(time.perf_counter() - start)
+        m.finished(outcome)
+
+
+async def _until_disconnect(request: Request, coro):
+    """Runs `coro`; if the client goes away first, cancels it (which aborts the request's halves)."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise P.ApiError(499, "the client closed the request")
+    finally:
+        task.cancel()
+
+
+async def _first_piece(pieces):
+    return await anext(pieces)
+
+
+async def _collect(state, rid: str, chat: bool, body, prompt: list[int], pieces) -> dict:
+    texts, ids, reason = [], [], None
+    async with aclosing(pieces):
+        async for text, new_ids, reason in pieces:
+            texts.append(text)
+            ids += new_ids
+    choice = P.choice(chat, False, "".join(texts), reason, ids if body.return_token_ids else None)
+    return {**P.envelope(rid, state.cfg.model_name, chat, False), "choices": [choice],
+            "usage": P.usage(len(prompt), len(ids))}
+
+
+async def _sse(state, rid: str, chat: bool, body, prompt_len: int, first, pieces):
+    head = P.envelope(rid, state.cfg.model_name, chat, True)
+    n, piece = 0, first
+    async with aclosing(pieces):
+        try:
+            while True:
+                text, ids, reason = piece
+                n += len(ids)
+                c = P.choice(chat, True, text, reason, ids if body.return_token_ids else None, first=piece is first)
+                yield _event({**head, "choices": [c]})
+                if reason is not None:
+                    break
+                piece = await anext(pieces)
+        except P.ApiError as e:  # after the first token: an error event ends the stream
+            yield _event(P.error_body(e.message, e.type, e.param, e.code))
+            return
+    if body.stream_options is not None and body.stream_options.include_usage:
+        yield _event({**head, "choices": [], "usage": P.usage(prompt_len, n)})
+    yield "data: [DONE]\n\n"
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def serve(cfg: RouterConfig) -> None:
+    import uvicorn
+
+    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning")

@@ -1,0 +1,56 @@
+"""`RouterConfig`: the router's one frozen config, parsed from the CLI in one place (cli.py)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+POLICIES = ("round_robin", "least_load")
+ADMIN_TOKEN_ENV = "PDSERVE_ADMIN_TOKEN"
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model: str  # checkpoint directory: the router reads only its tokenizer files
+    prefill: tuple[str, ...] = ()  # instance base URLs, e.g. http://127.0.0.1:8100
+    decode: tuple[str, ...] = ()
+    policy: str = "round_robin"
+    served_model_name: str | None = None  # the `model` clients must send; default: the directory's name
+    host: str = "127.0.0.1"
+    port: int = 8000
+    admin_token: str | None = None  # None: the admin API answers 404 (disabled)
+    health_interval_s: float = 2.0
+    max_attempts: int = 3  # tries of one request on different pairs, while no token reached the client
+    retry_backoff_s: float = 0.2  # doubled after every failed try
+    request_timeout_s: float = 300.0  # longest silence from an instance before the try fails
+    connect_timeout_s: float = 5.0
+    default_max_tokens: int = 16  # OpenAI's default for /v1/completions; chat uses it too
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        for role, urls in (("prefill", self.prefill), ("decode", self.decode)):
+            for url in urls:
+                if not url.startswith(("http://", "https://")):
+                    raise ValueError(f"{role} instance URL must start with http:// or https://, got {url!r}")
+        urls = [u.rstrip("/") for u in self.prefill + self.decode]
+        if len(set(urls)) < len(urls):
+            raise ValueError("an instance URL is listed twice (each instance has one role)")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.health_interval_s <= 0 or self.request_timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise ValueError("health interval and timeouts must be > 0")
+        if self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if not (Path(self.model) / "tokenizer.json").is_file():
+            raise ValueError(f"{self.model} has no tokenizer.json (the router needs the model's tokenizer)")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).resolve().name
+
+    @staticmethod
+    def token_from_env(token: str | None) -> str | None:
+        """--admin-token wins over the environment variable; an empty value means no token."""
+        return token or os.environ.get(ADMIN_TOKEN_ENV) or None

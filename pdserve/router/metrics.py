@@ -1,0 +1,110 @@
+"""Prometheus metrics of the router, written by hand in the text exposition format (version 0.0.4).
+
+Histograms: time to first token, inter-token latency, end-to-end latency, prefill answer time
+(prefill request sent -> cache shipped). Counters: requests by outcome, retries by the role that
+failed. Gauges come from the pool's last poll at scrape time: health, queue depth, free and
+total KV tokens, in-flight requests per instance.
+"""
+
+from __future__ import annotations
+
+import math
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+OUTCOMES = ("completed", "client_error", "unavailable", "failed", "aborted")
+
+
+class Histogram:
+    def __init__(self, name: str, help_: str, buckets: tuple[float, ...] = LATENCY_BUCKETS):
+        self.name, self.help, self.buckets = name, help_, buckets
+        self.counts = [0] * len(buckets)  # per bucket, not cumulative
+        self.count, self.sum = 0, 0.0
+
+    def observe(self, value: float) -> None:
+        self.count += 1
+        self.sum += value
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[i] += 1
+                break
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        cumulative = 0
+        for bound, n in zip(self.buckets, self.counts):
+            cumulative += n
+            lines.append(f'{self.name}_bucket{{le="{_num(bound)}"}} {cumulative}')
+        lines += [f'{self.name}_bucket{{le="+Inf"}} {self.count}', f"{self.name}_sum {_num(self.sum)}",
+                  f"{self.name}_count {self.count}"]
+        return lines
+
+
+class Metrics:
+    def __init__(self):
+        self.ttft = Histogram("pdserve_router_time_to_first_token_seconds",
+                              "Seconds from a request's arrival to its first generated token.")
+        self.itl = Histogram("pdserve_router_inter_token_latency_seconds",
+                             "Seconds between consecutive generated tokens of one request.")
+        self.e2e = Histogram("pdserve_router_e2e_latency_seconds",
+                             "Seconds from a request's arrival to its last token or error.")
+        self.prefill = Histogram("pdserve_router_prefill_seconds",
+                                 "Seconds from sending a prefill request to its answer (the KV cache shipped).")
+        self.requests = {o: 0 for o in OUTCOMES}
+        self.retries = {"prefill": 0, "decode": 0}
+        self.tokens = 0
+
+    def finished(self, outcome: str) -> None:
+        self.requests[outcome] += 1
+
+    def retry(self, role: str) -> None:
+        self.retries[role] += 1
+
+    def observe_prefill(self, seconds: float) -> None:
+        self.prefill.observe(seconds)
+
+    def render(self, instances) -> str:
+        lines: list[str] = []
+        for h in (self.ttft, self.itl, self.e2e, self.prefill):
+            lines += h.render()
+        lines += ["# HELP pdserve_router_requests_total Requests by outcome.",
+                  "# TYPE pdserve_router_requests_total counter"]
+        lines += [f'pdserve_router_requests_total{{outcome="{o}"}} {n}' for o, n in self.requests.items()]
+        lines += ["# HELP pdserve_router_retries_total Failed tries that were retried, by the role that failed.",
+                  "# TYPE pdserve_router_retries_total counter"]
+        lines += [f'pdserve_router_retries_total{{role="{r}"}} {n}' for r, n in self.retries.items()]
+        lines += ["# HELP pdserve_router_generated_tokens_total Tokens streamed to clients.",
+                  "# TYPE pdserve_router_generated_tokens_total counter",
+                  f"pdserve_router_generated_tokens_total {self.tokens}"]
+        lines += _instance_gauges(list(instances))
+        return "\n".join(lines) + "\n"
+
+
+def _instance_gauges(instances) -> list[str]:
+    gauges = (
+        ("pdserve_instance_healthy", "1 if the instance's last health check passed.", lambda i: int(i.healthy)),
+        ("pdserve_instance_draining", "1 while the instance takes no new requests.", lambda i: int(i.draining)),
+        ("pdserve_instance_in_flight", "Requests this router has running on the instance.", lambda i: i.in_flight),
+        ("pdserve_instance_queue_depth", "Requests waiting in the instance (prefill queue; decode queued).",
+         lambda i: i.info.get("queue_depth" if i.role == "prefill" else "queued")),
+        ("pdserve_instance_kv_free_tokens", "Free KV cache tokens at the last poll.",
+         lambda i: i.info.get("free_tokens")),
+        ("pdserve_instance_kv_total_tokens", "KV cache capacity in tokens.", lambda i: i.info.get("total_tokens")),
+    )
+    lines = []
+    for name, help_, value in gauges:
+        lines += [f"# HELP {name} {help_}", f"# TYPE {name} gauge"]
+        for inst in instances:
+            v = value(inst)
+            if v is not None:
+                lines.append(f'{name}{{instance="{_label(inst.url)}",role="{inst.role}"}} {_num(v)}')
+    return lines
+
+
+def _num(v: float) -> str:
+    if isinstance(v, float) and math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    return repr(float(v)) if isinstance(v, float) else str(v)
+
+
+def _label(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

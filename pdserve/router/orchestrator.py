@@ -1,0 +1,192 @@
+"""One request through a prefill and a decode instance (DESIGN.md section 4), with retries.
+
+A try picks a pair, makes a room id, and sends to both halves at once: the decode's
+POST /v1/generate (NDJSON stream, `bootstrap` = the prefill's side channel) and the prefill's
+POST /v1/prefill (`handoff`). Both feed one event queue, so whichever half fails first ends the
+try at once: the decode half is aborted (POST /v1/abort, and its stream closed) and the prefill's
+request is dropped. A try that failed before any token went out is repeated on another pair
+(`max_attempts`, exponential backoff); after the first token an error ends the request.
+Cleanup of a try never awaits inside a cancelled task: the aborts run as detached tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+import httpx
+
+from .metrics import Metrics
+from .pool import Instance, NoInstance, Pool
+
+
+@dataclass(frozen=True)
+class GenParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    ignore_eos: bool = False
+
+
+class BadRequest(Exception):
+    """An instance refused the request itself (4xx): retrying elsewhere would not help."""
+
+
+class RequestFailed(Exception):
+    """The request could not be served (502 before the first token; an error event after it)."""
+
+
+class TryFailed(Exception):
+    def __init__(self, inst: Instance, message: str, transport: bool = False):
+        super().__init__(f"{inst.role} {inst.url}: {message}")
+        self.inst, self.transport = inst, transport
+
+
+class Orchestrator:
+    def __init__(self, pool: Pool, client: httpx.AsyncClient, metrics: Metrics, max_attempts: int,
+                 backoff_s: float, timeout_s: float):
+        self.pool, self.client, self.metrics = pool, client, metrics
+        self.max_attempts, self.backoff_s, self.timeout_s = max_attempts, backoff_s, timeout_s
+        self._background: set[asyncio.Task] = set()
+
+    def check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        """Raises pool.TooLong / NoInstance before anything is streamed (400 / 503)."""
+        self.pool.pick("decode", prompt_len + max_tokens)
+        self.pool.pick("prefill", prompt_len)
+
+    async def generate(self, prompt: list[int], params: GenParams):
+        """Yields token ids, then one finish reason string ("stop" | "length" | "abort")."""
+        avoid: set[str] = set()
+        last: Exception | None = None
+        for attempt in range(self.max_attempts):
+            if attempt:
+                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                decode = self.pool.pick("decode", len(prompt) + params.max_tokens, avoid)
+                prefill = self.pool.pick("prefill", len(prompt), avoid)
+            except NoInstance:
+                if last is None:
+                    raise
+                break
+            sent = False
+            try:
+                async for event in self._try(prefill, decode, prompt, params):
+                    sent = sent or isinstance(event, int)
+                    yield event
+                return
+            except TryFailed as e:
+                self.metrics.retry(e.inst.role)
+                self._after_failure(e)
+                avoid.add(e.inst.url)
+                last = e
+                if sent:
+                    raise RequestFailed(str(e)) from None
+        raise RequestFailed(f"failed after {attempt + 1} tries: {last}")
+
+    async def _try(self, prefill: Instance, decode: Instance, prompt: list[int], params: GenParams):
+        room = f"room-{uuid.uuid4().hex}"
+        events: asyncio.Queue = asyncio.Queue()
+        prefill.in_flight += 1
+        decode.in_flight += 1
+        p_task = asyncio.create_task(self._prefill(prefill, room, prompt, params, events))
+        d_task = asyncio.create_task(self._decode(decode, prefill.bootstrap, room, prompt, params, events))
+        finished = False
+        try:
+            while True:
+                kind, value = await events.get()
+                if kind == "token":
+                    yield value
+                elif kind == "finish":
+                    finished = True
+                    yield value
+                    return
+                elif kind == "failed":
+                    raise value
+        finally:
+            prefill.in_flight -= 1
+            decode.in_flight -= 1
+            if not finished:
+                d_task.cancel()  # closes the stream: the decode aborts on disconnect too
+                self._detach(self._abort(decode, room))
+            p_task.cancel()  # after a finish the prefill already answered or is about to: nothing is lost
+
+    async def _prefill(self, inst: Instance, room: str, prompt: list[int], params: GenParams,
+                       events: asyncio.Queue) -> None:
+        body = {"token_ids": prompt, "request_id": room, "handoff": True, "temperature": params.temperature,
+                "top_p": params.top_p, "top_k": params.top_k, "seed": params.seed}
+        start = time.perf_counter()
+        try:
+            r = await self.client.post(f"{inst.url}/v1/prefill", json=body, timeout=self.timeout_s)
+        except httpx.HTTPError as e:
+            events.put_nowait(("failed", TryFailed(inst, _describe(e), transport=True)))
+            return
+        if r.status_code != 200:
+            events.put_nowait(("failed", TryFailed(inst, _error_text(r))))
+            return
+        self.metrics.observe_prefill(time.perf_counter() - start)
+
+    async def _decode(self, inst: Instance, bootstrap: str, room: str, prompt: list[int], params: GenParams,
+                      events: asyncio.Queue) -> None:
+        body = {"token_ids": prompt, "max_tokens": params.max_tokens, "temperature": params.temperature,
+                "top_p": params.top_p, "top_k": params.top_k, "seed": params.seed, "ignore_eos": params.ignore_eos,
+                "stream": True, "request_id": room, "bootstrap": bootstrap}
+        try:
+            async with self.client.stream("POST", f"{inst.url}/v1/generate", json=body,
+                                          timeout=self.timeout_s) as r:
+                if 400 <= r.status_code < 500:
+                    await r.aread()
+                    events.put_nowait(("failed", BadRequest(_error_text(r))))
+                    return
+                if r.status_code != 200:
+                    await r.aread()
+                    events.put_nowait(("failed", TryFailed(inst, _error_text(r))))
+                    return
+                async for line in r.aiter_lines():
+                    if not line:
+                        continue
+                    msg = json.loads(line)
+                    if "token" in msg:
+                        events.put_nowait(("token", msg["token"]))
+                    elif "finish_reason" in msg:
+                        events.put_nowait(("finish", msg["finish_reason"]))
+                        return
+                    else:
+                        events.put_nowait(("failed", TryFailed(inst, msg.get("error", line))))
+                        return
+            events.put_nowait(("failed", TryFailed(inst, "stream ended without a finish")))
+        except httpx.HTTPError as e:
+            events.put_nowait(("failed", TryFailed(inst, _describe(e), transport=True)))
+
+    async def _abort(self, inst: Instance, room: str) -> None:
+        try:
+            await self.client.post(f"{inst.url}/v1/abort", json={"request_id": room}, timeout=5)
+        except httpx.HTTPError:
+            pass  # an unreachable instance holds nothing we could free
+
+    def _after_failure(self, e: TryFailed) -> None:
+        if e.transport:
+            self.pool.suspect(e.inst, str(e))
+        self._detach(self.pool.poll(self.client, e.inst))  # re-check at once rather than at the next tick
+
+    def _detach(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+def _describe(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def _error_text(r: httpx.Response) -> str:
+    try:
+        body = r.json()
+        detail = body.get("detail") or body.get("error") or body
+    except ValueError:
+        detail = r.text[:200]
+    return f"HTTP {r.status_code}: {detail}"

@@ -1,0 +1,165 @@
+"""The router's view of its instances: topology, health, load, and the choice of a pair.
+
+An `Instance` is one prefill or decode server, known by its base URL. The health loop polls every
+instance's /health and its load endpoint (prefill /info, decode /capacity) and keeps the last
+answer; a failed poll, or a failed request (`suspect`), marks it unhealthy until a poll succeeds.
+A draining instance gets no new requests; its running ones finish. Choosing never blocks: it reads
+only the last polled state plus the router's own in-flight counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+ROLES = ("prefill", "decode")
+
+
+class NoInstance(Exception):
+    """No healthy, non-draining instance of a role (503)."""
+
+
+class TooLong(Exception):
+    """The request can never fit any decode (or prefill) instance (400)."""
+
+
+@dataclass
+class Instance:
+    role: str
+    url: str
+    healthy: bool = False  # until the first successful poll
+    draining: bool = False
+    error: str | None = None  # why it is unhealthy
+    info: dict = field(default_factory=dict)  # last /info (prefill) or /capacity (decode) answer
+    in_flight: int = 0  # requests this router has running on it
+    last_poll: float = 0.0
+
+    @property
+    def usable(self) -> bool:
+        return self.healthy and not self.draining
+
+    @property
+    def bootstrap(self) -> str | None:
+        return self.info.get("bootstrap")
+
+    def total_tokens(self) -> int | None:
+        return self.info.get("total_tokens")
+
+    def load(self) -> tuple:
+        """Smaller is less loaded: the router's in-flight requests, then the instance's own queue."""
+        if self.role == "prefill":
+            return (self.in_flight, self.info.get("queue_depth", 0))
+        return (self.in_flight, self.info.get("queued", 0), -self.info.get("free_tokens", 0))
+
+    def summary(self) -> dict:
+        """One topology row (the admin API's and `pdserve admin topology`'s)."""
+        i = self.info
+        row = {"url": self.url, "role": self.role, "healthy": self.healthy, "draining": self.draining,
+               "error": self.error, "in_flight": self.in_flight, "ranks": len(i.get("ranks", [])),
+               "free_tokens": i.get("free_tokens"), "total_tokens": i.get("total_tokens")}
+        if self.role == "prefill":
+            row.update(cp_size=i.get("cp_size"), queue_depth=i.get("queue_depth"), bootstrap=i.get("bootstrap"))
+        else:
+            row.update(tp_size=i.get("tp_size"), dcp_size=i.get("dcp_size"), index_mode=i.get("index_mode"),
+                       running=i.get("running"), queued=i.get("queued"))
+        return row
+
+
+class Pool:
+    """All instances of both roles, the selection policy, and the health loop."""
+
+    def __init__(self, prefill: tuple[str, ...], decode: tuple[str, ...], policy: str):
+        self.instances: dict[str, Instance] = {}
+        self.policy = policy
+        self._turn = {role: itertools.count() for role in ROLES}
+        for role, urls in (("prefill", prefill), ("decode", decode)):
+            for url in urls:
+                self.add(role, url)
+
+    # topology -----------------------------------------------------------------------------
+    def add(self, role: str, url: str) -> Instance:
+        if role not in ROLES:
+            raise ValueError(f"role must be prefill or decode, got {role!r}")
+        url = url.rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"instance URL must start with http:// or https://, got {url!r}")
+        if url in self.instances:
+            raise ValueError(f"{url} is already registered (as {self.instances[url].role})")
+        self.instances[url] = inst = Instance(role, url)
+        return inst
+
+    def get(self, url: str) -> Instance:
+        try:
+            return self.instances[url.rstrip("/")]
+        except KeyError:
+            raise KeyError(f"no instance {url}") from None
+
+    def remove(self, url: str) -> Instance:
+        inst = self.get(url)
+        del self.instances[inst.url]
+        return inst
+
+    def of(self, role: str) -> list[Instance]:
+        return [i for i in self.instances.values() if i.role == role]
+
+    def ready(self) -> bool:
+        return all(any(i.usable for i in self.of(role)) for role in ROLES)
+
+    # choice -------------------------------------------------------------------------------
+    def pick(self, role: str, need_tokens: int, avoid: set[str] = frozenset()) -> Instance:
+        """An instance of `role` for a request of `need_tokens` KV slots (prompt + max_tokens on a decode)."""
+        usable = [i for i in self.of(role) if i.usable and (role == "decode" or i.bootstrap)]
+        if not usable:
+            raise NoInstance(f"no healthy {role} instance")
+        fits = [i for i in usable if (i.total_tokens() or 0) >= need_tokens]
+        if not fits:
+            most = max(i.total_tokens() or 0 for i in usable)
+            what = "prompt + max_tokens" if role == "decode" else "prompt"
+            raise TooLong(f"{what} is {need_tokens} tokens, more than any {role} instance holds ({most})")
+        fresh = [i for i in fits if i.url not in avoid] or fits  # another try prefers other instances
+        if role == "decode":  # prefer instances with room now; the others queue the request
+            fresh = [i for i in fresh if i.info.get("free_tokens", 0) >= need_tokens] or fresh
+        if self.policy == "least_load":
+            return min(fresh, key=Instance.load)
+        return fresh[next(self._turn[role]) % len(fresh)]
+
+    # health -------------------------------------------------------------------------------
+    async def poll(self, client: httpx.AsyncClient, inst: Instance) -> None:
+        """One health + load check; the instance is healthy iff both answered 200."""
+        path = "/info" if inst.role == "prefill" else "/capacity"
+        try:
+            health = await client.get(f"{inst.url}/health", timeout=5)
+            if health.status_code != 200:
+                raise RuntimeError(_detail(health))
+            load = await client.get(f"{inst.url}{path}", timeout=5)
+            if load.status_code != 200:
+                raise RuntimeError(f"{path}: {_detail(load)}")
+            inst.info, inst.healthy, inst.error = load.json(), True, None
+        except (httpx.HTTPError, RuntimeError, ValueError) as e:
+            inst.healthy, inst.error = False, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        inst.last_poll = time.time()
+
+    async def poll_all(self, client: httpx.AsyncClient) -> None:
+        await asyncio.gather(*(self.poll(client, i) for i in list(self.instances.values())))
+
+    def suspect(self, inst: Instance, reason: str) -> None:
+        """A request failed on `inst`: stop choosing it until the next poll says otherwise."""
+        inst.healthy, inst.error = False, reason
+
+    async def health_loop(self, client: httpx.AsyncClient, interval_s: float) -> None:
+        while True:
+            await self.poll_all(client)
+            await asyncio.sleep(interval_s)
+
+
+def _detail(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        return f"HTTP {resp.status_code}"
+    msg = body.get("error") or body.get("detail") if isinstance(body, dict) else None
+    return f"HTTP {resp.status_code}: {msg}" if msg else f"HTTP {resp.status_code}"

@@ -1,0 +1,30 @@
+"""Fixtures of the router tests: real prefill and decode servers (tests/servers.py starts them as processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.servers import start_server
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_checkpoints):
+    return tiny_checkpoints[("glm_moe_dsa", "make-model")]
+
+
+@pytest.fixture(scope="module")
+def instances(model_dir):
+    """One prefill instance (C_p = 2) and one decode instance (W = C_d = 2, split index): (p_url, d_url)."""
+    prefill, p_url = start_server("prefill", model_dir, "--cp-size", "2", "--bootstrap-timeout", "5")
+    try:
+        decode, d_url = start_server("decode", model_dir, "--tp-size", "2", "--dcp-size", "2", "--dcp-index", "split",
+                                     "--page-size", "4", "--transfer-timeout", "5")
+    except BaseException:
+        prefill.kill()
+        raise
+    try:
+        yield p_url, d_url
+    finally:
+        for proc in (prefill, decode):
+            proc.terminate()
+            proc.wait(30)
