@@ -8,7 +8,8 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# torch first, from the pinned CPU build, so nothing pulls a multi-GB CUDA build.
+# torch first, from the pinned CPU build, so nothing pulls a multi-GB CUDA build
+# (nixl-cu13 depends on an unpinned torch: installed after it, it adds nothing CUDA).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

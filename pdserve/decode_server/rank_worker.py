@@ -17,7 +17,8 @@ from ..engine.comm import CPU_COMMS, make_comm
 from ..engine.kv_cache import KVPool
 from ..engine.llm_engine import parse_dtype
 from ..model.weights import load_model
-from ..transfer.tcp import TRANSFER_CMDS, TcpReceiver
+from ..transfer.backends import check_transfer, make_receiver
+from ..transfer.tcp import TRANSFER_CMDS
 from .dcp_backend import COMM_MODES, INDEX_MODES, DCPBackend, DCPGroup, DecodeBatch
 from .tp import apply_decode_tp
 
@@ -34,8 +35,10 @@ class DecodeWorkerConfig:
     kv_cache_dtype: str = "auto"
     float32_islands: bool = True
     cpu_comm: str = "auto"  # collectives between the ranks: shared memory or gloo (engine/comm.py)
+    transfer: str = "tcp"  # KV hand-off data path: "tcp" | "nixl"
 
     def __post_init__(self):
+        check_transfer(self.transfer)
         if self.index_mode not in INDEX_MODES:
             raise ValueError(f"--dcp-index must be one of {', '.join(INDEX_MODES)}, got {self.index_mode!r}")
         if self.comm not in COMM_MODES:
@@ -101,8 +104,8 @@ class DecodeRankWorker:
                 group = pg
         self.dcp = DCPGroup(rank % cfg.dcp_size, cfg.dcp_size, make_comm(cfg.cpu_comm, rank % cfg.dcp_size, cfg.dcp_size, group))
         self._build(cfg.index_mode, cfg.comm)
-        # KV hand-off data path (transfer/tcp.py): writes arriving rows into the current pool
-        self.receiver = TcpReceiver(rank, lambda: self.pool)
+        # KV hand-off data path (transfer/tcp.py or nixl.py): stores arriving rows into the current pool
+        self.receiver = make_receiver(cfg.transfer, rank, lambda: self.pool)
 
     def _build(self, index_mode: str, comm: str) -> None:
         cfg = self.cfg = replace(self.cfg, index_mode=index_mode, comm=comm)

@@ -16,7 +16,8 @@ from ..engine.llm_engine import parse_dtype
 from ..engine.request import SamplingParams
 from ..engine.sampler import Sampler
 from ..model.weights import load_model
-from ..transfer.tcp import SendCmd, TcpSender, TransferStatusCmd
+from ..transfer.backends import check_transfer, make_sender
+from ..transfer.tcp import SendCmd, TransferStatusCmd
 from .cp_backend import ChunkPlan, CPBackend, layer_owners
 from .layouts import split_positions
 from .moe_tp import TokenSplit, apply_moe_tp
@@ -34,8 +35,10 @@ class PrefillWorkerConfig:
     moe_tp: bool = False
     query_block: int = 256
     float32_islands: bool = True  # False: true float64 (see ModelConfig)
+    transfer: str = "tcp"  # KV hand-off data path: "tcp" | "nixl"
 
     def __post_init__(self):
+        check_transfer(self.transfer)
         if self.cache not in CACHE_MODES:
             raise ValueError(f"unknown cache mode {self.cache!r} (allowed: {', '.join(CACHE_MODES)})")
 
@@ -71,7 +74,7 @@ class PrefillRankWorker:
         self.pool = KVPool(self.mcfg, cfg.num_slots, dtype, layers=layers)
         self.backend = CPBackend(self.mcfg, self.pool, rank, world, cfg.query_block)
         self.sampler = Sampler()
-        self.sender = TcpSender(rank, self.pool)  # KV hand-off data path (transfer/tcp.py)
+        self.sender = make_sender(cfg.transfer, rank, self.pool)  # KV hand-off data path (transfer/tcp.py, nixl.py)
 
     def info(self) -> dict:
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())

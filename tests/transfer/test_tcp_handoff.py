@@ -19,21 +19,15 @@ import time
 import pytest
 import torch
 
-from pdserve.decode_server.engine import DecodeEngine
-from pdserve.decode_server.instance import DecodeInstance
-from pdserve.decode_server.rank_worker import DecodeWorkerConfig
-from pdserve.engine.launcher import LaunchConfig
-from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import SamplingParams
-from pdserve.prefill_server.instance import PrefillInstance
-from pdserve.prefill_server.rank_worker import PrefillWorkerConfig
 from pdserve.transfer.handoff import HandoffHooks, TransferError, hand_off
 from pdserve.transfer.messages import TransferDone, TransferFailed
 from pdserve.transfer.plan import plan_transfer
 from pdserve.transfer.side_channel import BootstrapServer, DecodeClient
 from pdserve.transfer.tcp import SendError
 from pdserve.transfer.two_sided import decode_finish, decode_reserve, prefill_serve
-from tests.reference import assert_close, free_port
+from tests.reference import free_port
+from tests.transfer.handoff_helpers import MAX_TOKENS, assert_idle, check_handoffs, prompt
 
 pytestmark = pytest.mark.slow
 
@@ -47,111 +41,12 @@ CASES = [
     ((4, 2), "split", (3, "layer-split")),
     ((1, 1), "split", (2, "full")),
 ]
-PROMPT_LENGTHS = (1, 9, 23)  # one token, index_topk + 1, not a multiple of any C or page size
-MAX_TOKENS = 32
-
-
-@pytest.fixture(scope="module")
-def model_path(tiny_checkpoints):
-    return str(tiny_checkpoints[("glm_moe_dsa", "make-model")])
-
-
-@pytest.fixture(scope="module")
-def single(model_path):
-    return LLMEngine.from_pretrained(model_path, "float64", float32_islands=False, max_kv_tokens=512)
-
-
-class Instances:
-    """Started on first use, one per shape, shut down with the module."""
-
-    def __init__(self, path: str):
-        self.path, self.prefill, self.decode = path, {}, {}
-
-    def get_prefill(self, cp: int, cache: str) -> PrefillInstance:
-        if (cp, cache) not in self.prefill:
-            w = PrefillWorkerConfig(self.path, num_slots=512, dtype="float64", cache=cache, query_block=16,
-                                    float32_islands=False)
-            self.prefill[cp, cache] = PrefillInstance(w, LaunchConfig(cp, free_port())).start()
-        return self.prefill[cp, cache]
-
-    def get_decode(self, w: int, c: int, index_mode: str) -> DecodeEngine:
-        if (w, c) not in self.decode:
-            cfg = DecodeWorkerConfig(self.path, num_slots=256, dcp_size=c, index_mode=index_mode, dtype="float64",
-                                     float32_islands=False)
-            self.decode[w, c] = DecodeEngine(DecodeInstance(cfg, LaunchConfig(w, free_port()), page_size=4).start())
-        engine = self.decode[w, c]
-        if engine.instance.index_mode != index_mode:
-            engine.instance.reconfigure(index_mode, "a2a")
-        return engine
-
-    def close(self):
-        for inst in list(self.prefill.values()) + [e.instance for e in self.decode.values()]:
-            inst.shutdown()
-
-
-@pytest.fixture(scope="module")
-def instances(model_path):
-    inst = Instances(model_path)
-    yield inst
-    inst.close()
-
-
-def prompt(n: int) -> list[int]:
-    return torch.randint(4, 500, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-
-
-def assert_idle(prefill: PrefillInstance, decode: DecodeEngine) -> None:
-    assert not prefill.held and prefill.allocator.num_free == prefill.allocator.num_pages
-    prefill.allocator.check_integrity()
-    alloc = decode.instance.allocator
-    assert decode.scheduler.is_idle() and alloc.num_free == alloc.num_pages
-    alloc.check_integrity()
-    assert all(s["open_rooms"] == 0 for s in decode.instance.transfer_status("none"))
-
-
-def check_rows(prefill: PrefillInstance, decode: DecodeEngine, single: LLMEngine, ids: list[int], pages: list[int],
-               prefill_rows: dict, tag: str) -> None:
-    """Every decode rank stores exactly the prefill's rows of its tokens, which match the single-rank engine."""
-    _, want_kv, want_index = single.prefill_with_cache(ids)
-    inst, n = decode.instance, len(ids)
-    slots, C = inst.slots(pages, n), inst.worker.dcp_size
-    copy = inst.index_mode == "copy"
-    for rank, dump in enumerate(inst.dump(slots)):
-        own = [p for p in range(n) if slots[p] % C == rank % C]
-        assert dump["slots"] == [slots[p] for p in own], f"{tag} rank {rank} slots"
-        for layer, rows in dump["kv"].items():
-            assert torch.equal(rows, prefill_rows[layer][0][own]), f"{tag} rank {rank} layer {layer} latent"
-            assert_close(rows, want_kv[layer][own], f"{tag} rank {rank} layer {layer} latent vs single")
-        for layer, keys in dump["index"].items():
-            pos = list(range(n)) if copy else own
-            assert torch.equal(keys, prefill_rows[layer][1][pos]), f"{tag} rank {rank} layer {layer} index"
-            assert_close(keys, want_index[layer][pos], f"{tag} rank {rank} layer {layer} index vs single")
-
-
-def prefill_rows_of(prefill: PrefillInstance, ids: list[int]) -> dict:
-    """The prefill instance's own cache rows of this prompt (from whichever rank holds each layer)."""
-    res = prefill.prefill("peek", ids)
-    rows = {}
-    for dump in prefill.dump_cache(res.slots):
-        rows.update(dump)
-    prefill.release("peek")
-    return rows
 
 
 @pytest.mark.parametrize("dshape,index_mode,pshape", CASES, ids=lambda v: str(v).replace(" ", ""))
 def test_handoff_matches_single_rank(instances, single, dshape, index_mode, pshape):
-    prefill = instances.get_prefill(*pshape)
-    decode = instances.get_decode(*dshape, index_mode)
-    for n in PROMPT_LENGTHS:
-        ids, tag = prompt(n), f"{pshape}->{dshape}/{index_mode} n={n}"
-        params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-        want = single.generate([ids], [params])[0]
-        rows = prefill_rows_of(prefill, ids)
-        req = hand_off(prefill, decode, ids, params)
-        check_rows(prefill, decode, single, ids, req.pages, rows, tag)
-        decode.run_until_idle()
-        assert req.output_ids == want, tag
-        assert_idle(prefill, decode)
+    prefill, decode = instances.get_prefill(*pshape), instances.get_decode(*dshape, index_mode)
+    check_handoffs(prefill, decode, single, f"{pshape}->{dshape}/{index_mode}")
 
 
 @pytest.fixture()
