@@ -146,6 +146,11 @@ class CacheMode(str, Enum):
     layer_split = "layer-split"
 
 
+class Transfer(str, Enum):
+    tcp = "tcp"
+    nixl = "nixl"
+
+
 @app.command()
 def prefill(
     model: Optional[Path] = typer.Option(None, help="Checkpoint directory. Default: the built-in small model."),
@@ -160,6 +165,8 @@ def prefill(
     dtype: DType = typer.Option(DType.float32, help="Weights, activations and KV cache dtype."),
     max_kv_tokens: int = typer.Option(65536, min=16, help="KV cache capacity in tokens (per rank, every rank holds the same slots)."),
     threads_per_rank: int = typer.Option(1, min=1, help="torch threads in each rank process."),
+    bootstrap_timeout: float = typer.Option(30.0, help="Seconds a hand-off request waits for its decode instance's page reservation before it fails."),
+    transfer: Transfer = typer.Option(Transfer.tcp, help="KV hand-off data path to decode instances: tcp (ZMQ over TCP) or nixl (NIXL/UCX one-sided WRITEs; RDMA or NVLink where present). Both sides must use the same."),
     check_config: bool = typer.Option(False, "--check-config", help="Validate the flags and the checkpoint, print the config, and exit without starting."),
 ):
     """Run a prefill instance: C_p rank processes with context parallelism, behind an HTTP control API."""
@@ -171,7 +178,8 @@ def prefill(
         cfg = PrefillServerConfig(
             model=str(model or ensure_builtin_model()), cp_size=cp_size, cp_layout=cp_layout.value, cache=cache.value,
             chunk_size=chunk_size, moe_tp=moe_tp, host=host, port=port, dist_port=dist_port, dtype=dtype.value,
-            max_kv_tokens=max_kv_tokens, threads_per_rank=threads_per_rank,
+            max_kv_tokens=max_kv_tokens, threads_per_rank=threads_per_rank, bootstrap_timeout_s=bootstrap_timeout,
+            transfer=transfer.value,
         )
         cfg.validate_model()
     except (ValueError, FileNotFoundError) as e:
@@ -217,6 +225,8 @@ def decode(
     threads_per_rank: int = typer.Option(1, min=1, help="torch threads in each rank process (and in the server's local prefill)."),
     max_batch: int = typer.Option(64, min=1, help="Most requests decoded together in one step (continuous batching)."),
     cpu_comm: CpuComm = typer.Option(CpuComm.auto, help="Collectives between CPU ranks: shm (shared memory, ~15 us each), gloo (loopback TCP, ~0.5 ms each) or auto (shm on x86)."),
+    transfer_timeout: float = typer.Option(30.0, help="Seconds a hand-off request waits for the prefill's rows after its pages were reserved before it fails."),
+    transfer: Transfer = typer.Option(Transfer.tcp, help="KV hand-off data path from prefill instances: tcp (ZMQ over TCP) or nixl (NIXL/UCX one-sided WRITEs). Both sides must use the same."),
     check_config: bool = typer.Option(False, "--check-config", help="Validate the flags and the checkpoint, print the config with its num_slots as JSON, and exit without starting."),
 ):
     """Run a decode instance: W rank processes with tensor + decode context parallelism, behind an HTTP API."""
@@ -235,6 +245,7 @@ def decode(
             max_kv_tokens=DEFAULT_MAX_KV_TOKENS if budget is None and max_kv_tokens is None else max_kv_tokens,
             page_size=page_size, host=host, port=port, dist_port=dist_port, dtype=dtype.value,
             threads_per_rank=threads_per_rank, max_batch=max_batch, cpu_comm=cpu_comm.value,
+            transfer_timeout_s=transfer_timeout, transfer=transfer.value,
         )
         cfg.validate_model()
         num_slots = cfg.num_slots()

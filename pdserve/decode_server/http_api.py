@@ -4,10 +4,13 @@ GET  /health       200 {"status": "ok"} while every rank lives; 503 {"error": "r
 GET  /capacity     total / free KV tokens, bytes per token per rank (DESIGN.md invariant 6), index mode,
                    tp_size, dcp_size, kv_cache_dtype, page_size, running / queued requests, ranks (pid, cache bytes)
 POST /v1/generate  {"token_ids": [...], "max_tokens": 16, "temperature", "top_p", "top_k", "seed",
-                    "stop_token_ids": [], "ignore_eos": false, "stream": false, "request_id"?}
+                    "stop_token_ids": [], "ignore_eos": false, "stream": false, "request_id"?, "bootstrap"?}
                    -> {"request_id", "token_ids", "finish_reason"}; with "stream": true, newline-delimited
                    JSON: one {"token": id} line per token, then {"finish_reason", "request_id"}
                    (or {"error", "request_id"} if the instance failed). Bad input is a 400 with the reason.
+                   With "bootstrap" (a prefill instance's side channel, tcp://host:port from its /info)
+                   the cache comes by KV hand-off: request_id is the room the prefill is asked to
+                   prefill for; a failed hand-off ends the request with an error (event).
 POST /v1/abort     {"request_id"} -> {"aborted": true | false (no such live request)}
 
 Request lifecycle (the engine thread in server.py owns the engine; handlers never touch it):
@@ -17,6 +20,7 @@ Request lifecycle (the engine thread in server.py owns the engine; handlers neve
 2. The engine thread takes the command at the top of its next iteration. The decode scheduler
    accepts it or rejects it (it can never fit this instance's KV slots: 400). Without a KV hand-off
    the engine prefills the prompt locally; the request then waits for pages for prompt + max_tokens.
+   With one (`bootstrap`), it waits for pages, then for the prefill's rows (decode_server/remote.py).
 3. Each engine step delivers the request's tokens (the first comes from the prefill) as they are
    sampled; then exactly one finish (stop | length | abort) or error event.
 4. A client that disconnects before the finish aborts the request: its pages are freed at once.
@@ -52,6 +56,7 @@ class GenerateBody(BaseModel):
     ignore_eos: bool = False
     stream: bool = False
     request_id: str | None = Field(default=None, min_length=1)
+    bootstrap: str | None = Field(default=None, pattern=r"^tcp://[^:/]+:[0-9]+$")
 
 
 class AbortBody(BaseModel):
@@ -89,7 +94,7 @@ def create_app(cfg, instance, engine_loop, dead_rank) -> FastAPI:
         request_id = body.request_id or f"gen-{uuid.uuid4().hex}"
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         accepted = engine_loop.submit(body.token_ids, params, request_id,
-                                      lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+                                      lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev), body.bootstrap)
         try:
             await asyncio.wrap_future(accepted)
         except ValueError as e:  # the scheduler's verdict, e.g. more KV slots than the instance holds

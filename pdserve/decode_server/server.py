@@ -28,11 +28,14 @@ from ..model.config import ModelConfig
 from .dcp_backend import COMM_MODES
 from .engine import DecodeEngine
 from ..engine.comm import CPU_COMMS
+from ..transfer.backends import check_transfer
 from .instance import DecodeInstance
+from .remote import RemoteRooms
 from .rank_worker import DecodeWorkerConfig
 
 DEFAULT_MAX_KV_TOKENS = 65536
 IDLE_WAIT_S = 0.1  # how long an idle engine thread blocks on the command queue before re-checking stop
+TRANSFER_POLL_S = 0.002  # with nothing to decode, how often pending hand-offs are polled
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,8 @@ class DecodeServerConfig:
     threads_per_rank: int = 1
     max_batch: int = 64
     cpu_comm: str = "auto"
+    transfer_timeout_s: float = 30.0  # a hand-off's rows must arrive this long after the reservation went out
+    transfer: str = "tcp"  # KV hand-off data path: tcp | nixl
 
     def __post_init__(self):
         if self.tp_size < 1 or self.dcp_size < 1 or self.tp_size % self.dcp_size:
@@ -75,6 +80,9 @@ class DecodeServerConfig:
             raise ValueError("--threads-per-rank and --max-batch must be >= 1")
         if self.cpu_comm not in CPU_COMMS:
             raise ValueError(f"--cpu-comm must be one of {', '.join(CPU_COMMS)}, got {self.cpu_comm!r}")
+        if self.transfer_timeout_s <= 0:
+            raise ValueError("--transfer-timeout must be positive")
+        check_transfer(self.transfer)
 
     def num_slots(self) -> int:
         """Global KV slots of the instance: whole pages that fit the per-rank budget, or max_kv_tokens rounded up."""
@@ -98,7 +106,8 @@ class DecodeServerConfig:
 
     def build_instance(self) -> DecodeInstance:
         worker = DecodeWorkerConfig(self.model, self.num_slots(), self.dcp_size, self.dcp_index, self.dcp_comm,
-                                    self.replicate_q_proj, self.dtype, self.kv_cache_dtype, cpu_comm=self.cpu_comm)
+                                    self.replicate_q_proj, self.dtype, self.kv_cache_dtype, cpu_comm=self.cpu_comm,
+                                    transfer=self.transfer)
         launch = LaunchConfig(self.tp_size, self.dist_port, threads_per_rank=self.threads_per_rank)
         return DecodeInstance(worker, launch, page_size=self.page_size)
 
@@ -119,6 +128,7 @@ class _Submit:
     request_id: str
     listener: Listener
     accepted: Future  # None when queued; ValueError (bad request), Unavailable or another exception otherwise
+    bootstrap: str | None = None  # a prefill's side channel: the cache comes by KV hand-off (remote.py)
 
 
 @dataclass
@@ -130,16 +140,18 @@ class _Abort:
 class EngineLoop:
     """The engine thread. submit(), abort() and stop() are thread-safe; the rest runs on the thread."""
 
-    def __init__(self, engine: DecodeEngine, on_fatal: Callable[[str], None]):
+    def __init__(self, engine: DecodeEngine, on_fatal: Callable[[str], None], transfer_timeout_s: float = 30.0):
         self.engine, self.on_fatal = engine, on_fatal
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.listeners: dict[str, Listener] = {}
+        self.remote = RemoteRooms(engine, self._emit, transfer_timeout_s)
         self._stop = threading.Event()
         self._closed, self._lock = False, threading.Lock()  # once closed, no command can be left unanswered
         self.stats = self._snapshot()  # replaced (never mutated) after every iteration: readers need no lock
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, listener: Listener) -> Future:
-        return self._put(_Submit(list(prompt_ids), params, request_id, listener, Future()))
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, listener: Listener,
+               bootstrap: str | None = None) -> Future:
+        return self._put(_Submit(list(prompt_ids), params, request_id, listener, Future(), bootstrap))
 
     def abort(self, request_id: str) -> Future:
         return self._put(_Abort(request_id, Future()))
@@ -159,8 +171,11 @@ class EngineLoop:
     def run(self) -> None:
         try:
             while not self._stop.is_set():
-                self._drain(block=self.engine.scheduler.is_idle())
-                if not self.engine.scheduler.is_idle():
+                s = self.engine.scheduler
+                # idle: sleep on the queue; only waiting for hand-offs: short naps; decoding: don't wait
+                self._drain(IDLE_WAIT_S if s.is_idle() else TRANSFER_POLL_S if not s.running else 0.0)
+                self.remote.poll()
+                if not s.is_idle():
                     self._dispatch(self.engine.step())
                 self.stats = self._snapshot()
         except Exception as e:  # a rank failed mid-step (or a bug): the ranks' state can no longer be trusted
@@ -172,14 +187,15 @@ class EngineLoop:
         with self._lock:
             self._closed = True
         self._fail_all("the decode instance is shutting down")
+        self.remote.close()
         while not self.commands.empty():
             cmd = self.commands.get_nowait()
             if cmd is not None:
                 _refuse(cmd)
 
-    def _drain(self, block: bool) -> None:
-        try:  # idle: sleep on the queue (no busy loop); busy: take what is there and go on decoding
-            cmd = self.commands.get(timeout=IDLE_WAIT_S) if block else self.commands.get_nowait()
+    def _drain(self, wait_s: float) -> None:
+        try:
+            cmd = self.commands.get(timeout=wait_s) if wait_s > 0 else self.commands.get_nowait()
             while cmd is not None:
                 self._handle(cmd)
                 cmd = self.commands.get_nowait()
@@ -188,13 +204,22 @@ class EngineLoop:
 
     def _handle(self, cmd) -> None:
         if isinstance(cmd, _Abort):
-            req = self.engine.abort(cmd.request_id)  # frees its pages at once
+            was_remote = self.remote.abort(cmd.request_id)  # tells the prefill, forgets the room on the ranks
+            req = self.engine.abort(cmd.request_id) or was_remote  # frees its pages at once
             listener = self.listeners.pop(cmd.request_id, None)
             if listener:
                 _send(listener, ("finish", "abort"))
             cmd.done.set_result(req is not None)
         elif cmd.request_id in self.listeners:
             cmd.accepted.set_exception(ValueError(f"request id {cmd.request_id!r} is already in use"))
+        elif cmd.bootstrap:
+            try:
+                self.remote.submit(cmd.request_id, len(cmd.prompt_ids), cmd.params, cmd.bootstrap)
+            except Exception as e:
+                cmd.accepted.set_exception(e)
+                return
+            self.listeners[cmd.request_id] = cmd.listener
+            cmd.accepted.set_result(None)
         else:
             try:  # without a cache the engine prefills locally, here on this thread (the KV hand-off replaces it)
                 self.engine.submit(cmd.prompt_ids, cmd.params, cmd.request_id)
@@ -218,7 +243,20 @@ class EngineLoop:
             if listener:
                 _send(listener, ("finish", reason))
 
+    def _emit(self, request_id: str, event: tuple[str, object]) -> None:
+        """An event from the hand-off path; a finish or an error is the request's last."""
+        listener = self.listeners.get(request_id)
+        if event[0] in ("finish", "error"):
+            self.listeners.pop(request_id, None)
+        if listener:
+            _send(listener, event)
+
     def _fail_all(self, message: str) -> None:
+        for room in list(self.remote.rooms):
+            try:
+                self.remote.abort(room)
+            except Exception:  # the ranks are gone: nothing left to forget on them
+                pass
         for request_id, listener in list(self.listeners.items()):
             self.engine.abort(request_id)
             _send(listener, ("error", message))
@@ -227,7 +265,8 @@ class EngineLoop:
     def _snapshot(self) -> dict:
         s, alloc = self.engine.scheduler, self.engine.instance.allocator
         return {"free_tokens": alloc.num_free * alloc.page_size, "running": len(s.running),
-                "queued": len(s.queued) + len(s.waiting_for_kv)}
+                "queued": len(s.queued) + len(s.waiting_for_kv), "transfers_pending": len(self.remote.rooms),
+                "transfers_completed": self.remote.completed, "transfers_failed": self.remote.failed}
 
 
 def _refuse(cmd) -> None:
@@ -279,7 +318,8 @@ def serve(cfg: DecodeServerConfig) -> None:
     thread: threading.Thread | None = None
     try:
         instance.start()
-        loop = EngineLoop(DecodeEngine(instance, cfg.max_batch), lambda msg: stop_instance(instance, "decode", msg))
+        loop = EngineLoop(DecodeEngine(instance, cfg.max_batch), lambda msg: stop_instance(instance, "decode", msg),
+                          cfg.transfer_timeout_s)
         thread = threading.Thread(target=loop.run, name="decode-engine", daemon=True)
         thread.start()
         start_watchdog(instance, "decode", stop)

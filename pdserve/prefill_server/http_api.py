@@ -3,7 +3,10 @@
 GET  /health      200 when every rank is alive, 503 with the failed rank otherwise
 GET  /info        model, ranks (pid, cache bytes, layers held), layout, storage, queue depth
 POST /v1/prefill  {"token_ids": [...], "temperature", "top_p", "top_k", "seed", "request_id"?,
-                   "chunk_size"?} -> {"request_id", "first_token", "prompt_tokens", "seconds"}
+                   "chunk_size"?, "handoff"?} -> {"request_id", "first_token", "prompt_tokens", "seconds"}
+                  With "handoff": true the request_id is a room: the cache goes to the decode instance
+                  that reserves that room on this instance's side channel (/info "bootstrap"); the
+                  answer comes after the transfer. A failed hand-off is a 502 naming the reason.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ class PrefillBody(BaseModel):
     seed: int | None = None
     request_id: str | None = None
     chunk_size: int | None = Field(default=None, ge=1)
+    handoff: bool = False
 
 
-def create_app(instance, scheduler: PrefillScheduler, dead_rank) -> FastAPI:
+def create_app(instance, scheduler: PrefillScheduler, dead_rank, bootstrap_timeout_s: float = 30.0) -> FastAPI:
     """dead_rank() -> message naming a dead rank, or None."""
     app = FastAPI(title="pdserve prefill instance")
 
@@ -37,7 +41,8 @@ def create_app(instance, scheduler: PrefillScheduler, dead_rank) -> FastAPI:
 
     @app.get("/info")
     def info():
-        return {**instance.info(), "queue_depth": scheduler.queue_depth}
+        bootstrap = scheduler.bootstrap.endpoint if scheduler.bootstrap is not None else None
+        return {**instance.info(), "queue_depth": scheduler.queue_depth, "bootstrap": bootstrap}
 
     @app.post("/v1/prefill")
     async def prefill(body: PrefillBody):
@@ -49,10 +54,13 @@ def create_app(instance, scheduler: PrefillScheduler, dead_rank) -> FastAPI:
         vocab = instance.model_config.vocab_size
         if any(not 0 <= t < vocab for t in body.token_ids):
             raise HTTPException(400, f"token ids must be in [0, {vocab})")
+        if body.handoff and not body.request_id:
+            raise HTTPException(400, "a hand-off needs the room as request_id")
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
         job = PrefillJob(list(body.token_ids), params, chunk_size=body.chunk_size,
-                         on_done=lambda j: loop.call_soon_threadsafe(_resolve, done, j))
+                         on_done=lambda j: loop.call_soon_threadsafe(_resolve, done, j), handoff=body.handoff,
+                         bootstrap_timeout_s=bootstrap_timeout_s)
         if body.request_id:
             job.request_id = body.request_id
         start = time.perf_counter()
@@ -66,7 +74,7 @@ def create_app(instance, scheduler: PrefillScheduler, dead_rank) -> FastAPI:
             scheduler.abort(job.request_id)
             raise
         if job.error:
-            raise HTTPException(500, f"prefill of {job.request_id} failed: {job.error}")
+            raise HTTPException(502 if body.handoff else 500, f"prefill of {job.request_id} failed: {job.error}")
         return {"request_id": job.request_id, "first_token": job.first_token, "prompt_tokens": len(job.token_ids),
                 "seconds": time.perf_counter() - start}
 

@@ -2,17 +2,22 @@
 
     submit() --> waiting --(pages for the prompt are free)--> prefilling --(first token)--> done
                    |                                             |
-                   |                                             +--> transferring (issue 5: the
-                   |                                                  cache is held until the
-                   |                                                  hand-off succeeds or fails)
-                   +--(abort, or the prompt can never fit)--> failed
+                   |                                             +--> transferring (hand-off: the
+                   |                                                  rows go to the decode ranks,
+                   |                                                  then the outcome; pages freed)
+                   +--(abort, bootstrap timeout, or the prompt can never fit)--> failed
 
-- waiting: accepted requests in arrival order. A request that names a decode target will also
-  wait here for the decode instance's page reservation (bootstrap) once the hand-off lands.
+- waiting: accepted requests in arrival order. A hand-off request (`handoff=True`: its request id
+  is the room a decode instance reserves on this instance's bootstrap side channel) is ready only
+  once that reservation arrived; until then later requests may go first, and after
+  `bootstrap_timeout_s` it fails. A decode abort (TransferFailed) of a waiting room fails it.
 - prefilling: one request at a time runs on every rank; its chunks are already split across the
   ranks, and prefill is compute-bound, so running two at once would only interleave them.
+- transferring: transfer/two_sided.serve_reserved plans, sends and answers the decode side with
+  TransferDone (or TransferFailed) LAST, and releases the pages whatever happened.
 - done: without a decode target the pages are released as soon as the first token is known.
 Every request ends in exactly one of done (a first token) or failed (an error message).
+The bootstrap ROUTER socket is used only by the worker thread (run_once), as ZMQ requires.
 
 The scheduler decides; `PrefillInstance` executes. `run_once()` is driven by one worker thread.
 """
@@ -21,12 +26,18 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..engine.page_allocator import OutOfPages
 from ..engine.request import SamplingParams
+from ..transfer.messages import TransferDone, TransferFailed
+from ..transfer.side_channel import BootstrapServer
+from ..transfer.two_sided import serve_reserved
+
+BOOTSTRAP_POLL_MS = 10  # with only hand-offs waiting for their reservation, how long one poll blocks
 
 _ids = itertools.count()
 
@@ -38,15 +49,19 @@ class PrefillJob:
     request_id: str = field(default_factory=lambda: f"prefill-{next(_ids)}")
     chunk_size: int | None = None
     on_done: Callable[["PrefillJob"], None] | None = None  # called once, from the worker thread
+    handoff: bool = False  # ship the cache to the decode instance that reserves room = request_id
+    bootstrap_timeout_s: float = 30.0
     first_token: int | None = None
     error: str | None = None
-    state: str = "waiting"  # waiting | prefilling | done | failed
+    state: str = "waiting"  # waiting | prefilling | transferring | done | failed
+    submitted: float = field(default_factory=time.monotonic)
 
 
 class PrefillScheduler:
-    def __init__(self, instance):
-        self.instance = instance
+    def __init__(self, instance, bootstrap: BootstrapServer | None = None):
+        self.instance, self.bootstrap = instance, bootstrap
         self.waiting: deque[PrefillJob] = deque()
+        self.dropped: set[str] = set()  # aborted hand-off rooms: the worker thread tells their decode side
         self.current: PrefillJob | None = None
         self._cv = threading.Condition()
         self._stopped = False
@@ -55,6 +70,8 @@ class PrefillScheduler:
         capacity = self.instance.allocator.num_pages * self.instance.allocator.page_size
         if len(job.token_ids) > capacity:
             raise ValueError(f"prompt of {len(job.token_ids)} tokens exceeds this instance's {capacity} KV slots")
+        if job.handoff and self.bootstrap is None:
+            raise ValueError("this prefill instance has no bootstrap side channel for hand-offs")
         with self._cv:
             self.waiting.append(job)
             self._cv.notify()
@@ -66,6 +83,8 @@ class PrefillScheduler:
             for job in self.waiting:
                 if job.request_id == request_id:
                     self.waiting.remove(job)
+                    if job.handoff:
+                        self.dropped.add(request_id)
                     self._finish(job, error="aborted")
                     return True
         return False
@@ -82,30 +101,94 @@ class PrefillScheduler:
         return len(self.waiting) + (self.current is not None)
 
     def run_once(self, timeout: float = 0.5) -> bool:
-        """Prefills the oldest waiting request if its pages are free; False when idle or stopped."""
+        """Prefills the oldest ready request if its pages are free; False when nothing ran."""
         with self._cv:
             if not self.waiting and not self._stopped:
                 self._cv.wait(timeout)
             if self._stopped or not self.waiting:
                 return False
-            job = self.waiting.popleft()
-            self.current, job.state = job, "prefilling"
+            job = self._next_ready()
+            if job is None:
+                handoffs_only = True
+            else:
+                self.waiting.remove(job)
+                self.current, job.state, handoffs_only = job, "prefilling", False
+        if handoffs_only:  # every waiting request waits for its reservation: block on the socket briefly
+            self.bootstrap.drain(BOOTSTRAP_POLL_MS)
+            return False
+        if job.handoff:
+            return self._run_handoff(job)
         try:
             result = self.instance.prefill(job.request_id, job.token_ids, job.params, job.chunk_size)
         except OutOfPages:
-            with self._cv:  # other requests hold the pages: try again when they are released
-                self.waiting.appendleft(job)
-                job.state, self.current = "waiting", None
+            self._requeue(job)  # other requests hold the pages: try again when they are released
             return False
         except Exception as e:  # a rank failure is reported to this request; the watchdog handles the instance
             self.current = None
             self._finish(job, error=f"{type(e).__name__}: {e}")
             return True
-        self.instance.release(job.request_id)  # no decode target yet: nothing to hand off
+        self.instance.release(job.request_id)  # no decode target: nothing to hand off
         self.current = None
         job.first_token = result.token
         self._finish(job)
         return True
+
+    def _next_ready(self) -> PrefillJob | None:
+        """(Under the lock.) The first waiting job that can run; fails hand-offs that timed out or
+        that their decode instance aborted."""
+        if self.bootstrap is not None:
+            self._tidy_bootstrap()
+        now = time.monotonic()
+        for job in list(self.waiting):
+            if not job.handoff:
+                return job
+            room = job.request_id
+            if room in self.bootstrap.aborted:
+                reason = self.bootstrap.aborted[room]
+            elif room in self.bootstrap.reservations:
+                return job
+            elif now - job.submitted > job.bootstrap_timeout_s:
+                reason = f"bootstrap timeout: no decode reservation for room {room} within {job.bootstrap_timeout_s} s"
+            else:
+                continue
+            self.waiting.remove(job)
+            self.bootstrap.forget(room)
+            self._finish(job, error=reason)
+        return None
+
+    def _tidy_bootstrap(self) -> None:
+        """Takes in reservations and aborts; answers rooms aborted here; forgets rooms the decode side
+        gave up that have no job here (else their reservation would be kept forever)."""
+        self.bootstrap.drain()
+        waiting = {j.request_id for j in self.waiting if j.handoff}
+        for room in list(self.dropped):
+            if room in self.bootstrap.reservations:
+                self.bootstrap.reply(TransferFailed(room, "aborted by the prefill instance"))
+                self.dropped.discard(room)
+        for room in list(self.bootstrap.aborted):
+            if room not in waiting:
+                self.bootstrap.forget(room)
+                self.dropped.discard(room)
+
+    def _run_handoff(self, job: PrefillJob) -> bool:
+        if not self.instance.allocator.can_allocate(len(job.token_ids)):
+            self._requeue(job)
+            return False
+        job.state = "transferring"
+        reservation = self.bootstrap.reservations[job.request_id]
+        outcome = serve_reserved(self.instance, self.bootstrap, reservation, job.token_ids, job.params)
+        self.current = None
+        if isinstance(outcome, TransferDone):
+            job.first_token = outcome.first_token
+            self._finish(job)
+        else:
+            self._finish(job, error=outcome.reason)
+        return True
+
+    def _requeue(self, job: PrefillJob) -> None:
+        with self._cv:
+            self.waiting.appendleft(job)
+            job.state, self.current = "waiting", None
 
     def _finish(self, job: PrefillJob, error: str | None = None) -> None:
         job.state, job.error = ("failed", error) if error else ("done", None)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from ..engine.launcher import LaunchConfig
 from ..engine.watchdog import start_watchdog
+from ..transfer.backends import check_transfer
+from ..transfer.side_channel import BootstrapServer
 from .instance import PrefillInstance
 from .layouts import check_layout_allowed
 from .rank_worker import CACHE_MODES, PrefillWorkerConfig
@@ -35,6 +37,8 @@ class PrefillServerConfig:
     max_kv_tokens: int = 65536
     page_size: int = 16
     threads_per_rank: int = 1
+    bootstrap_timeout_s: float = 30.0  # a hand-off request fails when no decode reservation came by then
+    transfer: str = "tcp"  # KV hand-off data path: tcp | nixl
 
     def __post_init__(self):
         if self.cp_size < 1:
@@ -45,6 +49,9 @@ class PrefillServerConfig:
             raise ValueError("--chunk-size must be >= 1 and --max-kv-tokens at least one page")
         if self.port == self.dist_port:
             raise ValueError("--port and --dist-port must differ")
+        if self.bootstrap_timeout_s <= 0:
+            raise ValueError("--bootstrap-timeout must be positive")
+        check_transfer(self.transfer)
 
     def validate_model(self) -> None:
         """Checks that need the checkpoint's config (a clear error before any rank starts)."""
@@ -54,7 +61,8 @@ class PrefillServerConfig:
 
     def build_instance(self) -> PrefillInstance:
         num_slots = -(-self.max_kv_tokens // self.page_size) * self.page_size
-        worker = PrefillWorkerConfig(self.model, num_slots, self.dtype, self.cp_layout, self.cache, self.moe_tp)
+        worker = PrefillWorkerConfig(self.model, num_slots, self.dtype, self.cp_layout, self.cache, self.moe_tp,
+                                     transfer=self.transfer)
         launch = LaunchConfig(self.cp_size, self.dist_port, threads_per_rank=self.threads_per_rank)
         return PrefillInstance(worker, launch, page_size=self.page_size, chunk_size=self.chunk_size)
 
@@ -74,14 +82,18 @@ def serve(cfg: PrefillServerConfig) -> None:
     instance = cfg.build_instance()
     print(f"starting {cfg.cp_size} prefill rank(s) for {cfg.model}", file=sys.stderr, flush=True)
     instance.start()
-    scheduler = PrefillScheduler(instance)
+    bootstrap = BootstrapServer(cfg.host)  # the hand-off side channel; decode instances connect to it
+    scheduler = PrefillScheduler(instance, bootstrap)
     stop = threading.Event()
-    threading.Thread(target=_worker_loop, args=(scheduler, stop), daemon=True).start()
+    worker = threading.Thread(target=_worker_loop, args=(scheduler, stop), daemon=True)
+    worker.start()
     start_watchdog(instance, "prefill", stop)
-    app = create_app(instance, scheduler, instance.ranks.dead_rank)
+    app = create_app(instance, scheduler, instance.ranks.dead_rank, cfg.bootstrap_timeout_s)
     try:
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
     finally:
         stop.set()
         scheduler.stop()
+        worker.join(timeout=10)  # the socket is the worker's until it returns
+        bootstrap.close()
         instance.shutdown()

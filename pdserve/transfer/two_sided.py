@@ -46,12 +46,19 @@ def prefill_serve(prefill: PrefillInstance, server: BootstrapServer, room: str, 
                   params: SamplingParams | None = None, bootstrap_timeout_s: float = 30.0,
                   hooks: HandoffHooks | None = None) -> TransferDone | TransferFailed:
     """The prefill side of one room. Returns the outcome it sent to the decode side."""
-    hooks = hooks or HandoffHooks()
     try:
         reservation = server.wait_reservation(room, bootstrap_timeout_s)
     except BootstrapTimeout as e:
         server.forget(room)
         return TransferFailed(room, str(e))  # no decode peer to tell
+    return serve_reserved(prefill, server, reservation, prompt_ids, params, hooks)
+
+
+def serve_reserved(prefill: PrefillInstance, server: BootstrapServer, reservation: DecodeReservation,
+                   prompt_ids: list[int], params: SamplingParams | None = None,
+                   hooks: HandoffHooks | None = None) -> TransferDone | TransferFailed:
+    """A room whose reservation arrived: fingerprint, prefill, send, outcome LAST; pages released."""
+    hooks, room = hooks or HandoffHooks(), reservation.room
     try:
         fp = prefill_fingerprint(prefill, reservation)
         fp.check_compatible(reservation.fingerprint)
@@ -90,21 +97,34 @@ def decode_finish(engine: DecodeEngine, client: DecodeClient, reservation: Decod
 
 def _wait(engine: DecodeEngine, client: DecodeClient, room: str, timeout_s: float) -> TransferDone:
     deadline = time.monotonic() + timeout_s
-    while True:
-        outcome = client.outcome(room)
-        if isinstance(outcome, TransferFailed):
-            raise HandoffFailure(f"prefill failed: {outcome.reason}")
-        status = engine.instance.transfer_status(room)
-        errors = [f"decode rank {r}: {s['error']}" for r, s in enumerate(status) if s.get("error")]
-        if errors:
-            raise HandoffFailure("; ".join(errors))
-        if outcome is not None and all(s["known"] and s["complete"] for s in status):
-            return outcome
-        if time.monotonic() > deadline:
-            got = ", ".join(f"rank {r}: {s.get('rows')}/{s.get('expected')}" for r, s in enumerate(status))
-            waited = "the prefill's outcome" if outcome is None else "the rows"
-            raise HandoffFailure(f"transfer timeout after {timeout_s} s waiting for {waited} (rows {got})")
+    while (done := poll_room(engine, client, room, deadline, timeout_s)) is None:
         client.drain(5)  # waits up to 5 ms for the outcome; rows are counted by the rank threads
+    return done
+
+
+def poll_room(engine: DecodeEngine, client: DecodeClient, room: str, deadline: float,
+              timeout_s: float) -> TransferDone | None:
+    """One non-blocking look at a room: its TransferDone once the outcome AND every row are in,
+    None while in flight; HandoffFailure for a failed prefill, a rank's error or the deadline.
+    The ranks are asked only once the outcome came (or at the deadline): the prefill answers
+    after its last frame, so earlier questions could not finish the room anyway."""
+    outcome = client.outcome(room)
+    if isinstance(outcome, TransferFailed):
+        raise HandoffFailure(f"prefill failed: {outcome.reason}")
+    late = time.monotonic() > deadline
+    if outcome is None and not late:
+        return None
+    status = engine.instance.transfer_status(room)
+    errors = [f"decode rank {r}: {s['error']}" for r, s in enumerate(status) if s.get("error")]
+    if errors:
+        raise HandoffFailure("; ".join(errors))
+    if outcome is not None and all(s["known"] and s["complete"] for s in status):
+        return outcome
+    if late:
+        got = ", ".join(f"rank {r}: {s.get('rows')}/{s.get('expected')}" for r, s in enumerate(status))
+        waited = "the prefill's outcome" if outcome is None else "the rows"
+        raise HandoffFailure(f"transfer timeout after {timeout_s} s waiting for {waited} (rows {got})")
+    return None
 
 
 def _release(engine: DecodeEngine, client: DecodeClient, room: str, abort: bool = True,

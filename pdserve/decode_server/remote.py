@@ -1,0 +1,143 @@
+"""The decode half of KV hand-offs, driven by the engine thread without ever blocking it.
+
+A request submitted with a `bootstrap` endpoint (a prefill instance's side channel) gets its cache
+by hand-off instead of a local prefill. Per room, polled once per engine-loop iteration:
+
+    queued           submit_remote(): waits for pages for prompt + max_tokens, like any request
+    reserved         admitted (pages held): every rank expects its row total for the room, then the
+                     DecodeReservation goes to the prefill; the transfer deadline starts
+    transferring     the prefill's outcome came (TransferDone, sent after every data frame) and
+                     the rows are counted in by the rank threads
+    running          every row arrived, checksums and the layout echo verified: kv_ready(), the
+                     first token (the prefill's) goes to the client, the request joins the batch
+    failed           TransferFailed from the prefill, a rank's error, a bad checksum, or the
+                     deadline: the room is forgotten on every rank, the pages freed, the prefill told
+                     (TransferFailed), the client gets one error event. Other requests go on.
+An abort (client gone) releases the room the same way. The engine thread owns every DecodeClient
+(ZMQ sockets are single-threaded); one client per prefill bootstrap endpoint, kept for reuse.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from ..engine.request import SamplingParams
+from ..transfer.handoff import HandoffFailure, verify_done
+from ..transfer.messages import DecodeReservation, TransferDone, TransferFailed
+from ..transfer.side_channel import DecodeClient
+from ..transfer.two_sided import poll_room
+from .engine import DecodeEngine
+
+Emit = Callable[[str, tuple[str, object]], None]  # (request_id, event) -> delivered to its listener
+
+
+@dataclass
+class _Room:
+    prompt_len: int
+    bootstrap: str
+    timeout_s: float
+    reservation: DecodeReservation | None = None
+    deadline: float = 0.0
+
+
+class RemoteRooms:
+    def __init__(self, engine: DecodeEngine, emit: Emit, transfer_timeout_s: float = 30.0):
+        self.engine, self.emit, self.transfer_timeout_s = engine, emit, transfer_timeout_s
+        self.rooms: dict[str, _Room] = {}
+        self.clients: dict[str, DecodeClient] = {}
+        self.completed = self.failed = 0
+
+    def submit(self, room: str, prompt_len: int, params: SamplingParams, bootstrap: str,
+               timeout_s: float | None = None) -> None:
+        """Queues the request; ValueError when it can never fit (nothing is kept then)."""
+        if room in self.rooms:
+            raise ValueError(f"room {room!r} is already in use")
+        self.engine.submit_remote(prompt_len, params, request_id=room)
+        self.rooms[room] = _Room(prompt_len, bootstrap, timeout_s or self.transfer_timeout_s)
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.rooms)
+
+    def poll(self) -> None:
+        """Reserves rooms the engine admitted (engine.step admits), finishes delivered ones, fails
+        late or broken ones."""
+        for room, r in list(self.rooms.items()):
+            try:
+                if r.reservation is None:
+                    self._reserve(room, r)
+                else:
+                    self._progress(room, r)
+            except HandoffFailure as e:  # quiesced: the prefill answered, so it sent all it will
+                self._fail(room, r, e.reason, quiesced=self._client(r.bootstrap).outcome(room) is not None)
+            except Exception as e:  # a rank call failed: the engine loop's own failure path follows
+                self._fail(room, r, f"{type(e).__name__}: {e}", quiesced=False)
+                raise
+
+    def _client(self, endpoint: str) -> DecodeClient:
+        if endpoint not in self.clients:
+            self.clients[endpoint] = DecodeClient(endpoint)
+        return self.clients[endpoint]
+
+    def _reserve(self, room: str, r: _Room) -> None:
+        req = self.engine.scheduler.waiting_for_kv.get(room)
+        if req is None:
+            return  # still queued for pages
+        inst = self.engine.instance
+        try:
+            r.reservation = inst.reservation(room, req.pages, prompt_len=r.prompt_len)
+        except RuntimeError as e:  # a rank could not stage the room
+            raise HandoffFailure(str(e)) from None
+        inst.expect_totals(room, r.reservation.ticket, req.pages, r.prompt_len)  # before anything is sent
+        self._client(r.bootstrap).send(r.reservation)
+        r.deadline = time.monotonic() + r.timeout_s
+
+    def _progress(self, room: str, r: _Room) -> None:
+        done = poll_room(self.engine, self._client(r.bootstrap), room, r.deadline, r.timeout_s)
+        if done is not None:
+            self._complete(room, r, done)
+
+    def _complete(self, room: str, r: _Room, done: TransferDone) -> None:
+        verify_done(self.engine, r.reservation, done)
+        self._forget(room, quiesced=True)
+        req = self.engine.kv_ready(room, done.first_token)
+        self.completed += 1
+        self.emit(room, ("token", done.first_token))
+        if req.state == "finished":
+            self.emit(room, ("finish", req.finish_reason))
+
+    def _fail(self, room: str, r: _Room, reason: str, quiesced: bool) -> None:
+        self.failed += 1
+        if r.reservation is not None:
+            self._client(r.bootstrap).send(TransferFailed(room, reason))  # a prefill still working stops
+        self._release(room, r, quiesced)
+        self.emit(room, ("error", f"KV transfer failed: {reason}"))
+
+    def abort(self, room: str) -> bool:
+        """The client went away: releases the room (True when it was pending here)."""
+        r = self.rooms.get(room)
+        if r is None:
+            return False
+        if r.reservation is not None:
+            self._client(r.bootstrap).send(TransferFailed(room, "aborted by the decode instance"))
+        self._release(room, r, quiesced=False)
+        return True
+
+    def _release(self, room: str, r: _Room, quiesced: bool) -> None:
+        if r.reservation is not None:
+            self._forget(room, quiesced)
+        else:
+            self.rooms.pop(room, None)
+        self.engine.abort(room)
+
+    def _forget(self, room: str, quiesced: bool) -> None:
+        r = self.rooms.pop(room)
+        self._client(r.bootstrap).forget(room)
+        self.engine.instance.forget(room, quiesced)
+
+    def close(self) -> None:
+        for c in self.clients.values():
+            c.close()
+        self.clients.clear()
