@@ -1,14 +1,16 @@
 """`pdserve admin ...`: operator tools.
 
-Today `capacity` works offline from a config.json. The router-backed form (`pdserve admin --router URL
-capacity`) will add --router to the group callback, so group options stay generic and each
-command's offline inputs (--config) are command options; both forms can coexist.
+`capacity --config` works offline from a config.json. With `--router URL` (a group option, with
+`--token` or PDSERVE_ADMIN_TOKEN) the commands talk to a running router's /admin API:
+`topology`, `add ROLE URL`, `remove URL`, `drain URL`, `undrain URL`, and `capacity` (live KV
+tokens per instance). Every command prints a table, or JSON with --json.
 Nothing heavy is imported at module import time: `pdserve --help` must stay fast.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from enum import Enum
 from pathlib import Path
@@ -17,7 +19,7 @@ from typing import Optional
 import typer
 
 admin_app = typer.Typer(
-    help="Operator tools: inspect a deployment's sizing (capacity) and, later, a running router.",
+    help="Operator tools: a deployment's sizing (capacity --config) and a running router's topology.",
     no_args_is_help=True,
 )
 
@@ -43,8 +45,14 @@ def _fail(msg: str) -> None:
 
 
 @admin_app.callback()
-def admin() -> None:
-    """Operator tools: inspect a deployment's sizing (capacity) and, later, a running router."""
+def admin(
+    ctx: typer.Context,
+    router: Optional[str] = typer.Option(None, help="Base URL of a running router, e.g. http://127.0.0.1:8000; the commands then use its /admin API."),
+    token: Optional[str] = typer.Option(None, help="The router's admin token (default: the PDSERVE_ADMIN_TOKEN environment variable)."),
+) -> None:
+    """Operator tools: a deployment's sizing (capacity --config) and a running router's topology."""
+    token = token or os.environ.get("PDSERVE_ADMIN_TOKEN")
+    ctx.obj = {"router": router.rstrip("/") if router else None, "token": token}
 
 
 def parse_bytes(text: str) -> int:
@@ -117,7 +125,8 @@ def _table(report: dict) -> str:
 
 @admin_app.command()
 def capacity(
-    config: Path = typer.Option(..., "--config", help="A model's config.json, or a checkpoint directory containing one."),
+    ctx: typer.Context,
+    config: Optional[Path] = typer.Option(None, "--config", help="A model's config.json, or a checkpoint directory containing one (offline sizing; without it, --router's live capacity)."),
     kv_cache_dtype: KVCacheDType = typer.Option(KVCacheDType.auto, help="KV cache storage: auto (the model dtype) or fp8_e4m3 (1 byte per value, index keys with a float32 scale)."),
     dtype: ModelDType = typer.Option(ModelDType.bfloat16, help="Model dtype; sets the cache's bytes per value when --kv-cache-dtype is auto."),
     dcp_sizes: str = typer.Option("1,2,4,8", help="Comma-separated decode context-parallel sizes C_d to tabulate."),
@@ -125,7 +134,13 @@ def capacity(
     page_size: int = typer.Option(64, min=1, help="Slots per page; must be a multiple of every C_d (pages are C_d-wide)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
 ):
-    """Bytes per token per decode rank and the capacity factor over plain TP, copied vs split index."""
+    """Bytes per token per decode rank and the capacity factor over plain TP, copied vs split index;
+    with --router instead of --config, the live KV tokens free/total of every instance."""
+    if config is None:
+        if not ctx.obj or not ctx.obj["router"]:
+            _fail("give --config (offline sizing) or `pdserve admin --router URL capacity` (a running router)")
+        _router_call(ctx, "GET", "/admin/capacity", None, as_json)
+        return
     try:
         cfg = _load_config(config)
         sizes = _parse_sizes(dcp_sizes)
@@ -137,3 +152,88 @@ def capacity(
     except ValueError as e:  # ConfigError and json.JSONDecodeError are ValueErrors too
         _fail(str(e))
     typer.echo(json.dumps(report) if as_json else _table(report))
+
+
+# --- a running router's /admin API ----------------------------------------------------------------
+
+def _router_call(ctx: typer.Context, method: str, path: str, body: dict | None, as_json: bool) -> None:
+    import httpx
+
+    obj = ctx.obj or {}
+    if not obj.get("router"):
+        _fail("this command needs the router: pdserve admin --router URL [--token T] ...")
+    headers = {"Authorization": f"Bearer {obj['token']}"} if obj.get("token") else {}
+    try:
+        r = httpx.request(method, obj["router"] + path, json=body, headers=headers, timeout=30)
+    except httpx.HTTPError as e:
+        _fail(f"cannot reach the router at {obj['router']}: {type(e).__name__}: {e}")
+    try:
+        answer = r.json()
+    except ValueError:
+        answer = {"error": {"message": r.text[:300]}}
+    if r.status_code != 200:
+        message = answer.get("error", {}).get("message", answer) if isinstance(answer, dict) else answer
+        typer.echo(f"error: HTTP {r.status_code}: {message}", err=True)
+        raise typer.Exit(1)
+    rows = answer["instances"] if "instances" in answer else [answer]
+    typer.echo(json.dumps(answer) if as_json else topology_table(rows))
+
+
+def topology_table(rows: list[dict]) -> str:
+    """instance, role, ranks, CP or TP/DCP sizes, index mode, KV tokens free/total, in-flight, health."""
+    head = ["instance", "role", "ranks", "sizes", "index", "kv free/total", "in-flight", "health"]
+    lines = [head]
+    for r in rows:
+        sizes = (f"CP={r.get('cp_size')}" if r["role"] == "prefill"
+                 else f"TP={r.get('tp_size')} DCP={r.get('dcp_size')}")
+        kv = "-" if r.get("total_tokens") is None else f"{r.get('free_tokens'):,}/{r['total_tokens']:,}"
+        health = "draining" if r["draining"] else "healthy" if r["healthy"] else f"unhealthy: {r.get('error')}"
+        lines.append([r["url"], r["role"], str(r.get("ranks", "-")), sizes, r.get("index_mode") or "-", kv,
+                      str(r["in_flight"]), health])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head) - 1)]
+    return "\n".join("  ".join([*(c.ljust(w) for c, w in zip(line, widths)), line[-1]]).rstrip() for line in lines)
+
+
+_JSON_HELP = "Print the router's JSON answer instead of the table."
+
+
+@admin_app.command()
+def topology(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help=_JSON_HELP)):
+    """Every instance the router knows: role, sizes, KV tokens, in-flight requests, health."""
+    _router_call(ctx, "GET", "/admin/topology", None, as_json)
+
+
+class Role(str, Enum):
+    prefill = "prefill"
+    decode = "decode"
+
+
+@admin_app.command()
+def add(
+    ctx: typer.Context,
+    role: Role = typer.Argument(..., help="The instance's role: prefill or decode."),
+    url: str = typer.Argument(..., help="The instance's base URL, e.g. http://127.0.0.1:8101."),
+    as_json: bool = typer.Option(False, "--json", help=_JSON_HELP),
+):
+    """Register an instance with the router; it takes requests once its health check passes."""
+    _router_call(ctx, "POST", "/admin/add", {"role": role.value, "url": url}, as_json)
+
+
+def _instance_command(name: str, summary: str, url_help: str) -> None:
+    """`pdserve admin NAME URL [--json]`: POST /admin/NAME {"url": URL}."""
+    def command(
+        ctx: typer.Context,
+        url: str = typer.Argument(..., help=url_help),
+        as_json: bool = typer.Option(False, "--json", help=_JSON_HELP),
+    ):
+        _router_call(ctx, "POST", f"/admin/{name}", {"url": url}, as_json)
+
+    command.__doc__ = summary
+    admin_app.command(name)(command)
+
+
+_instance_command("remove", "Forget an instance: no new requests go to it; running ones finish.",
+                  "The base URL of the instance to forget.")
+_instance_command("drain", "Send no new requests to an instance; its running ones finish (undo with undrain).",
+                  "The base URL of the instance to drain.")
+_instance_command("undrain", "Let a drained instance take new requests again.", "The base URL of a drained instance.")

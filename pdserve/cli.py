@@ -257,6 +257,48 @@ def decode(
     serve(cfg)
 
 
+class Policy(str, Enum):
+    round_robin = "round_robin"
+    least_load = "least_load"
+
+
+@app.command()
+def router(
+    prefill: list[str] = typer.Option([], "--prefill", help="Base URL of a prefill instance, e.g. http://127.0.0.1:8100; repeat for several."),
+    decode: list[str] = typer.Option([], "--decode", help="Base URL of a decode instance, e.g. http://127.0.0.1:8200; repeat for several."),
+    model: Optional[Path] = typer.Option(None, help="Checkpoint directory whose tokenizer and chat template the router uses. Default: the built-in small model."),
+    served_model_name: Optional[str] = typer.Option(None, help="The model name clients send and /v1/models lists. Default: the checkpoint directory's name."),
+    policy: Policy = typer.Option(Policy.round_robin, help="How an instance is chosen: round_robin, or least_load (fewest in-flight requests, then shortest queue / most free KV tokens)."),
+    host: str = typer.Option("127.0.0.1", help="Address the OpenAI-compatible API listens on."),
+    port: int = typer.Option(8000, help="Port of the OpenAI-compatible API."),
+    admin_token: Optional[str] = typer.Option(None, help="Bearer token of the /admin API (default: PDSERVE_ADMIN_TOKEN); without one the admin API is disabled."),
+    health_interval: float = typer.Option(2.0, help="Seconds between health checks of every instance."),
+    max_attempts: int = typer.Option(3, min=1, help="Tries of one request on different instance pairs while no token reached the client."),
+    request_timeout: float = typer.Option(300.0, help="Seconds an instance may stay silent before a try fails."),
+    check_config: bool = typer.Option(False, "--check-config", help="Validate the flags, print the config as JSON, and exit without starting."),
+):
+    """Run the router: an OpenAI-compatible API that sends each request to a prefill and a decode instance."""
+    from dataclasses import asdict
+
+    from .router.config import RouterConfig
+
+    try:
+        cfg = RouterConfig(
+            model=str(model or ensure_builtin_model()), prefill=tuple(prefill), decode=tuple(decode),
+            policy=policy.value, served_model_name=served_model_name, host=host, port=port,
+            admin_token=RouterConfig.token_from_env(admin_token), health_interval_s=health_interval,
+            max_attempts=max_attempts, request_timeout_s=request_timeout,
+        )
+    except ValueError as e:
+        fail(str(e))
+    if check_config:
+        typer.echo(json.dumps({**asdict(cfg), "admin_token": "***" if cfg.admin_token else None}))
+        return
+    from .router.app import serve
+
+    serve(cfg)
+
+
 app.add_typer(admin_app, name="admin")
 
 

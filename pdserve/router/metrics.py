@@ -84,6 +84,8 @@ def _instance_gauges(instances) -> list[str]:
         ("pdserve_instance_healthy", "1 if the instance's last health check passed.", lambda i: int(i.healthy)),
         ("pdserve_instance_draining", "1 while the instance takes no new requests.", lambda i: int(i.draining)),
         ("pdserve_instance_in_flight", "Requests this router has running on the instance.", lambda i: i.in_flight),
+        ("pdserve_instance_served", "Requests that finished on the instance (a counter; resets if re-added).",
+         lambda i: i.served),
         ("pdserve_instance_queue_depth", "Requests waiting in the instance (prefill queue; decode queued).",
          lambda i: i.info.get("queue_depth" if i.role == "prefill" else "queued")),
         ("pdserve_instance_kv_free_tokens", "Free KV cache tokens at the last poll.",

@@ -56,8 +56,8 @@ class Orchestrator:
 
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
         """Raises pool.TooLong / NoInstance before anything is streamed (400 / 503)."""
-        self.pool.pick("decode", prompt_len + max_tokens)
-        self.pool.pick("prefill", prompt_len)
+        self.pool.candidates("decode", prompt_len + max_tokens)
+        self.pool.candidates("prefill", prompt_len)
 
     async def generate(self, prompt: list[int], params: GenParams):
         """Yields token ids, then one finish reason string ("stop" | "length" | "abort")."""
@@ -103,6 +103,8 @@ class Orchestrator:
                     yield value
                 elif kind == "finish":
                     finished = True
+                    prefill.served += 1
+                    decode.served += 1
                     yield value
                     return
                 elif kind == "failed":

@@ -36,6 +36,7 @@ class Instance:
     error: str | None = None  # why it is unhealthy
     info: dict = field(default_factory=dict)  # last /info (prefill) or /capacity (decode) answer
     in_flight: int = 0  # requests this router has running on it
+    served: int = 0  # requests that finished on it (both halves succeeded)
     last_poll: float = 0.0
 
     @property
@@ -59,8 +60,9 @@ class Instance:
         """One topology row (the admin API's and `pdserve admin topology`'s)."""
         i = self.info
         row = {"url": self.url, "role": self.role, "healthy": self.healthy, "draining": self.draining,
-               "error": self.error, "in_flight": self.in_flight, "ranks": len(i.get("ranks", [])),
-               "free_tokens": i.get("free_tokens"), "total_tokens": i.get("total_tokens")}
+               "error": self.error, "in_flight": self.in_flight, "served": self.served,
+               "ranks": len(i.get("ranks", [])), "free_tokens": i.get("free_tokens"),
+               "total_tokens": i.get("total_tokens")}
         if self.role == "prefill":
             row.update(cp_size=i.get("cp_size"), queue_depth=i.get("queue_depth"), bootstrap=i.get("bootstrap"))
         else:
@@ -112,6 +114,13 @@ class Pool:
     # choice -------------------------------------------------------------------------------
     def pick(self, role: str, need_tokens: int, avoid: set[str] = frozenset()) -> Instance:
         """An instance of `role` for a request of `need_tokens` KV slots (prompt + max_tokens on a decode)."""
+        fresh = self.candidates(role, need_tokens, avoid)
+        if self.policy == "least_load":
+            return min(fresh, key=Instance.load)
+        return fresh[next(self._turn[role]) % len(fresh)]
+
+    def candidates(self, role: str, need_tokens: int, avoid: set[str] = frozenset()) -> list[Instance]:
+        """The instances `pick` chooses from; raises NoInstance or TooLong. Does not advance round robin."""
         usable = [i for i in self.of(role) if i.usable and (role == "decode" or i.bootstrap)]
         if not usable:
             raise NoInstance(f"no healthy {role} instance")
@@ -123,9 +132,7 @@ class Pool:
         fresh = [i for i in fits if i.url not in avoid] or fits  # another try prefers other instances
         if role == "decode":  # prefer instances with room now; the others queue the request
             fresh = [i for i in fresh if i.info.get("free_tokens", 0) >= need_tokens] or fresh
-        if self.policy == "least_load":
-            return min(fresh, key=Instance.load)
-        return fresh[next(self._turn[role]) % len(fresh)]
+        return fresh
 
     # health -------------------------------------------------------------------------------
     async def poll(self, client: httpx.AsyncClient, inst: Instance) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.servers import start_server
+from tests.router.helpers import start_servers, stop_all
 
 
 @pytest.fixture(scope="module")
@@ -15,16 +15,12 @@ def model_dir(tiny_checkpoints):
 @pytest.fixture(scope="module")
 def instances(model_dir):
     """One prefill instance (C_p = 2) and one decode instance (W = C_d = 2, split index): (p_url, d_url)."""
-    prefill, p_url = start_server("prefill", model_dir, "--cp-size", "2", "--bootstrap-timeout", "5")
-    try:
-        decode, d_url = start_server("decode", model_dir, "--tp-size", "2", "--dcp-size", "2", "--dcp-index", "split",
-                                     "--page-size", "4", "--transfer-timeout", "5")
-    except BaseException:
-        prefill.kill()
-        raise
+    (prefill, p_url), (decode, d_url) = start_servers(model_dir, [
+        ("prefill", "--cp-size", "2", "--bootstrap-timeout", "5"),
+        ("decode", "--tp-size", "2", "--dcp-size", "2", "--dcp-index", "split", "--page-size", "4",
+         "--transfer-timeout", "5"),
+    ])
     try:
         yield p_url, d_url
     finally:
-        for proc in (prefill, decode):
-            proc.terminate()
-            proc.wait(30)
+        stop_all([prefill, decode])

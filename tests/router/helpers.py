@@ -1,9 +1,13 @@
-"""Helpers of the router tests: a router served in this process (uvicorn in a thread), polling."""
+"""Helpers of the router tests: instances started together, a router in this process (uvicorn in a
+thread) or as `pdserve router`, polling with a deadline."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import httpx
@@ -12,6 +16,7 @@ import uvicorn
 from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
 from tests.reference import free_port
+from tests.servers import start_server
 
 
 @contextmanager
@@ -47,3 +52,46 @@ def decode_idle(d_url: str) -> bool:
     cap = httpx.get(f"{d_url}/capacity").json()
     return (cap["free_tokens"] == cap["total_tokens"] and cap["running"] == 0 and cap["queued"] == 0
             and cap["transfers_pending"] == 0)
+
+
+def start_servers(model_dir, specs: list[tuple[str, ...]]) -> list[tuple]:
+    """start_server(role, model_dir, *args) for every (role, *args) at once; [(process, url)] in order."""
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futures = [pool.submit(start_server, spec[0], model_dir, *spec[1:]) for spec in specs]
+    started = [f.result() for f in futures if f.exception() is None]
+    if len(started) < len(specs):
+        stop_all([p for p, _ in started])
+        raise next(f.exception() for f in futures if f.exception() is not None)
+    return started
+
+
+def stop_all(procs) -> None:
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def start_router_cli(*args: str) -> tuple[subprocess.Popen, str]:
+    """`pdserve router ARGS` on a free port; polls /live (deadline 60 s); returns (process, url)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "router", "--port", str(port), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def live() -> bool:
+        assert proc.poll() is None, f"router exited: {proc.stderr.read()}"
+        try:
+            return httpx.get(f"{url}/live", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until(live, "the router to be live", 60)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, url

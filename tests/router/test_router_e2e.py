@@ -186,7 +186,8 @@ def test_no_usable_instance_is_503(model_dir):
 
 
 def test_router_app_imports_no_torch():
-    code = "import sys, pdserve.router.app, pdserve.router.admin; print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')))"
-    out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True, timeout=60)
+    code = ("import json, sys, pdserve.router.app, pdserve.router.admin; "
+            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == []

@@ -1,0 +1,152 @@
+"""`pdserve router` as a process in front of two prefill instances (A, B) and one decode instance,
+driven through its admin API and `pdserve admin --router URL ...`.
+
+The admin API needs the bearer token (401 without or with a wrong one; 404 when no token is
+configured); drain, remove and add change both what `topology` shows and where requests go;
+/metrics is valid Prometheus text that counts what happened; a prefill instance that dies while
+the router still thinks it healthy costs a retry on the other one, not a failed request.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from pdserve.router.config import RouterConfig
+from tests.router.helpers import running_router, start_router_cli, start_servers, stop_all, wait_until
+
+TOKEN = "admin-t0ken"
+
+
+@pytest.fixture(scope="module")
+def topo(model_dir):
+    servers = start_servers(model_dir, [
+        ("prefill", "--bootstrap-timeout", "5"), ("prefill", "--bootstrap-timeout", "5"),
+        ("decode", "--page-size", "4", "--transfer-timeout", "5"),
+    ])
+    (_, a), (_, b), (_, d) = servers
+    procs = [p for p, _ in servers]
+    try:  # health checks every 60 s: only a failed request can tell the router that B died
+        router, url = start_router_cli("--model", str(model_dir), "--served-model-name", "tiny", "--prefill", a,
+                                       "--prefill", b, "--decode", d, "--admin-token", TOKEN,
+                                       "--health-interval", "60")
+        procs.append(router)
+        wait_until(lambda: httpx.get(f"{url}/health").status_code == 200, "the router to be ready")
+        yield {"url": url, "a": a, "b": b, "d": d, "procs": dict(zip(("a", "b", "d"), procs))}
+    finally:
+        stop_all(procs)
+
+
+def admin(topo, *args: str, token: str = TOKEN) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pdserve.cli", "admin", "--router", topo["url"], "--token", token,
+                           *args], capture_output=True, text=True, timeout=60)
+
+
+def served(topo) -> dict[str, int]:
+    out = admin(topo, "topology", "--json")
+    assert out.returncode == 0, out.stderr
+    return {row["url"]: row["served"] for row in json.loads(out.stdout)["instances"]}
+
+
+def complete(topo, n: int = 1) -> None:
+    for _ in range(n):
+        body = {"model": "tiny", "prompt": [4, 5, 6], "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(f"{topo['url']}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
+
+
+@pytest.mark.slow
+def test_admin_api_needs_the_token(topo, model_dir):
+    url = topo["url"]
+    assert httpx.get(f"{url}/admin/topology").status_code == 401
+    r = httpx.get(f"{url}/admin/topology", headers={"Authorization": "Bearer nope"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.post(f"{url}/admin/drain", json={"url": topo["a"]}).status_code == 401
+    assert httpx.get(f"{url}/admin/topology", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+    bad = admin(topo, "drain", topo["a"], token="wrong")
+    assert bad.returncode == 1 and "401" in bad.stderr
+    assert not any(row["draining"] for row in json.loads(admin(topo, "topology", "--json").stdout)["instances"])
+    with running_router(RouterConfig(model=str(model_dir))) as (plain, _):  # no token configured: no admin API
+        r = httpx.get(f"{plain}/admin/topology", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 404 and "disabled" in r.json()["error"]["message"]
+
+
+@pytest.mark.slow
+def test_topology_and_capacity_tables(topo):
+    table = admin(topo, "topology")
+    assert table.returncode == 0, table.stderr
+    rows = {line.split()[0]: line for line in table.stdout.splitlines()[1:]}
+    assert set(rows) == {topo["a"], topo["b"], topo["d"]}
+    assert "CP=1" in rows[topo["a"]] and "healthy" in rows[topo["a"]]
+    assert "TP=1 DCP=1" in rows[topo["d"]] and "copy" in rows[topo["d"]]
+    cap = admin(topo, "capacity", "--json")
+    decode_row = next(r for r in json.loads(cap.stdout)["instances"] if r["role"] == "decode")
+    assert decode_row["total_tokens"] >= decode_row["free_tokens"] > 0
+    assert re.search(r"\d+/" + f"{decode_row['total_tokens']:,}", admin(topo, "capacity").stdout)
+
+
+@pytest.mark.slow
+def test_drain_remove_add_change_topology_and_routing(topo):
+    a, b = topo["a"], topo["b"]
+    assert admin(topo, "drain", a).returncode == 0
+    assert "draining" in admin(topo, "topology").stdout
+    before = served(topo)
+    complete(topo, 3)
+    after = served(topo)
+    assert after[a] == before[a] and after[b] == before[b] + 3
+    assert admin(topo, "remove", a).returncode == 0
+    assert a not in served(topo)
+    complete(topo, 1)
+    assert served(topo)[b] == after[b] + 1
+    added = admin(topo, "add", "prefill", a, "--json")
+    assert added.returncode == 0 and json.loads(added.stdout)["healthy"], added.stdout
+    assert admin(topo, "add", "prefill", a).returncode == 1  # already there
+    complete(topo, 4)  # round robin over A and B again
+    now = served(topo)
+    assert now[a] == 2 and now[b] == after[b] + 3
+
+
+def metric(text: str, name: str, **labels) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    pattern = re.escape(name + (f"{{{want}}}" if want else "")) + r" (\S+)"
+    match = re.search(f"^{pattern}$", text, re.MULTILINE)
+    assert match, f"{name} {labels} not in metrics"
+    return float(match.group(1))
+
+
+@pytest.mark.slow
+def test_metrics_are_prometheus_text(topo):
+    complete(topo, 2)
+    text = httpx.get(f"{topo['url']}/metrics").text
+    completed = metric(text, "pdserve_router_requests_total", outcome="completed")
+    assert completed >= 2
+    for h in ("time_to_first_token", "inter_token_latency", "e2e_latency"):
+        name = f"pdserve_router_{h}_seconds"
+        buckets = [float(v) for v in re.findall(rf'^{name}_bucket{{le="[^"]+"}} (\S+)$', text, re.MULTILINE)]
+        assert buckets == sorted(buckets) and buckets[-1] == metric(text, f"{name}_count") > 0
+    assert metric(text, "pdserve_router_time_to_first_token_seconds_count") == completed
+    assert metric(text, "pdserve_router_inter_token_latency_seconds_count") == 2 * completed  # 3 tokens each
+    assert metric(text, "pdserve_instance_kv_free_tokens", instance=topo["d"], role="decode") > 0
+    assert metric(text, "pdserve_instance_queue_depth", instance=topo["a"], role="prefill") == 0
+    assert metric(text, "pdserve_instance_healthy", instance=topo["b"], role="prefill") == 1
+    for line in text.splitlines():  # every sample line is NAME{labels} VALUE
+        assert line.startswith("#") or re.fullmatch(r'[a-zA-Z_:][a-zA-Z0-9_:]*(\{[^}]*\})? [-+0-9.eInf]+', line), line
+
+
+@pytest.mark.slow
+def test_dead_prefill_instance_costs_a_retry_not_a_failure(topo):
+    victim = topo["procs"]["b"]
+    victim.terminate()
+    victim.wait(30)
+    complete(topo, 2)  # round robin: one of them is sent to B first
+    text = httpx.get(f"{topo['url']}/metrics").text
+    assert metric(text, "pdserve_router_retries_total", role="prefill") >= 1
+    assert metric(text, "pdserve_router_requests_total", outcome="failed") == 0
+    rows = {r["url"]: r for r in json.loads(admin(topo, "topology", "--json").stdout)["instances"]}
+    assert not rows[topo["b"]]["healthy"] and rows[topo["b"]]["error"]
+    assert "unhealthy" in admin(topo, "topology").stdout
