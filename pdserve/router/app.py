@@ -91,8 +91,9 @@ def create_app(cfg: RouterConfig) -> FastAPI:
                                             "owned_by": "pdserve"}]}
 
     @app.get("/metrics")
-    def metrics(request: Request):
+    async def metrics(request: Request):
         state = request.app.state.router
+        await state.pool.poll_all(state.client)  # per-instance gauges as of now, not of the last tick
         return PlainTextResponse(state.metrics.render(state.pool.instances.values()),
                                  media_type="text/plain; version=0.0.4")
 

@@ -3,7 +3,7 @@
 Histograms: time to first token, inter-token latency, end-to-end latency, prefill answer time
 (prefill request sent -> cache shipped). Counters: requests by outcome, retries by the role that
 failed. Gauges come from the pool's last poll at scrape time: health, queue depth, free and
-total KV tokens, in-flight requests per instance.
+total KV tokens, in-flight and served requests, completed and failed KV hand-offs per instance.
 """
 
 from __future__ import annotations
@@ -91,6 +91,10 @@ def _instance_gauges(instances) -> list[str]:
         ("pdserve_instance_kv_free_tokens", "Free KV cache tokens at the last poll.",
          lambda i: i.info.get("free_tokens")),
         ("pdserve_instance_kv_total_tokens", "KV cache capacity in tokens.", lambda i: i.info.get("total_tokens")),
+        ("pdserve_instance_transfers_completed", "KV hand-offs the decode instance completed (its own count).",
+         lambda i: i.info.get("transfers_completed")),
+        ("pdserve_instance_transfers_failed", "KV hand-offs the decode instance failed (its own count).",
+         lambda i: i.info.get("transfers_failed")),
     )
     lines = []
     for name, help_, value in gauges:

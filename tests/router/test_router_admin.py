@@ -4,17 +4,22 @@ driven through its admin API and `pdserve admin --router URL ...`.
 The admin API needs the bearer token (401 without or with a wrong one; 404 when no token is
 configured); drain, remove and add change both what `topology` shows and where requests go;
 /metrics is valid Prometheus text that counts what happened; a prefill instance that dies while
-the router still thinks it healthy costs a retry on the other one, not a failed request.
+the router still thinks it healthy costs a retry on the other one, not a failed request; a decode
+rank killed mid-stream ends that stream with an error event, and with no decode left the router
+answers 503.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 
 import httpx
+import openai
 import pytest
 
 from pdserve.router.config import RouterConfig
@@ -134,6 +139,7 @@ def test_metrics_are_prometheus_text(topo):
     assert metric(text, "pdserve_instance_kv_free_tokens", instance=topo["d"], role="decode") > 0
     assert metric(text, "pdserve_instance_queue_depth", instance=topo["a"], role="prefill") == 0
     assert metric(text, "pdserve_instance_healthy", instance=topo["b"], role="prefill") == 1
+    assert metric(text, "pdserve_instance_transfers_completed", instance=topo["d"], role="decode") >= completed
     for line in text.splitlines():  # every sample line is NAME{labels} VALUE
         assert line.startswith("#") or re.fullmatch(r'[a-zA-Z_:][a-zA-Z0-9_:]*(\{[^}]*\})? [-+0-9.eInf]+', line), line
 
@@ -147,6 +153,29 @@ def test_dead_prefill_instance_costs_a_retry_not_a_failure(topo):
     text = httpx.get(f"{topo['url']}/metrics").text
     assert metric(text, "pdserve_router_retries_total", role="prefill") >= 1
     assert metric(text, "pdserve_router_requests_total", outcome="failed") == 0
-    rows = {r["url"]: r for r in json.loads(admin(topo, "topology", "--json").stdout)["instances"]}
+    rows = served_rows(topo)
     assert not rows[topo["b"]]["healthy"] and rows[topo["b"]]["error"]
     assert "unhealthy" in admin(topo, "topology").stdout
+
+
+@pytest.mark.slow
+def test_dead_decode_rank_mid_stream_is_an_error_event_then_503(topo):
+    client = openai.OpenAI(base_url=f"{topo['url']}/v1", api_key="unused", max_retries=0, timeout=60)
+    rank_pid = httpx.get(f"{topo['d']}/capacity").json()["ranks"][0]["pid"]
+    stream = client.completions.create(model="tiny", prompt=[7, 8, 9], max_tokens=2000, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    assert next(iter(stream)).choices[0].text is not None  # tokens are flowing
+    os.kill(rank_pid, signal.SIGKILL)
+    with pytest.raises(openai.APIError, match="decode"):
+        for _ in stream:
+            pass
+    wait_until(lambda: not served_rows(topo)[topo["d"]]["healthy"], "the decode instance to be marked unhealthy")
+    r = httpx.post(f"{topo['url']}/v1/completions", json={"model": "tiny", "prompt": [1], "max_tokens": 2})
+    assert r.status_code == 503 and "decode" in r.json()["error"]["message"], r.text
+    text = httpx.get(f"{topo['url']}/metrics").text
+    assert metric(text, "pdserve_router_requests_total", outcome="failed") == 1
+    assert httpx.get(f"{topo['url']}/health").status_code == 503
+
+
+def served_rows(topo) -> dict[str, dict]:
+    return {r["url"]: r for r in json.loads(admin(topo, "topology", "--json").stdout)["instances"]}
