@@ -61,7 +61,8 @@ import torch
 
 from .base import RoomChecksum
 from .plan import Run, Transfer
-from .tcp import DTYPES, ExpectCmd, ForgetCmd, RoomRows, SendCmd, StageCmd, TransferStatusCmd, frame_rows, store_rows
+from .tcp import (DTYPES, ExpectCmd, ForgetCmd, RoomRows, SendCmd, StageCmd, TransferStatusCmd, frame_rows, run_rows,
+                  store_rows)
 
 ALIGN = 64  # region starts: any dtype view of a chunk is aligned
 QUARANTINE_S = 60.0
@@ -387,7 +388,7 @@ class NixlSender:
                     offset, pos, items = offset + pos, 0, []
                     continue
                 runs = slice_runs(t.runs, done, n)
-                rows = read(t.layer, torch.cat([torch.arange(r.src, r.src + r.length) for r in runs]))
+                rows = read(t.layer, run_rows([r.src for r in runs], [r.length for r in runs]))
                 self.staging[pos:pos + n * rb].view(rows.dtype).view(n, -1).copy_(rows)
                 checksum.update(self.rank, t.layer, t.kind, buf[pos:pos + n * rb])
                 if corrupt[0]:
