@@ -299,6 +299,41 @@ def router(
     serve(cfg)
 
 
+@app.command()
+def up(
+    model: Optional[Path] = typer.Option(None, help="Checkpoint directory. Default: the built-in small model (built once, then reused)."),
+    prefill_instances: int = typer.Option(1, min=1, help="Number of prefill instances N."),
+    prefill_cp: int = typer.Option(1, min=1, help="Context-parallel ranks C_p of every prefill instance."),
+    decode_instances: int = typer.Option(1, min=1, help="Number of decode instances M."),
+    decode_tp: int = typer.Option(1, min=1, help="Ranks W of every decode instance (tensor parallel)."),
+    decode_dcp: int = typer.Option(1, min=1, help="Decode context-parallel size C_d of every decode instance (must divide --decode-tp)."),
+    dcp_index: DcpIndex = typer.Option(DcpIndex.copy, help="Decode sparse-attention index: copy (every rank keeps all keys) or split (by token)."),
+    transfer: Transfer = typer.Option(Transfer.tcp, help="KV hand-off data path between the instances: tcp or nixl."),
+    max_kv_tokens: Optional[int] = typer.Option(None, min=16, help="KV cache capacity in tokens of every instance (default: each server's own default)."),
+    policy: Policy = typer.Option(Policy.round_robin, help="The router's choice of instances: round_robin or least_load."),
+    host: str = typer.Option("127.0.0.1", help="Address the router's OpenAI-compatible API listens on."),
+    port: int = typer.Option(8000, help="Port of the router's OpenAI-compatible API."),
+    admin_token: Optional[str] = typer.Option(None, help="Bearer token of the router's /admin API (default: PDSERVE_ADMIN_TOKEN); none disables it."),
+    log_dir: Path = typer.Option(Path("pdserve-logs"), help="Directory for one log file per started process."),
+    ready_timeout: float = typer.Option(600.0, help="Seconds every process gets to become healthy before the launch is given up."),
+):
+    """Run the whole stack on this machine: prefill and decode instances plus the router; Ctrl-C stops it."""
+    from .router.config import RouterConfig
+    from .router.launch import StackConfig, up as run_stack
+
+    try:
+        cfg = StackConfig(
+            model=str(model or ensure_builtin_model()), prefill_instances=prefill_instances, prefill_cp=prefill_cp,
+            decode_instances=decode_instances, decode_tp=decode_tp, decode_dcp=decode_dcp, dcp_index=dcp_index.value,
+            transfer=transfer.value, host=host, port=port, policy=policy.value,
+            admin_token=RouterConfig.token_from_env(admin_token), log_dir=str(log_dir), max_kv_tokens=max_kv_tokens,
+            ready_timeout_s=ready_timeout,
+        )
+    except ValueError as e:
+        fail(str(e))
+    raise typer.Exit(run_stack(cfg, echo=lambda line: typer.echo(line)))
+
+
 app.add_typer(admin_app, name="admin")
 
 

@@ -1,0 +1,57 @@
+"""`pdserve up`: the whole stack (prefill C_p = 2, decode W = C_d = 2, copied index) as one command.
+
+It prints the router URL once every process is healthy; the printed example request works with
+the openai client; SIGTERM stops the launcher, every process it started and their ranks.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.reference import free_port
+from tests.servers import pid_alive
+
+
+@pytest.mark.slow
+def test_up_serves_and_stops_cleanly(model_dir, tmp_path):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "up", "--model", str(model_dir), "--prefill-cp", "2", "--decode-tp", "2",
+         "--decode-dcp", "2", "--max-kv-tokens", "1024", "--port", str(port), "--log-dir", str(tmp_path),
+         "--ready-timeout", "120"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 150
+        while not any(line.startswith("ready: ") for line in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.2)
+        out = "".join(lines)
+        assert f"http://127.0.0.1:{port}/v1" in out and "curl " in out, out
+        pids = [int(p) for p in re.findall(r"\(pid (\d+),", out)]
+        assert len(pids) == 3  # prefill, decode, router
+        p_url = re.search(r"prefill-0: (\S+)", out).group(1)
+        d_url = re.search(r"decode-0: (\S+)", out).group(1)
+        ranks = httpx.get(f"{p_url}/info").json()["ranks"] + httpx.get(f"{d_url}/capacity").json()["ranks"]
+        pids += [r["pid"] for r in ranks]
+        assert len(pids) == 7
+        model = re.search(r"\"model\": \"([^\"]+)\"", out).group(1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        r = client.completions.create(model=model, prompt="Hello", max_tokens=4, extra_body={"ignore_eos": True})
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, "".join(lines)
+    assert "stopping" in "".join(lines)
+    assert not [p for p in pids if pid_alive(p)]
