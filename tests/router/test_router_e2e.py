@@ -126,6 +126,11 @@ def test_client_leaving_mid_stream_aborts_the_request(stack):
     wait_until(lambda: decode_idle(stack["d_url"]), "the abandoned request to be aborted")
     text = httpx.get(f"{stack['url']}/metrics").text
     assert 'pdserve_router_requests_total{outcome="aborted"} 1' in text
+    with pytest.raises(httpx.ReadTimeout):  # not streamed: the router notices the closed connection by polling
+        httpx.post(f"{stack['url']}/v1/completions", json={**body, "max_tokens": 2000, "stream": False}, timeout=1.5)
+    wait_until(lambda: decode_idle(stack["d_url"]), "the abandoned non-streaming request to be aborted")
+    text = httpx.get(f"{stack['url']}/metrics").text
+    assert 'pdserve_router_requests_total{outcome="aborted"} 2' in text
 
 
 BAD = {

@@ -1,7 +1,9 @@
-"""`pdserve up`: the whole stack (prefill C_p = 2, decode W = C_d = 2, copied index) as one command.
+"""`pdserve up`: the whole stack (prefill C_p = 2, decode W = C_d = 2, copied index, KV over NIXL)
+as one command.
 
-It prints the router URL once every process is healthy; the printed example request works with
-the openai client; SIGTERM stops the launcher, every process it started and their ranks.
+It prints the router URL once every process is healthy; a request like the printed example works
+with the openai client and greedy ids equal the single-rank engine's; SIGTERM stops the launcher,
+every process it started and their ranks.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import httpx
 import openai
 import pytest
 
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.request import SamplingParams
 from tests.reference import free_port
 from tests.servers import pid_alive
 
@@ -26,8 +30,8 @@ def test_up_serves_and_stops_cleanly(model_dir, tmp_path):
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "up", "--model", str(model_dir), "--prefill-cp", "2", "--decode-tp", "2",
-         "--decode-dcp", "2", "--max-kv-tokens", "1024", "--port", str(port), "--log-dir", str(tmp_path),
-         "--ready-timeout", "120"],
+         "--decode-dcp", "2", "--dcp-index", "copy", "--transfer", "nixl", "--max-kv-tokens", "1024",
+         "--port", str(port), "--log-dir", str(tmp_path), "--ready-timeout", "120"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
@@ -50,8 +54,15 @@ def test_up_serves_and_stops_cleanly(model_dir, tmp_path):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
         r = client.completions.create(model=model, prompt="Hello", max_tokens=4, extra_body={"ignore_eos": True})
         assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
+        engine = LLMEngine.from_pretrained(model_dir)
+        for n in (1, 5, 64, 300):  # greedy through NIXL into a copied index equals the single-rank engine
+            ids = [(13 * i + n) % 500 + 4 for i in range(n)]
+            want = engine.generate([ids], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+            r = client.completions.create(model=model, prompt=ids, max_tokens=6, temperature=0,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+            assert r.choices[0].model_extra["token_ids"] == want, n
     finally:
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0, "".join(lines)
-    assert "stopping" in "".join(lines)
+        code = proc.wait(60)
+    assert code == 0 and "stopping" in "".join(lines), "".join(lines)
     assert not [p for p in pids if pid_alive(p)]
