@@ -145,7 +145,10 @@ class Pool:
             load = await client.get(f"{inst.url}{path}", timeout=5)
             if load.status_code != 200:
                 raise RuntimeError(f"{path}: {_detail(load)}")
-            inst.info, inst.healthy, inst.error = load.json(), True, None
+            info = load.json()
+            if not isinstance(info, dict):
+                raise ValueError(f"{path} answered {type(info).__name__}, not an object")
+            inst.info, inst.healthy, inst.error = info, True, None
         except (httpx.HTTPError, RuntimeError, ValueError) as e:
             inst.healthy, inst.error = False, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         inst.last_poll = time.time()

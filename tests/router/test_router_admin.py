@@ -41,7 +41,9 @@ def topo(model_dir):
                                        "--prefill", b, "--decode", d, "--admin-token", TOKEN,
                                        "--health-interval", "60")
         procs.append(router)
-        wait_until(lambda: httpx.get(f"{url}/health").status_code == 200, "the router to be ready")
+        auth = {"Authorization": f"Bearer {TOKEN}"}  # /admin/capacity polls every instance now
+        wait_until(lambda: httpx.get(f"{url}/admin/capacity", headers=auth, timeout=30).status_code == 200
+                   and httpx.get(f"{url}/health").status_code == 200, "the router to be ready", 60)
         yield {"url": url, "a": a, "b": b, "d": d, "procs": dict(zip(("a", "b", "d"), procs))}
     finally:
         stop_all(procs)
