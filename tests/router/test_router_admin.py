@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from pdserve.router.config import RouterConfig
-from tests.router.helpers import running_router, start_router_cli, start_servers, stop_all, wait_until
+from tests.router.helpers import decode_idle, running_router, start_router_cli, start_servers, stop_all, wait_until
 
 TOKEN = "admin-t0ken"
 
@@ -151,7 +151,11 @@ def test_dead_prefill_instance_costs_a_retry_not_a_failure(topo):
     victim = topo["procs"]["b"]
     victim.terminate()
     victim.wait(30)
+    failed_before = httpx.get(f"{topo['d']}/capacity").json()["transfers_failed"]
     complete(topo, 2)  # round robin: one of them is sent to B first
+    # the decode half of the failed try was aborted by the router, not left to its transfer timeout
+    wait_until(lambda: decode_idle(topo["d"]), "the decode instance to be idle")
+    assert httpx.get(f"{topo['d']}/capacity").json()["transfers_failed"] == failed_before
     text = httpx.get(f"{topo['url']}/metrics").text
     assert metric(text, "pdserve_router_retries_total", role="prefill") >= 1
     assert metric(text, "pdserve_router_requests_total", outcome="failed") == 0
