@@ -205,11 +205,11 @@ class EngineLoop:
     def _handle(self, cmd) -> None:
         if isinstance(cmd, _Abort):
             was_remote = self.remote.abort(cmd.request_id)  # tells the prefill, forgets the room on the ranks
-            req = self.engine.abort(cmd.request_id) or was_remote  # frees its pages at once
+            was_local = self.engine.abort(cmd.request_id) is not None  # frees its pages at once
             listener = self.listeners.pop(cmd.request_id, None)
             if listener:
                 _send(listener, ("finish", "abort"))
-            cmd.done.set_result(req is not None)
+            cmd.done.set_result(was_remote or was_local)
         elif cmd.request_id in self.listeners:
             cmd.accepted.set_exception(ValueError(f"request id {cmd.request_id!r} is already in use"))
         elif cmd.bootstrap:
