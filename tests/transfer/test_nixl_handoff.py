@@ -15,7 +15,6 @@ region's quarantine has passed.
 from __future__ import annotations
 
 import os
-import random
 import signal
 import threading
 import time
@@ -37,7 +36,7 @@ from pdserve.transfer.side_channel import BootstrapServer, DecodeClient
 from pdserve.transfer.tcp import ExpectCmd, ForgetCmd, SendCmd, SendError, StageCmd, TransferStatusCmd, merge_checksums
 from pdserve.transfer.two_sided import decode_finish, decode_reserve, prefill_serve
 from tests.reference import free_port
-from tests.transfer.handoff_helpers import MAX_TOKENS, assert_idle, check_handoffs, prompt
+from tests.transfer.handoff_helpers import MAX_TOKENS, assert_idle, check_handoffs, prompt, run_mixed_faults
 
 pytestmark = pytest.mark.slow
 
@@ -110,21 +109,9 @@ def test_stale_write_for_a_reused_room_never_reaches_the_live_request(pair, sing
 
 
 def test_many_failures_leave_nothing_behind(pair):
-    """~20 failed hand-offs of every kind, then the `pair` fixture checks staging, xfer handles, rooms
-    and registrations on both sides are back at idle (DESIGN.md invariant 7)."""
-    prefill, decode = pair
-    rng = random.Random(1)
-    kinds = ["checksum mismatch", "transfer timeout", "dropped the room"] * 7
-    rng.shuffle(kinds)
-    for kind in kinds + ["ok"]:
-        hooks = HandoffHooks(corrupt=kind == "checksum mismatch", skip_send=kind == "transfer timeout",
-                             after_send=decode.instance.forget if kind == "dropped the room" else None)
-        try:
-            req = hand_off(prefill, decode, prompt(rng.randint(1, 30)), SamplingParams(max_tokens=1),
-                           timeout_s=0.05 if kind == "transfer timeout" else 10, hooks=hooks)
-            assert kind == "ok" and req.state == "finished"
-        except TransferError as e:
-            assert kind in str(e), (kind, str(e))
+    """200 hand-offs, successes and failures of every kind, then the `pair` fixture checks staging,
+    xfer handles, rooms and registrations on both sides are back at idle (DESIGN.md invariant 7)."""
+    run_mixed_faults(*pair, cases=200, seed=1)
 
 
 def test_two_sided_handoff_over_nixl(pair, single):

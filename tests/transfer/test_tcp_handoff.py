@@ -13,7 +13,6 @@ the two main processes would, talking only over the ZMQ side channel (transfer/t
 from __future__ import annotations
 
 import dataclasses
-import random
 import time
 
 import pytest
@@ -27,7 +26,7 @@ from pdserve.transfer.side_channel import BootstrapServer, DecodeClient
 from pdserve.transfer.tcp import SendError
 from pdserve.transfer.two_sided import decode_finish, decode_reserve, prefill_serve
 from tests.reference import free_port
-from tests.transfer.handoff_helpers import MAX_TOKENS, assert_idle, check_handoffs, prompt
+from tests.transfer.handoff_helpers import MAX_TOKENS, assert_idle, check_handoffs, prompt, run_mixed_faults
 
 pytestmark = pytest.mark.slow
 
@@ -132,22 +131,7 @@ def test_many_mixed_faults_leave_nothing_behind(pair):
     """200 cases: successes, corrupted payloads, data that never comes and decode aborts mid-transfer (its
     frames then arrive late and are dropped), in one run on the same instances; the `pair` fixture
     then checks both sides are idle (DESIGN.md invariant 7)."""
-    prefill, decode = pair
-    rng = random.Random(0)
-    outcomes = {"ok": 0, "checksum mismatch": 0, "transfer timeout": 0, "dropped the room": 0}
-    for _ in range(200):
-        kind = rng.choice(list(outcomes))
-        hooks = HandoffHooks(corrupt=kind == "checksum mismatch", skip_send=kind == "transfer timeout",
-                             after_send=decode.instance.forget if kind == "dropped the room" else None)
-        try:
-            req = hand_off(prefill, decode, prompt(rng.randint(1, 30)), SamplingParams(max_tokens=1),
-                           timeout_s=0.05 if kind == "transfer timeout" else 10,
-                           hooks=hooks)
-            assert kind == "ok" and req.state == "finished"
-        except TransferError as e:
-            assert kind in str(e), (kind, str(e))
-        outcomes[kind] += 1
-    assert all(outcomes.values())
+    run_mixed_faults(*pair, cases=200, seed=0)
 
 
 # ---- the same hand-off between the two main processes' roles, over the ZMQ side channel ------------
