@@ -6,12 +6,16 @@ one room the decode instance is asked to generate with the prefill's bootstrap e
 prefill instance to prefill with `handoff`, in either order and for several rooms at once: the
 tokens equal the single-rank engine's greedy tokens and the prefill's first token is the first one.
 Failures end the request with the reason and release both sides: a prefill whose decode
-reservation never comes (bootstrap timeout), a decode whose prefill never comes (transfer timeout).
+reservation never comes (bootstrap timeout), a decode whose prefill never comes (transfer timeout),
+and a prefill instance whose rank is killed while it works on the room (the sender dies: the decode
+request fails within its transfer timeout, the decode instance stays healthy and idle).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -120,3 +124,33 @@ def test_handoff_requests_are_checked(stack):
     assert r.status_code == 400 and "request_id" in r.text
     r = httpx.post(f"{d_url}/v1/generate", json={"token_ids": [1, 2], "bootstrap": "not-an-endpoint"})
     assert r.status_code == 400 and "bootstrap" in r.text
+
+
+@pytest.mark.slow
+def test_sender_killed_mid_handoff_fails_only_that_request(stack):
+    glm, p_url, d_url, _ = stack
+    victim, v_url = start_server("prefill", glm, "--cp-size", "2", "--transfer", "nixl", "--chunk-size", "64")
+    try:
+        info = httpx.get(f"{v_url}/info").json()
+        ids = [(5 * i) % 500 + 4 for i in range(1500)]  # 24 chunks: the rank dies while the room is in flight
+        pool = ThreadPoolExecutor(2)
+        got = pool.submit(generate, d_url, info["bootstrap"], "doomed", ids, True)
+        sent = pool.submit(prefill, v_url, "doomed", ids)
+        deadline = time.monotonic() + 20
+        while httpx.get(f"{d_url}/capacity").json()["free_tokens"] == httpx.get(f"{d_url}/capacity").json()["total_tokens"]:
+            assert time.monotonic() < deadline, "the decode instance never reserved the room"
+            time.sleep(0.02)
+        time.sleep(0.2)  # the prefill is working on the room now
+        os.kill(info["ranks"][1]["pid"], signal.SIGKILL)
+        start = time.monotonic()
+        result = got.result(timeout=30)
+        assert "error" in result and "KV transfer failed" in result["error"], result
+        assert time.monotonic() - start < 10  # within the decode's --transfer-timeout (4 s), not a hang
+        assert sent.result(timeout=30).status_code >= 500
+    finally:
+        victim.kill()
+        victim.wait(30)
+    assert_idle(p_url, d_url)  # the decode side released everything and still serves with the good prefill
+    d = ThreadPoolExecutor(2)
+    ok, p = d.submit(generate, d_url, stack[3], "after-kill", [3, 4, 5]), d.submit(prefill, p_url, "after-kill", [3, 4, 5])
+    assert p.result().status_code == 200 and ok.result()["finish_reason"] == "length"
