@@ -50,6 +50,7 @@ class _Common(BaseModel):
     n: int = 1
     return_token_ids: bool = False
     ignore_eos: bool = False
+    logprobs: int | bool | None = None  # not served: refused rather than silently ignored
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -57,6 +58,7 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
 
 
 class ChatRequest(_Common):
@@ -83,6 +85,10 @@ def check_sampling(req: _Common, default_max_tokens: int) -> dict:
         raise ApiError(400, f"top_k must be >= 0, got {top_k}", "top_k")
     if req.n != 1:
         raise ApiError(400, "only n = 1 is supported", "n")
+    if req.logprobs:
+        raise ApiError(400, "logprobs are not supported", "logprobs")
+    if getattr(req, "echo", False):
+        raise ApiError(400, "echo is not supported", "echo")
     return {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
             "seed": req.seed, "ignore_eos": req.ignore_eos}
 

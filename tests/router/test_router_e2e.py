@@ -144,6 +144,8 @@ BAD = {
     "prompt + max_tokens too long": ({"model": "tiny", "prompt": [5] * 100, "max_tokens": 5000}, 400, "prompt"),
     "token id outside vocab": ({"model": "tiny", "prompt": [1, 10**6]}, 400, "prompt"),
     "no prompt": ({"model": "tiny"}, 400, "prompt"),
+    "n 2": ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n"),
+    "logprobs": ({"model": "tiny", "prompt": "x", "logprobs": 2}, 400, "logprobs"),
 }
 
 
