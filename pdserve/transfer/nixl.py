@@ -317,7 +317,7 @@ def slice_runs(runs: tuple[Run, ...], start: int, n: int) -> list[Run]:
     for r in runs:
         a, b = max(start, pos), min(end, pos + r.length)
         if a < b:
-            out.append(Run(r.src + a - pos, r.dst + a - pos, b - a))
+            out.append(Run(r.src + (a - pos) * r.step, r.dst + a - pos, b - a, r.step))
         pos += r.length
         if pos >= end:
             break
@@ -388,7 +388,7 @@ class NixlSender:
                     offset, pos, items = offset + pos, 0, []
                     continue
                 runs = slice_runs(t.runs, done, n)
-                rows = read(t.layer, run_rows([r.src for r in runs], [r.length for r in runs]))
+                rows = read(t.layer, run_rows([r.src for r in runs], [r.length for r in runs], [r.step for r in runs]))
                 self.staging[pos:pos + n * rb].view(rows.dtype).view(n, -1).copy_(rows)
                 checksum.update(self.rank, t.layer, t.kind, buf[pos:pos + n * rb])
                 if corrupt[0]:

@@ -2,7 +2,7 @@
 
 The plan lists, for one request, the rows each prefill rank sends to each decode rank: one
 `Transfer` per (src_rank, dst_rank, layer, kind) with at least one row, made of `Run`s (first
-source row, first destination row, length). It is a pure function of the two layouts (no torch,
+source row, first destination row, length, source step). It is a pure function of the two layouts (no torch,
 no I/O): every prefill rank computes the same plan and executes the transfers it is the source of.
 
 Where position p of the prompt lives (DESIGN.md section 3, invariant 4):
@@ -25,9 +25,13 @@ Who sends:
                Each rank gets a disjoint share; all ranks send once there are >= C_p pairs; the
                busiest rank sends at most the average plus one pair's rows.
 
-Why runs: the sender issues one NIXL WRITE descriptor (or one packing copy) per run, so rows whose
-source and destination both advance by 1 are merged. A transfer's rows are sorted by source row
-before merging, which makes the runs maximal: no two runs of one transfer could be joined.
+Why runs: the sender packs and the receiver stores rows run by run, and the notification names the
+destination runs, so a plan must stay small. A run's destination rows advance by 1; its source rows
+by a fixed `step`: a DCP destination stores every C_d-th position, so from a contiguous prefill
+cache its rows have source stride C_d (with step 1 a 16k-token prompt gave ~100k one-row runs per
+destination, and per-run Python work cost more than moving the bytes). A transfer's rows are sorted
+by source row, then merged greedily: a row joins the last run when its destination is the next one
+and its source is one step further (a one-row run takes the step of its second row).
 """
 
 from __future__ import annotations
@@ -90,6 +94,10 @@ class Run:
     src: int  # first source row (prefill slot)
     dst: int  # first destination row on the decode rank
     length: int
+    step: int = 1  # source row i of the run is src + i * step; destination row i is dst + i
+
+    def src_rows(self) -> range:
+        return range(self.src, self.src + self.length * self.step, self.step)
 
 
 @dataclass(frozen=True)
@@ -176,13 +184,15 @@ def _runs(prefill: PrefillSide, decode: DecodeSide, n: int):
 
 
 def _merge(rows: list[tuple[int, int]]) -> tuple[Run, ...]:
-    runs: list[list[int]] = []  # [src, dst, length]
+    runs: list[list[int]] = []  # [src, dst, length, step]
     for src, dst in sorted(rows):
         last = runs[-1] if runs else None
-        if last and last[0] + last[2] == src and last[1] + last[2] == dst:
+        if last and last[1] + last[2] == dst and (last[2] == 1 or last[0] + last[2] * last[3] == src):
+            if last[2] == 1:
+                last[3] = src - last[0]  # sources are sorted and distinct: step >= 1
             last[2] += 1
         else:
-            runs.append([src, dst, 1])
+            runs.append([src, dst, 1, 1])
     return tuple(Run(*r) for r in runs)
 
 

@@ -136,17 +136,18 @@ def frame_rows(pool, r: RoomRows, h: dict, nbytes: int) -> torch.Tensor:
     return rows
 
 
-def run_rows(starts: list[int], lengths: list[int]) -> torch.Tensor:
-    """Rows start, start+1, ..., start+length-1 of every run, in run order, without a Python loop
-    per run: a DCP destination's rows are every C_d-th source row, so a 16k-token prompt makes
-    ~100k runs of one row, and one arange per run cost more than moving the bytes."""
+def run_rows(starts: list[int], lengths: list[int], steps: list[int] | None = None) -> torch.Tensor:
+    """Rows start, start + step, ..., start + (length - 1) * step of every run, in run order, without
+    a Python loop per run (a plan may hold thousands of short runs)."""
     if not starts:
         return torch.empty(0, dtype=torch.int64)
     s, n = torch.tensor(starts, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64)
     if int(n.min()) < 0:
         raise ValueError("a run has a negative length")
     first = torch.cumsum(n, 0) - n  # where each run begins among the packed rows
-    return torch.repeat_interleave(s - first, n) + torch.arange(int(n.sum()))
+    within = torch.arange(int(n.sum())) - torch.repeat_interleave(first, n)  # i: the row's index in its run
+    step = torch.repeat_interleave(torch.tensor(steps, dtype=torch.int64), n) if steps is not None else 1
+    return torch.repeat_interleave(s, n) + within * step
 
 
 def store_rows(pool, r: RoomRows, h: dict, rows: torch.Tensor, payload: bytearray | memoryview) -> None:
@@ -278,7 +279,7 @@ class TcpSender:
         return {"open_rooms": 0, "peers": len(self.socks)}  # a send holds nothing once it returned
 
     def _pack(self, cmd: SendCmd, t: Transfer, seq: dict[int, int]) -> tuple[dict, bytearray]:
-        src = run_rows([r.src for r in t.runs], [r.length for r in t.runs])
+        src = run_rows([r.src for r in t.runs], [r.length for r in t.runs], [r.step for r in t.runs])
         read = self.pool.read_kv if t.kind == "kv" else self.pool.read_index
         rows = read(t.layer, src).contiguous()  # [rows, width] in run order
         header = {"room": cmd.room, "ticket": cmd.ticket, "src_rank": self.rank, "layer": t.layer, "kind": t.kind,

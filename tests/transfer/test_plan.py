@@ -67,13 +67,16 @@ def check_plan(plan, pre: PrefillSide, expected: dict[tuple, int]) -> None:
     for t in plan:
         assert 0 <= t.src_rank < pre.cp_size and pre.holds(t.src_rank, t.layer)
         assert t.runs and all(r.length >= 1 for r in t.runs)
-        # (c) maximal: no run starts where another one ends, in both source and destination
-        ends = {(r.src + r.length, r.dst + r.length) for r in t.runs}
-        assert not ends & {(r.src, r.dst) for r in t.runs}, t
+        # (c) greedy-maximal: a run's first row could not have extended the run before it
+        for prev, r in zip(t.runs, t.runs[1:]):
+            assert prev.src_rows()[-1] < r.src, t  # ascending source rows
+            joinable = prev.dst + prev.length == r.dst and (prev.length == 1 or prev.src_rows()[-1] + prev.step == r.src)
+            assert not joinable, (prev, r)
         for r in t.runs:
+            assert r.step >= 1
             total += r.length
-            for i in range(r.length):
-                got[t.dst_rank, t.layer, t.kind, r.dst + i] = r.src + i
+            for i, src in enumerate(r.src_rows()):
+                got[t.dst_rank, t.layer, t.kind, r.dst + i] = src
     assert total == len(got)  # (a) nothing received twice
     assert got == expected  # (a) every expected row, from the right source row; (b) nothing else
 
@@ -126,11 +129,12 @@ def test_contiguous_pages_give_few_runs():
     pre = PrefillSide(1, "full", 2, (1,), slots)
     plan = plan_transfer(pre, DecodeSide(2, 1, "copy", 16, pages), n)  # 2 groups of 1 rank
     assert len(plan) == 6 and all(t.runs == (Run(100, 48, n),) for t in plan)
-    # C_d = 2: kv rows of one rank are every other position (source stride 2): one run each;
-    # the copied index keeps the global slot as its row, so it stays a single run.
+    # C_d = 2: kv rows of one rank are every other position: one run of source step 2 each;
+    # the copied index keeps the global slot as its row, so it stays a single run of step 1.
     plan = plan_transfer(pre, DecodeSide(2, 2, "copy", 16, pages), n)
     assert [len(t.runs) for t in plan if t.kind == "index"] == [1, 1]
-    assert summary(plan) == {"transfers": 6, "runs": 2 * 2 * 50 + 2, "kv_rows": 200, "index_rows": 200}
+    assert [t.runs for t in plan if t.kind == "kv"] == [(Run(100, 24, 50, 2),)] * 2 + [(Run(101, 24, 50, 2),)] * 2
+    assert summary(plan) == {"transfers": 6, "runs": 6, "kv_rows": 200, "index_rows": 200}
     # layer-split over 2 prefill ranks: each layer comes from its owner
     pre2 = PrefillSide(2, "layer-split", 2, (1,), slots)
     plan = plan_transfer(pre2, DecodeSide(2, 1, "split", 16, pages), n)
@@ -152,7 +156,7 @@ def test_sizes_and_helpers():
     plan = plan_transfer(pre, DecodeSide(2, 2, "copy", 2, (0, 1)), 4)
     assert bytes_per_pair(plan, kv_row_bytes=1152, index_row_bytes=132) == {
         (0, 0): 2 * 1152 + 4 * 132, (0, 1): 2 * 1152 + 4 * 132}
-    assert summary(plan) == {"transfers": 4, "runs": 6, "kv_rows": 4, "index_rows": 8}
+    assert summary(plan) == {"transfers": 4, "runs": 4, "kv_rows": 4, "index_rows": 8}  # kv: one run of step 2 each
     assert plan_transfer(pre, DecodeSide(2, 2, "copy", 2, (0, 1)), 4) == plan  # deterministic
     assert plan_transfer(pre, DecodeSide(2, 2, "copy", 2, ()), 0) == []
     assert summary([]) == {"transfers": 0, "runs": 0, "kv_rows": 0, "index_rows": 0}
