@@ -20,8 +20,10 @@ $(STAMP): pyproject.toml
 test: setup
 	$(PY) -m pytest -q tests
 
+# the whole stack on the built-in small model: router, a prefill instance (C_p = 2), a decode
+# instance (W = C_d = 2); it prints the URL and an example request; Ctrl-C stops everything
 serve: setup
-	$(VENV)/bin/pdserve generate --prompt "Explain context parallelism in one sentence." --max-new-tokens 32
+	$(VENV)/bin/pdserve up --prefill-cp 2 --decode-tp 2 --decode-dcp 2
 
 bench: setup
 	$(PY) bench/engine.py
