@@ -1,5 +1,6 @@
-"""`pdserve up`: the whole stack (prefill C_p = 2, decode W = C_d = 2, copied index, KV over NIXL)
-as one command.
+"""`pdserve up`: the whole stack (prefill C_p = 2, decode W = C_d = 2) as one command, with a copied
+index over NIXL, a split index over NIXL and a copied index over TCP (test_router_e2e.py runs the
+split index over TCP).
 
 It prints the router URL once every process is healthy; a request like the printed example works
 with the openai client and greedy ids equal the single-rank engine's; SIGTERM stops the launcher,
@@ -26,11 +27,12 @@ from tests.servers import pid_alive
 
 
 @pytest.mark.slow
-def test_up_serves_and_stops_cleanly(model_dir, tmp_path):
+@pytest.mark.parametrize("index,transfer", [("copy", "nixl"), ("split", "nixl"), ("copy", "tcp")])
+def test_up_serves_and_stops_cleanly(model_dir, tmp_path, index, transfer):
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "up", "--model", str(model_dir), "--prefill-cp", "2", "--decode-tp", "2",
-         "--decode-dcp", "2", "--dcp-index", "copy", "--transfer", "nixl", "--max-kv-tokens", "1024",
+         "--decode-dcp", "2", "--dcp-index", index, "--transfer", transfer, "--max-kv-tokens", "1024",
          "--port", str(port), "--log-dir", str(tmp_path), "--ready-timeout", "120"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
@@ -55,12 +57,18 @@ def test_up_serves_and_stops_cleanly(model_dir, tmp_path):
         r = client.completions.create(model=model, prompt="Hello", max_tokens=4, extra_body={"ignore_eos": True})
         assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
         engine = LLMEngine.from_pretrained(model_dir)
-        for n in (1, 5, 64, 300):  # greedy through NIXL into a copied index equals the single-rank engine
+        for n in (1, 5, 64, 300):  # greedy through the hand-off into the DCP ranks equals the single-rank engine
             ids = [(13 * i + n) % 500 + 4 for i in range(n)]
             want = engine.generate([ids], SamplingParams(max_tokens=6, ignore_eos=True))[0]
             r = client.completions.create(model=model, prompt=ids, max_tokens=6, temperature=0,
                                           extra_body={"ignore_eos": True, "return_token_ids": True})
             assert r.choices[0].model_extra["token_ids"] == want, n
+        chat = dict(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0,
+                    extra_body={"ignore_eos": True})
+        whole = client.chat.completions.create(**chat).choices[0].message.content
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**chat, stream=True)
+                           if c.choices)
+        assert whole and streamed == whole
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(60)
