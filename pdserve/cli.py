@@ -65,11 +65,20 @@ def make_model_cmd(
     seed: int = typer.Option(0, help="Random seed; the same seed writes byte-identical files."),
     max_shard_mb: Optional[float] = typer.Option(None, help="Split the weights into shards of at most this many MiB (with model.safetensors.index.json)."),
     overwrite: bool = typer.Option(False, help="Replace OUT_DIR if it already holds files."),
+    check_config: bool = typer.Option(False, "--check-config", help="Validate the arguments, print them as JSON, and exit without writing."),
 ):
     """Write a deterministic random checkpoint in the Hugging Face layout (transformers loads it too)."""
+    shard = int(max_shard_mb * 2**20) if max_shard_mb else None
+    if check_config:
+        if shard is not None and shard <= 0:
+            fail(f"--max-shard-mb must be positive, got {max_shard_mb}")
+        if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
+            fail(f"{out_dir} already holds files (give --overwrite to replace them)")
+        typer.echo(json.dumps({"out_dir": str(out_dir), "arch": arch.value, "size": size.value, "seed": seed,
+                               "max_shard_bytes": shard, "overwrite": overwrite}))
+        return
     from .model.random_checkpoint import make_model
 
-    shard = int(max_shard_mb * 2**20) if max_shard_mb else None
     try:
         path = make_model(out_dir, arch.value, size.value, seed=seed, max_shard_bytes=shard, overwrite=overwrite)
     except (ValueError, FileExistsError) as e:
@@ -226,6 +235,7 @@ def decode(
     max_batch: int = typer.Option(64, min=1, help="Most requests decoded together in one step (continuous batching)."),
     cpu_comm: CpuComm = typer.Option(CpuComm.auto, help="Collectives between CPU ranks: shm (shared memory, ~15 us each), gloo (loopback TCP, ~0.5 ms each) or auto (shm on x86)."),
     transfer_timeout: float = typer.Option(30.0, help="Seconds a hand-off request waits for the prefill's rows after its pages were reserved before it fails."),
+    heartbeat_timeout: float = typer.Option(5.0, help="Seconds of silence (no heartbeat) from a prefill instance after which its hand-offs in flight fail (it died)."),
     transfer: Transfer = typer.Option(Transfer.tcp, help="KV hand-off data path from prefill instances: tcp (ZMQ over TCP) or nixl (NIXL/UCX one-sided WRITEs). Both sides must use the same."),
     check_config: bool = typer.Option(False, "--check-config", help="Validate the flags and the checkpoint, print the config with its num_slots as JSON, and exit without starting."),
 ):
@@ -245,7 +255,7 @@ def decode(
             max_kv_tokens=DEFAULT_MAX_KV_TOKENS if budget is None and max_kv_tokens is None else max_kv_tokens,
             page_size=page_size, host=host, port=port, dist_port=dist_port, dtype=dtype.value,
             threads_per_rank=threads_per_rank, max_batch=max_batch, cpu_comm=cpu_comm.value,
-            transfer_timeout_s=transfer_timeout, transfer=transfer.value,
+            transfer_timeout_s=transfer_timeout, transfer=transfer.value, heartbeat_timeout_s=heartbeat_timeout,
         )
         cfg.validate_model()
         num_slots = cfg.num_slots()
@@ -262,6 +272,11 @@ class Policy(str, Enum):
     least_load = "least_load"
 
 
+class Discovery(str, Enum):
+    static = "static"
+    k8s = "k8s"
+
+
 @app.command()
 def router(
     prefill: list[str] = typer.Option([], "--prefill", help="Base URL of a prefill instance, e.g. http://127.0.0.1:8100; repeat for several."),
@@ -275,6 +290,10 @@ def router(
     health_interval: float = typer.Option(2.0, help="Seconds between health checks of every instance."),
     max_attempts: int = typer.Option(3, min=1, help="Tries of one request on different instance pairs while no token reached the client."),
     request_timeout: float = typer.Option(300.0, help="Seconds an instance may stay silent before a try fails."),
+    discovery: Discovery = typer.Option(Discovery.static, help="static: only the --prefill / --decode URLs; k8s: also the Ready pods that match --selector, added and removed as they come and go (labels: deploy/README.md)."),
+    selector: Optional[str] = typer.Option(None, help="With --discovery k8s: the instances' pod label selector, KEY=VALUE[,KEY=VALUE]."),
+    namespace: Optional[str] = typer.Option(None, help="With --discovery k8s: the pods' namespace (default: the router pod's own)."),
+    k8s_api: Optional[str] = typer.Option(None, help="With --discovery k8s: the Kubernetes API base URL (default: the in-cluster API server with the pod's service account)."),
     check_config: bool = typer.Option(False, "--check-config", help="Validate the flags, print the config as JSON, and exit without starting."),
 ):
     """Run the router: an OpenAI-compatible API that sends each request to a prefill and a decode instance."""
@@ -287,7 +306,8 @@ def router(
             model=str(model or ensure_builtin_model()), prefill=tuple(prefill), decode=tuple(decode),
             policy=policy.value, served_model_name=served_model_name, host=host, port=port,
             admin_token=RouterConfig.token_from_env(admin_token), health_interval_s=health_interval,
-            max_attempts=max_attempts, request_timeout_s=request_timeout,
+            max_attempts=max_attempts, request_timeout_s=request_timeout, discovery=discovery.value,
+            selector=selector, namespace=namespace, k8s_api=k8s_api,
         )
     except ValueError as e:
         fail(str(e))
@@ -316,6 +336,7 @@ def up(
     admin_token: Optional[str] = typer.Option(None, help="Bearer token of the router's /admin API (default: PDSERVE_ADMIN_TOKEN); none disables it."),
     log_dir: Path = typer.Option(Path("pdserve-logs"), help="Directory for one log file per started process."),
     ready_timeout: float = typer.Option(600.0, help="Seconds every process gets to become healthy before the launch is given up."),
+    check_config: bool = typer.Option(False, "--check-config", help="Validate the flags, print the stack's config as JSON, and exit without starting."),
 ):
     """Run the whole stack on this machine: prefill and decode instances plus the router; Ctrl-C stops it."""
     from .router.config import RouterConfig
@@ -331,6 +352,13 @@ def up(
         )
     except ValueError as e:
         fail(str(e))
+    if not (Path(cfg.model) / "config.json").is_file():
+        fail(f"{cfg.model} is not a checkpoint directory (no config.json)")
+    if check_config:
+        from dataclasses import asdict
+
+        typer.echo(json.dumps({**asdict(cfg), "admin_token": "***" if cfg.admin_token else None}))
+        return
     raise typer.Exit(run_stack(cfg, echo=lambda line: typer.echo(line)))
 
 

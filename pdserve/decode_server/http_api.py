@@ -1,5 +1,6 @@
 """HTTP API of a decode instance.
 
+GET  /live         200 while the HTTP server runs (Kubernetes liveness; /health is readiness)
 GET  /health       200 {"status": "ok"} while every rank lives; 503 {"error": "rank 1 (pid ...) ..."} otherwise
 GET  /capacity     total / free KV tokens, bytes per token per rank (DESIGN.md invariant 6), index mode,
                    tp_size, dcp_size, kv_cache_dtype, page_size, running / queued requests, ranks (pid, cache bytes)
@@ -83,6 +84,10 @@ def create_app(cfg, instance, engine_loop, dead_rank) -> FastAPI:
         return JSONResponse({"detail": errors or "invalid request body"}, status_code=400)
 
     add_health_route(app, dead_rank)
+
+    @app.get("/live")
+    def live():
+        return {"status": "ok"}
 
     @app.get("/capacity")
     def capacity_():

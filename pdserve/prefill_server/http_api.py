@@ -1,5 +1,6 @@
 """HTTP control API of a prefill instance.
 
+GET  /live        200 while the HTTP server runs (Kubernetes liveness; /health is readiness)
 GET  /health      200 when every rank is alive, 503 with the failed rank otherwise
 GET  /info        model, ranks (pid, cache bytes, layers held), layout, storage, queue depth
 POST /v1/prefill  {"token_ids": [...], "temperature", "top_p", "top_k", "seed", "request_id"?,
@@ -38,6 +39,10 @@ def create_app(instance, scheduler: PrefillScheduler, dead_rank, bootstrap_timeo
     app = FastAPI(title="pdserve prefill instance")
 
     add_health_route(app, dead_rank)
+
+    @app.get("/live")
+    def live():
+        return {"status": "ok"}
 
     @app.get("/info")
     def info():

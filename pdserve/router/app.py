@@ -8,6 +8,8 @@ POST /v1/chat/completions  messages rendered with the checkpoint's chat template
 GET  /metrics              Prometheus text (metrics.py)
 /admin/...                 topology admin API, bearer token (admin.py)
 
+With --discovery k8s the instances also come and go with the pods of a label selector (discovery.py).
+
 A request: validate -> tokenize -> check that some decode instance can ever hold prompt +
 max_tokens (400) and that instances are up (503) -> Orchestrator.generate (pair, room, both halves,
 retries) -> TextStream (incremental text, stop strings) -> JSON or SSE. A streaming request waits
@@ -61,11 +63,14 @@ def create_app(cfg: RouterConfig) -> FastAPI:
         async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
             state = app.state.router = RouterState(cfg, client)
             await state.pool.poll_all(client)
-            health = asyncio.create_task(state.pool.health_loop(client, cfg.health_interval_s))
+            tasks = [asyncio.create_task(state.pool.health_loop(client, cfg.health_interval_s))]
+            if cfg.discovery == "k8s":
+                tasks.append(asyncio.create_task(_discovery(cfg, state).run()))
             try:
                 yield
             finally:
-                health.cancel()
+                for task in tasks:
+                    task.cancel()
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     _add_error_handlers(app)
@@ -110,6 +115,15 @@ def create_app(cfg: RouterConfig) -> FastAPI:
         return await _serve(state, request, body, _chat_prompt(state.tokenizer, body.messages), chat=True)
 
     return app
+
+
+def _discovery(cfg: RouterConfig, state: RouterState):
+    from .discovery import K8sDiscovery
+
+    async def poll_now(inst):  # a discovered instance is usable at once, not after the next tick
+        await state.pool.poll(state.client, inst)
+
+    return K8sDiscovery(state.pool, cfg.selector, cfg.namespace, cfg.k8s_api, on_added=poll_now)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 POLICIES = ("round_robin", "least_load")
 ADMIN_TOKEN_ENV = "PDSERVE_ADMIN_TOKEN"
+DISCOVERY = ("static", "k8s")
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,10 @@ class RouterConfig:
     request_timeout_s: float = 300.0  # longest silence from an instance before the try fails
     connect_timeout_s: float = 5.0
     default_max_tokens: int = 16  # OpenAI's default for /v1/completions; chat uses it too
+    discovery: str = "static"  # "k8s": also the Ready pods matching `selector` (discovery.py)
+    selector: str | None = None  # label selector KEY=VALUE[,KEY=VALUE]
+    namespace: str | None = None  # None: the pod's own namespace (service account), else "default"
+    k8s_api: str | None = None  # None: the in-cluster API server
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -43,6 +48,18 @@ class RouterConfig:
             raise ValueError("health interval and timeouts must be > 0")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if self.discovery not in DISCOVERY:
+            raise ValueError(f"discovery must be one of {', '.join(DISCOVERY)}, got {self.discovery!r}")
+        if self.discovery == "k8s":
+            from .discovery import parse_selector
+
+            if not self.selector:
+                raise ValueError("--discovery k8s needs --selector KEY=VALUE (the instances' pod labels)")
+            parse_selector(self.selector)
+            if self.k8s_api is not None and not self.k8s_api.startswith(("http://", "https://")):
+                raise ValueError(f"--k8s-api must start with http:// or https://, got {self.k8s_api!r}")
+        elif self.selector or self.namespace or self.k8s_api:
+            raise ValueError("--selector, --namespace and --k8s-api need --discovery k8s")
         if not (Path(self.model) / "tokenizer.json").is_file():
             raise ValueError(f"{self.model} has no tokenizer.json (the router needs the model's tokenizer)")
 
