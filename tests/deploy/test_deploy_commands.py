@@ -1,0 +1,71 @@
+"""Every container command in deploy/ (the kustomize output of the base and the GPU overlay, the
+compose file and its GPU override) is accepted by the real `pdserve` CLI: each argument list runs
+with --check-config (parse + validate, nothing starts), the image's model path replaced by a tiny
+checkpoint. The image's entrypoint is `pdserve`, so the argument list is the whole command."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from pdserve.cli import app
+from tests.deploy.helpers import KUSTOMIZATIONS, compose_commands, k8s_commands, kustomize
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoints):
+    return str(tiny_checkpoints[("glm_moe_dsa", "make-model")])
+
+
+def check(args: list[str]):
+    return CliRunner().invoke(app, [*args, "--check-config"], env={"PDSERVE_ADMIN_TOKEN": ""})
+
+
+def all_commands(model: str) -> list[tuple[str, list[str]]]:
+    out = []
+    for path in KUSTOMIZATIONS:
+        out += [(f"{path}:{where}", args) for where, args in k8s_commands(kustomize(path), model)]
+    return out + compose_commands(model)
+
+
+def test_every_deploy_command_passes_check_config(model):
+    commands = all_commands(model)
+    roles = {args[0] for _, args in commands}
+    assert roles == {"make-model", "prefill", "decode", "router"}, roles
+    seen = {}
+    for where, args in commands:
+        key = tuple(args)
+        if key not in seen:
+            result = check(args)
+            assert result.exit_code == 0, f"{where}: pdserve {' '.join(args)}\n{result.output}"
+            seen[key] = json.loads(result.stdout.strip().splitlines()[-1])
+    # the topology of `make serve`: C_p = 2, W = C_d = 2 everywhere
+    configs = list(seen.values())
+    assert all(c["cp_size"] == 2 for c in configs if "cp_size" in c)
+    assert all(c["tp_size"] == 2 and c["dcp_size"] == 2 for c in configs if "dcp_size" in c)
+    k8s_router = [c for c in configs if c.get("discovery") == "k8s"]
+    assert k8s_router and all(c["selector"] == "app.kubernetes.io/part-of=pdserve" for c in k8s_router)
+
+
+def _with(args: list[str], flag: str, value: str) -> list[str]:
+    out = list(args)
+    out[out.index(flag) + 1] = value
+    return out
+
+
+def test_a_broken_command_is_rejected(model):
+    """The check can fail: the compose decode command with an unknown flag, or with C_d = 3 on W = 2."""
+    decode = next(args for _, args in compose_commands(model) if args[0] == "decode")
+    assert check(decode).exit_code == 0
+    assert check(decode + ["--no-such-flag"]).exit_code == 2
+    assert check(_with(decode, "--dcp-size", "3")).exit_code == 2
+
+
+def test_up_check_config(model):
+    """`make serve`'s command line, checked the same way (up got --check-config for it)."""
+    ok = check(["up", "--model", model, "--prefill-cp", "2", "--decode-tp", "2", "--decode-dcp", "2"])
+    assert ok.exit_code == 0, ok.output
+    assert json.loads(ok.stdout)["decode_dcp"] == 2
+    assert check(["up", "--model", model, "--decode-tp", "3", "--decode-dcp", "2"]).exit_code == 2

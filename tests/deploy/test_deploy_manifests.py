@@ -1,0 +1,66 @@
+"""deploy/: the kustomize output builds and validates offline against the Kubernetes schemas; the
+compose files have the services, health checks, shared memory and GPU reservations issue 7 asks."""
+
+from __future__ import annotations
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.deploy.helpers import COMPOSE, COMPOSE_GPU, DEPLOY, KUSTOMIZATIONS, kustomize
+
+K8S_VERSION = "1.32"  # the version kubectl here speaks; the schemas come with kubernetes-validate
+
+
+@pytest.mark.parametrize("path", KUSTOMIZATIONS)
+def test_kustomize_output_is_valid_kubernetes(path):
+    resources = kustomize(path)
+    for r in resources:
+        kubernetes_validate.validate(r, K8S_VERSION, strict=True)  # raises ValidationError naming the field
+    kinds = sorted(f"{r['kind']}/{r['metadata']['name'].rsplit('-', 1)[0] if r['kind'] in ('ConfigMap', 'Secret') else r['metadata']['name']}" for r in resources)
+    assert kinds == ["ConfigMap/pdserve-config", "Deployment/pdserve-decode", "Deployment/pdserve-prefill",
+                     "Deployment/pdserve-router", "Role/pdserve-pod-reader", "RoleBinding/pdserve-router-pod-reader",
+                     "Secret/pdserve-admin", "Service/pdserve-router", "ServiceAccount/pdserve-router"]
+    deployments = {r["metadata"]["name"]: r["spec"]["template"] for r in resources if r["kind"] == "Deployment"}
+    for name, tpl in deployments.items():
+        c = tpl["spec"]["containers"][0]
+        assert c["readinessProbe"]["httpGet"]["path"] == "/health", name
+        assert c["livenessProbe"]["httpGet"]["path"] == "/live", name
+        assert tpl["spec"]["securityContext"]["runAsNonRoot"] is True
+    for role in ("prefill", "decode"):  # what the router's discovery needs (pdserve/router/discovery.py)
+        tpl = deployments[f"pdserve-{role}"]
+        assert tpl["metadata"]["labels"]["pdserve.io/role"] == role
+        assert tpl["metadata"]["labels"]["app.kubernetes.io/part-of"] == "pdserve"
+        shm = [v for v in tpl["spec"]["volumes"] if v["name"] == "dshm"][0]
+        assert shm["emptyDir"]["medium"] == "Memory"
+        gpus = tpl["spec"]["containers"][0]["resources"].get("limits", {}).get("nvidia.com/gpu")
+        assert gpus == (2 if "gpu" in path else None)
+    router = deployments["pdserve-router"]["spec"]["containers"][0]
+    token = [e for e in router["env"] if e["name"] == "PDSERVE_ADMIN_TOKEN"][0]
+    assert token["valueFrom"]["secretKeyRef"]["name"].startswith("pdserve-admin")
+
+
+def test_a_broken_manifest_is_rejected():
+    """The validation can fail: a Deployment with a misspelled field does not pass."""
+    bad = [r for r in kustomize("k8s/base") if r["kind"] == "Deployment"][0]
+    bad["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
+
+
+def test_compose_files():
+    base = yaml.safe_load(COMPOSE.read_text())["services"]
+    gpu = yaml.safe_load(COMPOSE_GPU.read_text())["services"]
+    assert {"router", "prefill", "decode", "prometheus"} <= set(base)
+    for name in ("router", "prefill", "decode"):
+        test = base[name]["healthcheck"]["test"]
+        assert any("/health" in part for part in test), name
+    assert base["prefill"]["shm_size"] and base["decode"]["ipc"] == "service:prefill"
+    assert base["prometheus"]["profiles"] == ["monitoring"]
+    prom = yaml.safe_load((DEPLOY / "compose" / "prometheus.yml").read_text())
+    job = prom["scrape_configs"][0]
+    assert job["metrics_path"] == "/metrics" and job["static_configs"][0]["targets"] == ["router:8000"]
+    for name in ("prefill", "decode"):
+        devices = gpu[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["capabilities"] == ["gpu"] and len(devices[0]["device_ids"]) == 2
+    assert (DEPLOY / "docker" / "Dockerfile").read_text().count('ENTRYPOINT ["pdserve"]') == 1
