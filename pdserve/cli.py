@@ -314,6 +314,8 @@ def router(
     if check_config:
         typer.echo(json.dumps({**asdict(cfg), "admin_token": "***" if cfg.admin_token else None}))
         return
+    if cfg.discovery == "k8s" and cfg.k8s_api is None and not os.environ.get("KUBERNETES_SERVICE_HOST"):
+        fail("--discovery k8s outside a pod needs --k8s-api URL (no KUBERNETES_SERVICE_HOST)")
     from .router.app import serve
 
     serve(cfg)

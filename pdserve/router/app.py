@@ -120,8 +120,12 @@ def create_app(cfg: RouterConfig) -> FastAPI:
 def _discovery(cfg: RouterConfig, state: RouterState):
     from .discovery import K8sDiscovery
 
-    async def poll_now(inst):  # a discovered instance is usable at once, not after the next tick
-        await state.pool.poll(state.client, inst)
+    polls: set[asyncio.Task] = set()
+
+    def poll_now(inst):  # usable at once, not after the next tick; a slow peer does not hold up the watch
+        task = asyncio.create_task(state.pool.poll(state.client, inst))
+        polls.add(task)
+        task.add_done_callback(polls.discard)
 
     return K8sDiscovery(state.pool, cfg.selector, cfg.namespace, cfg.k8s_api, on_added=poll_now)
 

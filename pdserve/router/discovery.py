@@ -104,11 +104,11 @@ class K8sDiscovery:
         self.pool, self.selector = pool, parse_selector(selector)
         self.namespace = namespace or default_namespace()
         self.api_url = (api_url or in_cluster_api()).rstrip("/")
-        self.on_added = on_added  # async callback(instance): the app polls a new instance at once
+        self.on_added = on_added  # callback(instance): the app starts a poll of a new instance at once
         self.owned: dict[str, PodTarget] = {}  # pod uid (or namespace/name) -> what it registered
 
     # the pool side ------------------------------------------------------------------------
-    async def apply(self, pod: dict, deleted: bool = False) -> None:
+    def apply(self, pod: dict, deleted: bool = False) -> None:
         meta = pod.get("metadata") or {}
         key = meta.get("uid") or f"{meta.get('namespace')}/{meta.get('name')}"
         want = None if deleted else target(pod)
@@ -118,9 +118,9 @@ class K8sDiscovery:
         if have is not None:
             self._forget(key)
         if want is not None:
-            await self._register(key, want, meta.get("name"))
+            self._register(key, want, meta.get("name"))
 
-    async def _register(self, key: str, t: PodTarget, name) -> None:
+    def _register(self, key: str, t: PodTarget, name) -> None:
         try:
             inst = self.pool.add(t.role, t.url)
         except ValueError as e:  # listed statically, or another pod's stale address
@@ -129,7 +129,7 @@ class K8sDiscovery:
         self.owned[key] = t
         log.info("discovered %s instance %s (pod %s)", t.role, t.url, name)
         if self.on_added is not None:
-            await self.on_added(inst)
+            self.on_added(inst)
 
     def _forget(self, key: str) -> None:
         t = self.owned.pop(key)
@@ -139,14 +139,14 @@ class K8sDiscovery:
         except KeyError:  # an operator removed it through /admin already
             pass
 
-    async def sync(self, pods: list[dict]) -> None:
+    def sync(self, pods: list[dict]) -> None:
         """After a (re)list: drop what is gone, then apply every listed pod."""
         listed = {(p.get("metadata") or {}).get("uid") or
                   f"{p['metadata'].get('namespace')}/{p['metadata'].get('name')}" for p in pods}
         for key in [k for k in self.owned if k not in listed]:
             self._forget(key)
         for pod in pods:
-            await self.apply(pod)
+            self.apply(pod)
 
     # the API side -------------------------------------------------------------------------
     def _client(self) -> httpx.AsyncClient:
@@ -169,7 +169,7 @@ class K8sDiscovery:
             resp = await client.get(self._path, params={"labelSelector": self.selector})
             resp.raise_for_status()
             body = resp.json()
-            await self.sync(body.get("items") or [])
+            self.sync(body.get("items") or [])
             version = (body.get("metadata") or {}).get("resourceVersion")
             while True:
                 params = {"labelSelector": self.selector, "watch": "true", "allowWatchBookmarks": "true",
@@ -188,7 +188,7 @@ class K8sDiscovery:
                             return
                         version = (obj.get("metadata") or {}).get("resourceVersion") or version
                         if kind in ("ADDED", "MODIFIED", "DELETED"):
-                            await self.apply(obj, deleted=kind == "DELETED")
+                            self.apply(obj, deleted=kind == "DELETED")
 
     async def run(self) -> None:
         """Forever: list + watch; a failure is logged and retried after RETRY_S."""
