@@ -64,3 +64,18 @@ def test_compose_files():
         devices = gpu[name]["deploy"]["resources"]["reservations"]["devices"]
         assert devices[0]["capabilities"] == ["gpu"] and len(devices[0]["device_ids"]) == 2
     assert (DEPLOY / "docker" / "Dockerfile").read_text().count('ENTRYPOINT ["pdserve"]') == 1
+
+
+def test_dockerfile_copies_only_what_dockerignore_keeps():
+    """Every COPY source exists and is not excluded by .dockerignore; the image runs as non-root."""
+    text = (DEPLOY / "docker" / "Dockerfile").read_text()
+    ignored = [line.strip().rstrip("/") for line in (DEPLOY.parent / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")]
+    sources = [src for line in text.splitlines() if line.startswith("COPY ") for src in line.split()[1:-1]]
+    assert sources and "pdserve" in sources
+    for src in sources:
+        assert (DEPLOY.parent / src).exists(), src
+        assert not any(src == pat or src.startswith(pat + "/") for pat in ignored), f"{src} is in .dockerignore"
+    user = [line for line in text.splitlines() if line.startswith("USER ")]
+    assert user and user[-1].split()[1] not in ("root", "0")
+    assert "torch==${TORCH_VERSION}" in text and "ARG TORCH_VERSION=2.13.0" in text
