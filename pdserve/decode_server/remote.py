@@ -7,7 +7,8 @@ by hand-off instead of a local prefill. Per room, polled once per engine-loop it
     reserved         admitted (pages held): every rank expects its row total for the room, then the
                      DecodeReservation goes to the prefill; the transfer deadline starts
     transferring     the prefill's outcome came (TransferDone, sent after every data frame) and
-                     the rows are counted in by the rank threads
+                     the rows are counted in by the rank threads; meanwhile the prefill's heartbeats
+                     (transfer/side_channel.py) must keep coming, or the room fails early
     running          every row arrived, checksums and the layout echo verified: kv_ready(), the
                      first token (the prefill's) goes to the client, the request joins the batch
     failed           TransferFailed from the prefill, a rank's error, a bad checksum, or the
@@ -39,12 +40,15 @@ class _Room:
     bootstrap: str
     timeout_s: float
     reservation: DecodeReservation | None = None
+    sent: float = 0.0  # when the reservation went out
     deadline: float = 0.0
 
 
 class RemoteRooms:
-    def __init__(self, engine: DecodeEngine, emit: Emit, transfer_timeout_s: float = 30.0):
+    def __init__(self, engine: DecodeEngine, emit: Emit, transfer_timeout_s: float = 30.0,
+                 heartbeat_timeout_s: float = 5.0):
         self.engine, self.emit, self.transfer_timeout_s = engine, emit, transfer_timeout_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         self.rooms: dict[str, _Room] = {}
         self.clients: dict[str, DecodeClient] = {}
         self.completed = self.failed = 0
@@ -92,12 +96,17 @@ class RemoteRooms:
             raise HandoffFailure(str(e)) from None
         inst.expect_totals(room, r.reservation.ticket, req.pages, r.prompt_len)  # before anything is sent
         self._client(r.bootstrap).send(r.reservation)
-        r.deadline = time.monotonic() + r.timeout_s
+        r.sent = time.monotonic()
+        r.deadline = r.sent + r.timeout_s
 
     def _progress(self, room: str, r: _Room) -> None:
-        done = poll_room(self.engine, self._client(r.bootstrap), room, r.deadline, r.timeout_s)
+        client = self._client(r.bootstrap)
+        done = poll_room(self.engine, client, room, r.deadline, r.timeout_s)
         if done is not None:
             self._complete(room, r, done)
+        elif client.outcome(room) is None and (silent := client.silent_for(r.bootstrap, r.sent)) > self.heartbeat_timeout_s:
+            raise HandoffFailure(f"the prefill instance at {r.bootstrap} stopped answering (no heartbeat for "
+                                 f"{silent:.1f} s)")
 
     def _complete(self, room: str, r: _Room, done: TransferDone) -> None:
         verify_done(self.engine, r.reservation, done)

@@ -59,6 +59,7 @@ class DecodeServerConfig:
     cpu_comm: str = "auto"
     transfer_timeout_s: float = 30.0  # a hand-off's rows must arrive this long after the reservation went out
     transfer: str = "tcp"  # KV hand-off data path: tcp | nixl
+    heartbeat_timeout_s: float = 5.0  # a hand-off fails once its prefill instance is silent this long
 
     def __post_init__(self):
         if self.tp_size < 1 or self.dcp_size < 1 or self.tp_size % self.dcp_size:
@@ -80,8 +81,8 @@ class DecodeServerConfig:
             raise ValueError("--threads-per-rank and --max-batch must be >= 1")
         if self.cpu_comm not in CPU_COMMS:
             raise ValueError(f"--cpu-comm must be one of {', '.join(CPU_COMMS)}, got {self.cpu_comm!r}")
-        if self.transfer_timeout_s <= 0:
-            raise ValueError("--transfer-timeout must be positive")
+        if self.transfer_timeout_s <= 0 or self.heartbeat_timeout_s <= 0:
+            raise ValueError("--transfer-timeout and --heartbeat-timeout must be positive")
         check_transfer(self.transfer)
 
     def num_slots(self) -> int:
@@ -140,11 +141,12 @@ class _Abort:
 class EngineLoop:
     """The engine thread. submit(), abort() and stop() are thread-safe; the rest runs on the thread."""
 
-    def __init__(self, engine: DecodeEngine, on_fatal: Callable[[str], None], transfer_timeout_s: float = 30.0):
+    def __init__(self, engine: DecodeEngine, on_fatal: Callable[[str], None], transfer_timeout_s: float = 30.0,
+                 heartbeat_timeout_s: float = 5.0):
         self.engine, self.on_fatal = engine, on_fatal
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.listeners: dict[str, Listener] = {}
-        self.remote = RemoteRooms(engine, self._emit, transfer_timeout_s)
+        self.remote = RemoteRooms(engine, self._emit, transfer_timeout_s, heartbeat_timeout_s)
         self._stop = threading.Event()
         self._closed, self._lock = False, threading.Lock()  # once closed, no command can be left unanswered
         self.stats = self._snapshot()  # replaced (never mutated) after every iteration: readers need no lock
@@ -319,7 +321,7 @@ def serve(cfg: DecodeServerConfig) -> None:
     try:
         instance.start()
         loop = EngineLoop(DecodeEngine(instance, cfg.max_batch), lambda msg: stop_instance(instance, "decode", msg),
-                          cfg.transfer_timeout_s)
+                          cfg.transfer_timeout_s, cfg.heartbeat_timeout_s)
         thread = threading.Thread(target=loop.run, name="decode-engine", daemon=True)
         thread.start()
         start_watchdog(instance, "decode", stop)

@@ -17,7 +17,8 @@
   TransferDone (or TransferFailed) LAST, and releases the pages whatever happened.
 - done: without a decode target the pages are released as soon as the first token is known.
 Every request ends in exactly one of done (a first token) or failed (an error message).
-The bootstrap ROUTER socket is used only by the worker thread (run_once), as ZMQ requires.
+The bootstrap side channel (BootstrapService) owns its socket in its own thread; run_once reads its
+room tables and queues replies.
 
 The scheduler decides; `PrefillInstance` executes. `run_once()` is driven by one worker thread.
 """

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from ..engine.launcher import LaunchConfig
 from ..engine.watchdog import start_watchdog
 from ..transfer.backends import check_transfer
-from ..transfer.side_channel import BootstrapServer
+from ..transfer.side_channel import BootstrapService
 from .instance import PrefillInstance
 from .layouts import check_layout_allowed
 from .rank_worker import CACHE_MODES, PrefillWorkerConfig
@@ -82,7 +82,7 @@ def serve(cfg: PrefillServerConfig) -> None:
     instance = cfg.build_instance()
     print(f"starting {cfg.cp_size} prefill rank(s) for {cfg.model}", file=sys.stderr, flush=True)
     instance.start()
-    bootstrap = BootstrapServer(cfg.host)  # the hand-off side channel; decode instances connect to it
+    bootstrap = BootstrapService(cfg.host)  # the hand-off side channel (own thread: heartbeats); decode instances connect
     scheduler = PrefillScheduler(instance, bootstrap)
     stop = threading.Event()
     worker = threading.Thread(target=_worker_loop, args=(scheduler, stop), daemon=True)
@@ -94,6 +94,6 @@ def serve(cfg: PrefillServerConfig) -> None:
     finally:
         stop.set()
         scheduler.stop()
-        worker.join(timeout=10)  # the socket is the worker's until it returns
+        worker.join(timeout=10)  # it may still be answering a room through the service
         bootstrap.close()
         instance.shutdown()

@@ -10,10 +10,18 @@ The prefill's `BootstrapServer` binds one ROUTER socket (ephemeral port, `endpoi
 instance connects one DEALER (`DecodeClient`). The server answers a room on the DEALER that
 reserved it. Both sides are polled from one thread each (ZMQ sockets are not thread-safe).
 Frames that do not decode are counted and dropped: a bad peer can fail its rooms, not the server.
+
+Heartbeats: a prefill server runs `BootstrapService`, whose own thread owns the socket, so it keeps
+answering while the scheduler's thread is deep in a long prefill. Every HEARTBEAT_S it sends a
+Heartbeat (sender = its endpoint) to each decode instance with an open room; a decode instance
+that hears nothing from a prefill for its heartbeat timeout while it waits on one of its rooms
+fails those rooms at once instead of waiting out the whole transfer timeout (a dead prefill).
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 
 import zmq
@@ -31,7 +39,7 @@ class _Endpoint:
         self.sock = self.ctx.socket(kind)
         self.sock.setsockopt(zmq.LINGER, 0)  # a dead peer must not block close()
         self.bad_frames = 0
-        self.heartbeats: dict[str, Heartbeat] = {}
+        self.heartbeats: dict[str, float] = {}  # peer -> when (time.monotonic) its last heartbeat came
 
     def _recv(self, timeout_ms: int) -> list[bytes] | None:
         if not self.sock.poll(timeout_ms):
@@ -45,7 +53,7 @@ class _Endpoint:
             self.bad_frames += 1
             return None
         if isinstance(msg, Heartbeat):
-            self.heartbeats[msg.sender] = msg
+            self.heartbeats[msg.sender] = time.monotonic()
             return None
         return msg
 
@@ -104,6 +112,62 @@ class BootstrapServer(_Endpoint):
         self.aborted.pop(room, None)
 
 
+HEARTBEAT_S = 0.5  # how often a BootstrapService tells each decode peer with an open room it lives
+
+
+class BootstrapService(BootstrapServer):
+    """A BootstrapServer whose socket belongs to its own thread (started here): `drain`, `reply` and
+    `forget` may be called from the scheduler's thread at any time, and heartbeats go out even while
+    that thread is busy. The room tables are plain dicts read without the lock (single operations
+    on them are atomic in CPython); the thread changes them under `lock`."""
+
+    def __init__(self, host: str = "127.0.0.1"):
+        super().__init__(host)
+        self.lock = threading.Lock()
+        self.generation = time.time_ns()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # (identity, frame) to send
+        self._arrived = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="bootstrap", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        next_beat = 0.0
+        while not self._stop.is_set():
+            if self.sock.poll(5):
+                with self.lock:
+                    super().drain()
+                self._arrived.set()
+            while not self._outbox.empty():
+                self.sock.send_multipart(self._outbox.get_nowait())
+            if time.monotonic() >= next_beat:
+                beat = encode(Heartbeat(self.endpoint, self.generation, time.time()))
+                for identity in set(self.peers.values()):
+                    self.sock.send_multipart([identity, beat])
+                next_beat = time.monotonic() + HEARTBEAT_S
+
+    def drain(self, timeout_ms: int = 0) -> None:
+        """Waits up to timeout_ms for a new message (the thread takes them in as they come)."""
+        if timeout_ms > 0 and self._arrived.wait(timeout_ms / 1000):
+            self._arrived.clear()
+
+    def reply(self, msg: TransferDone | TransferFailed) -> None:
+        identity = self.peers.get(msg.room)
+        if identity is None:
+            raise KeyError(f"no decode instance reserved room {msg.room}")
+        self._outbox.put([identity, encode(msg)])
+        self.forget(msg.room)
+
+    def forget(self, room: str) -> None:
+        with self.lock:
+            super().forget(room)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2.0)
+        super().close()
+
+
 class DecodeClient(_Endpoint):
     """Decode side: reserves rooms, receives their outcome."""
 
@@ -127,6 +191,10 @@ class DecodeClient(_Endpoint):
     def outcome(self, room: str) -> TransferDone | TransferFailed | None:
         self.drain()
         return self.outcomes.get(room)
+
+    def silent_for(self, peer: str, since: float) -> float:
+        """Seconds since `peer` was last heard from (a heartbeat), counting from `since` at the latest."""
+        return time.monotonic() - max(self.heartbeats.get(peer, since), since)
 
     def forget(self, room: str) -> None:
         self.outcomes.pop(room, None)

@@ -1,6 +1,8 @@
 """The side channel over real ZMQ sockets in one process: a reservation reaches the prefill's
 ROUTER, the outcome goes back to the DEALER that reserved the room (not another), decode aborts
-reach the prefill, a missing reservation is a bootstrap timeout, garbage frames are dropped."""
+reach the prefill, a missing reservation is a bootstrap timeout, garbage frames are dropped -- for
+the polled BootstrapServer and for BootstrapService (own thread). The service heartbeats every
+decode peer with an open room, and only while the room is open."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import time
 import pytest
 
 from pdserve.transfer.messages import DecodeReservation, Fingerprint, Heartbeat, TransferDone, TransferFailed
-from pdserve.transfer.side_channel import BootstrapServer, BootstrapTimeout, DecodeClient
+from pdserve.transfer.side_channel import HEARTBEAT_S, BootstrapServer, BootstrapService, BootstrapTimeout, DecodeClient
 
 FP = Fingerprint("h", "auto", "float64", 4, 4, 2, "copy")
 
@@ -25,9 +27,9 @@ def wait_for(cond, timeout_s=5.0):
         time.sleep(0.005)
 
 
-@pytest.fixture()
-def channel():
-    server = BootstrapServer()
+@pytest.fixture(params=[BootstrapServer, BootstrapService])
+def channel(request):
+    server = request.param()
     a, b = DecodeClient(server.endpoint), DecodeClient(server.endpoint)
     yield server, a, b
     for x in (a, b, server):
@@ -66,3 +68,24 @@ def test_bootstrap_timeout_and_garbage(channel):
     with pytest.raises(BootstrapTimeout, match="room nobody"):
         server.wait_reservation("nobody", 0.2)
     assert server.bad_frames == 1 and not server.reservations
+
+
+def test_service_heartbeats_peers_with_open_rooms_only():
+    server = BootstrapService()
+    a, b = DecodeClient(server.endpoint), DecodeClient(server.endpoint)
+    try:
+        start = time.monotonic()
+        a.send(reservation("r"))
+        wait_for(lambda: a.drain() or server.endpoint in a.heartbeats)
+        wait_for(lambda: a.drain() or a.heartbeats[server.endpoint] > start + 2 * HEARTBEAT_S)  # it keeps coming
+        assert a.silent_for(server.endpoint, start) < 2 * HEARTBEAT_S
+        server.reply(TransferDone("r", 7, {}, FP))  # the room is answered: no more heartbeats to a
+        wait_for(lambda: a.outcome("r") is not None)
+        time.sleep(3 * HEARTBEAT_S)
+        a.drain()
+        assert a.silent_for(server.endpoint, start) > 2 * HEARTBEAT_S
+        b.drain()
+        assert server.endpoint not in b.heartbeats  # b never reserved anything here
+    finally:
+        for x in (a, b, server):
+            x.close()
