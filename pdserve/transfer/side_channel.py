@@ -103,8 +103,11 @@ class BootstrapServer(_Endpoint):
         identity = self.peers.get(msg.room)
         if identity is None:
             raise KeyError(f"no decode instance reserved room {msg.room}")
-        self.sock.send_multipart([identity, encode(msg)])
+        self._send([identity, encode(msg)])
         self.forget(msg.room)
+
+    def _send(self, frames: list[bytes]) -> None:
+        self.sock.send_multipart(frames)
 
     def forget(self, room: str) -> None:
         self.reservations.pop(room, None)
@@ -151,12 +154,8 @@ class BootstrapService(BootstrapServer):
         if timeout_ms > 0 and self._arrived.wait(timeout_ms / 1000):
             self._arrived.clear()
 
-    def reply(self, msg: TransferDone | TransferFailed) -> None:
-        identity = self.peers.get(msg.room)
-        if identity is None:
-            raise KeyError(f"no decode instance reserved room {msg.room}")
-        self._outbox.put([identity, encode(msg)])
-        self.forget(msg.room)
+    def _send(self, frames: list[bytes]) -> None:
+        self._outbox.put(frames)  # the thread sends it: the socket is its alone
 
     def forget(self, room: str) -> None:
         with self.lock:
