@@ -5,8 +5,8 @@ The admin API needs the bearer token (401 without or with a wrong one; 404 when 
 configured); drain, remove and add change both what `topology` shows and where requests go;
 /metrics is valid Prometheus text that counts what happened; a prefill instance that dies while
 the router still thinks it healthy costs a retry on the other one, not a failed request; a decode
-rank killed mid-stream ends that stream with an error event, and with no decode left the router
-answers 503.
+rank killed mid-stream ends that stream with an error event, the instance is marked unhealthy, with
+no decode left the router answers 503, and once a healthy decode instance is added requests go there.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def test_dead_prefill_instance_costs_a_retry_not_a_failure(topo):
 
 
 @pytest.mark.slow
-def test_dead_decode_rank_mid_stream_is_an_error_event_then_503(topo):
+def test_dead_decode_rank_mid_stream_is_an_error_event_then_503(topo, model_dir):
     client = openai.OpenAI(base_url=f"{topo['url']}/v1", api_key="unused", max_retries=0, timeout=60)
     rank_pid = httpx.get(f"{topo['d']}/capacity").json()["ranks"][0]["pid"]
     stream = client.completions.create(model="tiny", prompt=[7, 8, 9], max_tokens=2000, temperature=0, stream=True,
@@ -181,6 +181,15 @@ def test_dead_decode_rank_mid_stream_is_an_error_event_then_503(topo):
     text = httpx.get(f"{topo['url']}/metrics").text
     assert metric(text, "pdserve_router_requests_total", outcome="failed") == 1
     assert httpx.get(f"{topo['url']}/health").status_code == 503
+    # a healthy decode instance joins: later requests go there
+    [(spare, e)] = start_servers(model_dir, [("decode", "--page-size", "4")])
+    try:
+        added = admin(topo, "add", "decode", e, "--json")
+        assert added.returncode == 0 and json.loads(added.stdout)["healthy"], added.stdout
+        complete(topo, 2)
+        assert served(topo)[e] == 2 and httpx.get(f"{topo['url']}/health").status_code == 200
+    finally:
+        stop_all([spare])
 
 
 def served_rows(topo) -> dict[str, dict]:
