@@ -4,17 +4,23 @@ split index over TCP).
 
 It prints the router URL once every process is healthy; a request like the printed example works
 with the openai client and greedy ids equal the single-rank engine's; SIGTERM stops the launcher,
-every process it started and their ranks.
+every process it started and their ranks. The `make serve` topology (copied index, TCP) also runs
+the README's quickstart as written (its curl and openai-client blocks, with this test's port and
+model), and its flags are checked against the Makefile's `serve` recipe.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
+import shlex
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -24,6 +30,29 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import SamplingParams
 from tests.reference import free_port
 from tests.servers import pid_alive
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def make_serve_args() -> list[str]:
+    """The flags `make serve` gives `pdserve up`."""
+    recipe = ROOT.joinpath("Makefile").read_text().split("\nserve:")[1].splitlines()[1]
+    args = shlex.split(recipe)
+    assert args[0].endswith("/bin/pdserve") and args[1] == "up", recipe
+    return args[2:]
+
+
+def run_readme_quickstart(port: int, model: str) -> None:
+    """The README's quickstart blocks as a user would paste them, pointed at this test's router."""
+    text = ROOT.joinpath("README.md").read_text().split("## Quickstart")[1].split("\n## ")[0]
+    bash, python = re.findall(r"```(?:bash|python)\n(.*?)```", text, re.S)
+    bash = bash.replace("localhost:8000", f"127.0.0.1:{port}").replace("small-glm_moe_dsa-seed0", model)
+    out = subprocess.run(["bash", "-c", bash], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and f'"id":"{model}"' in out.stdout and '"text_completion"' in out.stdout, out
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(python.replace("127.0.0.1:8000", f"127.0.0.1:{port}"), {})
+    assert len(out.getvalue().strip()) > 0
 
 
 @pytest.mark.slow
@@ -69,6 +98,11 @@ def test_up_serves_and_stops_cleanly(model_dir, tmp_path, index, transfer):
         streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**chat, stream=True)
                            if c.choices)
         assert whole and streamed == whole
+        if (index, transfer) == ("copy", "tcp"):  # `make serve`: pdserve up's defaults for these two
+            flags = make_serve_args()
+            pairs = set(zip(proc.args, proc.args[1:]))
+            assert all((f, v) in pairs for f, v in zip(flags[::2], flags[1::2])), (flags, proc.args)
+            run_readme_quickstart(port, model)
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(60)
