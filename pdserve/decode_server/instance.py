@@ -124,6 +124,13 @@ class DecodeInstance:
         any_prefill = PrefillSide(1, "full", cfg.num_layers, cfg.indexer_layers, range(prompt_len))
         return plan_transfer(any_prefill, self.decode_side(pages), prompt_len)
 
+    def handoff_bytes(self, pages: list[int], prompt_len: int) -> int:
+        """Payload bytes a hand-off of a prompt_len-token prompt into these pages carries (rows travel
+        in the model dtype, whatever the cache stores)."""
+        cfg, itemsize = self.model_config, torch.empty(0, dtype=getattr(torch, self.worker.dtype)).element_size()
+        width = {"kv": cfg.kv_entry_dim, "index": cfg.index_head_dim}
+        return sum(t.rows * width[t.kind] * itemsize for t in self._any_prefill_plan(pages, prompt_len))
+
     def transfer_status(self, room: str) -> list[dict]:
         return self.ranks.call(TransferStatusCmd(room))
 

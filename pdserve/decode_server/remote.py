@@ -52,6 +52,7 @@ class RemoteRooms:
         self.rooms: dict[str, _Room] = {}
         self.clients: dict[str, DecodeClient] = {}
         self.completed = self.failed = 0
+        self.bytes_received, self.transfer_seconds = 0, 0.0  # over completed hand-offs (reservation -> verified)
 
     def submit(self, room: str, prompt_len: int, params: SamplingParams, bootstrap: str,
                timeout_s: float | None = None) -> None:
@@ -110,6 +111,8 @@ class RemoteRooms:
 
     def _complete(self, room: str, r: _Room, done: TransferDone) -> None:
         verify_done(self.engine, r.reservation, done)
+        self.bytes_received += self.engine.instance.handoff_bytes(list(r.reservation.pages), r.prompt_len)
+        self.transfer_seconds += time.monotonic() - r.sent
         self._forget(room, quiesced=True)
         req = self.engine.kv_ready(room, done.first_token)
         self.completed += 1

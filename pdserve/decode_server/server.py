@@ -268,7 +268,8 @@ class EngineLoop:
         s, alloc = self.engine.scheduler, self.engine.instance.allocator
         return {"free_tokens": alloc.num_free * alloc.page_size, "running": len(s.running),
                 "queued": len(s.queued) + len(s.waiting_for_kv), "transfers_pending": len(self.remote.rooms),
-                "transfers_completed": self.remote.completed, "transfers_failed": self.remote.failed}
+                "transfers_completed": self.remote.completed, "transfers_failed": self.remote.failed,
+                "transfer_bytes": self.remote.bytes_received, "transfer_seconds": self.remote.transfer_seconds}
 
 
 def _refuse(cmd) -> None:

@@ -95,6 +95,10 @@ def _instance_gauges(instances) -> list[str]:
          lambda i: i.info.get("transfers_completed")),
         ("pdserve_instance_transfers_failed", "KV hand-offs the decode instance failed (its own count).",
          lambda i: i.info.get("transfers_failed")),
+        ("pdserve_instance_transfer_bytes", "KV cache bytes the decode instance received by completed hand-offs.",
+         lambda i: i.info.get("transfer_bytes")),
+        ("pdserve_instance_transfer_seconds", "Seconds from page reservation to verified cache, summed over the "
+         "decode instance's completed hand-offs.", lambda i: i.info.get("transfer_seconds")),
     )
     lines = []
     for name, help_, value in gauges:

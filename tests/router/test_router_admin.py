@@ -22,6 +22,7 @@ import httpx
 import openai
 import pytest
 
+from pdserve.model.config import ModelConfig
 from pdserve.router.config import RouterConfig
 from tests.router.helpers import decode_idle, running_router, start_router_cli, start_servers, stop_all, wait_until
 
@@ -44,7 +45,7 @@ def topo(model_dir):
         auth = {"Authorization": f"Bearer {TOKEN}"}  # /admin/capacity polls every instance now
         wait_until(lambda: httpx.get(f"{url}/admin/capacity", headers=auth, timeout=30).status_code == 200
                    and httpx.get(f"{url}/health").status_code == 200, "the router to be ready", 60)
-        yield {"url": url, "a": a, "b": b, "d": d, "procs": dict(zip(("a", "b", "d"), procs))}
+        yield {"url": url, "a": a, "b": b, "d": d, "procs": dict(zip(("a", "b", "d"), procs)), "model_dir": model_dir}
     finally:
         stop_all(procs)
 
@@ -142,6 +143,10 @@ def test_metrics_are_prometheus_text(topo):
     assert metric(text, "pdserve_instance_queue_depth", instance=topo["a"], role="prefill") == 0
     assert metric(text, "pdserve_instance_healthy", instance=topo["b"], role="prefill") == 1
     assert metric(text, "pdserve_instance_transfers_completed", instance=topo["d"], role="decode") >= completed
+    per = metric(text, "pdserve_instance_transfer_bytes", instance=topo["d"], role="decode") / metric(
+        text, "pdserve_instance_transfers_completed", instance=topo["d"], role="decode")
+    assert per == handoff_bytes(topo["model_dir"], 3)  # every request here has a 3-token prompt
+    assert metric(text, "pdserve_instance_transfer_seconds", instance=topo["d"], role="decode") > 0
     for line in text.splitlines():  # every sample line is NAME{labels} VALUE
         assert line.startswith("#") or re.fullmatch(r'[a-zA-Z_:][a-zA-Z0-9_:]*(\{[^}]*\})? [-+0-9.eInf]+', line), line
 
@@ -190,6 +195,13 @@ def test_dead_decode_rank_mid_stream_is_an_error_event_then_503(topo, model_dir)
         assert served(topo)[e] == 2 and httpx.get(f"{topo['url']}/health").status_code == 200
     finally:
         stop_all([spare])
+
+
+def handoff_bytes(model_dir, prompt_len: int) -> int:
+    """What a hand-off of a prompt into a one-rank decode instance carries: every layer's latent row and
+    every indexer layer's key, in float32."""
+    cfg = ModelConfig.from_pretrained(model_dir)
+    return prompt_len * 4 * (cfg.num_layers * cfg.kv_entry_dim + len(cfg.indexer_layers) * cfg.index_head_dim)
 
 
 def served_rows(topo) -> dict[str, dict]:
