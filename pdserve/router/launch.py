@@ -11,6 +11,7 @@ Imports no torch: the model directory must exist (cli.py builds the built-in one
 
 from __future__ import annotations
 
+import ctypes
 import signal
 import socket
 import subprocess
@@ -56,6 +57,14 @@ class Child:
     log: Path
 
 
+def _die_with_launcher() -> None:
+    """In a child, before exec: SIGTERM when `pdserve up` dies, however it dies (Linux PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except OSError:
+        pass
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -73,7 +82,8 @@ class Stack:
         log = self.log_dir / f"{name}.log"
         with log.open("w") as out:
             proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)  # Ctrl-C reaches the launcher only; it stops the rest
+                                    start_new_session=True,  # Ctrl-C reaches the launcher only; it stops the rest
+                                    preexec_fn=_die_with_launcher)
         child = Child(name, proc, f"http://127.0.0.1:{port}", log)
         self.children.append(child)
         return child
@@ -175,5 +185,12 @@ def up(cfg: StackConfig, echo=print) -> int:
         echo(f"error: {e}")
         return 1
     finally:
-        signal.signal(signal.SIGTERM, old)
-        stack.stop()
+        # a second Ctrl-C or SIGTERM (process managers repeat them) must not cut the stop short and
+        # orphan the instances; they also die with this process if it is killed (_die_with_launcher)
+        old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            stack.stop()
+        finally:
+            signal.signal(signal.SIGTERM, old)
+            signal.signal(signal.SIGINT, old_int)

@@ -56,8 +56,11 @@ def run_readme_quickstart(port: int, model: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index,transfer", [("copy", "nixl"), ("split", "nixl"), ("copy", "tcp")])
-def test_up_serves_and_stops_cleanly(model_dir, tmp_path, index, transfer):
+@pytest.mark.parametrize("index,transfer,stop", [("copy", "nixl", "SIGTERM"), ("split", "nixl", "SIGTERM twice"),
+                                                 ("copy", "tcp", "SIGKILL")])
+def test_up_serves_and_stops_cleanly(model_dir, tmp_path, index, transfer, stop):
+    """stop: how the launcher is stopped. A repeated SIGTERM must not cut its cleanup short; a killed
+    launcher takes every process it started with it (they get SIGTERM when it dies)."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.cli", "up", "--model", str(model_dir), "--prefill-cp", "2", "--decode-tp", "2",
@@ -104,7 +107,19 @@ def test_up_serves_and_stops_cleanly(model_dir, tmp_path, index, transfer):
             assert all((f, v) in pairs for f, v in zip(flags[::2], flags[1::2])), (flags, proc.args)
             run_readme_quickstart(port, model)
     finally:
-        proc.send_signal(signal.SIGTERM)
+        if stop == "SIGKILL":
+            proc.kill()
+        else:
+            proc.send_signal(signal.SIGTERM)
+            if stop == "SIGTERM twice":
+                time.sleep(0.3)  # it is stopping its children now
+                proc.send_signal(signal.SIGTERM)
         code = proc.wait(60)
-    assert code == 0 and "stopping" in "".join(lines), "".join(lines)
+    if stop == "SIGKILL":
+        assert code == -signal.SIGKILL
+    else:
+        assert code == 0 and "stopping" in "".join(lines), "".join(lines)
+    deadline = time.monotonic() + 30  # after SIGKILL the children stop on their own
+    while [p for p in pids if pid_alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert not [p for p in pids if pid_alive(p)]
