@@ -44,7 +44,7 @@ def _child(conn, max_bytes: int) -> None:
     """The receiving process: a NIXL agent with a registered buffer, a zmq PULL socket, a TCP listener."""
     import zmq
 
-    from pdserve.transfer.nixl import make_agent
+    from pdserve.transfer.nixl_agent import make_agent
 
     torch.set_num_threads(1)
     buf = torch.zeros(max_bytes, dtype=torch.uint8)
@@ -89,7 +89,7 @@ def _child(conn, max_bytes: int) -> None:
 def transports(sizes_mb: list[int], repeats: int) -> dict:
     import zmq
 
-    from pdserve.transfer.nixl import make_agent
+    from pdserve.transfer.nixl_agent import make_agent
 
     torch.set_num_threads(1)
     top = max(sizes_mb) * MB

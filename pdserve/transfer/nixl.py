@@ -49,9 +49,6 @@ WRITEs), the room's region, the peer. Idle counters: TransferStatusCmd on either
 from __future__ import annotations
 
 import atexit
-import base64
-import os
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -60,80 +57,13 @@ import msgpack
 import torch
 
 from .base import RoomChecksum
+from .nixl_agent import Arena, NixlEndpoint, agent_name, make_agent
 from .plan import Run, Transfer
 from .tcp import (DTYPES, ExpectCmd, ForgetCmd, RoomRows, SendCmd, StageCmd, TransferStatusCmd, frame_rows, run_rows,
                   store_rows)
 
-ALIGN = 64  # region starts: any dtype view of a chunk is aligned
 QUARANTINE_S = 60.0
 BUSY_POLL_S, IDLE_POLL_S, SEND_POLL_S = 0.0005, 0.005, 0.0001
-
-
-def make_agent(name: str):
-    """A NIXL agent with the UCX backend and no progress thread (its owner polls)."""
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")  # loopback like the TCP path; multi-node deployments set it
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    try:
-        import nixl._api as api  # the meta package `nixl`
-    except ImportError:
-        import nixl_cu13._api as api  # `nixl-cu13` alone (pyproject pins it)
-    return api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-
-
-def _name(role: str, rank: int) -> str:
-    return f"pdserve-{role}-{socket.gethostname()}-{os.getpid()}-r{rank}"
-
-
-@dataclass(frozen=True)
-class NixlEndpoint:
-    """Where one sender writes one room on one decode rank."""
-
-    agent: str
-    generation: int
-    metadata: bytes
-    addr: int  # the room's region in the decode rank's registered arena
-    size: int
-
-    def encode(self) -> str:
-        fields = [self.agent, self.generation, self.metadata, self.addr, self.size]
-        return "nixl:" + base64.b64encode(msgpack.packb(fields, use_bin_type=True)).decode()
-
-    @classmethod
-    def decode(cls, text: str) -> "NixlEndpoint":
-        if not text.startswith("nixl:"):
-            raise ValueError(f"not a nixl endpoint: {text[:16]!r}...")
-        return cls(*msgpack.unpackb(base64.b64decode(text[5:]), raw=False))
-
-
-class Arena:
-    """First-fit byte ranges of one buffer; released ranges merge with their free neighbours."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self.free: list[tuple[int, int]] = [(0, size)]  # (start, length), sorted by start
-
-    @property
-    def used(self) -> int:
-        return self.size - sum(n for _, n in self.free)
-
-    def alloc(self, nbytes: int) -> tuple[int, int] | None:
-        """(start, length) of an aligned range of at least nbytes (at least ALIGN), or None when full."""
-        n = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
-        for i, (start, length) in enumerate(self.free):
-            if length >= n:
-                self.free[i:i + 1] = [(start + n, length - n)] if length > n else []
-                return start, n
-        return None
-
-    def release(self, start: int, n: int) -> None:
-        merged = sorted(self.free + [(start, n)])
-        self.free = [merged[0]]
-        for s, length in merged[1:]:
-            last_s, last_n = self.free[-1]
-            if last_s + last_n == s:
-                self.free[-1] = (last_s, last_n + length)
-            else:
-                self.free.append((s, length))
 
 
 @dataclass
@@ -167,7 +97,7 @@ class NixlReceiver:
     def __init__(self, rank: int, pool, staging_bytes: int = 256 << 20, name: str | None = None,
                  quarantine_s: float = QUARANTINE_S):
         self.rank, self.pool, self.quarantine_s = rank, pool, quarantine_s  # pool(): the rank's current KVPool
-        self.name, self.generation = name or _name("decode", rank), time.time_ns()
+        self.name, self.generation = name or agent_name("decode", rank), time.time_ns()
         self.agent = make_agent(self.name)
         self.buf = torch.empty(staging_bytes, dtype=torch.uint8)  # never zeroed: regions are written before read
         self.reg = self.agent.register_memory(self.buf)
@@ -329,7 +259,7 @@ class NixlSender:
 
     def __init__(self, rank: int, pool, staging_bytes: int = 64 << 20, name: str | None = None):
         self.rank, self.pool = rank, pool
-        self.name = name or _name("prefill", rank)
+        self.name = name or agent_name("prefill", rank)
         self.agent = make_agent(self.name)
         self.staging = torch.empty(staging_bytes, dtype=torch.uint8)
         self.reg = self.agent.register_memory(self.staging)
