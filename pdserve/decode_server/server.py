@@ -60,6 +60,7 @@ class DecodeServerConfig:
     transfer_timeout_s: float = 30.0  # a hand-off's rows must arrive this long after the reservation went out
     transfer: str = "tcp"  # KV hand-off data path: tcp | nixl
     heartbeat_timeout_s: float = 5.0  # a hand-off fails once its prefill instance is silent this long
+    data_host: str = "127.0.0.1"  # where the ranks' TCP receivers listen (reachable by the prefill ranks)
 
     def __post_init__(self):
         if self.tp_size < 1 or self.dcp_size < 1 or self.tp_size % self.dcp_size:
@@ -84,6 +85,9 @@ class DecodeServerConfig:
         if self.transfer_timeout_s <= 0 or self.heartbeat_timeout_s <= 0:
             raise ValueError("--transfer-timeout and --heartbeat-timeout must be positive")
         check_transfer(self.transfer)
+        if self.data_host in ("0.0.0.0", "::", "*", ""):
+            raise ValueError(f"--data-host {self.data_host!r} is a wildcard: give an address the prefill ranks can "
+                             "connect to (on Kubernetes, the pod IP)")
 
     def num_slots(self) -> int:
         """Global KV slots of the instance: whole pages that fit the per-rank budget, or max_kv_tokens rounded up."""
@@ -108,7 +112,7 @@ class DecodeServerConfig:
     def build_instance(self) -> DecodeInstance:
         worker = DecodeWorkerConfig(self.model, self.num_slots(), self.dcp_size, self.dcp_index, self.dcp_comm,
                                     self.replicate_q_proj, self.dtype, self.kv_cache_dtype, cpu_comm=self.cpu_comm,
-                                    transfer=self.transfer)
+                                    transfer=self.transfer, data_host=self.data_host)
         launch = LaunchConfig(self.tp_size, self.dist_port, threads_per_rank=self.threads_per_rank)
         return DecodeInstance(worker, launch, page_size=self.page_size)
 
