@@ -34,6 +34,7 @@ class DecodeInstance:
         self.ranks = RankGroup(DecodeRankWorker, worker, launch)
         self.rank_infos: list[dict] = []
         self._tickets = itertools.count(1)  # one per reservation: late frames of an earlier use of a room id are dropped
+        self._last_plan: tuple[tuple, list[Transfer]] | None = None  # reservation, expect_totals, handoff_bytes share it
 
     def start(self) -> "DecodeInstance":
         self.rank_infos = self.ranks.start()
@@ -120,9 +121,14 @@ class DecodeInstance:
         self.ranks.call(ExpectCmd(room, ticket, totals))
 
     def _any_prefill_plan(self, pages: list[int], prompt_len: int) -> list[Transfer]:
-        cfg = self.model_config
-        any_prefill = PrefillSide(1, "full", cfg.num_layers, cfg.indexer_layers, range(prompt_len))
-        return plan_transfer(any_prefill, self.decode_side(pages), prompt_len)
+        """A one-rank prefill's plan into these pages (rows per decode rank are the same for any prefill
+        layout); the last one is kept, as a room's reservation asks for the same plan three times."""
+        key = (tuple(pages), prompt_len, self.index_mode)
+        if self._last_plan is None or self._last_plan[0] != key:
+            cfg = self.model_config
+            any_prefill = PrefillSide(1, "full", cfg.num_layers, cfg.indexer_layers, range(prompt_len))
+            self._last_plan = (key, plan_transfer(any_prefill, self.decode_side(pages), prompt_len))
+        return self._last_plan[1]
 
     def handoff_bytes(self, pages: list[int], prompt_len: int) -> int:
         """Payload bytes a hand-off of a prompt_len-token prompt into these pages carries (rows travel

@@ -41,6 +41,7 @@ class _Room:
     timeout_s: float
     reservation: DecodeReservation | None = None
     sent: float = 0.0  # when the reservation went out
+    nbytes: int = 0  # payload the hand-off carries
     deadline: float = 0.0
 
 
@@ -96,6 +97,7 @@ class RemoteRooms:
         except RuntimeError as e:  # a rank could not stage the room
             raise HandoffFailure(str(e)) from None
         inst.expect_totals(room, r.reservation.ticket, req.pages, r.prompt_len)  # before anything is sent
+        r.nbytes = inst.handoff_bytes(req.pages, r.prompt_len)  # now, while the plan is at hand
         self._client(r.bootstrap).send(r.reservation)
         r.sent = time.monotonic()
         r.deadline = r.sent + r.timeout_s
@@ -105,13 +107,13 @@ class RemoteRooms:
         done = poll_room(self.engine, client, room, r.deadline, r.timeout_s)
         if done is not None:
             self._complete(room, r, done)
-        elif client.outcome(room) is None and (silent := client.silent_for(r.bootstrap, r.sent)) > self.heartbeat_timeout_s:
+        elif room not in client.outcomes and (silent := client.silent_for(r.bootstrap, r.sent)) > self.heartbeat_timeout_s:
             raise HandoffFailure(f"the prefill instance at {r.bootstrap} stopped answering (no heartbeat for "
                                  f"{silent:.1f} s)")
 
     def _complete(self, room: str, r: _Room, done: TransferDone) -> None:
         verify_done(self.engine, r.reservation, done)
-        self.bytes_received += self.engine.instance.handoff_bytes(list(r.reservation.pages), r.prompt_len)
+        self.bytes_received += r.nbytes
         self.transfer_seconds += time.monotonic() - r.sent
         self._forget(room, quiesced=True)
         req = self.engine.kv_ready(room, done.first_token)

@@ -38,6 +38,7 @@ from ..transfer.messages import TransferDone, TransferFailed
 from ..transfer.side_channel import BootstrapServer
 from ..transfer.two_sided import serve_reserved
 
+DROPPED_KEEP_S = 600.0  # how long an aborted room waits for a late reservation to refuse
 BOOTSTRAP_POLL_MS = 10  # with only hand-offs waiting for their reservation, how long one poll blocks
 
 _ids = itertools.count()
@@ -62,7 +63,7 @@ class PrefillScheduler:
     def __init__(self, instance, bootstrap: BootstrapServer | None = None):
         self.instance, self.bootstrap = instance, bootstrap
         self.waiting: deque[PrefillJob] = deque()
-        self.dropped: set[str] = set()  # aborted hand-off rooms: the worker thread tells their decode side
+        self.dropped: dict[str, float] = {}  # aborted hand-off room -> when: the worker tells its decode side
         self.current: PrefillJob | None = None
         self._cv = threading.Condition()
         self._stopped = False
@@ -85,7 +86,7 @@ class PrefillScheduler:
                 if job.request_id == request_id:
                     self.waiting.remove(job)
                     if job.handoff:
-                        self.dropped.add(request_id)
+                        self.dropped[request_id] = time.monotonic()
                     self._finish(job, error="aborted")
                     return True
         return False
@@ -159,17 +160,21 @@ class PrefillScheduler:
 
     def _tidy_bootstrap(self) -> None:
         """Takes in reservations and aborts; answers rooms aborted here; forgets rooms the decode side
-        gave up that have no job here (else their reservation would be kept forever)."""
+        gave up that have no job here (else their reservation would be kept forever). An aborted
+        room whose reservation never came is dropped after DROPPED_KEEP_S: its decode side timed out."""
         self.bootstrap.drain()
         waiting = {j.request_id for j in self.waiting if j.handoff}
-        for room in list(self.dropped):
+        now = time.monotonic()
+        for room, since in list(self.dropped.items()):
             if room in self.bootstrap.reservations:
                 self.bootstrap.reply(TransferFailed(room, "aborted by the prefill instance"))
-                self.dropped.discard(room)
+                del self.dropped[room]
+            elif now - since > DROPPED_KEEP_S:
+                del self.dropped[room]
         for room in list(self.bootstrap.aborted):
             if room not in waiting:
                 self.bootstrap.forget(room)
-                self.dropped.discard(room)
+                self.dropped.pop(room, None)
 
     def _run_handoff(self, job: PrefillJob) -> bool:
         if not self.instance.allocator.can_allocate(len(job.token_ids)):
