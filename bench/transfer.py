@@ -16,8 +16,11 @@ stored) reaches at least 80% of NIXL's raw rate.
 (b) pack: gathering one decode rank's rows (every other token, all layers) into a contiguous
     buffer, as a sender does before a WRITE.
 (c) the whole hand-off with --transfer tcp and nixl: the prompt is prefilled once, then the cache is
-    sent --repeats times into fresh reservations (plan, expect, every prefill rank sends its share,
-    every decode rank stores its rows); rate = payload bytes / time.
+    sent --handoff-repeats times into fresh reservations (plan, expect, every prefill rank sends its
+    share, every decode rank stores its rows); rate = payload bytes / best time. Also the CPU time
+    (user + system, from /proc) all four rank processes and this one spent per hand-off, and how
+    many of the machine's cores that kept busy: on a 2-core host the hand-off is CPU-bound, so this
+    says how much of its time is work (pack, WRITE, store, checksums) rather than waiting.
 
 Run:  .venv/bin/python bench/transfer.py      (a few minutes; bench/results/transfer.json + .png)
 """
@@ -155,26 +158,38 @@ def transports(sizes_mb: list[int], repeats: int) -> dict:
 
 # ---- (b) pack ------------------------------------------------------------------------------------
 def pack_cost(model: str, tokens: int, repeats: int) -> dict:
-    """Gathers decode rank 0's rows (tokens 0, 2, 4, ... of every layer) of a full prefill pool."""
+    """Packs decode rank 0's rows (tokens 0, 2, 4, ... of every layer: one run of step 2 per layer) of
+    a full prefill pool into a staging buffer, as a sender does before a WRITE (tcp.pack_rows)."""
     from pdserve.engine.kv_cache import KVPool
     from pdserve.model.config import ModelConfig
+    from pdserve.transfer.plan import Run
+    from pdserve.transfer.tcp import pack_rows
 
     torch.set_num_threads(1)
     cfg = ModelConfig.from_pretrained(model)
     pool = KVPool(cfg, tokens, torch.float32)
     pool.kv.normal_()
-    rows = torch.arange(0, tokens, 2)
-    staging = torch.empty(cfg.num_layers, len(rows), cfg.kv_entry_dim)
+    runs = (Run(0, 0, tokens // 2, 2),)
+    staging = torch.empty(cfg.num_layers, tokens // 2, cfg.kv_entry_dim)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         for layer in range(cfg.num_layers):
-            staging[layer] = pool.read_kv(layer, rows)
+            pack_rows(pool, "kv", layer, runs, staging[layer])
         best = min(best, time.perf_counter() - t0)
     nbytes = staging.numel() * staging.element_size()
     print(f"pack: {nbytes / MB:.1f} MB of one decode rank's rows in {1000 * best:.1f} ms "
           f"({nbytes / best / 1e9:.2f} GB/s)", flush=True)
     return {"bytes": nbytes, "seconds": best, "GBps": nbytes / best / 1e9}
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time so far of these processes (Linux /proc; clock-tick resolution)."""
+    ticks = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 # ---- (c) the whole hand-off ---------------------------------------------------------------------------
@@ -198,27 +213,38 @@ def handoff(model: str, transfer: str, tokens: int, repeats: int) -> dict:
         result = pre.prefill("bench", ids, SamplingParams())
         prefill_s = time.perf_counter() - t0
         cfg = pre.model_config
-        best, nbytes = float("inf"), 0
+        best, nbytes, wall = float("inf"), 0, 0.0
+        names = [f"prefill rank {r}" for r in range(2)] + [f"decode rank {r}" for r in range(2)] + ["bench"]
+        pids = pre.ranks.pids + dec.ranks.pids + [os.getpid()]
+        cpu = dict.fromkeys(names, 0.0)
         for i in range(repeats):
             room = f"bench-{i}"
             pages = dec.allocator.allocate(tokens)
             reservation = dec.reservation(room, pages, prompt_len=tokens)
             plan = plan_transfer(pre.prefill_side(result.slots), dec.decode_side(pages), tokens)
             dec.expect(room, reservation.ticket, plan)
-            t0 = time.perf_counter()
+            c0, t0 = [cpu_seconds([pid]) for pid in pids], time.perf_counter()
             pre.send("bench", room, reservation.ticket, plan, reservation.endpoints)
             while not all(s["complete"] for s in dec.transfer_status(room)):
                 if any(s.get("error") for s in dec.transfer_status(room)):
                     raise RuntimeError(dec.transfer_status(room))
                 time.sleep(0.0005)
             best = min(best, time.perf_counter() - t0)
+            wall += time.perf_counter() - t0
+            for name, pid, before in zip(names, pids, c0):
+                cpu[name] += cpu_seconds([pid]) - before
             dec.forget(room, True)
             dec.allocator.free(pages)
             nbytes = sum(t.rows * (cfg.kv_entry_dim if t.kind == "kv" else cfg.index_head_dim) * 4 for t in plan)
         pre.release("bench")
+    total = sum(cpu.values())
+    by_process = {name: round(1000 * c / repeats, 1) for name, c in cpu.items()}
     print(f"hand-off {transfer:5s}: {tokens} tokens, {nbytes / MB:.1f} MB in {1000 * best:.1f} ms "
-          f"({nbytes / best / 1e9:.2f} GB/s; the prefill itself took {prefill_s:.1f} s)", flush=True)
-    return {"tokens": tokens, "bytes": nbytes, "seconds": best, "GBps": nbytes / best / 1e9, "prefill_s": prefill_s}
+          f"({nbytes / best / 1e9:.2f} GB/s; the prefill itself took {prefill_s:.1f} s)\n"
+          f"    CPU per hand-off {1000 * total / repeats:.0f} ms, {total / wall:.2f} cores busy; ms by process: "
+          f"{by_process}", flush=True)
+    return {"tokens": tokens, "bytes": nbytes, "seconds": best, "GBps": nbytes / best / 1e9, "prefill_s": prefill_s,
+            "cpu_s_per_handoff": total / repeats, "cores_busy": total / wall, "cpu_ms_per_handoff_by_process": by_process}
 
 
 def _free_port() -> int:
@@ -263,6 +289,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16384, help="prompt tokens of the whole hand-off (default 16384)")
     ap.add_argument("--transfers", default="nixl,tcp", help="hand-off data paths to measure (default nixl,tcp)")
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats per measurement, best kept (default 3)")
+    ap.add_argument("--handoff-repeats", type=int, default=10,
+                    help="hand-offs per data path: the best time is kept, CPU time is averaged (default 10)")
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the built-in small model)")
     ap.add_argument("--out", default="bench/results", help="output directory for transfer.json/.png")
     args = ap.parse_args()
@@ -272,7 +300,7 @@ def main() -> None:
         ap.error("--sizes must include 64 (the claim is stated at 64 MB)")
     model = args.model or str(ensure_builtin_model())
     res = {"transports_GBps": transports(sizes, args.repeats), "pack": pack_cost(model, args.tokens, args.repeats),
-           "handoff": {t: handoff(model, t, args.tokens, args.repeats) for t in args.transfers.split(",")}}
+           "handoff": {t: handoff(model, t, args.tokens, args.handoff_repeats) for t in args.transfers.split(",")}}
     nixl64 = res["transports_GBps"]["nixl"][64]
     ratios = {"nixl_over_tcp_socket_64MB": nixl64 / res["transports_GBps"]["tcp socket"][64]}
     for t, h in res["handoff"].items():
@@ -284,7 +312,8 @@ def main() -> None:
         "machine": {"platform": platform.platform(), "torch": torch.__version__, "cpus": os.cpu_count(),
                     "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES"), "UCX_TLS": os.environ.get("UCX_TLS"),
                     "date": datetime.datetime.now().isoformat(timespec="seconds")},
-        "config": {"sizes_mb": sizes, "tokens": args.tokens, "repeats": args.repeats, "model": model},
+        "config": {"sizes_mb": sizes, "tokens": args.tokens, "repeats": args.repeats,
+                   "handoff_repeats": args.handoff_repeats, "model": model},
         **res, "ratios": ratios,
     }, indent=1))
     plot(res, out / "transfer.png")

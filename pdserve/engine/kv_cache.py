@@ -64,18 +64,31 @@ class KVPool:
         if index_k is not None:
             self.write_index(layer, slots, index_k)
 
-    def write_kv(self, layer: int, rows: torch.Tensor, kv: torch.Tensor) -> None:
+    def write_kv(self, layer: int, rows: torch.Tensor | slice, kv: torch.Tensor) -> None:
         if self.fp8:
             kv = kv.float().clamp(-FP8_MAX, FP8_MAX)
-        self.kv[self.kv_row[layer], rows] = kv.to(self.kv.dtype)
+        _put(self.kv[self.kv_row[layer]], rows, kv.to(self.kv.dtype))
 
-    def write_index(self, layer: int, rows: torch.Tensor, index_k: torch.Tensor) -> None:
+    def write_index(self, layer: int, rows: torch.Tensor | slice, index_k: torch.Tensor) -> None:
         """Index rows may differ from latent rows (a decode rank's copied index holds every slot)."""
         row = self.index_row[layer]
         if self.fp8:
             index_k, scale = _quantize_per_key(index_k)
             self.index_scale[row, rows] = scale
-        self.index_k[row, rows] = index_k.to(self.index_k.dtype)
+        _put(self.index_k[row], rows, index_k.to(self.index_k.dtype))
+
+    def read_into(self, kind: str, layer: int, slots: torch.Tensor | slice, out: torch.Tensor) -> None:
+        """read_kv ("kv") or read_index ("index") of 1-D `slots` (or a slice, a strided one too),
+        written into `out` [rows, width] (e.g. a sender's staging buffer) without an intermediate
+        tensor when nothing is dequantized."""
+        if self.fp8:
+            out.copy_(self.read_kv(layer, slots) if kind == "kv" else self.read_index(layer, slots))
+            return
+        table = self.kv[self.kv_row[layer]] if kind == "kv" else self.index_k[self.index_row[layer]]
+        if isinstance(slots, slice):
+            out.copy_(table[slots])
+        else:
+            torch.index_select(table, 0, slots, out=out)
 
     def read_kv(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         return self.kv[self.kv_row[layer], slots].to(self.dtype)
@@ -86,6 +99,18 @@ class KVPool:
             return self.index_k[row, slots]
         scale = self.index_scale[row, slots].unsqueeze(-1)
         return (self.index_k[row, slots].float() * scale).to(self.dtype)
+
+
+def _put(table: torch.Tensor, rows: torch.Tensor | slice, values: torch.Tensor) -> None:
+    """table[rows] = values; index_copy_ (2-3x faster on CPU than index_put; no fp8 kernel) where it
+    applies. `rows` may be a slice: a plain copy, the fastest."""
+    if isinstance(rows, slice):
+        table[rows].copy_(values)
+    elif table.dtype != FP8 and rows.dim() == 1 and rows.dtype == torch.int64 and values.dim() == 2 \
+            and len(values) == len(rows):
+        table.index_copy_(0, rows, values)
+    else:
+        table[rows] = values
 
 
 def _quantize_per_key(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,9 +26,10 @@ Stale writes (DESIGN.md 3.7-3.8). A one-sided WRITE cannot be refused by its tar
 agent ever writes into the KV pool: WRITEs land in the room's region, and the receiver thread copies
 a chunk into the pool only when its notification names a room that is open with the SAME ticket
 (every reservation gets a new ticket and a new region) and the chunk fits the region, the rank's
-layout and the rows still expected (tcp.frame_rows). The chunk is first copied out of the region into
-a private buffer, which is then checksummed and stored: bytes changed in the region afterwards cannot
-reach the pool, bytes changed before fail the room's checksum (verify_done), never decoded silently.
+layout and the rows still expected (tcp.frame_rows). Rows go from the region into the pool in one
+copy and are checksummed from the region AFTER that store: bytes that change in the region before or
+during the store fail the room's checksum (verify_done), never decoded silently. (Only one of the
+room's own senders could write there, and each writes its disjoint range once.)
 A region returns to the arena only when no sender can still write into it:
   - ForgetCmd(quiesced=True): the caller knows every sender returned (hand_off after prefill.send,
     two_sided once the prefill answered), and a sender returns only when each of its WRITEs is DONE
@@ -59,11 +60,12 @@ import torch
 from .base import RoomChecksum
 from .nixl_agent import Arena, NixlEndpoint, agent_name, make_agent
 from .plan import Run, Transfer
-from .tcp import (DTYPES, ExpectCmd, ForgetCmd, RoomRows, SendCmd, StageCmd, TransferStatusCmd, frame_rows, run_rows,
+from .tcp import (DTYPES, ExpectCmd, ForgetCmd, RoomRows, SendCmd, StageCmd, TransferStatusCmd, frame_rows, pack_rows,
                   store_rows)
 
 QUARANTINE_S = 60.0
 BUSY_POLL_S, IDLE_POLL_S, SEND_POLL_S = 0.0005, 0.005, 0.0001
+CHUNK_BYTES = 8 << 20  # per WRITE: small enough that receivers store while senders still pack
 
 
 @dataclass
@@ -216,17 +218,19 @@ class NixlReceiver:
         offset, nbytes = h["offset"], h["nbytes"]
         if not (isinstance(offset, int) and isinstance(nbytes, int) and 0 <= offset and offset + nbytes <= r.size):
             raise ValueError(f"chunk [{offset}, +{nbytes}) outside the room's region of {r.size} bytes")
-        start = r.start + offset
-        chunk = bytearray(self.buf[start:start + nbytes].numpy())  # private copy FIRST (see module docstring)
-        pos, pool = 0, self.pool()
+        start, pos, pool = r.start + offset, 0, self.pool()
         for layer, kind, width, runs in h["items"]:
             item = {"src_rank": h["src_rank"], "dtype": h["dtype"], "layer": layer, "kind": kind, "width": width,
                     "runs": runs}
-            n = sum(length for _, length in runs) * width * DTYPES[h["dtype"]].itemsize
+            dtype = DTYPES[h["dtype"]]
+            n = sum(length for _, length in runs) * width * dtype.itemsize
             if pos + n > nbytes:
                 raise ValueError(f"items need more than the chunk's {nbytes} bytes")
+            if (start + pos) % dtype.itemsize:
+                raise ValueError(f"item at region offset {offset + pos} is not aligned to its dtype {h['dtype']}")
             rows = frame_rows(pool, r, item, n)
-            store_rows(pool, r, item, rows, memoryview(chunk)[pos:pos + n])
+            data = self.buf[start + pos:start + pos + n].view(dtype).view(rows, width)
+            store_rows(pool, r, item, data)  # straight from the region, checksummed after the store
             pos += n
         if pos != nbytes:
             raise ValueError(f"items cover {pos} of the chunk's {nbytes} bytes")
@@ -257,8 +261,9 @@ def slice_runs(runs: tuple[Run, ...], start: int, n: int) -> list[Run]:
 class NixlSender:
     """One per prefill rank: packs its share of a plan into registered staging and WRITEs it."""
 
-    def __init__(self, rank: int, pool, staging_bytes: int = 64 << 20, name: str | None = None):
-        self.rank, self.pool = rank, pool
+    def __init__(self, rank: int, pool, staging_bytes: int = 64 << 20, name: str | None = None,
+                 chunk_bytes: int = CHUNK_BYTES):
+        self.rank, self.pool, self.chunk_bytes = rank, pool, min(chunk_bytes, staging_bytes)
         self.name = name or agent_name("prefill", rank)
         self.agent = make_agent(self.name)
         self.staging = torch.empty(staging_bytes, dtype=torch.uint8)
@@ -284,8 +289,10 @@ class NixlSender:
         mine = [t for t in cmd.plan if t.src_rank == self.rank]
         sums: dict[int, RoomChecksum] = {}
         corrupt = [cmd.corrupt]
+        dsts = sorted({t.dst_rank for t in mine})
+        dsts = dsts[self.rank % len(dsts):] + dsts[:self.rank % len(dsts)] if dsts else []  # ranks start apart
         try:
-            for dst in sorted({t.dst_rank for t in mine}):
+            for dst in dsts:
                 err = self._send_to(cmd, dst, [t for t in mine if t.dst_rank == dst], sums, corrupt)
                 if err:
                     return {"sums": {}, "error": f"decode rank {dst}: {err}"}
@@ -305,9 +312,9 @@ class NixlSender:
         if offset + need > ep.size:
             return f"its region of {ep.size} bytes cannot take {need} bytes at offset {offset} (layout mismatch?)"
         checksum = sums.setdefault(dst, RoomChecksum())
-        pos, items, buf = 0, [], self.staging.numpy()
+        pos, items, buf = 0, [], self.staging.numpy()[:self.chunk_bytes]
         for t in transfers:
-            rb, read, done = self._row_bytes(t.kind), (self.pool.read_kv if t.kind == "kv" else self.pool.read_index), 0
+            rb, done = self._row_bytes(t.kind), 0
             while done < t.rows:
                 n = min(t.rows - done, (len(buf) - pos) // rb)
                 if n == 0:
@@ -318,9 +325,9 @@ class NixlSender:
                     offset, pos, items = offset + pos, 0, []
                     continue
                 runs = slice_runs(t.runs, done, n)
-                rows = read(t.layer, run_rows([r.src for r in runs], [r.length for r in runs], [r.step for r in runs]))
-                self.staging[pos:pos + n * rb].view(rows.dtype).view(n, -1).copy_(rows)
-                checksum.update(self.rank, t.layer, t.kind, buf[pos:pos + n * rb])
+                rows = self.staging[pos:pos + n * rb].view(self.pool.dtype).view(n, -1)
+                pack_rows(self.pool, t.kind, t.layer, runs, rows)
+                checksum.update(self.rank, t.layer, t.kind, rows)
                 if corrupt[0]:
                     buf[pos] ^= 0x01  # after checksumming: as if flipped in flight
                     corrupt[0] = False

@@ -109,3 +109,25 @@ def test_unknown_kv_cache_dtype_is_a_clear_error():
         KVPool(tiny(), 4, torch.float32, kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="fp4"):
         KVPool.bytes_per_token(tiny(), torch.float32, kv_cache_dtype="fp4")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_slices_index_lists_and_read_into_agree(kv_cache_dtype):
+    """write_* by slice or by 1-D rows and read_into by (strided) slice or rows give read_*'s values."""
+    cfg = tiny()
+    by_rows, by_slice = (KVPool(cfg, 40, torch.float32, kv_cache_dtype=kv_cache_dtype) for _ in range(2))
+    g = torch.Generator().manual_seed(5)
+    layer = cfg.indexer_layers[0]
+    kv, idx = torch.randn(10, cfg.kv_entry_dim, generator=g), torch.randn(10, cfg.index_head_dim, generator=g)
+    by_rows.write_kv(layer, torch.arange(12, 22), kv)
+    by_rows.write_index(layer, torch.arange(12, 22), idx)
+    by_slice.write_kv(layer, slice(12, 22), kv)
+    by_slice.write_index(layer, slice(12, 22), idx)
+    assert torch.equal(by_rows.kv, by_slice.kv) and torch.equal(by_rows.index_k, by_slice.index_k)
+    strided = torch.arange(12, 22, 3)
+    for kind, read in (("kv", by_rows.read_kv), ("index", by_rows.read_index)):
+        want = read(layer, strided)
+        for slots in (strided, slice(12, 22, 3)):
+            out = torch.full_like(want, float("nan"))
+            by_rows.read_into(kind, layer, slots, out)
+            assert torch.equal(out, want)
