@@ -176,6 +176,7 @@ def prefill(
     threads_per_rank: int = typer.Option(1, min=1, help="torch threads in each rank process."),
     bootstrap_timeout: float = typer.Option(30.0, help="Seconds a hand-off request waits for its decode instance's page reservation before it fails."),
     transfer: Transfer = typer.Option(Transfer.tcp, help="KV hand-off data path to decode instances: tcp (ZMQ over TCP) or nixl (NIXL/UCX one-sided WRITEs; RDMA or NVLink where present). Both sides must use the same."),
+    kv_residues: int = typer.Option(0, min=0, help="Store each layer's latent cache residue-major by R residues (slot s at row (s % R) * ceil(slots / R) + s // R), so each rank of a decode instance with C_d = R finds its tokens in contiguous rows, which --transfer nixl WRITEs straight from the cache without packing. 0 (default): the CP size. Any value works with any decode instance; only the packing cost differs."),
     check_config: bool = typer.Option(False, "--check-config", help="Validate the flags and the checkpoint, print the config, and exit without starting."),
 ):
     """Run a prefill instance: C_p rank processes with context parallelism, behind an HTTP control API."""
@@ -188,7 +189,7 @@ def prefill(
             model=str(model or ensure_builtin_model()), cp_size=cp_size, cp_layout=cp_layout.value, cache=cache.value,
             chunk_size=chunk_size, moe_tp=moe_tp, host=host, port=port, dist_port=dist_port, dtype=dtype.value,
             max_kv_tokens=max_kv_tokens, threads_per_rank=threads_per_rank, bootstrap_timeout_s=bootstrap_timeout,
-            transfer=transfer.value,
+            transfer=transfer.value, kv_residues=kv_residues,
         )
         cfg.validate_model()
     except (ValueError, FileNotFoundError) as e:

@@ -25,10 +25,21 @@ class KVPool:
     """Holds the entries of `layers` (default: every layer); a layer-split prefill rank holds a few.
 
     index_slots (default num_slots) sizes the index separately: a decode rank with a copied index
-    keeps index keys for every slot of the instance but latent entries only for its own 1/C_d."""
+    keeps index keys for every slot of the instance but latent entries only for its own 1/C_d.
+
+    residues R (default 1) lays the latent entries out residue-major: slot s lives at row
+    (s % R) * ceil(num_slots / R) + s // R. Slots never change meaning (every caller passes slots);
+    what changes is that slots s, s + R, s + 2R, ... are consecutive rows. A prefill pool with R = the
+    decode instances' C_d holds each decode rank's tokens in contiguous rows, which a hand-off can
+    WRITE without packing them first (`span`). Index keys stay slot-ordered: a copied index sends
+    every slot, which is contiguous that way."""
 
     def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: str | torch.device = "cpu",
-                 layers: list[int] | None = None, kv_cache_dtype: str = "auto", index_slots: int | None = None):
+                 layers: list[int] | None = None, kv_cache_dtype: str = "auto", index_slots: int | None = None,
+                 residues: int = 1):
+        if residues < 1:
+            raise ValueError(f"residues must be >= 1, got {residues}")
+        self.residues, self.block = residues, -(-num_slots // residues)  # block: rows per residue
         self.num_slots = num_slots
         self.index_slots = num_slots if index_slots is None else index_slots
         self.dtype = dtype  # compute dtype: what reads return
@@ -37,7 +48,8 @@ class KVPool:
         store = FP8 if self.fp8 else dtype
         self.layers = list(range(cfg.num_layers)) if layers is None else list(layers)
         self.kv_row = {layer: i for i, layer in enumerate(self.layers)}
-        self.kv = torch.zeros(len(self.layers), num_slots, cfg.kv_entry_dim, dtype=store, device=device)  # [L, slots, c+rope]
+        rows = self.block * residues  # num_slots, rounded up to a multiple of R
+        self.kv = torch.zeros(len(self.layers), rows, cfg.kv_entry_dim, dtype=store, device=device)  # [L, rows, c+rope]
         indexed = [layer for layer in self.layers if cfg.has_indexer(layer)]
         self.index_row = {layer: i for i, layer in enumerate(indexed)}
         shape = (len(indexed), self.index_slots)
@@ -67,7 +79,7 @@ class KVPool:
     def write_kv(self, layer: int, rows: torch.Tensor | slice, kv: torch.Tensor) -> None:
         if self.fp8:
             kv = kv.float().clamp(-FP8_MAX, FP8_MAX)
-        _put(self.kv[self.kv_row[layer]], rows, kv.to(self.kv.dtype))
+        _put(self.kv[self.kv_row[layer]], self._kv_rows(rows), kv.to(self.kv.dtype))
 
     def write_index(self, layer: int, rows: torch.Tensor | slice, index_k: torch.Tensor) -> None:
         """Index rows may differ from latent rows (a decode rank's copied index holds every slot)."""
@@ -84,14 +96,38 @@ class KVPool:
         if self.fp8:
             out.copy_(self.read_kv(layer, slots) if kind == "kv" else self.read_index(layer, slots))
             return
-        table = self.kv[self.kv_row[layer]] if kind == "kv" else self.index_k[self.index_row[layer]]
+        if kind == "kv":
+            table, slots = self.kv[self.kv_row[layer]], self._kv_rows(slots)
+        else:
+            table = self.index_k[self.index_row[layer]]
         if isinstance(slots, slice):
             out.copy_(table[slots])
         else:
             torch.index_select(table, 0, slots, out=out)
 
+    def span(self, kind: str, layer: int, start: int, n: int, step: int) -> torch.Tensor | None:
+        """The rows of slots start, start + step, ... (n of them) as a view of consecutive rows of the
+        storage -- what a sender can WRITE without packing -- or None when they are not consecutive
+        there or need dequantizing (fp8)."""
+        if self.fp8 or n < 1:
+            return None
+        if kind == "index":
+            return self.index_k[self.index_row[layer], start:start + n] if step == 1 or n == 1 else None
+        if n > 1 and step != self.residues:
+            return None
+        row = int(self._kv_rows(torch.tensor([start]))[0])
+        return self.kv[self.kv_row[layer], row:row + n]
+
+    def _kv_rows(self, slots: torch.Tensor | slice) -> torch.Tensor | slice:
+        """Storage rows of latent-entry slots (the slots themselves unless residue-major)."""
+        if self.residues == 1:
+            return slots
+        if isinstance(slots, slice):
+            slots = torch.arange(*slots.indices(self.num_slots), device=self.kv.device)
+        return slots % self.residues * self.block + torch.div(slots, self.residues, rounding_mode="floor")
+
     def read_kv(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        return self.kv[self.kv_row[layer], slots].to(self.dtype)
+        return self.kv[self.kv_row[layer], self._kv_rows(slots)].to(self.dtype)
 
     def read_index(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         row = self.index_row[layer]

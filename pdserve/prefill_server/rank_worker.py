@@ -36,9 +36,12 @@ class PrefillWorkerConfig:
     query_block: int = 256
     float32_islands: bool = True  # False: true float64 (see ModelConfig)
     transfer: str = "tcp"  # KV hand-off data path: "tcp" | "nixl"
+    kv_residues: int = 0  # latent cache residue-major by this many residues (KVPool); 0: the CP size
 
     def __post_init__(self):
         check_transfer(self.transfer)
+        if self.kv_residues < 0:
+            raise ValueError(f"kv_residues must be >= 0, got {self.kv_residues}")
         if self.cache not in CACHE_MODES:
             raise ValueError(f"unknown cache mode {self.cache!r} (allowed: {', '.join(CACHE_MODES)})")
 
@@ -71,7 +74,7 @@ class PrefillRankWorker:
         layers = None
         if cfg.cache == "layer-split":
             layers = [i for i, owner in enumerate(layer_owners(self.mcfg.num_layers, world)) if owner == rank]
-        self.pool = KVPool(self.mcfg, cfg.num_slots, dtype, layers=layers)
+        self.pool = KVPool(self.mcfg, cfg.num_slots, dtype, layers=layers, residues=cfg.kv_residues or world)
         self.backend = CPBackend(self.mcfg, self.pool, rank, world, cfg.query_block)
         self.sampler = Sampler()
         self.sender = make_sender(cfg.transfer, rank, self.pool)  # KV hand-off data path (transfer/tcp.py, nixl.py)

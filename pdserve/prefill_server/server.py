@@ -39,8 +39,11 @@ class PrefillServerConfig:
     threads_per_rank: int = 1
     bootstrap_timeout_s: float = 30.0  # a hand-off request fails when no decode reservation came by then
     transfer: str = "tcp"  # KV hand-off data path: tcp | nixl
+    kv_residues: int = 0  # residue-major latent cache (KVPool); 0: cp_size
 
     def __post_init__(self):
+        if self.kv_residues < 0:
+            raise ValueError(f"--kv-residues must be >= 0 (0: the CP size), got {self.kv_residues}")
         if self.cp_size < 1:
             raise ValueError(f"--cp-size must be >= 1, got {self.cp_size}")
         if self.cache not in CACHE_MODES:
@@ -62,7 +65,7 @@ class PrefillServerConfig:
     def build_instance(self) -> PrefillInstance:
         num_slots = -(-self.max_kv_tokens // self.page_size) * self.page_size
         worker = PrefillWorkerConfig(self.model, num_slots, self.dtype, self.cp_layout, self.cache, self.moe_tp,
-                                     transfer=self.transfer)
+                                     transfer=self.transfer, kv_residues=self.kv_residues or self.cp_size)
         launch = LaunchConfig(self.cp_size, self.dist_port, threads_per_rank=self.threads_per_rank)
         return PrefillInstance(worker, launch, page_size=self.page_size, chunk_size=self.chunk_size)
 

@@ -96,7 +96,8 @@ class Stack:
             port = free_port()
             prefill.append(self._spawn(f"prefill-{i}", [
                 "prefill", "--model", model, "--cp-size", str(c.prefill_cp), "--port", str(port),
-                "--dist-port", str(free_port()), "--transfer", c.transfer, *kv], port))
+                "--dist-port", str(free_port()), "--transfer", c.transfer, "--kv-residues", str(c.decode_dcp), *kv],
+                port))  # residues = C_d: each decode rank's rows are contiguous in the prefill cache
         page = 64 if 64 % c.decode_dcp == 0 else 64 * c.decode_dcp
         for i in range(c.decode_instances):
             port = free_port()

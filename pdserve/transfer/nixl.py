@@ -10,10 +10,13 @@ two_sided.py run unchanged over either backend.
                   this rank will store (rows x row bytes of each kind, in the dtype that travels), and
                   answers the endpoint "nixl:" + base64(msgpack [agent, generation, agent metadata,
                   region address, region size]).
-    prefill rank  one agent and one send STAGING buffer, registered once. Per decode rank it packs
-                  its transfers (plan order, rows in run order) into staging and WRITEs them with ONE
-                  descriptor per (sender, receiver) pair per chunk (a chunk: what fits the staging),
-                  waiting for each WRITE. The chunk's notification is its header: room, ticket,
+    prefill rank  one agent; one send STAGING buffer and its KV pool, registered once. Per decode
+                  rank it sends its transfers (plan order, rows in run order) in chunks of at most
+                  CHUNK_BYTES, ONE WRITE per (sender, receiver) pair per chunk, waiting for each.
+                  A chunk's rows that lie in consecutive pool rows (KVPool.span: a copied index's
+                  rows; a DCP rank's latent rows when the pool is residue-major by C_d) go straight
+                  from the pool, one descriptor per run; other rows are packed into staging first
+                  (descriptors of adjacent bytes merge). The chunk's notification is its header: room, ticket,
                   src_rank, offset in the region, bytes, dtype, items [layer, kind, width, dst runs].
                   Each sender's offset in a region follows from the plan every rank holds (the same
                   decode rank's transfers from lower prefill ranks come first): senders never overlap.
@@ -37,8 +40,9 @@ A region returns to the arena only when no sender can still write into it:
   - or every row the room expected has been notified (a forgotten room's late notifications are
     counted, then dropped);
   - or `quarantine_s` passed since it was forgotten (a sender that never reported).
-So a late WRITE lands in a region no other room owns, and its notification is dropped. The pool is
-not registered (nothing reads or writes it remotely); only the staging buffers are.
+So a late WRITE lands in a region no other room owns, and its notification is dropped. A decode
+rank's pool is not registered (nothing writes it remotely). A prefill rank's pool is registered
+only as the source of its own WRITEs: no decode rank loads a prefill agent's metadata.
 
 Peers: a sender loads a decode agent's metadata once per (name, generation), the generation being
 that agent's creation time in ns. A newer generation replaces it (remove_remote_agent first: NIXL
@@ -50,6 +54,7 @@ WRITEs), the room's region, the peer. Idle counters: TransferStatusCmd on either
 from __future__ import annotations
 
 import atexit
+import itertools
 import threading
 import time
 from dataclasses import dataclass
@@ -60,12 +65,13 @@ import torch
 from .base import RoomChecksum
 from .nixl_agent import Arena, NixlEndpoint, agent_name, make_agent
 from .plan import Run, Transfer
-from .tcp import (DTYPES, ExpectCmd, ForgetCmd, RoomRows, SendCmd, StageCmd, TransferStatusCmd, frame_rows, pack_rows,
-                  store_rows)
+from .tcp import (DTYPES, ExpectCmd, ForgetCmd, RoomRows, SendCmd, StageCmd, TransferStatusCmd, frame_rows,
+                  pack_rows, store_rows)
 
 QUARANTINE_S = 60.0
 BUSY_POLL_S, IDLE_POLL_S, SEND_POLL_S = 0.0005, 0.005, 0.0001
 CHUNK_BYTES = 8 << 20  # per WRITE: small enough that receivers store while senders still pack
+DIRECT_RUN_BYTES = 16 << 10  # runs this long on average are WRITTEN from the pool (one descriptor each)
 
 
 @dataclass
@@ -245,6 +251,14 @@ class NixlReceiver:
             self.reg = None
 
 
+def _add_piece(pieces: list, addr: int, nbytes: int) -> None:
+    """Appends local bytes [addr, addr + nbytes) to a WRITE's pieces, merged with the last when adjacent."""
+    if pieces and pieces[-1][0] + pieces[-1][1] == addr:
+        pieces[-1][1] += nbytes
+    else:
+        pieces.append([addr, nbytes])
+
+
 def slice_runs(runs: tuple[Run, ...], start: int, n: int) -> list[Run]:
     """The runs covering packed rows [start, start + n) of a transfer (rows in run order)."""
     out, pos, end = [], 0, start + n
@@ -259,7 +273,7 @@ def slice_runs(runs: tuple[Run, ...], start: int, n: int) -> list[Run]:
 
 
 class NixlSender:
-    """One per prefill rank: packs its share of a plan into registered staging and WRITEs it."""
+    """One per prefill rank: WRITEs its share of a plan, from its pool or packed into staging."""
 
     def __init__(self, rank: int, pool, staging_bytes: int = 64 << 20, name: str | None = None,
                  chunk_bytes: int = CHUNK_BYTES):
@@ -268,16 +282,20 @@ class NixlSender:
         self.agent = make_agent(self.name)
         self.staging = torch.empty(staging_bytes, dtype=torch.uint8)
         self.reg = self.agent.register_memory(self.staging)
+        # The pool too, so rows that lie contiguously in it (KVPool.span) are WRITTEN without packing.
+        self.pool_regs = [] if pool.fp8 else [self.agent.register_memory(t) for t in (pool.kv, pool.index_k) if t.numel()]
         self.peers: dict[str, int] = {}  # decode agent -> generation whose metadata is loaded
         self.handles = 0  # xfer handles not yet released
         self.stuck: list = []  # handles NIXL could not release (never expected; shown by status)
         self.staging_used = 0
         self.reloads = 0  # peers replaced by a newer generation
+        self.bytes_direct = self.bytes_packed = 0  # sent straight from the pool / packed into staging first
 
     def status(self) -> dict:
         return {"open_rooms": 0, "xfer_handles": self.handles, "stuck": len(self.stuck),
                 "staging_bytes": self.staging_used, "registered_regions": 1 if self.reg is not None else 0,
-                "peers": len(self.peers), "reloads": self.reloads}
+                "registered_pool": len(self.pool_regs), "peers": len(self.peers), "reloads": self.reloads,
+                "bytes_direct": self.bytes_direct, "bytes_packed": self.bytes_packed}
 
     def _row_bytes(self, kind: str) -> int:
         return (self.pool.kv if kind == "kv" else self.pool.index_k).shape[-1] * self.pool.dtype.itemsize
@@ -312,29 +330,38 @@ class NixlSender:
         if offset + need > ep.size:
             return f"its region of {ep.size} bytes cannot take {need} bytes at offset {offset} (layout mismatch?)"
         checksum = sums.setdefault(dst, RoomChecksum())
-        pos, items, buf = 0, [], self.staging.numpy()[:self.chunk_bytes]
+        pos, spos, items, pieces = 0, 0, [], []  # chunk bytes, staging bytes, headers, local [addr, bytes]
         for t in transfers:
             rb, done = self._row_bytes(t.kind), 0
             while done < t.rows:
-                n = min(t.rows - done, (len(buf) - pos) // rb)
+                n = min(t.rows - done, (self.chunk_bytes - pos) // rb)
                 if n == 0:
                     if not items:
-                        return f"send staging of {len(buf)} bytes holds no row of {rb} bytes"
-                    if err := self._write(cmd, ep, offset, pos, items):
+                        return f"send chunks of {self.chunk_bytes} bytes hold no row of {rb} bytes"
+                    if err := self._write(cmd, ep, offset, pos, items, pieces):
                         return err
-                    offset, pos, items = offset + pos, 0, []
+                    offset, pos, spos, items, pieces = offset + pos, 0, 0, [], []
                     continue
                 runs = slice_runs(t.runs, done, n)
-                rows = self.staging[pos:pos + n * rb].view(self.pool.dtype).view(n, -1)
-                pack_rows(self.pool, t.kind, t.layer, runs, rows)
-                checksum.update(self.rank, t.layer, t.kind, rows)
+                direct = not corrupt[0] and (len(runs) == 1 or n * rb >= len(runs) * DIRECT_RUN_BYTES)  # long runs
+                views = [self.pool.span(t.kind, t.layer, r.src, r.length, r.step) for r in runs] if direct else None
+                if views is None or any(v is None for v in views):  # pack into staging
+                    rows = self.staging[spos:spos + n * rb].view(self.pool.dtype).view(n, -1)
+                    pack_rows(self.pool, t.kind, t.layer, runs, rows)
+                    views, spos = [rows], spos + n * rb
+                    self.bytes_packed += n * rb
+                else:
+                    self.bytes_direct += n * rb
+                for rows in views:
+                    checksum.update(self.rank, t.layer, t.kind, rows)
+                    _add_piece(pieces, rows.data_ptr(), rows.numel() * rows.element_size())
                 if corrupt[0]:
-                    buf[pos] ^= 0x01  # after checksumming: as if flipped in flight
+                    self.staging[spos - n * rb] ^= 0x01  # after checksumming: as if flipped in flight
                     corrupt[0] = False
-                items.append([t.layer, t.kind, rows.shape[1], [[r.dst, r.length] for r in runs]])
+                items.append([t.layer, t.kind, views[0].shape[1], [[r.dst, r.length] for r in runs]])
                 pos, done = pos + n * rb, done + n
-                self.staging_used = pos
-        return self._write(cmd, ep, offset, pos, items) if items else None
+                self.staging_used = spos
+        return self._write(cmd, ep, offset, pos, items, pieces) if items else None
 
     def _load_peer(self, ep: NixlEndpoint) -> str | None:
         known = self.peers.get(ep.agent)
@@ -363,15 +390,18 @@ class NixlSender:
         except Exception:
             pass  # not loaded (or already gone): nothing to release
 
-    def _write(self, cmd: SendCmd, ep: NixlEndpoint, offset: int, nbytes: int, items: list) -> str | None:
-        """One WRITE of staging[0, nbytes) to the region at offset, its header as notification; waits."""
+    def _write(self, cmd: SendCmd, ep: NixlEndpoint, offset: int, nbytes: int, items: list,
+               pieces: list) -> str | None:
+        """One WRITE of the local pieces (staging or pool, nbytes in all) to the region's bytes
+        [offset, offset + nbytes), its header as notification; waits."""
         notif = msgpack.packb({"room": cmd.room, "ticket": cmd.ticket, "src_rank": self.rank, "offset": offset,
                                "nbytes": nbytes, "dtype": str(self.pool.dtype), "items": items})
         deadline = time.monotonic() + cmd.send_timeout_ms / 1000
         h, err = None, None
         try:
-            local = self.agent.get_xfer_descs([(self.staging.data_ptr(), nbytes, 0)], "DRAM")
-            remote = self.agent.get_xfer_descs([(ep.addr + offset, nbytes, 0)], "DRAM")
+            starts = itertools.accumulate((n for _, n in pieces), initial=ep.addr + offset)
+            local = self.agent.get_xfer_descs([(addr, n, 0) for addr, n in pieces], "DRAM")
+            remote = self.agent.get_xfer_descs([(start, n, 0) for (_, n), start in zip(pieces, starts)], "DRAM")
             h = self.agent.initialize_xfer("WRITE", local, remote, ep.agent, notif)
             self.handles += 1
             state = self.agent.transfer(h)
@@ -414,5 +444,6 @@ class NixlSender:
         for agent in list(self.peers):
             self._forget_peer(agent)
         if self.reg is not None:
-            self.agent.deregister_memory(self.reg)
-            self.reg = None
+            for reg in [self.reg] + self.pool_regs:
+                self.agent.deregister_memory(reg)
+            self.reg, self.pool_regs = None, []

@@ -131,3 +131,29 @@ def test_slices_index_lists_and_read_into_agree(kv_cache_dtype):
             out = torch.full_like(want, float("nan"))
             by_rows.read_into(kind, layer, slots, out)
             assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("residues", [2, 3])
+def test_a_residue_major_pool_stores_the_same_slots(residues):
+    """Slot meaning is unchanged (reads, writes by rows or slice equal a plain pool's); rows s, s + R, ...
+    are consecutive in storage, which `span` returns as one view; other strides have no span."""
+    cfg = tiny()
+    plain, major = KVPool(cfg, 40, torch.float64), KVPool(cfg, 40, torch.float64, residues=residues)
+    g = torch.Generator().manual_seed(6)
+    slots = torch.randperm(40, generator=g)[:25]
+    for layer in range(cfg.num_layers):
+        kv = torch.randn(25, cfg.kv_entry_dim, generator=g, dtype=torch.float64)
+        for pool in (plain, major):
+            pool.write_kv(layer, slots, kv)
+            pool.write_kv(layer, slice(3, 9), kv[:6] * 2)
+    every = torch.arange(40)
+    for layer in range(cfg.num_layers):
+        assert torch.equal(major.read_kv(layer, every), plain.read_kv(layer, every))
+        assert torch.equal(major.read_kv(layer, every.view(4, 10)), plain.read_kv(layer, every.view(4, 10)))
+        out = torch.empty(4, cfg.kv_entry_dim, dtype=torch.float64)
+        major.read_into("kv", layer, slice(5, 5 + 4 * residues, residues), out)
+        span = major.span("kv", layer, 5, 4, residues)
+        assert torch.equal(span, out) and torch.equal(out, plain.read_kv(layer, torch.arange(5, 5 + 4 * residues, residues)))
+        assert span.is_contiguous() and major.span("kv", layer, 5, 4, 1) is None
+    assert plain.span("kv", 0, 5, 4, 1) is not None and plain.span("kv", 0, 5, 4, 2) is None
+    assert major.span("index", cfg.indexer_layers[0], 5, 4, 1) is not None  # index keys stay slot-ordered

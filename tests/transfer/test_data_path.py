@@ -75,9 +75,12 @@ def layout(cfg: ModelConfig, kind: str, n: int = 300):
 
 @pytest.mark.parametrize("backend", ["tcp", "nixl"])
 @pytest.mark.parametrize("kind", ["dcp2", "fragmented"])
-def test_rows_arrive_exactly_and_the_checksums_agree(model_path, backend, kind):
+@pytest.mark.parametrize("residues", [1, 2])
+def test_rows_arrive_exactly_and_the_checksums_agree(model_path, backend, kind, residues):
+    """residues: the prefill pool's latent layout; with 2 (= C_d) a DCP destination's rows are
+    contiguous in it, and NIXL sends them straight from the pool."""
     cfg = ModelConfig.from_pretrained(model_path)
-    src = KVPool(cfg, 400, torch.float64)
+    src = KVPool(cfg, 400, torch.float64, residues=residues)
     src.kv.normal_(generator=torch.Generator().manual_seed(3))
     src.index_k.normal_(generator=torch.Generator().manual_seed(4))
     prefill, decode = layout(cfg, kind)
@@ -90,9 +93,9 @@ def test_rows_arrive_exactly_and_the_checksums_agree(model_path, backend, kind):
         recv = {r: TcpReceiver(r, lambda r=r: dst[r]) for r in ranks}
         sender = TcpSender(0, src)
     else:
-        recv = {r: NixlReceiver(r, lambda r=r: dst[r], staging_bytes=4 << 20, name=f"test-path-d{r}-{kind}")
+        recv = {r: NixlReceiver(r, lambda r=r: dst[r], staging_bytes=4 << 20, name=f"test-path-d{r}-{kind}{residues}")
                 for r in ranks}
-        sender = NixlSender(0, src, staging_bytes=64 << 10, name=f"test-path-p-{kind}")  # several chunks
+        sender = NixlSender(0, src, staging_bytes=64 << 10, name=f"test-path-p-{kind}{residues}")  # several chunks
     try:
         rows = {r: {} for r in ranks}
         for t in plan:
@@ -116,6 +119,15 @@ def test_rows_arrive_exactly_and_the_checksums_agree(model_path, backend, kind):
             for run in t.runs:
                 got = read_dst(t.layer, torch.arange(run.dst, run.dst + run.length))
                 assert torch.equal(got, read_src(t.layer, torch.tensor(list(run.src_rows())))), (t.layer, t.kind, run)
+        if backend == "nixl":
+            row_bytes = {"kv": cfg.kv_entry_dim * 8, "index": cfg.index_head_dim * 8}
+            sent = {k: sum(t.rows * row_bytes[k] for t in plan if t.kind == k) for k in row_bytes}
+            status = sender.status()
+            assert status["bytes_direct"] + status["bytes_packed"] == sum(sent.values())
+            if kind == "fragmented":  # hundreds of two-row runs: packed, not one descriptor per run
+                assert status["bytes_direct"] == 0
+            else:  # the copied index is contiguous in the prefill pool; the latent rows when residues = C_d
+                assert status["bytes_packed"] == (0 if residues == 2 else sent["kv"])
         for r in ranks:
             recv[r].handle(ForgetCmd("room", quiesced=True))
     finally:
