@@ -109,8 +109,9 @@ class KVPool:
         """The rows of slots start, start + step, ... (n of them) as a view of consecutive rows of the
         storage -- what a sender can WRITE without packing -- or None when they are not consecutive
         there or need dequantizing (fp8)."""
-        if self.fp8 or n < 1:
-            return None
+        limit = self.num_slots if kind == "kv" else self.index_slots
+        if self.fp8 or n < 1 or start < 0 or start + (n - 1) * step >= limit:
+            return None  # out of range: the caller's packing path raises
         if kind == "index":
             return self.index_k[self.index_row[layer], start:start + n] if step == 1 or n == 1 else None
         if n > 1 and step != self.residues:

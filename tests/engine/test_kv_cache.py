@@ -157,3 +157,4 @@ def test_a_residue_major_pool_stores_the_same_slots(residues):
         assert span.is_contiguous() and major.span("kv", layer, 5, 4, 1) is None
     assert plain.span("kv", 0, 5, 4, 1) is not None and plain.span("kv", 0, 5, 4, 2) is None
     assert major.span("index", cfg.indexer_layers[0], 5, 4, 1) is not None  # index keys stay slot-ordered
+    assert major.span("kv", 0, 38, 2, residues) is None and major.span("kv", 0, -1, 1, residues) is None  # out of range
