@@ -1,5 +1,5 @@
 """The KV hand-off data path of a rank, chosen by its config's `transfer`: "tcp" (transfer/tcp.py)
-or "nixl" (transfer/nixl.py). Both honour the same commands; nixl is imported only when chosen."""
+or "nixl" (transfer/nixl.py, nixl_send.py). Both honour the same commands; nixl is imported only when chosen."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def make_receiver(transfer: str, rank: int, pool, host: str = "127.0.0.1"):
 def make_sender(transfer: str, rank: int, pool):
     check_transfer(transfer)
     if transfer == "nixl":
-        from .nixl import NixlSender
+        from .nixl_send import NixlSender
 
         return NixlSender(rank, pool)
     return TcpSender(rank, pool)

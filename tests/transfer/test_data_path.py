@@ -15,7 +15,8 @@ import torch
 from pdserve.engine.kv_cache import KVPool
 from pdserve.model.config import ModelConfig
 from pdserve.transfer.base import RoomChecksum, row_digest
-from pdserve.transfer.nixl import NixlReceiver, NixlSender
+from pdserve.transfer.nixl import NixlReceiver
+from pdserve.transfer.nixl_send import NixlSender
 from pdserve.transfer.plan import DecodeSide, PrefillSide, plan_transfer
 from pdserve.transfer.tcp import (SLICE_RUNS, ExpectCmd, ForgetCmd, SendCmd, StageCmd, TcpReceiver, TcpSender,
                                   TransferStatusCmd, merge_checksums)

@@ -30,7 +30,8 @@ from pdserve.engine.launcher import LaunchConfig
 from pdserve.engine.request import SamplingParams
 from pdserve.model.config import ModelConfig
 from pdserve.transfer.handoff import HandoffHooks, TransferError, hand_off
-from pdserve.transfer.nixl import NixlReceiver, NixlSender
+from pdserve.transfer.nixl import NixlReceiver
+from pdserve.transfer.nixl_send import NixlSender
 from pdserve.transfer.plan import DecodeSide, PrefillSide, plan_transfer
 from pdserve.transfer.side_channel import BootstrapServer, DecodeClient
 from pdserve.transfer.tcp import ExpectCmd, ForgetCmd, SendCmd, SendError, StageCmd, TransferStatusCmd, merge_checksums

@@ -1,0 +1,219 @@
+"""NIXL data path, sending side: a prefill rank WRITEs its share of a hand-off plan into the regions
+the decode ranks reserved, from its KV pool where the rows are contiguous there and packed into a
+registered staging buffer otherwise. The protocol, the receiving side and the stale-write rules are
+in transfer/nixl.py."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import msgpack
+import torch
+
+from .base import RoomChecksum
+from .nixl_agent import NixlEndpoint, agent_name, make_agent
+from .plan import Run, Transfer
+from .tcp import SendCmd, pack_rows
+
+SEND_POLL_S = 0.0001
+CHUNK_BYTES = 8 << 20  # per WRITE: small enough that receivers store while senders still pack
+DIRECT_RUN_BYTES = 16 << 10  # runs this long on average are WRITTEN from the pool (one descriptor each)
+
+
+def _add_piece(pieces: list, addr: int, nbytes: int) -> None:
+    """Appends local bytes [addr, addr + nbytes) to a WRITE's pieces, merged with the last when adjacent."""
+    if pieces and pieces[-1][0] + pieces[-1][1] == addr:
+        pieces[-1][1] += nbytes
+    else:
+        pieces.append([addr, nbytes])
+
+
+def slice_runs(runs: tuple[Run, ...], start: int, n: int) -> list[Run]:
+    """The runs covering packed rows [start, start + n) of a transfer (rows in run order)."""
+    out, pos, end = [], 0, start + n
+    for r in runs:
+        a, b = max(start, pos), min(end, pos + r.length)
+        if a < b:
+            out.append(Run(r.src + (a - pos) * r.step, r.dst + a - pos, b - a, r.step))
+        pos += r.length
+        if pos >= end:
+            break
+    return out
+
+
+class NixlSender:
+    """One per prefill rank: WRITEs its share of a plan, from its pool or packed into staging."""
+
+    def __init__(self, rank: int, pool, staging_bytes: int = 64 << 20, name: str | None = None,
+                 chunk_bytes: int = CHUNK_BYTES):
+        self.rank, self.pool, self.chunk_bytes = rank, pool, min(chunk_bytes, staging_bytes)
+        self.name = name or agent_name("prefill", rank)
+        self.agent = make_agent(self.name)
+        self.staging = torch.empty(staging_bytes, dtype=torch.uint8)
+        self.reg = self.agent.register_memory(self.staging)
+        # The pool too, so rows that lie contiguously in it (KVPool.span) are WRITTEN without packing.
+        self.pool_regs = [] if pool.fp8 else [self.agent.register_memory(t) for t in (pool.kv, pool.index_k) if t.numel()]
+        self.peers: dict[str, int] = {}  # decode agent -> generation whose metadata is loaded
+        self.handles = 0  # xfer handles not yet released
+        self.stuck: list = []  # handles NIXL could not release (never expected; shown by status)
+        self.staging_used = 0
+        self.reloads = 0  # peers replaced by a newer generation
+        self.bytes_direct = self.bytes_packed = 0  # sent straight from the pool / packed into staging first
+
+    def status(self) -> dict:
+        return {"open_rooms": 0, "xfer_handles": self.handles, "stuck": len(self.stuck),
+                "staging_bytes": self.staging_used, "registered_regions": 1 if self.reg is not None else 0,
+                "registered_pool": len(self.pool_regs), "peers": len(self.peers), "reloads": self.reloads,
+                "bytes_direct": self.bytes_direct, "bytes_packed": self.bytes_packed}
+
+    def _row_bytes(self, kind: str) -> int:
+        return (self.pool.kv if kind == "kv" else self.pool.index_k).shape[-1] * self.pool.dtype.itemsize
+
+    @torch.inference_mode()
+    def send(self, cmd: SendCmd) -> dict:
+        """{"sums": {dst_rank: checksum streams}, "error": None or why}, like TcpSender.send. Returns
+        only when every WRITE it posted is DONE or cancelled; a failed destination fails the room only."""
+        mine = [t for t in cmd.plan if t.src_rank == self.rank]
+        sums: dict[int, RoomChecksum] = {}
+        corrupt = [cmd.corrupt]
+        dsts = sorted({t.dst_rank for t in mine})
+        dsts = dsts[self.rank % len(dsts):] + dsts[:self.rank % len(dsts)] if dsts else []  # ranks start apart
+        try:
+            for dst in dsts:
+                err = self._send_to(cmd, dst, [t for t in mine if t.dst_rank == dst], sums, corrupt)
+                if err:
+                    return {"sums": {}, "error": f"decode rank {dst}: {err}"}
+        finally:
+            self.staging_used = 0
+        return {"sums": {dst: dict(c.streams) for dst, c in sums.items()}, "error": None}
+
+    def _send_to(self, cmd: SendCmd, dst: int, transfers: list[Transfer], sums: dict, corrupt: list) -> str | None:
+        try:
+            ep = NixlEndpoint.decode(cmd.endpoints[dst])
+        except Exception as e:
+            return f"bad endpoint: {type(e).__name__}: {e}"
+        if err := self._load_peer(ep):
+            return err
+        offset = sum(t.rows * self._row_bytes(t.kind) for t in cmd.plan if t.dst_rank == dst and t.src_rank < self.rank)
+        need = sum(t.rows * self._row_bytes(t.kind) for t in transfers)
+        if offset + need > ep.size:
+            return f"its region of {ep.size} bytes cannot take {need} bytes at offset {offset} (layout mismatch?)"
+        checksum = sums.setdefault(dst, RoomChecksum())
+        pos, spos, items, pieces = 0, 0, [], []  # chunk bytes, staging bytes, headers, local [addr, bytes]
+        for t in transfers:
+            rb, done = self._row_bytes(t.kind), 0
+            while done < t.rows:
+                n = min(t.rows - done, (self.chunk_bytes - pos) // rb)
+                if n == 0:
+                    if not items:
+                        return f"send chunks of {self.chunk_bytes} bytes hold no row of {rb} bytes"
+                    if err := self._write(cmd, ep, offset, pos, items, pieces):
+                        return err
+                    offset, pos, spos, items, pieces = offset + pos, 0, 0, [], []
+                    continue
+                runs = slice_runs(t.runs, done, n)
+                direct = not corrupt[0] and (len(runs) == 1 or n * rb >= len(runs) * DIRECT_RUN_BYTES)  # long runs
+                views = [self.pool.span(t.kind, t.layer, r.src, r.length, r.step) for r in runs] if direct else None
+                if views is None or any(v is None for v in views):  # pack into staging
+                    rows = self.staging[spos:spos + n * rb].view(self.pool.dtype).view(n, -1)
+                    pack_rows(self.pool, t.kind, t.layer, runs, rows)
+                    views, spos = [rows], spos + n * rb
+                    self.bytes_packed += n * rb
+                else:
+                    self.bytes_direct += n * rb
+                for rows in views:
+                    checksum.update(self.rank, t.layer, t.kind, rows)
+                    _add_piece(pieces, rows.data_ptr(), rows.numel() * rows.element_size())
+                if corrupt[0]:
+                    self.staging[spos - n * rb] ^= 0x01  # after checksumming: as if flipped in flight
+                    corrupt[0] = False
+                items.append([t.layer, t.kind, views[0].shape[1], [[r.dst, r.length] for r in runs]])
+                pos, done = pos + n * rb, done + n
+                self.staging_used = spos
+        return self._write(cmd, ep, offset, pos, items, pieces) if items else None
+
+    def _load_peer(self, ep: NixlEndpoint) -> str | None:
+        known = self.peers.get(ep.agent)
+        if known == ep.generation:
+            return None
+        if known is not None and ep.generation < known:
+            return f"stale endpoint: agent {ep.agent} generation {ep.generation} is older than the loaded {known}"
+        if known is not None:
+            self._forget_peer(ep.agent)  # a restarted peer: never write through the old handle
+            self.reloads += 1
+        try:
+            name = self.agent.add_remote_agent(ep.metadata)
+        except Exception as e:
+            return f"cannot load agent {ep.agent}: {type(e).__name__}: {e}"
+        name = name.decode() if isinstance(name, bytes) else name
+        if name != ep.agent:
+            self._forget_peer(name)
+            return f"endpoint names agent {ep.agent} but its metadata is agent {name}"
+        self.peers[ep.agent] = ep.generation
+        return None
+
+    def _forget_peer(self, agent: str) -> None:
+        self.peers.pop(agent, None)
+        try:
+            self.agent.remove_remote_agent(agent)
+        except Exception:
+            pass  # not loaded (or already gone): nothing to release
+
+    def _write(self, cmd: SendCmd, ep: NixlEndpoint, offset: int, nbytes: int, items: list,
+               pieces: list) -> str | None:
+        """One WRITE of the local pieces (staging or pool, nbytes in all) to the region's bytes
+        [offset, offset + nbytes), its header as notification; waits."""
+        notif = msgpack.packb({"room": cmd.room, "ticket": cmd.ticket, "src_rank": self.rank, "offset": offset,
+                               "nbytes": nbytes, "dtype": str(self.pool.dtype), "items": items})
+        deadline = time.monotonic() + cmd.send_timeout_ms / 1000
+        h, err = None, None
+        try:
+            starts = itertools.accumulate((n for _, n in pieces), initial=ep.addr + offset)
+            local = self.agent.get_xfer_descs([(addr, n, 0) for addr, n in pieces], "DRAM")
+            remote = self.agent.get_xfer_descs([(start, n, 0) for (_, n), start in zip(pieces, starts)], "DRAM")
+            h = self.agent.initialize_xfer("WRITE", local, remote, ep.agent, notif)
+            self.handles += 1
+            state = self.agent.transfer(h)
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    state = f"not done within {cmd.send_timeout_ms} ms (cancelled)"
+                    break
+                time.sleep(SEND_POLL_S)
+                state = self.agent.check_xfer_state(h)
+            err = None if state == "DONE" else f"WRITE to {ep.agent} {state}"
+        except Exception as e:
+            err = f"WRITE to {ep.agent} failed: {type(e).__name__}: {e}"
+        finally:
+            if h is not None:
+                self._release(h)
+        if err:
+            self._forget_peer(ep.agent)  # dead or stuck: the next reservation loads it afresh
+        return err
+
+    def _release(self, h) -> None:
+        """Releases (cancels, when in flight) a handle; one NIXL cannot cancel is waited out for 1 s."""
+        for attempt in range(2):
+            try:
+                self.agent.release_xfer_handle(h)
+                self.handles -= 1
+                return
+            except Exception:
+                deadline = time.monotonic() + 1.0
+                while attempt == 0 and time.monotonic() < deadline and self._state(h) == "PROC":
+                    time.sleep(0.001)
+        self.stuck.append(h)
+
+    def _state(self, h) -> str:
+        try:
+            return self.agent.check_xfer_state(h)
+        except Exception:
+            return "ERR"
+
+    def close(self) -> None:
+        for agent in list(self.peers):
+            self._forget_peer(agent)
+        if self.reg is not None:
+            for reg in [self.reg] + self.pool_regs:
+                self.agent.deregister_memory(reg)
+            self.reg, self.pool_regs = None, []
