@@ -239,6 +239,7 @@ def decode(
     heartbeat_timeout: float = typer.Option(5.0, help="Seconds of silence (no heartbeat) from a prefill instance after which its hand-offs in flight fail (it died)."),
     data_host: str = typer.Option("127.0.0.1", help="Address the ranks' TCP receivers (--transfer tcp) listen on and advertise to prefill ranks; on a cluster, this host's address that prefill hosts can reach (e.g. the pod IP)."),
     transfer: Transfer = typer.Option(Transfer.tcp, help="KV hand-off data path from prefill instances: tcp (ZMQ over TCP) or nixl (NIXL/UCX one-sided WRITEs). Both sides must use the same."),
+    transfer_quarantine: float = typer.Option(60.0, help="--transfer nixl: seconds the pages of a hand-off that failed while its prefill may still be sending stay out of use (NIXL WRITEs land in the cache itself; a late one must not reach another request)."),
     check_config: bool = typer.Option(False, "--check-config", help="Validate the flags and the checkpoint, print the config with its num_slots as JSON, and exit without starting."),
 ):
     """Run a decode instance: W rank processes with tensor + decode context parallelism, behind an HTTP API."""
@@ -258,7 +259,7 @@ def decode(
             page_size=page_size, host=host, port=port, dist_port=dist_port, dtype=dtype.value,
             threads_per_rank=threads_per_rank, max_batch=max_batch, cpu_comm=cpu_comm.value,
             transfer_timeout_s=transfer_timeout, transfer=transfer.value, heartbeat_timeout_s=heartbeat_timeout,
-            data_host=data_host,
+            data_host=data_host, transfer_quarantine_s=transfer_quarantine,
         )
         cfg.validate_model()
         num_slots = cfg.num_slots()

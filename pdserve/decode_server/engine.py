@@ -67,11 +67,12 @@ class DecodeEngine:
             self.sampler.forget(request_id)
         return req
 
-    def abort(self, request_id: str) -> DecodeRequest | None:
+    def abort(self, request_id: str, hold_s: float = 0.0) -> DecodeRequest | None:
+        """hold_s > 0: a failed hand-off's senders may still WRITE into its pages (DecodeInstance.forget)."""
         self._remote.discard(request_id)
         self._caches.pop(request_id, None)
         self.sampler.forget(request_id)
-        return self.scheduler.abort(request_id)
+        return self.scheduler.abort(request_id, hold_s)
 
     def step(self) -> list[tuple[DecodeRequest, int]]:
         """Admits what fits (loading its cache), then decodes one token for every running request."""

@@ -140,6 +140,9 @@ class DecodeInstance:
     def transfer_status(self, room: str) -> list[dict]:
         return self.ranks.call(TransferStatusCmd(room))
 
-    def forget(self, room: str, quiesced: bool = False) -> None:
-        """Every rank drops the room; quiesced: no sender will write for it any more (transfer/nixl.py)."""
-        self.ranks.call(ForgetCmd(room, quiesced))
+    def forget(self, room: str, quiesced: bool = False) -> float:
+        """Every rank drops the room; quiesced: no sender will write for it any more (transfer/nixl.py).
+        Returns how long the room's pages must stay unused (0: at once): NIXL WRITEs land in the pool,
+        so a room dropped while senders may still be writing holds its pages for the quarantine."""
+        replies = self.ranks.call(ForgetCmd(room, quiesced))
+        return max((r.get("hold_s", 0.0) for r in replies if isinstance(r, dict)), default=0.0)

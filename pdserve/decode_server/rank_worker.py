@@ -37,6 +37,7 @@ class DecodeWorkerConfig:
     cpu_comm: str = "auto"  # collectives between the ranks: shared memory or gloo (engine/comm.py)
     transfer: str = "tcp"  # KV hand-off data path: "tcp" | "nixl"
     data_host: str = "127.0.0.1"  # address the TCP receivers bind and advertise to prefill ranks
+    transfer_quarantine_s: float = 60.0  # NIXL: a failed room's pages stay unused this long (senders may write)
 
     def __post_init__(self):
         check_transfer(self.transfer)
@@ -106,7 +107,7 @@ class DecodeRankWorker:
         self.dcp = DCPGroup(rank % cfg.dcp_size, cfg.dcp_size, make_comm(cfg.cpu_comm, rank % cfg.dcp_size, cfg.dcp_size, group))
         self._build(cfg.index_mode, cfg.comm)
         # KV hand-off data path (transfer/tcp.py or nixl.py): stores arriving rows into the current pool
-        self.receiver = make_receiver(cfg.transfer, rank, lambda: self.pool, cfg.data_host)
+        self.receiver = make_receiver(cfg.transfer, rank, lambda: self.pool, cfg.data_host, cfg.transfer_quarantine_s)
 
     def _build(self, index_mode: str, comm: str) -> None:
         cfg = self.cfg = replace(self.cfg, index_mode=index_mode, comm=comm)

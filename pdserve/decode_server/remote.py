@@ -140,16 +140,17 @@ class RemoteRooms:
         return True
 
     def _release(self, room: str, r: _Room, quiesced: bool) -> None:
+        hold_s = 0.0
         if r.reservation is not None:
-            self._forget(room, quiesced)
+            hold_s = self._forget(room, quiesced)
         else:
             self.rooms.pop(room, None)
-        self.engine.abort(room)
+        self.engine.abort(room, hold_s)  # hold_s > 0: senders may still WRITE into its pages
 
-    def _forget(self, room: str, quiesced: bool) -> None:
+    def _forget(self, room: str, quiesced: bool) -> float:
         r = self.rooms.pop(room)
         self._client(r.bootstrap).forget(room)
-        self.engine.instance.forget(room, quiesced)
+        return self.engine.instance.forget(room, quiesced)
 
     def close(self) -> None:
         for c in self.clients.values():

@@ -3,7 +3,8 @@
     submit() --> waiting_for_kv --(pages for prompt + max_tokens reserved; cache arrives)--> running
                                                                                               |
     finished <--(EOS, a stop token id, max_tokens)--------------------------------------------+
-    aborted  <--(abort(), from any state: the request's pages are freed at once)
+    aborted  <--(abort(), from any state: the request's pages are freed at once, or held for hold_s
+              when a failed NIXL hand-off's senders may still write into them)
 
 - Admission reserves every slot the request can ever need (prompt + max_tokens - 1: the last
   token is never cached), so a running request never stalls for memory and nothing is preempted.
@@ -106,22 +107,23 @@ class DecodeScheduler:
                 finished.append(req)
         return finished
 
-    def _finish(self, req: DecodeRequest, reason: str) -> None:
+    def _finish(self, req: DecodeRequest, reason: str, hold_s: float = 0.0) -> None:
         if req in self.running:
             self.running.remove(req)
         self.waiting_for_kv.pop(req.request_id, None)
         if req in self.queued:
             self.queued.remove(req)
         if req.pages:
-            self.allocator.free(req.pages)
+            self.allocator.free(req.pages, hold_s)
             req.pages = []
         req.state = "aborted" if reason == "abort" else "finished"
         req.finish_reason = reason
 
-    def abort(self, request_id: str) -> DecodeRequest | None:
+    def abort(self, request_id: str, hold_s: float = 0.0) -> DecodeRequest | None:
+        """hold_s: its pages become reusable only that much later (see PageAllocator.free)."""
         for req in list(self.queued) + list(self.waiting_for_kv.values()) + self.running:
             if req.request_id == request_id:
-                self._finish(req, "abort")
+                self._finish(req, "abort", hold_s)
                 return req
         return None
 

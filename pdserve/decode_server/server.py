@@ -61,6 +61,7 @@ class DecodeServerConfig:
     transfer: str = "tcp"  # KV hand-off data path: tcp | nixl
     heartbeat_timeout_s: float = 5.0  # a hand-off fails once its prefill instance is silent this long
     data_host: str = "127.0.0.1"  # where the ranks' TCP receivers listen (reachable by the prefill ranks)
+    transfer_quarantine_s: float = 60.0  # NIXL: pages of a hand-off that failed mid-send stay unused this long
 
     def __post_init__(self):
         if self.tp_size < 1 or self.dcp_size < 1 or self.tp_size % self.dcp_size:
@@ -82,8 +83,8 @@ class DecodeServerConfig:
             raise ValueError("--threads-per-rank and --max-batch must be >= 1")
         if self.cpu_comm not in CPU_COMMS:
             raise ValueError(f"--cpu-comm must be one of {', '.join(CPU_COMMS)}, got {self.cpu_comm!r}")
-        if self.transfer_timeout_s <= 0 or self.heartbeat_timeout_s <= 0:
-            raise ValueError("--transfer-timeout and --heartbeat-timeout must be positive")
+        if self.transfer_timeout_s <= 0 or self.heartbeat_timeout_s <= 0 or self.transfer_quarantine_s <= 0:
+            raise ValueError("--transfer-timeout, --heartbeat-timeout and --transfer-quarantine must be positive")
         check_transfer(self.transfer)
         if self.data_host in ("0.0.0.0", "::", "*", ""):
             raise ValueError(f"--data-host {self.data_host!r} is a wildcard: give an address the prefill ranks can "
@@ -112,7 +113,8 @@ class DecodeServerConfig:
     def build_instance(self) -> DecodeInstance:
         worker = DecodeWorkerConfig(self.model, self.num_slots(), self.dcp_size, self.dcp_index, self.dcp_comm,
                                     self.replicate_q_proj, self.dtype, self.kv_cache_dtype, cpu_comm=self.cpu_comm,
-                                    transfer=self.transfer, data_host=self.data_host)
+                                    transfer=self.transfer, data_host=self.data_host,
+                                    transfer_quarantine_s=self.transfer_quarantine_s)
         launch = LaunchConfig(self.tp_size, self.dist_port, threads_per_rank=self.threads_per_rank)
         return DecodeInstance(worker, launch, page_size=self.page_size)
 
@@ -270,7 +272,8 @@ class EngineLoop:
 
     def _snapshot(self) -> dict:
         s, alloc = self.engine.scheduler, self.engine.instance.allocator
-        return {"free_tokens": alloc.num_free * alloc.page_size, "running": len(s.running),
+        return {"free_tokens": alloc.num_free * alloc.page_size, "held_tokens": alloc.num_held * alloc.page_size,
+                "running": len(s.running),
                 "queued": len(s.queued) + len(s.waiting_for_kv), "transfers_pending": len(self.remote.rooms),
                 "transfers_completed": self.remote.completed, "transfers_failed": self.remote.failed,
                 "transfer_bytes": self.remote.bytes_received, "transfer_seconds": self.remote.transfer_seconds}

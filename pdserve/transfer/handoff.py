@@ -153,11 +153,16 @@ def verify_done(decode: DecodeEngine, reservation: DecodeReservation, done: Tran
 
 def _release(prefill: PrefillInstance, decode: DecodeEngine, room: str, abort_decode: bool = True,
              quiesced: bool = True) -> None:
-    """Both sides drop the room; on failure the decode request is aborted (its pages freed)."""
-    for step in (lambda: decode.instance.forget(room, quiesced), lambda: prefill.release(room)):
-        try:
-            step()
-        except Exception:
-            pass  # a broken rank group is reported by its own watchdog; keep releasing the rest
+    """Both sides drop the room; on failure the decode request is aborted (its pages freed, or held
+    while senders may still write into them)."""
+    hold_s = 0.0
+    try:
+        hold_s = decode.instance.forget(room, quiesced)
+    except Exception:
+        pass  # a broken rank group is reported by its own watchdog; keep releasing the rest
+    try:
+        prefill.release(room)
+    except Exception:
+        pass
     if abort_decode:
-        decode.abort(room)
+        decode.abort(room, hold_s)

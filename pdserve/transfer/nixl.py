@@ -1,49 +1,59 @@
-"""NIXL data path of a KV hand-off (UCX backend, host DRAM): prefill ranks WRITE rows into a receive
-region that the decode rank reserved for the room; the decode rank checks and stores them.
+"""NIXL data path of a KV hand-off (UCX backend, host DRAM): prefill ranks WRITE rows straight into
+the decode rank's KV pool (or, for an fp8 pool, into a receive region the decode rank copies from);
+the decode rank checks and counts them.
 
 The receiving side is here, the sending side (NixlSender) in transfer/nixl_send.py. Same commands
 and replies as transfer/tcp.py (StageCmd, ExpectCmd, TransferStatusCmd, ForgetCmd on
 the receiver, SendCmd on the sender) and the same `RoomChecksum` streams, so handoff.py and
 two_sided.py run unchanged over either backend.
 
-    decode rank   one NIXL agent and one receive ARENA (a uint8 tensor), registered once.
-                  StageCmd carves a REGION for the room out of the arena, sized for exactly the rows
-                  this rank will store (rows x row bytes of each kind, in the dtype that travels), and
-                  answers the endpoint "nixl:" + base64(msgpack [agent, generation, agent metadata,
-                  region address, region size]).
+    decode rank   one NIXL agent. POOL landing (`direct`, whenever the pool stores the dtype that
+                  travels, i.e. not fp8): the pool's tensors are registered (again, with a new
+                  generation, after a reconfigure replaced them) and StageCmd answers the endpoint
+                  "nixl:" + base64(msgpack [agent, generation, agent metadata, 0, 0, pool layout]):
+                  the address, rows per layer, row bytes and layer -> row map of the latent entries
+                  and of the index keys, from which a sender computes where each destination run
+                  lands. REGION landing (fp8 pools, or direct=False): one receive ARENA (a uint8
+                  tensor) registered once; StageCmd carves a REGION for the room out of it, sized for
+                  exactly the rows this rank will store (in the dtype that travels), and answers
+                  [agent, generation, metadata, region address, region size, None].
     prefill rank  one agent; one send STAGING buffer and its KV pool, registered once. Per decode
                   rank it sends its transfers (plan order, rows in run order) in chunks of at most
                   CHUNK_BYTES, ONE WRITE per (sender, receiver) pair per chunk, waiting for each.
                   A chunk's rows that lie in consecutive pool rows (KVPool.span: a copied index's
                   rows; a DCP rank's latent rows when the pool is residue-major by C_d) go straight
                   from the pool, one descriptor per run; other rows are packed into staging first
-                  (descriptors of adjacent bytes merge). The chunk's notification is its header: room, ticket,
-                  src_rank, offset in the region, bytes, dtype, items [layer, kind, width, dst runs].
-                  Each sender's offset in a region follows from the plan every rank holds (the same
-                  decode rank's transfers from lower prefill ranks come first): senders never overlap.
+                  (descriptors of adjacent bytes merge, local and remote pieces are paired to equal
+                  lengths). The chunk's notification is its header: room, ticket, src_rank, offset in
+                  the region, bytes, dtype, items [layer, kind, width, dst runs]. Each sender's offset
+                  in a region follows from the plan every rank holds (the same decode rank's
+                  transfers from lower prefill ranks come first): senders never overlap.
     completion    by notification. No progress thread (docs/nixl.md: it busy-spins a core): the
                   receiver thread polls get_new_notifs, sleeping BUSY_POLL_S between empty polls
                   while a room is open and IDLE_POLL_S otherwise; the sender polls check_xfer_state
                   with SEND_POLL_S sleeps until DONE, an error or its deadline (then it cancels).
 
-Stale writes (DESIGN.md 3.7-3.8). A one-sided WRITE cannot be refused by its target, so no remote
-agent ever writes into the KV pool: WRITEs land in the room's region, and the receiver thread copies
-a chunk into the pool only when its notification names a room that is open with the SAME ticket
-(every reservation gets a new ticket and a new region) and the chunk fits the region, the rank's
-layout and the rows still expected (tcp.frame_rows). Rows go from the region into the pool in one
-copy and are checksummed from the region AFTER that store: bytes that change in the region before or
-during the store fail the room's checksum (verify_done), never decoded silently. (Only one of the
-room's own senders could write there, and each writes its disjoint range once.)
-A region returns to the arena only when no sender can still write into it:
+A notified chunk counts only when it names a room that is open with the SAME ticket (every
+reservation gets a new ticket) and fits the rank's layout and the rows still expected
+(tcp.frame_rows); then its rows are checksummed where they now are (pool landing: in the pool,
+nothing to copy; region landing: copied into the pool first, then checksummed from the region, so
+bytes that change during the copy fail the room's checksum). A room's request runs only after
+every row arrived and the checksums match the sender's (verify_done).
+
+Stale writes (DESIGN.md 3.7-3.8). A one-sided WRITE cannot be refused by its target. What a room's
+senders may still write into -- its pool pages, or its region -- is not reused while a sender can
+still write there:
   - ForgetCmd(quiesced=True): the caller knows every sender returned (hand_off after prefill.send,
     two_sided once the prefill answered), and a sender returns only when each of its WRITEs is DONE
-    or was cancelled (release_xfer_handle);
-  - or every row the room expected has been notified (a forgotten room's late notifications are
-    counted, then dropped);
-  - or `quarantine_s` passed since it was forgotten (a sender that never reported).
-So a late WRITE lands in a region no other room owns, and its notification is dropped. A decode
-rank's pool is not registered (nothing writes it remotely). A prefill rank's pool is registered
-only as the source of its own WRITEs: no decode rank loads a prefill agent's metadata.
+    or was cancelled (release_xfer_handle): reusable at once;
+  - otherwise a region stays quarantined until every row the room expected has been notified (late
+    notifications are counted, then dropped) or `quarantine_s` passed; and ForgetCmd answers
+    {"hold_s": quarantine_s} for a pool-landing room, which DecodeInstance.forget passes on: the
+    engine frees the request's pages with that hold (PageAllocator.free), so no other request gets
+    them before the quarantine ends.
+So a late WRITE lands in memory no other room owns, and its notification is dropped. A prefill
+rank's pool is registered only as the source of its own WRITEs: no decode rank loads a prefill
+agent's metadata.
 
 Peers: a sender loads a decode agent's metadata once per (name, generation), the generation being
 that agent's creation time in ns. A newer generation replaces it (remove_remote_agent first: NIXL
@@ -63,7 +73,7 @@ import msgpack
 import torch
 
 from .nixl_agent import Arena, NixlEndpoint, agent_name, make_agent
-from .tcp import DTYPES, ExpectCmd, ForgetCmd, RoomRows, StageCmd, TransferStatusCmd, frame_rows, store_rows
+from .tcp import DTYPES, ExpectCmd, ForgetCmd, RoomRows, StageCmd, TransferStatusCmd, count_rows, frame_rows, store_rows
 
 QUARANTINE_S = 60.0
 BUSY_POLL_S, IDLE_POLL_S = 0.0005, 0.005
@@ -77,6 +87,7 @@ class _Room(RoomRows):
     expecting: bool = False  # ExpectCmd came (before it, every row would be one too many)
     notified: int = 0  # rows named by notifications, stored or not (a forgotten room's too)
     until: float = 0.0  # end of the quarantine once forgotten
+    direct: bool = False  # WRITEs land in the pool's rows (no region)
 
     def status(self) -> dict:
         s = super().status()
@@ -98,8 +109,11 @@ class NixlReceiver:
     """One per decode rank: its agent, its receive arena and the thread that stores notified chunks."""
 
     def __init__(self, rank: int, pool, staging_bytes: int = 256 << 20, name: str | None = None,
-                 quarantine_s: float = QUARANTINE_S):
+                 quarantine_s: float = QUARANTINE_S, direct: bool = True):
         self.rank, self.pool, self.quarantine_s = rank, pool, quarantine_s  # pool(): the rank's current KVPool
+        self.direct = direct  # land WRITEs in the pool when it stores the dtype that travels (not fp8)
+        self.pool_regs: list = []
+        self.pool_key: tuple | None = None  # the registered pool's tensors (address, bytes)
         self.name, self.generation = name or agent_name("decode", rank), time.time_ns()
         self.agent = make_agent(self.name)
         self.buf = torch.empty(staging_bytes, dtype=torch.uint8)  # never zeroed: regions are written before read
@@ -135,6 +149,10 @@ class NixlReceiver:
     def _stage(self, cmd: StageCmd) -> dict:
         size = sum(n * self._row_bytes(kind) for kind, n in cmd.rows.get(self.rank, {}).items())
         self._drop(cmd.room, quiesced=False)  # an earlier use of the room id may still be written
+        if (layout := self._pool_layout()) is not None:
+            self.rooms[cmd.room] = _Room(cmd.ticket, {}, direct=True)
+            ep = NixlEndpoint(self.name, self.generation, self.metadata, 0, 0, layout)
+            return {"endpoint": ep.encode(), "error": None}
         got = self.arena.alloc(size)
         if got is None:
             return {"endpoint": None, "error": f"receive staging full: room {cmd.room} needs {size} bytes, "
@@ -145,6 +163,26 @@ class NixlReceiver:
         ep = NixlEndpoint(self.name, self.generation, self.metadata, self.buf.data_ptr() + start, size)
         return {"endpoint": ep.encode(), "error": None}
 
+    def _pool_layout(self) -> list | None:
+        """Where senders WRITE in this rank's pool (NixlEndpoint.pool), registering the pool first
+        (again after a reconfigure replaced it: a new generation makes senders reload the metadata);
+        None when WRITEs go to regions instead."""
+        pool = self.pool()
+        if not self.direct or pool.fp8:
+            return None
+        tensors = [t for t in (pool.kv, pool.index_k) if t.numel()]
+        key = tuple((t.data_ptr(), t.numel() * t.element_size()) for t in tensors)
+        if key != self.pool_key:
+            for reg in self.pool_regs:
+                self.agent.deregister_memory(reg)
+            self.pool_regs, self.pool_key = [self.agent.register_memory(t) for t in tensors], key
+            self.metadata, self.generation = self.agent.get_agent_metadata(), time.time_ns()
+
+        def side(t: torch.Tensor, rows: dict[int, int]) -> list:
+            return [t.data_ptr(), t.shape[1], t.shape[-1] * t.element_size(), sorted(rows.items())]
+
+        return side(pool.kv, pool.kv_row) + side(pool.index_k, pool.index_row)
+
     def _expect(self, cmd: ExpectCmd) -> None:
         expected = dict(cmd.expected.get(self.rank, {}))
         r = self.rooms.get(cmd.room)
@@ -154,20 +192,25 @@ class NixlReceiver:
         self._drop(cmd.room, quiesced=False)
         self.rooms[cmd.room] = _Room(cmd.ticket, expected, expecting=True)  # no region: nothing can land for it
 
-    def _drop(self, room: str, quiesced: bool) -> None:
+    def _drop(self, room: str, quiesced: bool) -> dict:
+        """Forgets the room; {"hold_s": how long its pool pages must stay unused} -- non-zero for a
+        direct room whose senders may still be writing (DecodeInstance.forget)."""
         r = self.rooms.pop(room, None)
-        if r is None or r.start < 0:
-            return
+        if r is None or (r.start < 0 and not r.direct):
+            return {"hold_s": 0.0}
         if quiesced or r.all_notified():
-            self.arena.release(r.start, r.length)
-        else:
-            r.until = time.monotonic() + self.quarantine_s
-            self.quarantine[r.ticket] = (room, r)
+            if not r.direct:
+                self.arena.release(r.start, r.length)
+            return {"hold_s": 0.0}
+        r.until = time.monotonic() + self.quarantine_s
+        self.quarantine[r.ticket] = (room, r)  # counts its late notifications
+        return {"hold_s": self.quarantine_s if r.direct else 0.0}
 
     def _status(self, room: str) -> dict:
         r = self.rooms.get(room)
         base = {"open_rooms": len(self.rooms), "dropped": self.dropped, "staging_bytes": self.arena.used,
-                "quarantined": len(self.quarantine), "registered_regions": 1 if self.reg is not None else 0}
+                "quarantined": len(self.quarantine), "registered_regions": 1 if self.reg is not None else 0,
+                "registered_pool": len(self.pool_regs)}
         return {**base, **(r.status() if r else {"known": False})}
 
     def _loop(self) -> None:
@@ -190,7 +233,8 @@ class NixlReceiver:
         for ticket, (_, r) in list(self.quarantine.items()):
             if r.until <= now or r.all_notified():
                 del self.quarantine[ticket]
-                self.arena.release(r.start, r.length)
+                if not r.direct:
+                    self.arena.release(r.start, r.length)
 
     def _on_notif(self, msg: bytes) -> None:
         try:
@@ -200,7 +244,7 @@ class NixlReceiver:
             self.dropped += 1
             return
         r = self.rooms.get(room)
-        if r is None or r.ticket != ticket or r.start < 0:
+        if r is None or r.ticket != ticket or (r.start < 0 and not r.direct):
             late = self.quarantine.get(ticket)
             if late is not None and late[0] == room:
                 late[1].notified += _rows_named(h)  # that sender is done with this chunk of the region
@@ -216,6 +260,8 @@ class NixlReceiver:
             r.error = f"bad chunk from prefill rank {h.get('src_rank')}: {e}"
 
     def _store(self, r: _Room, h: dict) -> None:
+        if r.direct:
+            return self._landed(r, h)
         offset, nbytes = h["offset"], h["nbytes"]
         if not (isinstance(offset, int) and isinstance(nbytes, int) and 0 <= offset and offset + nbytes <= r.size):
             raise ValueError(f"chunk [{offset}, +{nbytes}) outside the room's region of {r.size} bytes")
@@ -236,11 +282,23 @@ class NixlReceiver:
         if pos != nbytes:
             raise ValueError(f"items cover {pos} of the chunk's {nbytes} bytes")
 
+    def _landed(self, r: _Room, h: dict) -> None:
+        """A chunk WRITTEN into the pool's rows: checks it as a region chunk is checked, then
+        counts and checksums the rows where they landed (nothing to copy)."""
+        pool = self.pool()
+        for layer, kind, width, runs in h["items"]:
+            item = {"src_rank": h["src_rank"], "dtype": h["dtype"], "layer": layer, "kind": kind, "width": width,
+                    "runs": runs}
+            if DTYPES.get(h["dtype"]) != pool.dtype:
+                raise ValueError(f"rows of dtype {h['dtype']} for a pool of {pool.dtype}")
+            frame_rows(pool, r, item, sum(n for _, n in runs) * width * pool.dtype.itemsize)
+            count_rows(r, item, [pool.span(kind, layer, dst, n, 1) for dst, n in runs if n])
+
     def close(self) -> None:
         if self._stop.is_set():
             return
         self._stop.set()
         self.thread.join(2.0)
-        if self.reg is not None:
-            self.agent.deregister_memory(self.reg)
-            self.reg = None
+        for reg in ([self.reg] if self.reg is not None else []) + self.pool_regs:
+            self.agent.deregister_memory(reg)
+        self.reg, self.pool_regs = None, []

@@ -36,18 +36,21 @@ class NixlEndpoint:
     agent: str
     generation: int
     metadata: bytes
-    addr: int  # the room's region in the decode rank's registered arena
+    addr: int  # the room's region in the decode rank's registered arena (unused with `pool`)
     size: int
+    # WRITEs land in the decode pool itself: [kv address, rows per layer, row bytes, [[layer, row], ...],
+    # then the same for index keys] (NixlReceiver direct mode); None: they land in the region.
+    pool: list | None = None
 
     def encode(self) -> str:
-        fields = [self.agent, self.generation, self.metadata, self.addr, self.size]
+        fields = [self.agent, self.generation, self.metadata, self.addr, self.size, self.pool]
         return "nixl:" + base64.b64encode(msgpack.packb(fields, use_bin_type=True)).decode()
 
     @classmethod
     def decode(cls, text: str) -> "NixlEndpoint":
         if not text.startswith("nixl:"):
             raise ValueError(f"not a nixl endpoint: {text[:16]!r}...")
-        return cls(*msgpack.unpackb(base64.b64decode(text[5:]), raw=False))
+        return cls(*msgpack.unpackb(base64.b64decode(text[5:]), raw=False, strict_map_key=False))
 
 
 class Arena:

@@ -5,7 +5,6 @@ in transfer/nixl.py."""
 
 from __future__ import annotations
 
-import itertools
 import time
 
 import msgpack
@@ -27,6 +26,45 @@ def _add_piece(pieces: list, addr: int, nbytes: int) -> None:
         pieces[-1][1] += nbytes
     else:
         pieces.append([addr, nbytes])
+
+
+def _pair(local: list, remote: list) -> tuple[list, list]:
+    """Two descriptor lists of equal-length pairs covering the same bytes in order (a WRITE pairs
+    its local and remote descriptors one to one)."""
+    if sum(n for _, n in local) != sum(n for _, n in remote):
+        raise ValueError("local and remote pieces differ in size")
+    src, dst, i, j = [], [], 0, 0
+    (la, ln), (ra, rn) = local[0], remote[0]
+    while True:
+        n = min(ln, rn)
+        src.append((la, n, 0))
+        dst.append((ra, n, 0))
+        la, ln, ra, rn = la + n, ln - n, ra + n, rn - n
+        if ln == 0:
+            i += 1
+            if i == len(local):
+                return src, dst
+            la, ln = local[i]
+        if rn == 0:
+            j += 1
+            ra, rn = remote[j]
+
+
+class _PoolLayout:
+    """A decode rank's pool as NixlEndpoint.pool describes it: where a row of a layer lands."""
+
+    def __init__(self, fields: list, row_bytes: dict[str, int]):
+        kv_addr, kv_rows, kv_rb, kv_layers, ix_addr, ix_rows, ix_rb, ix_layers = fields
+        self.sides = {"kv": (kv_addr, kv_rows, kv_rb, dict(kv_layers)), "index": (ix_addr, ix_rows, ix_rb, dict(ix_layers))}
+        for kind, (_, _, rb, _) in self.sides.items():
+            if rb != row_bytes[kind] and self.sides[kind][3]:
+                raise ValueError(f"its pool's {kind} rows are {rb} bytes, ours {row_bytes[kind]} (layout mismatch?)")
+
+    def addr(self, kind: str, layer: int, row: int, n: int) -> int:
+        base, rows, rb, layers = self.sides[kind]
+        if layer not in layers or row < 0 or row + n > rows:
+            raise ValueError(f"its pool has no {kind} rows [{row}, +{n}) of layer {layer} (layout mismatch?)")
+        return base + (layers[layer] * rows + row) * rb
 
 
 def slice_runs(runs: tuple[Run, ...], start: int, n: int) -> list[Run]:
@@ -97,10 +135,15 @@ class NixlSender:
             return err
         offset = sum(t.rows * self._row_bytes(t.kind) for t in cmd.plan if t.dst_rank == dst and t.src_rank < self.rank)
         need = sum(t.rows * self._row_bytes(t.kind) for t in transfers)
-        if offset + need > ep.size:
+        if ep.pool is None and offset + need > ep.size:
             return f"its region of {ep.size} bytes cannot take {need} bytes at offset {offset} (layout mismatch?)"
+        try:
+            dest = _PoolLayout(ep.pool, {k: self._row_bytes(k) for k in ("kv", "index")}) if ep.pool else None
+        except ValueError as e:
+            return str(e)
         checksum = sums.setdefault(dst, RoomChecksum())
         pos, spos, items, pieces = 0, 0, [], []  # chunk bytes, staging bytes, headers, local [addr, bytes]
+        remote: list | None = [] if dest else None  # pool destinations: remote [addr, bytes] per run
         for t in transfers:
             rb, done = self._row_bytes(t.kind), 0
             while done < t.rows:
@@ -108,9 +151,10 @@ class NixlSender:
                 if n == 0:
                     if not items:
                         return f"send chunks of {self.chunk_bytes} bytes hold no row of {rb} bytes"
-                    if err := self._write(cmd, ep, offset, pos, items, pieces):
+                    if err := self._write(cmd, ep, offset, pos, items, pieces, remote):
                         return err
                     offset, pos, spos, items, pieces = offset + pos, 0, 0, [], []
+                    remote = [] if dest else None
                     continue
                 runs = slice_runs(t.runs, done, n)
                 direct = not corrupt[0] and (len(runs) == 1 or n * rb >= len(runs) * DIRECT_RUN_BYTES)  # long runs
@@ -129,9 +173,15 @@ class NixlSender:
                     self.staging[spos - n * rb] ^= 0x01  # after checksumming: as if flipped in flight
                     corrupt[0] = False
                 items.append([t.layer, t.kind, views[0].shape[1], [[r.dst, r.length] for r in runs]])
+                if dest:
+                    try:
+                        for r in runs:
+                            _add_piece(remote, dest.addr(t.kind, t.layer, r.dst, r.length), r.length * rb)
+                    except ValueError as e:
+                        return str(e)
                 pos, done = pos + n * rb, done + n
                 self.staging_used = spos
-        return self._write(cmd, ep, offset, pos, items, pieces) if items else None
+        return self._write(cmd, ep, offset, pos, items, pieces, remote) if items else None
 
     def _load_peer(self, ep: NixlEndpoint) -> str | None:
         known = self.peers.get(ep.agent)
@@ -161,18 +211,20 @@ class NixlSender:
             pass  # not loaded (or already gone): nothing to release
 
     def _write(self, cmd: SendCmd, ep: NixlEndpoint, offset: int, nbytes: int, items: list,
-               pieces: list) -> str | None:
+               pieces: list, remote: list | None = None) -> str | None:
         """One WRITE of the local pieces (staging or pool, nbytes in all) to the region's bytes
-        [offset, offset + nbytes), its header as notification; waits."""
+        [offset, offset + nbytes) -- or, with `remote`, to those pieces of the decode pool -- its
+        header as notification; waits."""
         notif = msgpack.packb({"room": cmd.room, "ticket": cmd.ticket, "src_rank": self.rank, "offset": offset,
                                "nbytes": nbytes, "dtype": str(self.pool.dtype), "items": items})
         deadline = time.monotonic() + cmd.send_timeout_ms / 1000
         h, err = None, None
         try:
-            starts = itertools.accumulate((n for _, n in pieces), initial=ep.addr + offset)
-            local = self.agent.get_xfer_descs([(addr, n, 0) for addr, n in pieces], "DRAM")
-            remote = self.agent.get_xfer_descs([(start, n, 0) for (_, n), start in zip(pieces, starts)], "DRAM")
-            h = self.agent.initialize_xfer("WRITE", local, remote, ep.agent, notif)
+            if remote is None:
+                remote = [[ep.addr + offset, nbytes]]  # the region: contiguous
+            src, dst = _pair(pieces, remote)
+            h = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(src, "DRAM"),
+                                           self.agent.get_xfer_descs(dst, "DRAM"), ep.agent, notif)
             self.handles += 1
             state = self.agent.transfer(h)
             while state == "PROC":

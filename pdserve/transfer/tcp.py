@@ -181,9 +181,15 @@ def store_rows(pool, r: RoomRows, h: dict, data: torch.Tensor) -> None:
             pos += n
     else:
         write(h["layer"], run_rows([d for d, _ in h["runs"]], [n for _, n in h["runs"]]), data)
+    count_rows(r, h, [data])
+
+
+def count_rows(r: RoomRows, h: dict, parts: list[torch.Tensor]) -> None:
+    """Counts a checked frame's stored rows and checksums them (parts: [rows, width], in run order)."""
     key = _count_key(r, h["src_rank"])
-    r.received[key] = r.received.get(key, 0) + len(data)
-    r.checksum.update(h["src_rank"], h["layer"], h["kind"], data)
+    for rows in parts:
+        r.received[key] = r.received.get(key, 0) + len(rows)
+        r.checksum.update(h["src_rank"], h["layer"], h["kind"], rows)
 
 
 class TcpReceiver:

@@ -130,7 +130,7 @@ def poll_room(engine: DecodeEngine, client: DecodeClient, room: str, deadline: f
 def _release(engine: DecodeEngine, client: DecodeClient, room: str, abort: bool = True,
              quiesced: bool = True) -> None:
     """quiesced: the prefill answered, so it sent everything it will (it answers after its ranks returned)."""
-    engine.instance.forget(room, quiesced)
+    hold_s = engine.instance.forget(room, quiesced)
     client.forget(room)
     if abort:
-        engine.abort(room)
+        engine.abort(room, hold_s)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -24,6 +26,23 @@ def test_allocator_allocate_free_integrity():
         a.free(p1)
     a.check_integrity()
     assert a.slots([3, 1], 14, 18) == [62, 63, 16, 17]
+
+
+def test_held_pages_come_back_only_after_their_hold():
+    """free(pages, hold_s): pages a failed hand-off's senders may still WRITE into are not handed out
+    again until hold_s passed; a double free of them is still caught."""
+    a = PageAllocator(num_pages=4, page_size=16)
+    held, kept = a.allocate(32), a.allocate(16)
+    a.free(held, hold_s=0.3)
+    assert a.num_free == 1 and a.num_held == 2 and not a.can_allocate(17)
+    a.check_integrity()
+    with pytest.raises(ValueError, match="double free"):
+        a.free(held)
+    with pytest.raises(OutOfPages):
+        a.allocate(17)
+    time.sleep(0.35)
+    assert a.num_held == 0 and a.num_free == 3 and set(a.allocate(48)) == set(held) | ({0, 1, 2, 3} - set(held) - set(kept))
+    a.check_integrity()
 
 
 def test_scheduler_lifecycle_without_torch():

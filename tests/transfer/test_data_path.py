@@ -74,12 +74,13 @@ def layout(cfg: ModelConfig, kind: str, n: int = 300):
     return prefill, DecodeSide(1, 1, "copy", 2, pages)
 
 
-@pytest.mark.parametrize("backend", ["tcp", "nixl"])
+@pytest.mark.parametrize("backend", ["tcp", "nixl", "nixl-region"])
 @pytest.mark.parametrize("kind", ["dcp2", "fragmented"])
 @pytest.mark.parametrize("residues", [1, 2])
 def test_rows_arrive_exactly_and_the_checksums_agree(model_path, backend, kind, residues):
     """residues: the prefill pool's latent layout; with 2 (= C_d) a DCP destination's rows are
-    contiguous in it, and NIXL sends them straight from the pool."""
+    contiguous in it, and NIXL sends them straight from the pool. NIXL WRITEs land in the decode
+    pool ("nixl") or in a receive region the receiver copies from ("nixl-region", an fp8 pool's way)."""
     cfg = ModelConfig.from_pretrained(model_path)
     src = KVPool(cfg, 400, torch.float64, residues=residues)
     src.kv.normal_(generator=torch.Generator().manual_seed(3))
@@ -94,8 +95,8 @@ def test_rows_arrive_exactly_and_the_checksums_agree(model_path, backend, kind, 
         recv = {r: TcpReceiver(r, lambda r=r: dst[r]) for r in ranks}
         sender = TcpSender(0, src)
     else:
-        recv = {r: NixlReceiver(r, lambda r=r: dst[r], staging_bytes=4 << 20, name=f"test-path-d{r}-{kind}{residues}")
-                for r in ranks}
+        recv = {r: NixlReceiver(r, lambda r=r: dst[r], staging_bytes=4 << 20, name=f"test-path-d{r}-{kind}{residues}",
+                                direct=backend == "nixl") for r in ranks}
         sender = NixlSender(0, src, staging_bytes=64 << 10, name=f"test-path-p-{kind}{residues}")  # several chunks
     try:
         rows = {r: {} for r in ranks}
@@ -120,7 +121,9 @@ def test_rows_arrive_exactly_and_the_checksums_agree(model_path, backend, kind, 
             for run in t.runs:
                 got = read_dst(t.layer, torch.arange(run.dst, run.dst + run.length))
                 assert torch.equal(got, read_src(t.layer, torch.tensor(list(run.src_rows())))), (t.layer, t.kind, run)
-        if backend == "nixl":
+        if backend != "tcp":
+            assert all(recv[r].handle(TransferStatusCmd("x"))["registered_pool"] == (2 if backend == "nixl" else 0)
+                       for r in ranks)
             row_bytes = {"kv": cfg.kv_entry_dim * 8, "index": cfg.index_head_dim * 8}
             sent = {k: sum(t.rows * row_bytes[k] for t in plan if t.kind == k) for k in row_bytes}
             status = sender.status()

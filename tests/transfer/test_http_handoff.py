@@ -34,7 +34,7 @@ def stack(tiny_checkpoints):
     prefill, p_url = start_server("prefill", glm, "--cp-size", "2", "--bootstrap-timeout", "3", "--transfer", "nixl")
     decode, d_url = start_server("decode", glm, "--tp-size", "2", "--dcp-size", "2", "--dcp-index", "split",
                                  "--page-size", "4", "--transfer-timeout", "4", "--transfer", "nixl",
-                                 "--heartbeat-timeout", "2")
+                                 "--heartbeat-timeout", "2", "--transfer-quarantine", "2")
     try:
         yield glm, p_url, d_url, httpx.get(f"{p_url}/info").json()["bootstrap"]
     finally:

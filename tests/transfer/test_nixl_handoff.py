@@ -37,7 +37,7 @@ from pdserve.transfer.side_channel import BootstrapServer, DecodeClient
 from pdserve.transfer.tcp import ExpectCmd, ForgetCmd, SendCmd, SendError, StageCmd, TransferStatusCmd, merge_checksums
 from pdserve.transfer.two_sided import decode_finish, decode_reserve, prefill_serve
 from tests.reference import free_port
-from tests.transfer.handoff_helpers import MAX_TOKENS, assert_idle, check_handoffs, prompt, run_mixed_faults
+from tests.transfer.handoff_helpers import MAX_TOKENS, QUARANTINE_S, assert_idle, check_handoffs, prompt, run_mixed_faults
 
 pytestmark = pytest.mark.slow
 
@@ -72,27 +72,27 @@ def test_corrupted_payload_is_rejected(pair):
 
 
 def test_stale_write_for_a_reused_room_never_reaches_the_live_request(pair, single):
-    """Room "late" is aborted after its reservation; the same room id is then handed off again (new
-    ticket, the same pages) and runs. Only then does the first sender WRITE its rows, through the
-    first reservation's endpoints: they land in the old, quarantined region and are dropped."""
+    """Room "late" is dropped after its reservation, while its prefill could still send (not
+    quiesced): its pages are held, not freed. The same room id is then handed off again (new
+    ticket, other pages) and runs. Only then does the first sender WRITE its rows, through the first
+    reservation's endpoints: they land in the held pages and their notifications are dropped; the
+    live request's rows and tokens are untouched, and the held pages come back after the quarantine."""
     prefill, decode = pair
     inst, old_ids, ids = decode.instance, prompt(23), prompt(22)
     old = decode.submit_remote(len(old_ids), SamplingParams(max_tokens=MAX_TOKENS + 8), request_id="late")
     decode.admit()
     old_pages = list(old.pages)
-    free_slots = inst.allocator.num_free * inst.allocator.page_size
-    decode.submit_remote(free_slots - 1, SamplingParams(max_tokens=1), request_id="filler")
-    decode.admit()  # the filler holds every other page: the next request gets the aborted one's
     stale = inst.reservation("late", old_pages, prompt_len=len(old_ids))
     res = prefill.prefill("stale-sender", old_ids)
     plan = plan_transfer(prefill.prefill_side(res.slots), inst.decode_side(old_pages), len(old_ids))
     inst.expect("late", stale.ticket, plan)
-    inst.forget("late")  # decode aborts the room; the prefill has not sent yet
-    decode.abort("late")
+    hold_s = inst.forget("late")  # decode drops the room; the prefill has not sent yet
+    assert hold_s == QUARANTINE_S
+    decode.abort("late", hold_s)
+    assert inst.allocator.num_held == len(old_pages)
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     live = hand_off(prefill, decode, ids, params, room="late")
-    assert set(live.pages) <= set(old_pages)
-    decode.abort("filler")
+    assert not set(live.pages) & set(old_pages)
     slots = inst.slots(live.pages, len(ids))
     before, dropped = inst.dump(slots), [s["dropped"] for s in inst.transfer_status("late")]
     prefill.send("stale-sender", "late", stale.ticket, plan, stale.endpoints)  # the late WRITEs
@@ -240,7 +240,8 @@ def test_restarted_peer_is_reloaded_and_an_old_generation_refused(pools):
 def test_full_arena_refuses_a_room_until_the_quarantine_passed(pools):
     cfg, src, dst = pools
     plan, rows, expected = one_room(cfg)
-    recv = NixlReceiver(0, lambda: dst, staging_bytes=30_000, name="test-small-arena", quarantine_s=0.3)
+    recv = NixlReceiver(0, lambda: dst, staging_bytes=30_000, name="test-small-arena", quarantine_s=0.3,
+                        direct=False)  # WRITEs into regions (what an fp8 pool gets)
     try:
         assert recv.handle(StageCmd("a", 1, rows))["error"] is None  # 18 kB of 30 kB
         assert "receive staging full" in recv.handle(StageCmd("b", 2, rows))["error"]
