@@ -183,13 +183,10 @@ def pack_cost(model: str, tokens: int, repeats: int) -> dict:
     return {"bytes": nbytes, "seconds": best, "GBps": nbytes / best / 1e9}
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU time so far of these processes (Linux /proc; clock-tick resolution)."""
-    ticks = 0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        ticks += int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time so far of a process (Linux /proc; clock-tick resolution)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # ---- (c) the whole hand-off ---------------------------------------------------------------------------
@@ -223,7 +220,7 @@ def handoff(model: str, transfer: str, tokens: int, repeats: int) -> dict:
             reservation = dec.reservation(room, pages, prompt_len=tokens)
             plan = plan_transfer(pre.prefill_side(result.slots), dec.decode_side(pages), tokens)
             dec.expect(room, reservation.ticket, plan)
-            c0, t0 = [cpu_seconds([pid]) for pid in pids], time.perf_counter()
+            c0, t0 = [cpu_seconds(pid) for pid in pids], time.perf_counter()
             pre.send("bench", room, reservation.ticket, plan, reservation.endpoints)
             while True:  # one status round trip per poll, as the decode engine thread does
                 status = dec.transfer_status(room)
@@ -235,7 +232,7 @@ def handoff(model: str, transfer: str, tokens: int, repeats: int) -> dict:
             best = min(best, time.perf_counter() - t0)
             wall += time.perf_counter() - t0
             for name, pid, before in zip(names, pids, c0):
-                cpu[name] += cpu_seconds([pid]) - before
+                cpu[name] += cpu_seconds(pid) - before
             dec.forget(room, True)
             dec.allocator.free(pages)
             nbytes = sum(t.rows * (cfg.kv_entry_dim if t.kind == "kv" else cfg.index_head_dim) * 4 for t in plan)
@@ -278,7 +275,7 @@ def plot(res: dict, out: Path) -> None:
     b.axhline(0.8 * vals[0], ls="--", c="r", label="80% of NIXL raw")
     b.set_xticks(range(len(names)), names, rotation=15, fontsize=8)
     b.set_ylabel("GB/s")
-    b.set_title(f"16k-token hand-off, C_p = 2 -> W = C_d = 2")
+    b.set_title("16k-token hand-off, C_p = 2 -> W = C_d = 2")
     b.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)

@@ -94,6 +94,11 @@ class _Room(RoomRows):
         s["complete"] = s["complete"] and self.expecting
         return s
 
+    @property
+    def lands(self) -> bool:
+        """Senders can WRITE for this room: into the pool (direct) or into its region."""
+        return self.direct or self.start >= 0
+
     def all_notified(self) -> bool:
         return self.expecting and self.notified >= sum(self.expected.values())
 
@@ -196,7 +201,7 @@ class NixlReceiver:
         """Forgets the room; {"hold_s": how long its pool pages must stay unused} -- non-zero for a
         direct room whose senders may still be writing (DecodeInstance.forget)."""
         r = self.rooms.pop(room, None)
-        if r is None or (r.start < 0 and not r.direct):
+        if r is None or not r.lands:
             return {"hold_s": 0.0}
         if quiesced or r.all_notified():
             if not r.direct:
@@ -244,7 +249,7 @@ class NixlReceiver:
             self.dropped += 1
             return
         r = self.rooms.get(room)
-        if r is None or r.ticket != ticket or (r.start < 0 and not r.direct):
+        if r is None or r.ticket != ticket or not r.lands:
             late = self.quarantine.get(ticket)
             if late is not None and late[0] == room:
                 late[1].notified += _rows_named(h)  # that sender is done with this chunk of the region
