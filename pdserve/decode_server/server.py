@@ -333,7 +333,7 @@ def serve(cfg: DecodeServerConfig) -> None:
         thread = threading.Thread(target=loop.run, name="decode-engine", daemon=True)
         thread.start()
         start_watchdog(instance, "decode", stop)
-        app = create_app(cfg, instance, loop, instance.ranks.dead_rank)
+        app = create_app(cfg, instance, loop, instance.ranks.unhealthy)
         config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5)
         _HTTPServer(config, on_exit=loop.stop).run()
     finally:

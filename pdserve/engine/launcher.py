@@ -6,6 +6,13 @@ readiness. The launcher then sends every rank the same command and gathers one r
 It owns shutdown: `shutdown()` stops every rank, and `dead_rank()` reports a rank that died, so
 the instance can stop at once with a message naming it instead of hanging in a collective.
 Each rank asks the kernel to SIGTERM it when the launcher dies, so no rank is ever orphaned.
+
+Failure isolation (DESIGN.md invariant 9): an exception inside a command (a bad request, an
+unexpected shape, an injected fault) is that command's failure, `CommandFailed`, and the group
+stays usable, provided every rank answered: a rank answers only once it is out of its command, so
+no collective can be left half-done. Only a rank that dies, or ranks that stay inside the command
+`error_grace_s` after a peer failed (stuck in a collective the failed rank never joined), break the
+group for good (`RankError`; `unhealthy()` then names the reason).
 """
 
 from __future__ import annotations
@@ -25,7 +32,18 @@ _STOP = "__stop__"
 
 
 class RankError(RuntimeError):
-    """A rank died or failed; the message names the rank."""
+    """A rank died, or the group can no longer be trusted; the message names the rank."""
+
+
+class CommandFailed(RuntimeError):
+    """One command failed on some rank while every rank answered: the group is still usable.
+
+    The message is the failing rank and the exception's last line; `traceback` holds the whole of it
+    (for logs, never for clients)."""
+
+    def __init__(self, rank: int, traceback_text: str):
+        super().__init__(f"rank {rank}: {_last_line(traceback_text)}")
+        self.rank, self.traceback = rank, traceback_text
 
 
 @dataclass(frozen=True)
@@ -37,6 +55,7 @@ class LaunchConfig:
     backend: str = "gloo"  # "nccl" on CUDA
     ready_timeout_s: float = 600.0
     collective_timeout_s: float = 600.0
+    error_grace_s: float = 30.0  # after one rank failed a command, how long the others may take to finish it
 
     def __post_init__(self):
         if self.world_size < 1:
@@ -87,7 +106,7 @@ class RankGroup:
         self.procs: list[mp.process.BaseProcess] = []
         self.conns: list[Connection] = []
         self.infos: list[dict] = []
-        self.broken: str | None = None  # set when a call failed: replies may be out of step, so no more calls
+        self.broken: str | None = None  # set when the group can no longer run commands (see the module doc)
 
     @property
     def pids(self) -> list[int]:
@@ -105,7 +124,10 @@ class RankGroup:
             self.procs.append(p)
             self.conns.append(parent)
         try:
-            self.infos = self._gather(time.monotonic() + self.cfg.ready_timeout_s, "ready")
+            self.infos, errors = self._gather(time.monotonic() + self.cfg.ready_timeout_s)
+            if errors:
+                rank = min(errors)
+                raise RankError(f"rank {rank} failed to start:\n{errors[rank]}")
         except BaseException:
             self.shutdown()
             raise
@@ -118,23 +140,37 @@ class RankGroup:
                 return f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
         return None
 
+    def unhealthy(self) -> str | None:
+        """Why the group cannot serve (a dead rank, or broken), or None."""
+        return self.dead_rank() or (f"the rank group is broken: {self.broken}" if self.broken else None)
+
     def call(self, cmd: Any, timeout_s: float | None = None) -> list[Any]:
         """Sends the same command to every rank and returns their replies in rank order.
 
-        A failure breaks the group for good: the other ranks may still be inside a collective, and
-        their late replies would answer the next command."""
+        Raises CommandFailed when a rank raised but every rank answered (the group stays usable), and
+        RankError when the group broke: a rank died or the ranks did not all get out of the command,
+        so late replies would answer the next command."""
         if self.broken:
             raise RankError(f"the rank group is broken: {self.broken}")
-        for conn in self.conns:
-            conn.send(cmd)
         try:
-            return self._gather(time.monotonic() + (timeout_s or self.cfg.collective_timeout_s), "ok")
+            for conn in self.conns:
+                try:
+                    conn.send(cmd)
+                except OSError:  # BrokenPipeError: that rank is gone
+                    raise RankError(self.dead_rank() or "a rank closed its pipe") from None
+            replies, errors = self._gather(time.monotonic() + (timeout_s or self.cfg.collective_timeout_s))
         except RankError as e:
             self.broken = str(e).splitlines()[0]
             raise
+        if errors:
+            rank = min(errors)
+            raise CommandFailed(rank, errors[rank])
+        return replies
 
-    def _gather(self, deadline: float, want: str) -> list[Any]:
+    def _gather(self, deadline: float) -> tuple[list[Any], dict[int, str]]:
+        """Every rank's reply (or its error's traceback), once each rank answered."""
         replies: list[Any] = [None] * len(self.conns)
+        errors: dict[int, str] = {}
         pending = set(range(len(self.conns)))
         while pending:
             for rank in sorted(pending):
@@ -142,18 +178,21 @@ class RankGroup:
                 if conn.poll(0.05):
                     try:
                         kind, value = conn.recv()
-                    except EOFError:
+                    except (EOFError, OSError):  # the rank died: its pipe closed or was reset
                         raise RankError(self.dead_rank() or f"rank {rank} closed its pipe") from None
                     if kind == "error":
-                        raise RankError(f"rank {rank} failed:\n{value}")
-                    replies[rank] = value
+                        errors[rank] = value
+                        deadline = min(deadline, time.monotonic() + self.cfg.error_grace_s)
+                    else:
+                        replies[rank] = value
                     pending.discard(rank)
             dead = self.dead_rank()
             if dead and pending:
                 raise RankError(dead)
-            if time.monotonic() > deadline:
-                raise RankError(f"ranks {sorted(pending)} did not answer within the timeout")
-        return replies
+            if pending and time.monotonic() > deadline:
+                why = f" after rank {min(errors)} failed ({_last_line(errors[min(errors)])})" if errors else ""
+                raise RankError(f"ranks {sorted(pending)} did not finish the command{why}")
+        return replies, errors
 
     def shutdown(self, grace_s: float = 5.0) -> None:
         for conn, p in zip(self.conns, self.procs):
@@ -174,3 +213,8 @@ class RankGroup:
                 p.join(1.0)
         for conn in self.conns:
             conn.close()
+
+
+def _last_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else "unknown error"

@@ -1,7 +1,8 @@
 """The rank watchdog shared by the prefill and decode servers.
 
 A server's ranks run in lock-step: once one dies, the others block in their next collective until
-its timeout (minutes). So the server never tries to limp on: a watchdog thread polls the launcher,
+its timeout (minutes). So the server never tries to limp on (nor on a group that broke because its
+ranks got out of step, `RankGroup.unhealthy`): a watchdog thread polls the launcher,
 and on the first dead rank it says which one, stops every other rank and exits with status 1.
 Whatever supervises the server (a shell, docker, Kubernetes) then sees a clear failure at once.
 """
@@ -29,9 +30,9 @@ def stop_instance(instance, role: str, message: str) -> NoReturn:
 
 
 def watch_ranks(instance, role: str, stop: threading.Event, poll_s: float = POLL_S) -> None:
-    """Thread body: returns when `stop` is set; never returns if a rank dies."""
+    """Thread body: returns when `stop` is set; never returns if a rank dies or the group breaks."""
     while not stop.wait(poll_s):
-        dead = instance.ranks.dead_rank()  # "rank 1 (pid 123) exited with code -9"
+        dead = instance.ranks.unhealthy()  # "rank 1 (pid 123) exited with code -9"
         if dead and not stop.is_set():  # set before a clean shutdown stops the ranks on purpose
             stop_instance(instance, role, dead)
 
@@ -43,7 +44,8 @@ def start_watchdog(instance, role: str, stop: threading.Event) -> threading.Thre
 
 
 def add_health_route(app, dead_rank) -> None:
-    """GET /health on a server's FastAPI app: 200 while every rank lives, 503 naming a dead one."""
+    """GET /health on a server's FastAPI app: 200 while every rank lives, 503 naming a dead one
+    (or why the group broke: `RankGroup.unhealthy`)."""
     from fastapi.responses import JSONResponse
 
     @app.get("/health")

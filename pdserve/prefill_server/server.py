@@ -91,7 +91,7 @@ def serve(cfg: PrefillServerConfig) -> None:
     worker = threading.Thread(target=_worker_loop, args=(scheduler, stop), daemon=True)
     worker.start()
     start_watchdog(instance, "prefill", stop)
-    app = create_app(instance, scheduler, instance.ranks.dead_rank, cfg.bootstrap_timeout_s)
+    app = create_app(instance, scheduler, instance.ranks.unhealthy, cfg.bootstrap_timeout_s)
     try:
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
     finally:

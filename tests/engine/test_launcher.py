@@ -1,0 +1,79 @@
+"""RankGroup failure isolation (DESIGN.md invariant 9), with real rank processes over gloo.
+
+A command that raises on some rank while every rank answers fails that command only; the group
+goes on serving. Ranks left inside a collective that a failed peer never joined break the group
+(after error_grace_s), and so does a dead rank; `unhealthy()` then says why.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from pdserve.engine.launcher import CommandFailed, LaunchConfig, RankError, RankGroup
+from tests.reference import free_port
+
+
+@dataclass(frozen=True)
+class Cmd:
+    value: int
+    fail_rank: int = -1  # this rank raises ...
+    before_collective: bool = False  # ... before the all-reduce (its peers block in it) or after it
+
+
+class SumWorker:
+    """Each command: all-reduce the value over the group, return the sum."""
+
+    def __init__(self, rank: int, world: int, payload):
+        self.rank = rank
+
+    def handle(self, cmd: Cmd):
+        import torch
+        import torch.distributed as dist
+
+        if cmd.fail_rank == self.rank and cmd.before_collective:
+            raise ValueError(f"bad input {cmd.value}")
+        t = torch.tensor([cmd.value])
+        dist.all_reduce(t)
+        if cmd.fail_rank == self.rank:
+            raise ValueError(f"bad input {cmd.value}")
+        return int(t)
+
+
+@pytest.fixture
+def group():
+    g = RankGroup(SumWorker, None, LaunchConfig(2, free_port(), error_grace_s=3.0, collective_timeout_s=60))
+    g.start()
+    yield g
+    g.shutdown()
+
+
+def test_a_failed_command_leaves_the_group_usable(group):
+    assert group.call(Cmd(2)) == [4, 4]
+    for rank in (0, 1):
+        with pytest.raises(CommandFailed, match=f"rank {rank}: ValueError: bad input 7") as e:
+            group.call(Cmd(7, fail_rank=rank))
+        assert "Traceback" in e.value.traceback and "Traceback" not in str(e.value)
+        assert group.unhealthy() is None and group.broken is None
+        assert group.call(Cmd(3)) == [6, 6]  # replies are in step with the commands
+
+
+def test_ranks_stuck_after_a_failed_peer_break_the_group(group):
+    start = time.monotonic()
+    with pytest.raises(RankError, match=r"ranks \[1\] did not finish the command after rank 0 failed"):
+        group.call(Cmd(5, fail_rank=0, before_collective=True))  # rank 1 waits in the all-reduce forever
+    assert time.monotonic() - start < 30  # the error grace (3 s), not the collective timeout (60 s)
+    assert "broken" in group.unhealthy()
+    with pytest.raises(RankError, match="broken"):
+        group.call(Cmd(1))
+
+
+def test_a_dead_rank_breaks_the_group(group):
+    os.kill(group.pids[1], signal.SIGKILL)
+    with pytest.raises(RankError, match="rank 1"):
+        group.call(Cmd(1))
+    assert "rank 1" in group.unhealthy()
