@@ -176,6 +176,7 @@ def prefill(
     threads_per_rank: int = typer.Option(1, min=1, help="torch threads in each rank process."),
     bootstrap_timeout: float = typer.Option(30.0, help="Seconds a hand-off request waits for its decode instance's page reservation before it fails."),
     transfer: Transfer = typer.Option(Transfer.tcp, help="KV hand-off data path to decode instances: tcp (ZMQ over TCP) or nixl (NIXL/UCX one-sided WRITEs; RDMA or NVLink where present). Both sides must use the same."),
+    max_queue: int = typer.Option(256, min=1, help="Requests waiting to be prefilled beyond this many are refused with 429 and Retry-After (bounded admission; the router then tries another instance)."),
     kv_residues: int = typer.Option(0, min=0, help="Store each layer's latent cache residue-major by R residues (slot s at row (s % R) * ceil(slots / R) + s // R), so each rank of a decode instance with C_d = R finds its tokens in contiguous rows, which --transfer nixl WRITEs straight from the cache without packing. 0 (default): the CP size. Any value works with any decode instance; only the packing cost differs."),
     check_config: bool = typer.Option(False, "--check-config", help="Validate the flags and the checkpoint, print the config, and exit without starting."),
 ):
@@ -189,7 +190,7 @@ def prefill(
             model=str(model or ensure_builtin_model()), cp_size=cp_size, cp_layout=cp_layout.value, cache=cache.value,
             chunk_size=chunk_size, moe_tp=moe_tp, host=host, port=port, dist_port=dist_port, dtype=dtype.value,
             max_kv_tokens=max_kv_tokens, threads_per_rank=threads_per_rank, bootstrap_timeout_s=bootstrap_timeout,
-            transfer=transfer.value, kv_residues=kv_residues,
+            transfer=transfer.value, kv_residues=kv_residues, max_queue=max_queue,
         )
         cfg.validate_model()
     except (ValueError, FileNotFoundError) as e:
@@ -234,6 +235,7 @@ def decode(
     dtype: DType = typer.Option(DType.float32, help="Weights and activations dtype (and KV cache dtype when --kv-cache-dtype is auto)."),
     threads_per_rank: int = typer.Option(1, min=1, help="torch threads in each rank process (and in the server's local prefill)."),
     max_batch: int = typer.Option(64, min=1, help="Most requests decoded together in one step (continuous batching)."),
+    max_queue: int = typer.Option(256, min=1, help="Accepted requests waiting for KV pages beyond this many are refused with 429 and Retry-After (bounded admission)."),
     cpu_comm: CpuComm = typer.Option(CpuComm.auto, help="Collectives between CPU ranks: shm (shared memory, ~15 us each), gloo (loopback TCP, ~0.5 ms each) or auto (shm on x86)."),
     transfer_timeout: float = typer.Option(30.0, help="Seconds a hand-off request waits for the prefill's rows after its pages were reserved before it fails."),
     heartbeat_timeout: float = typer.Option(5.0, help="Seconds of silence (no heartbeat) from a prefill instance after which its hand-offs in flight fail (it died)."),
@@ -259,7 +261,7 @@ def decode(
             page_size=page_size, host=host, port=port, dist_port=dist_port, dtype=dtype.value,
             threads_per_rank=threads_per_rank, max_batch=max_batch, cpu_comm=cpu_comm.value,
             transfer_timeout_s=transfer_timeout, transfer=transfer.value, heartbeat_timeout_s=heartbeat_timeout,
-            data_host=data_host, transfer_quarantine_s=transfer_quarantine,
+            data_host=data_host, transfer_quarantine_s=transfer_quarantine, max_queue=max_queue,
         )
         cfg.validate_model()
         num_slots = cfg.num_slots()
@@ -293,7 +295,13 @@ def router(
     admin_token: Optional[str] = typer.Option(None, help="Bearer token of the /admin API (default: PDSERVE_ADMIN_TOKEN); without one the admin API is disabled."),
     health_interval: float = typer.Option(2.0, help="Seconds between health checks of every instance."),
     max_attempts: int = typer.Option(3, min=1, help="Tries of one request on different instance pairs while no token reached the client."),
-    request_timeout: float = typer.Option(300.0, help="Seconds an instance may stay silent before a try fails."),
+    request_timeout: float = typer.Option(600.0, help="Deadline of one request, from arrival to its last token (every try and wait for room included); past it the client gets 504, or an error event once streaming began."),
+    instance_timeout: float = typer.Option(300.0, help="Seconds an instance may stay silent before a try fails (and is retried elsewhere while no token was sent)."),
+    max_body_bytes: int = typer.Option(16 << 20, min=1, help="Request bodies larger than this are refused with 413 before they are parsed."),
+    max_prompt_bytes: int = typer.Option(8 << 20, min=1, help="Prompt text (or chat message contents) larger than this many UTF-8 bytes is refused with 400 before it is tokenized."),
+    max_prompt_tokens: int = typer.Option(1 << 20, min=1, help="Prompts longer than this many tokens after tokenizing are refused with 400 (decode KV capacity is checked too)."),
+    max_in_flight: int = typer.Option(64, min=1, help="Requests of this router running on one instance at once; when every instance is full, requests wait for room."),
+    max_queue: int = typer.Option(256, min=1, help="Requests that may wait for an instance with room; beyond that the router answers 429 with Retry-After."),
     discovery: Discovery = typer.Option(Discovery.static, help="static: only the --prefill / --decode URLs; k8s: also the Ready pods that match --selector, added and removed as they come and go (labels: deploy/README.md)."),
     selector: Optional[str] = typer.Option(None, help="With --discovery k8s: the instances' pod label selector, KEY=VALUE[,KEY=VALUE]."),
     namespace: Optional[str] = typer.Option(None, help="With --discovery k8s: the pods' namespace (default: the router pod's own)."),
@@ -310,7 +318,9 @@ def router(
             model=str(model or ensure_builtin_model()), prefill=tuple(prefill), decode=tuple(decode),
             policy=policy.value, served_model_name=served_model_name, host=host, port=port,
             admin_token=RouterConfig.token_from_env(admin_token), health_interval_s=health_interval,
-            max_attempts=max_attempts, request_timeout_s=request_timeout, discovery=discovery.value,
+            max_attempts=max_attempts, request_timeout_s=request_timeout, instance_timeout_s=instance_timeout,
+            max_body_bytes=max_body_bytes, max_prompt_bytes=max_prompt_bytes, max_prompt_tokens=max_prompt_tokens,
+            max_in_flight=max_in_flight, max_queue=max_queue, discovery=discovery.value,
             selector=selector, namespace=namespace, k8s_api=k8s_api,
         )
     except ValueError as e:

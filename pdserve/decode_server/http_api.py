@@ -34,34 +34,35 @@ import json
 import uuid
 
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field
+from fastapi.responses import StreamingResponse
+from pydantic import Field
 
 from ..engine import capacity
-from ..engine.request import SamplingParams
+from ..engine.http_edge import REQUEST_ID, StrictModel, install_edge
+from ..engine.request import MAX_OUTPUT_TOKENS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOP_K, SEED_LIMIT, Overloaded, SamplingParams
 from ..engine.watchdog import add_health_route
 from .server import Unavailable
 
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 DISCONNECT_POLL_S = 1.0  # how often a non-streaming handler checks whether its client is still there
 
 
-class GenerateBody(BaseModel):
+class GenerateBody(StrictModel):
     token_ids: list[int] = Field(min_length=1)
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: list[int] = Field(default_factory=list)
+    max_tokens: int = Field(16, ge=1, le=MAX_OUTPUT_TOKENS)
+    temperature: float = Field(0.0, ge=0, le=MAX_TEMPERATURE)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K)
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     stream: bool = False
-    request_id: str | None = Field(default=None, min_length=1)
-    bootstrap: str | None = Field(default=None, pattern=r"^tcp://[^:/]+:[0-9]+$")
+    request_id: str | None = Field(default=None, pattern=REQUEST_ID)
+    bootstrap: str | None = Field(default=None, pattern=r"^tcp://[A-Za-z0-9.\[\]-]{1,253}:[0-9]{1,5}$")
 
 
-class AbortBody(BaseModel):
-    request_id: str
+class AbortBody(StrictModel):
+    request_id: str = Field(max_length=256)
 
 
 def create_app(cfg, instance, engine_loop, dead_rank) -> FastAPI:
@@ -78,11 +79,7 @@ def create_app(cfg, instance, engine_loop, dead_rank) -> FastAPI:
                   for i, r in enumerate(instance.rank_infos)],
     }
 
-    @app.exception_handler(RequestValidationError)
-    async def bad_body(request: Request, exc: RequestValidationError):  # 400, not FastAPI's 422: one code for bad input
-        errors = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:])}: {e['msg']}" for e in exc.errors())
-        return JSONResponse({"detail": errors or "invalid request body"}, status_code=400)
-
+    install_edge(app)
     add_health_route(app, dead_rank)
 
     @app.get("/live")
@@ -106,6 +103,8 @@ def create_app(cfg, instance, engine_loop, dead_rank) -> FastAPI:
             raise HTTPException(400, str(e)) from None
         except Unavailable as e:
             raise HTTPException(503, str(e)) from None
+        except Overloaded as e:
+            raise HTTPException(429, str(e), headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except Exception as e:
             raise HTTPException(500, f"request {request_id} failed: {type(e).__name__}: {e}") from None
         # also catches a client that left during the local prefill, or before its stream started

@@ -22,7 +22,7 @@ import uvicorn
 
 from ..engine import capacity
 from ..engine.launcher import LaunchConfig
-from ..engine.request import SamplingParams
+from ..engine.request import Overloaded, SamplingParams
 from ..engine.watchdog import start_watchdog, stop_instance
 from ..model.config import ModelConfig
 from .dcp_backend import COMM_MODES
@@ -62,6 +62,7 @@ class DecodeServerConfig:
     heartbeat_timeout_s: float = 5.0  # a hand-off fails once its prefill instance is silent this long
     data_host: str = "127.0.0.1"  # where the ranks' TCP receivers listen (reachable by the prefill ranks)
     transfer_quarantine_s: float = 60.0  # NIXL: pages of a hand-off that failed mid-send stay unused this long
+    max_queue: int = 256  # accepted requests waiting for pages beyond this many get 429
 
     def __post_init__(self):
         if self.tp_size < 1 or self.dcp_size < 1 or self.tp_size % self.dcp_size:
@@ -79,8 +80,8 @@ class DecodeServerConfig:
             raise ValueError("--kv-memory and --max-kv-tokens must be positive")
         if self.port == self.dist_port:
             raise ValueError("--port and --dist-port must differ")
-        if self.threads_per_rank < 1 or self.max_batch < 1:
-            raise ValueError("--threads-per-rank and --max-batch must be >= 1")
+        if self.threads_per_rank < 1 or self.max_batch < 1 or self.max_queue < 1:
+            raise ValueError("--threads-per-rank, --max-batch and --max-queue must be >= 1")
         if self.cpu_comm not in CPU_COMMS:
             raise ValueError(f"--cpu-comm must be one of {', '.join(CPU_COMMS)}, got {self.cpu_comm!r}")
         if self.transfer_timeout_s <= 0 or self.heartbeat_timeout_s <= 0 or self.transfer_quarantine_s <= 0:
@@ -148,8 +149,8 @@ class EngineLoop:
     """The engine thread. submit(), abort() and stop() are thread-safe; the rest runs on the thread."""
 
     def __init__(self, engine: DecodeEngine, on_fatal: Callable[[str], None], transfer_timeout_s: float = 30.0,
-                 heartbeat_timeout_s: float = 5.0):
-        self.engine, self.on_fatal = engine, on_fatal
+                 heartbeat_timeout_s: float = 5.0, max_queue: int = 256):
+        self.engine, self.on_fatal, self.max_queue = engine, on_fatal, max_queue
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.listeners: dict[str, Listener] = {}
         self.remote = RemoteRooms(engine, self._emit, transfer_timeout_s, heartbeat_timeout_s)
@@ -220,6 +221,8 @@ class EngineLoop:
             cmd.done.set_result(was_remote or was_local)
         elif cmd.request_id in self.listeners:
             cmd.accepted.set_exception(ValueError(f"request id {cmd.request_id!r} is already in use"))
+        elif len(self.engine.scheduler.queued) >= self.max_queue:
+            cmd.accepted.set_exception(Overloaded(f"the decode queue is full ({self.max_queue} requests waiting)"))
         elif cmd.bootstrap:
             try:
                 self.remote.submit(cmd.request_id, len(cmd.prompt_ids), cmd.params, cmd.bootstrap)
@@ -329,7 +332,7 @@ def serve(cfg: DecodeServerConfig) -> None:
     try:
         instance.start()
         loop = EngineLoop(DecodeEngine(instance, cfg.max_batch), lambda msg: stop_instance(instance, "decode", msg),
-                          cfg.transfer_timeout_s, cfg.heartbeat_timeout_s)
+                          cfg.transfer_timeout_s, cfg.heartbeat_timeout_s, cfg.max_queue)
         thread = threading.Thread(target=loop.run, name="decode-engine", daemon=True)
         thread.start()
         start_watchdog(instance, "decode", stop)

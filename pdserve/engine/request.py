@@ -1,12 +1,27 @@
-"""Request and sampling types shared by the engine and both servers (plain Python, no torch)."""
+"""Request and sampling types shared by the engine, both servers and the router (plain Python, no torch).
+
+The range limits below are the one definition every edge checks against (DESIGN.md invariant 9):
+the router's OpenAI bodies, the instances' HTTP bodies and SamplingParams itself.
+"""
 
 from __future__ import annotations
 
 import enum
 import itertools
+import math
 from dataclasses import dataclass, field
 
 _ids = itertools.count()
+
+SEED_LIMIT = 2**63  # seeds are integers in [0, SEED_LIMIT): torch.Generator.manual_seed's range
+MAX_TEMPERATURE = 100.0
+MAX_OUTPUT_TOKENS = 1 << 20
+MAX_TOP_K = 1 << 31
+MAX_STOP_TOKEN_IDS = 64
+
+
+class Overloaded(RuntimeError):
+    """An instance's queue is full: the request was not accepted (HTTP 429 with Retry-After)."""
 
 
 @dataclass(frozen=True)
@@ -20,14 +35,18 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        if not 1 <= self.max_tokens <= MAX_OUTPUT_TOKENS:
+            raise ValueError(f"max_tokens must be in [1, {MAX_OUTPUT_TOKENS}], got {self.max_tokens}")
+        if not (math.isfinite(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE):
+            raise ValueError(f"temperature must be a finite number in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be in [0, {MAX_TOP_K}], got {self.top_k}")
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < SEED_LIMIT):
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(self.stop_token_ids)}")
 
     @property
     def greedy(self) -> bool:

@@ -121,6 +121,8 @@ class Tokenizer:
         return list(self._eos_ids)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        if len(text) > 4096:  # the batch call releases the GIL, so a long text does not stall other threads
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -16,28 +16,31 @@ import asyncio
 import time
 
 from fastapi import FastAPI, HTTPException
-from pydantic import BaseModel, Field
+from pydantic import Field
 
-from ..engine.request import SamplingParams
+from ..engine.http_edge import REQUEST_ID, StrictModel, install_edge
+from ..engine.request import MAX_TEMPERATURE, MAX_TOP_K, SEED_LIMIT, Overloaded, SamplingParams
 from ..engine.watchdog import add_health_route
 from .scheduler import PrefillJob, PrefillScheduler
 
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 
-class PrefillBody(BaseModel):
+
+class PrefillBody(StrictModel):
     token_ids: list[int] = Field(min_length=1)
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    request_id: str | None = None
-    chunk_size: int | None = Field(default=None, ge=1)
+    temperature: float = Field(0.0, ge=0, le=MAX_TEMPERATURE)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K)
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
+    request_id: str | None = Field(None, pattern=REQUEST_ID)
+    chunk_size: int | None = Field(default=None, ge=1, le=1 << 20)
     handoff: bool = False
 
 
 def create_app(instance, scheduler: PrefillScheduler, dead_rank, bootstrap_timeout_s: float = 30.0) -> FastAPI:
     """dead_rank() -> message naming a dead rank, or None."""
     app = FastAPI(title="pdserve prefill instance")
-
+    install_edge(app)
     add_health_route(app, dead_rank)
 
     @app.get("/live")
@@ -73,6 +76,8 @@ def create_app(instance, scheduler: PrefillScheduler, dead_rank, bootstrap_timeo
             scheduler.submit(job)
         except ValueError as e:
             raise HTTPException(400, str(e)) from None
+        except Overloaded as e:
+            raise HTTPException(429, str(e), headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         try:
             await done
         except asyncio.CancelledError:  # the client went away

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..engine.page_allocator import OutOfPages
-from ..engine.request import SamplingParams
+from ..engine.request import Overloaded, SamplingParams
 from ..transfer.messages import TransferDone, TransferFailed
 from ..transfer.side_channel import BootstrapServer
 from ..transfer.two_sided import serve_reserved
@@ -60,8 +60,8 @@ class PrefillJob:
 
 
 class PrefillScheduler:
-    def __init__(self, instance, bootstrap: BootstrapServer | None = None):
-        self.instance, self.bootstrap = instance, bootstrap
+    def __init__(self, instance, bootstrap: BootstrapServer | None = None, max_queue: int = 256):
+        self.instance, self.bootstrap, self.max_queue = instance, bootstrap, max_queue
         self.waiting: deque[PrefillJob] = deque()
         self.dropped: dict[str, float] = {}  # aborted hand-off room -> when: the worker tells its decode side
         self.current: PrefillJob | None = None
@@ -75,6 +75,8 @@ class PrefillScheduler:
         if job.handoff and self.bootstrap is None:
             raise ValueError("this prefill instance has no bootstrap side channel for hand-offs")
         with self._cv:
+            if len(self.waiting) >= self.max_queue:
+                raise Overloaded(f"the prefill queue is full ({self.max_queue} requests waiting)")
             self.waiting.append(job)
             self._cv.notify()
         return job

@@ -40,8 +40,11 @@ class PrefillServerConfig:
     bootstrap_timeout_s: float = 30.0  # a hand-off request fails when no decode reservation came by then
     transfer: str = "tcp"  # KV hand-off data path: tcp | nixl
     kv_residues: int = 0  # residue-major latent cache (KVPool); 0: cp_size
+    max_queue: int = 256  # waiting requests beyond this many get 429
 
     def __post_init__(self):
+        if self.max_queue < 1:
+            raise ValueError(f"--max-queue must be >= 1, got {self.max_queue}")
         if self.kv_residues < 0:
             raise ValueError(f"--kv-residues must be >= 0 (0: the CP size), got {self.kv_residues}")
         if self.cp_size < 1:
@@ -86,7 +89,7 @@ def serve(cfg: PrefillServerConfig) -> None:
     print(f"starting {cfg.cp_size} prefill rank(s) for {cfg.model}", file=sys.stderr, flush=True)
     instance.start()
     bootstrap = BootstrapService(cfg.host)  # the hand-off side channel (own thread: heartbeats); decode instances connect
-    scheduler = PrefillScheduler(instance, bootstrap)
+    scheduler = PrefillScheduler(instance, bootstrap, cfg.max_queue)
     stop = threading.Event()
     worker = threading.Thread(target=_worker_loop, args=(scheduler, stop), daemon=True)
     worker.start()

@@ -10,37 +10,44 @@ GET  /metrics              Prometheus text (metrics.py)
 
 With --discovery k8s the instances also come and go with the pods of a label selector (discovery.py).
 
-A request: validate -> tokenize -> check that some decode instance can ever hold prompt +
-max_tokens (400) and that instances are up (503) -> Orchestrator.generate (pair, room, both halves,
-retries) -> TextStream (incremental text, stop strings) -> JSON or SSE. A streaming request waits
-for its first piece of text before the 200 goes out, so a request that fails before any token
-still gets a proper status code. A client that goes away cancels the request: both halves abort.
+A request: body size limit (413) -> validate (400 naming the field) -> tokenize off the event loop
+with byte and token limits (prompt.py) -> check that some decode instance can ever hold prompt +
+max_tokens (400) and that instances are up (503) -> Orchestrator.generate (admission: wait for an
+instance with room or 429; pair, room, both halves, retries; the whole request within
+--request-timeout, else 504) -> TextStream (incremental text, stop strings) -> JSON or SSE. A
+streaming request waits for its first piece of text before the 200 goes out, so a request that
+fails before any token still gets a proper status code; after it, any failure is an SSE error
+event. An unexpected exception is a 500 with an error id (the traceback is logged under it). A
+client that goes away cancels the request: both halves abort.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from contextlib import aclosing, asynccontextmanager
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..engine.http_edge import install_edge
 from ..model.tokenizer import Tokenizer
 from . import protocol as P
 from .admin import admin_router
 from .config import RouterConfig
 from .metrics import Metrics
-from .orchestrator import BadRequest, GenParams, Orchestrator, RequestFailed
+from .orchestrator import BadRequest, DeadlineExceeded, GenParams, Orchestrator, Overloaded, RequestFailed
 from .pool import NoInstance, Pool, TooLong
+from .prompt import PromptLimits, chat_prompt, completion_prompt
 from .text import TextStream
 
 DISCONNECT_POLL_S = 0.5
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait
+log = logging.getLogger("pdserve.router")
 
 
 class RouterState:
@@ -49,17 +56,19 @@ class RouterState:
     def __init__(self, cfg: RouterConfig, client: httpx.AsyncClient):
         self.cfg, self.client = cfg, client
         self.tokenizer = Tokenizer.from_pretrained(cfg.model)
-        self.pool = Pool(cfg.prefill, cfg.decode, cfg.policy)
+        self.pool = Pool(cfg.prefill, cfg.decode, cfg.policy, cfg.max_in_flight)
         self.metrics = Metrics()
         self.orch = Orchestrator(self.pool, client, self.metrics, cfg.max_attempts, cfg.retry_backoff_s,
-                                 cfg.request_timeout_s)
+                                 cfg.instance_timeout_s, cfg.max_queue)
+        self.metrics.queued = lambda: self.orch.queued
+        self.limits = PromptLimits(cfg.max_prompt_bytes, cfg.max_prompt_tokens)
 
 
 def create_app(cfg: RouterConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        timeout = httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s)
+        timeout = httpx.Timeout(cfg.instance_timeout_s, connect=cfg.connect_timeout_s)
         async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
             state = app.state.router = RouterState(cfg, client)
             await state.pool.poll_all(client)
@@ -73,7 +82,7 @@ def create_app(cfg: RouterConfig) -> FastAPI:
                     task.cancel()
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
-    _add_error_handlers(app)
+    _add_error_handlers(app, cfg.max_body_bytes)
     app.include_router(admin_router(cfg.admin_token))
 
     @app.get("/live")
@@ -106,13 +115,15 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     async def completions(body: P.CompletionRequest, request: Request):
         state: RouterState = request.app.state.router
         _check_model(cfg, body.model)
-        return await _serve(state, request, body, _completion_prompt(state.tokenizer, body.prompt), chat=False)
+        prompt = await completion_prompt(state.tokenizer, body.prompt, state.limits)
+        return await _serve(state, request, body, prompt, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: P.ChatRequest, request: Request):
         state: RouterState = request.app.state.router
         _check_model(cfg, body.model)
-        return await _serve(state, request, body, _chat_prompt(state.tokenizer, body.messages), chat=True)
+        prompt = await chat_prompt(state.tokenizer, body.messages, state.limits)
+        return await _serve(state, request, body, prompt, chat=True)
 
     return app
 
@@ -130,63 +141,18 @@ def _discovery(cfg: RouterConfig, state: RouterState):
     return K8sDiscovery(state.pool, cfg.selector, cfg.namespace, cfg.k8s_api, on_added=poll_now)
 
 
-def _add_error_handlers(app: FastAPI) -> None:
+def _add_error_handlers(app: FastAPI, max_body_bytes: int) -> None:
+    install_edge(app, max_body_bytes)
+
     @app.exception_handler(P.ApiError)
     async def api_error(request: Request, exc: P.ApiError):
         return exc.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def bad_body(request: Request, exc: RequestValidationError):
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        if first.get("type") == "json_invalid":
-            message = f"invalid JSON body: {first.get('ctx', {}).get('error', 'cannot parse')}"
-        else:
-            message = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:])}: {e['msg']}" for e in errors)
-        return P.ApiError(400, message or "invalid request body", param).response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException):
-        return JSONResponse(P.error_body(str(exc.detail), "invalid_request_error" if exc.status_code < 500
-                                         else "server_error"), status_code=exc.status_code, headers=exc.headers)
 
 
 def _check_model(cfg: RouterConfig, model: str) -> None:
     if model != cfg.model_name:
         raise P.ApiError(404, f"the model {model!r} does not exist; this router serves {cfg.model_name!r}",
                          "model", "model_not_found")
-
-
-def _completion_prompt(tok: Tokenizer, prompt) -> list[int]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    elif isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        raise P.ApiError(400, "only one prompt per request is supported", "prompt")
-    ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    if not ids:
-        raise P.ApiError(400, "the prompt is empty", "prompt")
-    if any(not 0 <= t < tok.vocab_size for t in ids):
-        raise P.ApiError(400, f"prompt token ids must be in [0, {tok.vocab_size})", "prompt")
-    return ids
-
-
-def _chat_prompt(tok: Tokenizer, messages: list[dict]) -> list[int]:
-    if not messages:
-        raise P.ApiError(400, "messages must not be empty", "messages")
-    flat = []
-    for i, m in enumerate(messages):
-        if not isinstance(m.get("role"), str):
-            raise P.ApiError(400, f"messages[{i}] needs a role", "messages")
-        content = m.get("content") or ""
-        if isinstance(content, list):  # content parts: only text is understood
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-        flat.append({**m, "content": content})
-    try:
-        text = tok.apply_chat_template(flat, add_generation_prompt=True)
-    except Exception as e:  # jinja's raise_exception(), or no template
-        raise P.ApiError(400, f"cannot apply the chat template: {e}", "messages") from None
-    return _completion_prompt(tok, text)
 
 
 async def _serve(state: RouterState, request: Request, body, prompt: list[int], chat: bool):
@@ -200,7 +166,8 @@ async def _serve(state: RouterState, request: Request, body, prompt: list[int], 
         state.metrics.finished("unavailable")
         raise P.ApiError(503, str(e)) from None
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    pieces = _pieces(state, prompt, params, body.stop_list())
+    deadline = time.monotonic() + state.cfg.request_timeout_s
+    pieces = _pieces(state, prompt, params, body.stop_list(), deadline)
     if not body.stream:
         return await _until_disconnect(request, _collect(state, rid, chat, body, prompt, pieces))
     first = await _until_disconnect(request, _first_piece(pieces))  # errors before any token keep their status
@@ -208,14 +175,14 @@ async def _serve(state: RouterState, request: Request, body, prompt: list[int], 
                              media_type="text/event-stream")
 
 
-async def _pieces(state: RouterState, prompt: list[int], params: GenParams, stop: list[str]):
+async def _pieces(state: RouterState, prompt: list[int], params: GenParams, stop: list[str], deadline: float):
     """Yields (text, token_ids, finish_reason | None); records the latency metrics and the outcome."""
     m, text = state.metrics, TextStream(state.tokenizer, stop)
     start = last = time.perf_counter()
     ids: list[int] = []
     outcome = "aborted"  # a client that leaves ends here with a CancelledError / GeneratorExit
     try:
-        async with aclosing(state.orch.generate(prompt, params)) as events:
+        async with aclosing(state.orch.generate(prompt, params, deadline)) as events:
             async for ev in events:
                 now = time.perf_counter()
                 if isinstance(ev, str):  # the finish reason
@@ -242,9 +209,23 @@ async def _pieces(state: RouterState, prompt: list[int], params: GenParams, stop
     except BadRequest as e:
         outcome = "client_error"
         raise P.ApiError(400, str(e)) from None
+    except Overloaded as e:
+        outcome = "rejected"
+        raise P.ApiError(429, str(e), code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    except DeadlineExceeded as e:
+        outcome = "timeout"
+        raise P.ApiError(504, f"{e} ({state.cfg.request_timeout_s:g} s, --request-timeout)", code="timeout") from None
     except RequestFailed as e:
         outcome = "failed"
         raise P.ApiError(502, str(e)) from None
+    except P.ApiError:
+        outcome = "failed"
+        raise
+    except Exception as e:  # a bug: the client still gets a clean error; the traceback goes to the log
+        outcome = "failed"
+        error_id = uuid.uuid4().hex[:12]
+        log.error("error %s while serving a request", error_id, exc_info=e)
+        raise P.ApiError(500, f"internal error (error id {error_id})") from None
     finally:
         m.e2e.observe(time.perf_counter() - start)
         m.finished(outcome)

@@ -24,8 +24,14 @@ class RouterConfig:
     health_interval_s: float = 2.0
     max_attempts: int = 3  # tries of one request on different pairs, while no token reached the client
     retry_backoff_s: float = 0.2  # doubled after every failed try
-    request_timeout_s: float = 300.0  # longest silence from an instance before the try fails
+    request_timeout_s: float = 600.0  # deadline of a whole request (every try and wait included)
+    instance_timeout_s: float = 300.0  # longest silence from an instance before the try fails
     connect_timeout_s: float = 5.0
+    max_body_bytes: int = 16 << 20  # request bodies beyond this are refused (413) before parsing
+    max_prompt_bytes: int = 8 << 20  # prompt text beyond this is refused before tokenizing (400)
+    max_prompt_tokens: int = 1 << 20  # and prompts beyond this many tokens after it (400)
+    max_in_flight: int = 64  # requests of this router running on one instance at once
+    max_queue: int = 256  # requests waiting for an instance with room; beyond: 429
     default_max_tokens: int = 16  # OpenAI's default for /v1/completions; chat uses it too
     discovery: str = "static"  # "k8s": also the Ready pods matching `selector` (discovery.py)
     selector: str | None = None  # label selector KEY=VALUE[,KEY=VALUE]
@@ -44,8 +50,11 @@ class RouterConfig:
             raise ValueError("an instance URL is listed twice (each instance has one role)")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
-        if self.health_interval_s <= 0 or self.request_timeout_s <= 0 or self.connect_timeout_s <= 0:
+        if min(self.health_interval_s, self.request_timeout_s, self.instance_timeout_s, self.connect_timeout_s) <= 0:
             raise ValueError("health interval and timeouts must be > 0")
+        for name in ("max_body_bytes", "max_prompt_bytes", "max_prompt_tokens", "max_in_flight", "max_queue"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.discovery not in DISCOVERY:

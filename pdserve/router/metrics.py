@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-OUTCOMES = ("completed", "client_error", "unavailable", "failed", "aborted")
+OUTCOMES = ("completed", "client_error", "unavailable", "failed", "aborted", "rejected", "timeout")
+REJECTIONS = ("router_queue_full", "instances_full")
 
 
 class Histogram:
@@ -51,10 +52,15 @@ class Metrics:
                                  "Seconds from sending a prefill request to its answer (the KV cache shipped).")
         self.requests = {o: 0 for o in OUTCOMES}
         self.retries = {"prefill": 0, "decode": 0}
+        self.rejections = {r: 0 for r in REJECTIONS}
         self.tokens = 0
+        self.queued = lambda: 0  # requests waiting for an instance with room (set by the app)
 
     def finished(self, outcome: str) -> None:
         self.requests[outcome] += 1
+
+    def rejected(self, reason: str) -> None:
+        self.rejections[reason] += 1
 
     def retry(self, role: str) -> None:
         self.retries[role] += 1
@@ -72,6 +78,11 @@ class Metrics:
         lines += ["# HELP pdserve_router_retries_total Failed tries that were retried, by the role that failed.",
                   "# TYPE pdserve_router_retries_total counter"]
         lines += [f'pdserve_router_retries_total{{role="{r}"}} {n}' for r, n in self.retries.items()]
+        lines += ["# HELP pdserve_router_rejected_total Requests refused with 429, by reason.",
+                  "# TYPE pdserve_router_rejected_total counter"]
+        lines += [f'pdserve_router_rejected_total{{reason="{r}"}} {n}' for r, n in self.rejections.items()]
+        lines += ["# HELP pdserve_router_queued_requests Requests waiting for an instance with room.",
+                  "# TYPE pdserve_router_queued_requests gauge", f"pdserve_router_queued_requests {self.queued()}"]
         lines += ["# HELP pdserve_router_generated_tokens_total Tokens streamed to clients.",
                   "# TYPE pdserve_router_generated_tokens_total counter",
                   f"pdserve_router_generated_tokens_total {self.tokens}"]

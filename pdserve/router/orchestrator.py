@@ -7,6 +7,13 @@ try at once: the decode half is aborted (POST /v1/abort, and its stream closed) 
 request is dropped. A try that failed before any token went out is repeated on another pair
 (`max_attempts`, exponential backoff); after the first token an error ends the request.
 Cleanup of a try never awaits inside a cancelled task: the aborts run as detached tasks.
+
+Nothing dies unobserved: each half catches every exception and reports it as the try's failure,
+and every wait is bounded by the request's deadline (`DeadlineExceeded`, 504 or an error event).
+Admission: a pair is chosen only among instances with fewer than the pool's max_in_flight of this
+router's requests; when all are full a request waits for room, up to `max_queue` waiting requests
+(`Overloaded`, 429 beyond). An instance that answers 429 is skipped like a failed try; when every
+try met a full instance the request gets 429 too.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from dataclasses import dataclass
 import httpx
 
 from .metrics import Metrics
-from .pool import Instance, NoInstance, Pool
+from .pool import Instance, NoInstance, Pool, Saturated, error_message
 
 
 @dataclass(frozen=True)
@@ -41,41 +48,50 @@ class RequestFailed(Exception):
     """The request could not be served (502 before the first token; an error event after it)."""
 
 
+class DeadlineExceeded(RequestFailed):
+    """The request ran past its deadline (504 before the first token; an error event after it)."""
+
+
+class Overloaded(Exception):
+    """The router's wait queue is full, or every instance tried was full (429 with Retry-After)."""
+
+
 class TryFailed(Exception):
-    def __init__(self, inst: Instance, message: str, transport: bool = False):
+    def __init__(self, inst: Instance, message: str, transport: bool = False, overloaded: bool = False):
         super().__init__(f"{inst.role} {inst.url}: {message}")
-        self.inst, self.transport = inst, transport
+        self.inst, self.transport, self.overloaded = inst, transport, overloaded
 
 
 class Orchestrator:
     def __init__(self, pool: Pool, client: httpx.AsyncClient, metrics: Metrics, max_attempts: int,
-                 backoff_s: float, timeout_s: float):
+                 backoff_s: float, timeout_s: float, max_queue: int = 1 << 30):
         self.pool, self.client, self.metrics = pool, client, metrics
         self.max_attempts, self.backoff_s, self.timeout_s = max_attempts, backoff_s, timeout_s
+        self.max_queue, self.queued = max_queue, 0
         self._background: set[asyncio.Task] = set()
 
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
         """Raises pool.TooLong / NoInstance before anything is streamed (400 / 503)."""
-        self.pool.candidates("decode", prompt_len + max_tokens)
-        self.pool.candidates("prefill", prompt_len)
+        self.pool.candidates("decode", prompt_len + max_tokens, admit=False)
+        self.pool.candidates("prefill", prompt_len, admit=False)
 
-    async def generate(self, prompt: list[int], params: GenParams):
-        """Yields token ids, then one finish reason string ("stop" | "length" | "abort")."""
+    async def generate(self, prompt: list[int], params: GenParams, deadline: float):
+        """Yields token ids, then one finish reason string ("stop" | "length" | "abort").
+        `deadline` (time.monotonic()) bounds the whole request, every try and wait included."""
         avoid: set[str] = set()
-        last: Exception | None = None
+        last: TryFailed | None = None
         for attempt in range(self.max_attempts):
             if attempt:
-                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+                await asyncio.sleep(min(self.backoff_s * 2 ** (attempt - 1), _left(deadline)))
             try:
-                decode = self.pool.pick("decode", len(prompt) + params.max_tokens, avoid)
-                prefill = self.pool.pick("prefill", len(prompt), avoid)
+                prefill, decode = await self._pick(len(prompt), params.max_tokens, avoid, deadline)
             except NoInstance:
                 if last is None:
                     raise
                 break
             sent = False
             try:
-                async for event in self._try(prefill, decode, prompt, params):
+                async for event in self._try(prefill, decode, prompt, params, deadline):
                     sent = sent or isinstance(event, int)
                     yield event
                 return
@@ -86,19 +102,48 @@ class Orchestrator:
                 last = e
                 if sent:
                     raise RequestFailed(str(e)) from None
+        if last is not None and last.overloaded:
+            self.metrics.rejected("instances_full")
+            raise Overloaded(f"every instance tried is full ({last})")
         raise RequestFailed(f"failed after {attempt + 1} tries: {last}")
 
-    async def _try(self, prefill: Instance, decode: Instance, prompt: list[int], params: GenParams):
+    async def _pick(self, prompt_len: int, max_tokens: int, avoid: set[str], deadline: float):
+        """A (prefill, decode) pair with room, waiting for one while at most max_queue others wait."""
+        queued = False
+        try:
+            while True:
+                try:
+                    decode = self.pool.pick("decode", prompt_len + max_tokens, avoid)
+                    return self.pool.pick("prefill", prompt_len, avoid), decode
+                except Saturated:
+                    if not queued:
+                        if self.queued >= self.max_queue:
+                            self.metrics.rejected("router_queue_full")
+                            raise Overloaded(f"the router's queue is full ({self.max_queue} requests wait for "
+                                             "an instance)") from None
+                        queued, self.queued = True, self.queued + 1
+                    if _left(deadline) <= 0:
+                        raise DeadlineExceeded("no instance had room before the request's deadline") from None
+                    await self.pool.wait_for_room(min(1.0, _left(deadline)))
+        finally:
+            if queued:
+                self.queued -= 1
+
+    async def _try(self, prefill: Instance, decode: Instance, prompt: list[int], params: GenParams,
+                   deadline: float):
         room = f"room-{uuid.uuid4().hex}"
         events: asyncio.Queue = asyncio.Queue()
         prefill.in_flight += 1
         decode.in_flight += 1
-        p_task = asyncio.create_task(self._prefill(prefill, room, prompt, params, events))
-        d_task = asyncio.create_task(self._decode(decode, prefill.bootstrap, room, prompt, params, events))
+        p_task = self._guarded(prefill, events, self._prefill(prefill, room, prompt, params, events))
+        d_task = self._guarded(decode, events, self._decode(decode, prefill.bootstrap, room, prompt, params, events))
         finished = False
         try:
             while True:
-                kind, value = await events.get()
+                try:
+                    kind, value = await asyncio.wait_for(events.get(), _left(deadline))
+                except asyncio.TimeoutError:
+                    raise DeadlineExceeded("the request ran past its deadline") from None
                 if kind == "token":
                     yield value
                 elif kind == "finish":
@@ -112,6 +157,7 @@ class Orchestrator:
         finally:
             prefill.in_flight -= 1
             decode.in_flight -= 1
+            self.pool.released()
             if not finished:
                 d_task.cancel()  # closes the stream: the decode aborts on disconnect too
                 self._detach(self._abort(decode, room))
@@ -128,7 +174,7 @@ class Orchestrator:
             events.put_nowait(("failed", TryFailed(inst, _describe(e), transport=True)))
             return
         if r.status_code != 200:
-            events.put_nowait(("failed", TryFailed(inst, _error_text(r))))
+            events.put_nowait(("failed", TryFailed(inst, _error_text(r), overloaded=r.status_code == 429)))
             return
         self.metrics.observe_prefill(time.perf_counter() - start)
 
@@ -140,6 +186,10 @@ class Orchestrator:
         try:
             async with self.client.stream("POST", f"{inst.url}/v1/generate", json=body,
                                           timeout=self.timeout_s) as r:
+                if r.status_code == 429:
+                    await r.aread()
+                    events.put_nowait(("failed", TryFailed(inst, _error_text(r), overloaded=True)))
+                    return
                 if 400 <= r.status_code < 500:
                     await r.aread()
                     events.put_nowait(("failed", BadRequest(_error_text(r))))
@@ -152,7 +202,7 @@ class Orchestrator:
                     if not line:
                         continue
                     msg = json.loads(line)
-                    if "token" in msg:
+                    if isinstance(msg.get("token"), int):
                         events.put_nowait(("token", msg["token"]))
                     elif "finish_reason" in msg:
                         events.put_nowait(("finish", msg["finish_reason"]))
@@ -163,6 +213,15 @@ class Orchestrator:
             events.put_nowait(("failed", TryFailed(inst, "stream ended without a finish")))
         except httpx.HTTPError as e:
             events.put_nowait(("failed", TryFailed(inst, _describe(e), transport=True)))
+
+    def _guarded(self, inst: Instance, events: asyncio.Queue, coro) -> asyncio.Task:
+        """Runs one half; any exception it lets out (a bug, a malformed answer) fails the try."""
+        async def run():
+            try:
+                await coro
+            except Exception as e:
+                events.put_nowait(("failed", TryFailed(inst, f"unexpected {type(e).__name__}: {e}")))
+        return asyncio.create_task(run())
 
     async def _abort(self, inst: Instance, room: str) -> None:
         try:
@@ -187,8 +246,11 @@ def _describe(e: Exception) -> str:
 
 def _error_text(r: httpx.Response) -> str:
     try:
-        body = r.json()
-        detail = body.get("detail") or body.get("error") or body
+        detail = error_message(r.json()) or r.text[:200]
     except ValueError:
         detail = r.text[:200]
     return f"HTTP {r.status_code}: {detail}"
+
+
+def _left(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())

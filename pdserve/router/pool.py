@@ -4,7 +4,9 @@ An `Instance` is one prefill or decode server, known by its base URL. The health
 instance's /health and its load endpoint (prefill /info, decode /capacity) and keeps the last
 answer; a failed poll, or a failed request (`suspect`), marks it unhealthy until a poll succeeds.
 A draining instance gets no new requests; its running ones finish. Choosing never blocks: it reads
-only the last polled state plus the router's own in-flight counts.
+only the last polled state plus the router's own in-flight counts. An instance with
+`max_in_flight` requests of this router running is full (`Saturated`); `released()` wakes the
+requests that wait for room (orchestrator.py bounds how many may wait).
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ class NoInstance(Exception):
 
 class TooLong(Exception):
     """The request can never fit any decode (or prefill) instance (400)."""
+
+
+class Saturated(NoInstance):
+    """Every usable instance of a role has max_in_flight requests running: wait, or 429."""
 
 
 @dataclass
@@ -74,9 +80,10 @@ class Instance:
 class Pool:
     """All instances of both roles, the selection policy, and the health loop."""
 
-    def __init__(self, prefill: tuple[str, ...], decode: tuple[str, ...], policy: str):
+    def __init__(self, prefill: tuple[str, ...], decode: tuple[str, ...], policy: str, max_in_flight: int = 1 << 30):
         self.instances: dict[str, Instance] = {}
-        self.policy = policy
+        self.policy, self.max_in_flight = policy, max_in_flight
+        self._room: asyncio.Event | None = None  # set (and replaced) whenever a request leaves an instance
         self._turn = {role: itertools.count() for role in ROLES}
         for role, urls in (("prefill", prefill), ("decode", decode)):
             for url in urls:
@@ -119,8 +126,9 @@ class Pool:
             return min(fresh, key=Instance.load)
         return fresh[next(self._turn[role]) % len(fresh)]
 
-    def candidates(self, role: str, need_tokens: int, avoid: set[str] = frozenset()) -> list[Instance]:
-        """The instances `pick` chooses from; raises NoInstance or TooLong. Does not advance round robin."""
+    def candidates(self, role: str, need_tokens: int, avoid: set[str] = frozenset(), admit: bool = True) -> list[Instance]:
+        """The instances `pick` chooses from; raises NoInstance or TooLong, and with `admit` Saturated
+        when all of them are full. Does not advance round robin."""
         usable = [i for i in self.of(role) if i.usable and (role == "decode" or i.bootstrap)]
         if not usable:
             raise NoInstance(f"no healthy {role} instance")
@@ -130,9 +138,28 @@ class Pool:
             what = "prompt + max_tokens" if role == "decode" else "prompt"
             raise TooLong(f"{what} is {need_tokens} tokens, more than any {role} instance holds ({most})")
         fresh = [i for i in fits if i.url not in avoid] or fits  # another try prefers other instances
+        if admit:
+            fresh = [i for i in fresh if i.in_flight < self.max_in_flight]
+            if not fresh:
+                raise Saturated(f"every {role} instance has {self.max_in_flight} requests running")
         if role == "decode":  # prefer instances with room now; the others queue the request
             fresh = [i for i in fresh if i.info.get("free_tokens", 0) >= need_tokens] or fresh
         return fresh
+
+    def released(self) -> None:
+        """A request left an instance: wake whoever waits for room."""
+        if self._room is not None:
+            self._room.set()
+            self._room = None
+
+    async def wait_for_room(self, timeout_s: float) -> None:
+        """Returns when some request left an instance, or after timeout_s."""
+        if self._room is None:
+            self._room = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._room.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
 
     # health -------------------------------------------------------------------------------
     async def poll(self, client: httpx.AsyncClient, inst: Instance) -> None:
@@ -171,5 +198,15 @@ def _detail(resp: httpx.Response) -> str:
         body = resp.json()
     except ValueError:
         return f"HTTP {resp.status_code}"
-    msg = body.get("error") or body.get("detail") if isinstance(body, dict) else None
+    msg = error_message(body)
     return f"HTTP {resp.status_code}: {msg}" if msg else f"HTTP {resp.status_code}"
+
+
+def error_message(body) -> str | None:
+    """The message of an instance's error body ({"error": {"message"}}, or an older {"detail"})."""
+    if not isinstance(body, dict):
+        return None
+    err = body.get("error") or body.get("detail")
+    if isinstance(err, dict):
+        err = err.get("message") or err
+    return str(err)[:500] if err else None

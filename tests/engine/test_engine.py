@@ -78,9 +78,15 @@ def test_scheduler_rejects_a_request_larger_than_the_cache():
 
 
 def test_sampling_params_are_validated():
-    for bad in (dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2)):
+    for bad in (dict(max_tokens=0), dict(max_tokens=2**40), dict(temperature=-1), dict(temperature=float("nan")),
+                dict(temperature=float("inf")), dict(top_p=0), dict(top_p=float("nan")), dict(top_k=-2),
+                dict(top_k=2**70), dict(seed=2**64), dict(seed=2**63), dict(seed=-1), dict(seed=-(2**70)),
+                dict(stop_token_ids=tuple(range(65)))):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+    # the extremes that are allowed are ones the sampler can use (manual_seed takes [0, 2**63))
+    p = SamplingParams(temperature=1.0, seed=2**63 - 1)
+    assert Sampler().sample(torch.zeros(1, 8), [p], ["edge"])[0] in range(8)
 
 
 def test_sampler_seeded_and_filters():

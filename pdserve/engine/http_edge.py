@@ -1,0 +1,118 @@
+"""What every HTTP edge shares (router and instances alike; DESIGN.md invariants 9 and 11). Torch-free.
+
+- OpenAI-style error bodies: {"error": {"message", "type", "param", "code"}}, for bad bodies (400,
+  naming the field), HTTPExceptions, oversized bodies (413) and unexpected failures (500 with an
+  error id; the traceback goes to the log under that id, never to the client).
+- A request body size limit, checked before anything parses the body.
+- `StrictModel`: the pydantic base of request bodies; non-finite numbers are refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("pdserve.http")
+
+DEFAULT_MAX_BODY_BYTES = 16 << 20
+REQUEST_ID = r"^[A-Za-z0-9._:-]{1,128}$"  # request ids and rooms: no paths, spaces or control characters
+
+
+class StrictModel(BaseModel):
+    """Request bodies: unknown fields ignored, NaN and infinities refused (JSON allows neither)."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_type(status: int) -> str:
+    if status == 429:
+        return "rate_limit_exceeded"
+    if status == 503:
+        return "service_unavailable"
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, error_type(status), param, code), status_code=status, headers=headers)
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """(message, the first bad field) of a body that failed validation."""
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+    if first.get("type") == "json_invalid":
+        return f"invalid JSON body: {first.get('ctx', {}).get('error', 'cannot parse')}", None
+    text = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in errors[:5])
+    return text or "invalid request body", param
+
+
+def install_edge(app: FastAPI, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+    """Error handlers and the body size limit of one HTTP edge."""
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(request: Request, exc: RequestValidationError):  # 400, not FastAPI's 422
+        message, param = validation_message(exc)
+        return error_response(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        error_id = uuid.uuid4().hex[:12]
+        log.error("error %s on %s %s", error_id, request.method, request.url.path, exc_info=exc)
+        return error_response(500, f"internal error (error id {error_id})")
+
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+
+
+class BodyLimit:
+    """ASGI middleware: reads a request's body up to `max_bytes` (413 beyond), then replays it."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.max_bytes:
+            return await self._refuse(scope, receive, send)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                return await self._refuse(scope, receive, send)
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: only a disconnect can come
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope, receive, send):
+        response = error_response(413, f"the request body exceeds {self.max_bytes} bytes")
+        await response(scope, receive, send)

@@ -1,0 +1,91 @@
+"""The prompt at the router's edge: size limits, then tokenizing and chat templates off the event loop.
+
+A prompt is checked in bytes before it is tokenized (`max_prompt_bytes`) and in tokens after
+(`max_prompt_tokens`); token ids must lie inside the vocabulary. Tokenizing and template rendering
+run in worker threads (the tokenizer releases the GIL for long texts), so /health and the streams
+of other requests keep being served while a large prompt is processed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from ..model.tokenizer import Tokenizer
+from .protocol import ApiError
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+@dataclass(frozen=True)
+class PromptLimits:
+    max_prompt_bytes: int
+    max_prompt_tokens: int
+
+
+async def completion_prompt(tok: Tokenizer, prompt, limits: PromptLimits) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    elif isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        raise ApiError(400, "only one prompt per request is supported", "prompt")
+    if isinstance(prompt, str):
+        _check_bytes(len(prompt.encode("utf-8", "surrogatepass")), limits)
+        ids = await asyncio.to_thread(tok.encode, prompt)
+    else:
+        ids = list(prompt)
+    return _check_ids(ids, tok.vocab_size, limits)
+
+
+async def chat_prompt(tok: Tokenizer, messages: list[dict], limits: PromptLimits) -> list[int]:
+    flat = flatten_messages(messages)
+    _check_bytes(sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in flat), limits)
+    try:
+        text = await asyncio.to_thread(tok.apply_chat_template, flat, True)
+    except Exception as e:  # jinja's raise_exception(), or no template
+        raise ApiError(400, f"cannot apply the chat template: {e}", "messages") from None
+    _check_bytes(len(text.encode("utf-8", "surrogatepass")), limits)
+    return _check_ids(await asyncio.to_thread(tok.encode, text), tok.vocab_size, limits)
+
+
+def flatten_messages(messages: list[dict]) -> list[dict]:
+    """Each message as {"role", "content": str[, "name"]}; anything else in a message is a 400."""
+    if not messages:
+        raise ApiError(400, "messages must not be empty", "messages")
+    flat = []
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        if role not in ROLES:
+            raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}", f"messages[{i}].role")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text is understood
+            if not all(isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in content):
+                raise ApiError(400, f"messages[{i}].content parts must be objects with a text",
+                               f"messages[{i}].content")
+            content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string or a list of parts",
+                           f"messages[{i}].content")
+        entry = {"role": role, "content": content}
+        if isinstance(m.get("name"), str):
+            entry["name"] = m["name"][:256]
+        flat.append(entry)
+    return flat
+
+
+def _check_bytes(n: int, limits: PromptLimits) -> None:
+    if n > limits.max_prompt_bytes:
+        raise ApiError(400, f"the prompt is {n} bytes, more than this server accepts ({limits.max_prompt_bytes})",
+                       "prompt", "context_length_exceeded")
+
+
+def _check_ids(ids: list[int], vocab: int, limits: PromptLimits) -> list[int]:
+    if not ids:
+        raise ApiError(400, "the prompt is empty", "prompt")
+    if len(ids) > limits.max_prompt_tokens:
+        raise ApiError(400, f"the prompt is {len(ids)} tokens, more than this server accepts "
+                            f"({limits.max_prompt_tokens})", "prompt", "context_length_exceeded")
+    if any(not 0 <= t < vocab for t in ids):
+        raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+    return ids
