@@ -127,6 +127,25 @@ class _Filler:
             raise WeightError(f"missing tensor {first}{more} in {model_dir}")
 
 
+def check_tensor_names(cfg: ModelConfig, names, where: str = "the index") -> dict[str, int]:
+    """Classifies checkpoint tensor names as the loader would, on a meta-device model (no memory):
+    counts of loaded tensors, block scales, skipped MTP tensors and ignored ones; a WeightError names
+    the first tensor the loader would reject."""
+    with torch.device("meta"):
+        filler = _Filler(CausalLM(cfg), cfg)
+    counts = {"load": 0, "scale": 0, "mtp": 0, "ignored": 0}
+    for key in names:
+        if filler.is_mtp(key):
+            kind = "mtp"
+        elif key.endswith(SCALE_SUFFIX):
+            filler.check_known(key[: -len(SCALE_SUFFIX)], Path(where))
+            kind = "scale"
+        else:
+            kind = "ignored" if filler.check_known(key, Path(where)) is None else "load"
+        counts[kind] += 1
+    return counts
+
+
 def load_model(
     model_dir: str | Path,
     dtype: torch.dtype = torch.float32,
