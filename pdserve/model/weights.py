@@ -197,8 +197,8 @@ class _Reader:
         self.mtp_skipped = 0
 
     def read_shard(self, f, path: Path) -> None:
-        keys = list(f.keys())
-        for key in keys:
+        keys = set(f.keys())
+        for key in f.keys():
             if self.filler.is_mtp(key):
                 self.mtp_skipped += 1
             elif key.endswith(SCALE_SUFFIX):
@@ -211,7 +211,7 @@ class _Reader:
             else:
                 self._read_tensor(f, key, path, keys)
 
-    def _read_tensor(self, f, key: str, path: Path, keys: list[str]) -> None:
+    def _read_tensor(self, f, key: str, path: Path, keys: set[str]) -> None:
         tensor = f.get_tensor(key)
         if tensor.dtype not in _FP8_DTYPES:
             if key + SCALE_SUFFIX in keys or key + SCALE_SUFFIX in self.held_scales:

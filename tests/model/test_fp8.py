@@ -196,3 +196,18 @@ def test_mtp_layers_are_skipped_with_one_line(fp8_checkpoints, tmp_path):
     _edit(path, lambda t: t.pop("model.layers.3.self_attn.o_proj.weight"))
     with pytest.raises(WeightError, match=r"missing tensor model\.layers\.3\.self_attn\.o_proj\.weight"):
         load_model(path)
+
+
+def test_make_model_cli_quantize_fp8(tmp_path, fp8_checkpoints):
+    from typer.testing import CliRunner
+
+    from pdserve.cli import app
+
+    out = tmp_path / "cli"
+    r = CliRunner().invoke(app, ["make-model", str(out), "--arch", "deepseek_v3", "--quantize", "fp8", "--seed", "3"])
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("model.layers.0.self_attn.o_proj.weight").dtype == torch.float8_e4m3fn
+    load_model(out)
+    assert CliRunner().invoke(app, ["make-model", str(tmp_path / "x"), "--quantize", "int4"]).exit_code == 2
