@@ -2,7 +2,8 @@
 
 Works from config.json alone (a directory with no weights is fine: the model is built on the meta
 device), and never builds the built-in model: without --model it checks the built-in preset's
-config (written to a temporary directory) unless the built-in model is already on disk.
+config and tokenizer (written to a temporary directory, no weights) unless the built-in model is
+already on disk.
 """
 
 from __future__ import annotations
@@ -21,9 +22,13 @@ def model_for_check(model: Path | None, builtin_dir: Path, builtin_config: dict)
         return model
     if (builtin_dir / "config.json").is_file():
         return builtin_dir
+    from .model.bpe_builder import write_tokenizer_files
+
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-check-"))
     atexit.register(shutil.rmtree, tmp, True)
     (tmp / "config.json").write_text(json.dumps(builtin_config))
+    # the router checks its tokenizer: the built-in one is written in well under a second, the weights never
+    write_tokenizer_files(tmp, builtin_config["vocab_size"], builtin_config["max_position_embeddings"])
     return tmp
 
 
