@@ -132,6 +132,7 @@ def capacity(
     dcp_sizes: str = typer.Option("1,2,4,8", help="Comma-separated decode context-parallel sizes C_d to tabulate."),
     kv_memory: Optional[str] = typer.Option(None, help="Per-rank KV cache budget, e.g. 80GiB, 512MiB or plain bytes; adds the tokens each index mode holds."),
     page_size: int = typer.Option(64, min=1, help="Slots per page; must be a multiple of every C_d (pages are C_d-wide)."),
+    gpu_memory: Optional[str] = typer.Option(None, help="Memory of one GPU, e.g. 141GiB: adds, per C_d, the fewest decode ranks whose weights (in --dtype) fit one GPU each and the KV tokens per instance in what is left."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
 ):
     """Bytes per token per decode rank and the capacity factor over plain TP, copied vs split index;
@@ -149,9 +150,22 @@ def capacity(
         if bad:
             raise ValueError(f"--page-size {page_size} is not a multiple of C_d {bad[0]}")
         report = capacity_report(cfg, kv_cache_dtype.value, dtype.value, sizes, page_size, budget)
+        if gpu_memory is not None:
+            from .engine.weight_plan import gpu_plan, param_bytes
+
+            gpu = parse_bytes(gpu_memory)
+            report["gpu"] = {"gpu_memory": gpu, "rows": gpu_plan(cfg, param_bytes(cfg, dtype.value), gpu, sizes,
+                                                                 page_size, kv_cache_dtype.value, dtype.value)}
     except ValueError as e:  # ConfigError and json.JSONDecodeError are ValueErrors too
         _fail(str(e))
-    typer.echo(json.dumps(report) if as_json else _table(report))
+    if as_json:
+        typer.echo(json.dumps(report))
+        return
+    typer.echo(_table(report))
+    if "gpu" in report:
+        from .check_plan import gpu_table
+
+        typer.echo(gpu_table(report["gpu"], dtype.value))
 
 
 # --- a running router's /admin API ----------------------------------------------------------------

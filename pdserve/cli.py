@@ -33,6 +33,10 @@ class Size(str, Enum):
     small = "small"
 
 
+class Quantize(str, Enum):
+    fp8 = "fp8"
+
+
 BUILTIN_ARCH, BUILTIN_SIZE = "glm_moe_dsa", "small"
 
 
@@ -52,6 +56,16 @@ def ensure_builtin_model() -> Path:
     return path
 
 
+def model_arg(model: Optional[Path], check_config: bool) -> Path:
+    """--model, or the built-in model: built on first use, except by --check-config, which only reads config.json."""
+    if check_config:
+        from .check_plan import model_for_check
+        from .model.presets import hf_config
+
+        return model_for_check(model, builtin_model_dir(), hf_config(BUILTIN_ARCH, BUILTIN_SIZE))
+    return model or ensure_builtin_model()
+
+
 def fail(msg: str) -> None:
     typer.echo(f"error: {msg}", err=True)
     raise typer.Exit(2)
@@ -65,6 +79,7 @@ def make_model_cmd(
     seed: int = typer.Option(0, help="Random seed; the same seed writes byte-identical files."),
     max_shard_mb: Optional[float] = typer.Option(None, help="Split the weights into shards of at most this many MiB (with model.safetensors.index.json)."),
     overwrite: bool = typer.Option(False, help="Replace OUT_DIR if it already holds files."),
+    quantize: Optional[Quantize] = typer.Option(None, help="fp8: the released FP8 layout (e4m3 projection weights with a float32 weight_scale_inv per 128 x 128 block; norms, embeddings, LM head, router and indexer weights_proj unquantized)."),
     check_config: bool = typer.Option(False, "--check-config", help="Validate the arguments, print them as JSON, and exit without writing."),
 ):
     """Write a deterministic random checkpoint in the Hugging Face layout (transformers loads it too)."""
@@ -75,12 +90,14 @@ def make_model_cmd(
         if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
             fail(f"{out_dir} already holds files (give --overwrite to replace them)")
         typer.echo(json.dumps({"out_dir": str(out_dir), "arch": arch.value, "size": size.value, "seed": seed,
-                               "max_shard_bytes": shard, "overwrite": overwrite}))
+                               "max_shard_bytes": shard, "overwrite": overwrite,
+                               "quantize": quantize.value if quantize else None}))
         return
     from .model.random_checkpoint import make_model
 
     try:
-        path = make_model(out_dir, arch.value, size.value, seed=seed, max_shard_bytes=shard, overwrite=overwrite)
+        path = make_model(out_dir, arch.value, size.value, seed=seed, max_shard_bytes=shard, overwrite=overwrite,
+                          quantize=quantize.value if quantize else None)
     except (ValueError, FileExistsError) as e:
         fail(str(e))
     typer.echo(str(path))
@@ -178,7 +195,7 @@ def prefill(
     transfer: Transfer = typer.Option(Transfer.tcp, help="KV hand-off data path to decode instances: tcp (ZMQ over TCP) or nixl (NIXL/UCX one-sided WRITEs; RDMA or NVLink where present). Both sides must use the same."),
     max_queue: int = typer.Option(256, min=1, help="Requests waiting to be prefilled beyond this many are refused with 429 and Retry-After (bounded admission; the router then tries another instance)."),
     kv_residues: int = typer.Option(0, min=0, help="Store each layer's latent cache residue-major by R residues (slot s at row (s % R) * ceil(slots / R) + s // R), so each rank of a decode instance with C_d = R finds its tokens in contiguous rows, which --transfer nixl WRITEs straight from the cache without packing. 0 (default): the CP size. Any value works with any decode instance; only the packing cost differs."),
-    check_config: bool = typer.Option(False, "--check-config", help="Validate the flags and the checkpoint, print the config, and exit without starting."),
+    check_config: bool = typer.Option(False, "--check-config", help="Validate the flags and the checkpoint (config.json alone is enough), print the config and its plan (topology, weight and KV bytes per rank) as JSON, and exit without starting."),
 ):
     """Run a prefill instance: C_p rank processes with context parallelism, behind an HTTP control API."""
     from dataclasses import asdict
@@ -187,16 +204,21 @@ def prefill(
 
     try:
         cfg = PrefillServerConfig(
-            model=str(model or ensure_builtin_model()), cp_size=cp_size, cp_layout=cp_layout.value, cache=cache.value,
+            model=str(model_arg(model, check_config)), cp_size=cp_size, cp_layout=cp_layout.value, cache=cache.value,
             chunk_size=chunk_size, moe_tp=moe_tp, host=host, port=port, dist_port=dist_port, dtype=dtype.value,
             max_kv_tokens=max_kv_tokens, threads_per_rank=threads_per_rank, bootstrap_timeout_s=bootstrap_timeout,
             transfer=transfer.value, kv_residues=kv_residues, max_queue=max_queue,
         )
         cfg.validate_model()
+        if check_config:
+            from .check_plan import echo_plan, prefill_plan
+
+            slots = -(-cfg.max_kv_tokens // cfg.page_size) * cfg.page_size
+            plan = prefill_plan(cfg.model, cfg.cp_size, cfg.cache, cfg.moe_tp, cfg.dtype, slots)
     except (ValueError, FileNotFoundError) as e:
         fail(str(e))
     if check_config:
-        typer.echo(json.dumps(asdict(cfg)))
+        echo_plan(asdict(cfg), plan)
         return
     serve(cfg)
 
@@ -242,7 +264,8 @@ def decode(
     data_host: str = typer.Option("127.0.0.1", help="Address the ranks' TCP receivers (--transfer tcp) listen on and advertise to prefill ranks; on a cluster, this host's address that prefill hosts can reach (e.g. the pod IP)."),
     transfer: Transfer = typer.Option(Transfer.tcp, help="KV hand-off data path from prefill instances: tcp (ZMQ over TCP) or nixl (NIXL/UCX one-sided WRITEs). Both sides must use the same."),
     transfer_quarantine: float = typer.Option(60.0, help="--transfer nixl: seconds the pages of a hand-off that failed while its prefill may still be sending stay out of use (NIXL WRITEs land in the cache itself; a late one must not reach another request)."),
-    check_config: bool = typer.Option(False, "--check-config", help="Validate the flags and the checkpoint, print the config with its num_slots as JSON, and exit without starting."),
+    gpu_memory: Optional[str] = typer.Option(None, help="With --check-config: memory of one GPU, e.g. 141GiB; adds whether this instance fits one GPU per rank and, per C_d, the fewest ranks that hold the weights and the KV tokens they leave room for."),
+    check_config: bool = typer.Option(False, "--check-config", help="Validate the flags and the checkpoint (config.json alone is enough), print the config with its num_slots and plan (topology, weight and KV bytes per rank) as JSON, and exit without starting."),
 ):
     """Run a decode instance: W rank processes with tensor + decode context parallelism, behind an HTTP API."""
     from dataclasses import asdict
@@ -254,7 +277,7 @@ def decode(
     try:
         budget = parse_bytes(kv_memory) if kv_memory is not None else None
         cfg = DecodeServerConfig(
-            model=str(model or ensure_builtin_model()), tp_size=tp_size, dcp_size=dcp_size,
+            model=str(model_arg(model, check_config)), tp_size=tp_size, dcp_size=dcp_size,
             dcp_index=dcp_index.value, dcp_comm=dcp_comm.value, replicate_q_proj=replicate_q_proj,
             kv_cache_dtype=kv_cache_dtype.value, kv_memory=budget,
             max_kv_tokens=DEFAULT_MAX_KV_TOKENS if budget is None and max_kv_tokens is None else max_kv_tokens,
@@ -265,10 +288,16 @@ def decode(
         )
         cfg.validate_model()
         num_slots = cfg.num_slots()
+        if check_config:
+            from .check_plan import decode_plan, echo_plan
+
+            plan = decode_plan(cfg.model, cfg.tp_size, cfg.dcp_size, cfg.dcp_index, cfg.replicate_q_proj, cfg.dtype,
+                               cfg.kv_cache_dtype, cfg.page_size, num_slots,
+                               parse_bytes(gpu_memory) if gpu_memory is not None else None)
     except (ValueError, FileNotFoundError) as e:
         fail(str(e))
     if check_config:
-        typer.echo(json.dumps({**asdict(cfg), "num_slots": num_slots}))
+        echo_plan({**asdict(cfg), "num_slots": num_slots}, plan)
         return
     serve(cfg)
 
@@ -315,7 +344,7 @@ def router(
 
     try:
         cfg = RouterConfig(
-            model=str(model or ensure_builtin_model()), prefill=tuple(prefill), decode=tuple(decode),
+            model=str(model_arg(model, check_config)), prefill=tuple(prefill), decode=tuple(decode),
             policy=policy.value, served_model_name=served_model_name, host=host, port=port,
             admin_token=RouterConfig.token_from_env(admin_token), health_interval_s=health_interval,
             max_attempts=max_attempts, request_timeout_s=request_timeout, instance_timeout_s=instance_timeout,
@@ -360,7 +389,7 @@ def up(
 
     try:
         cfg = StackConfig(
-            model=str(model or ensure_builtin_model()), prefill_instances=prefill_instances, prefill_cp=prefill_cp,
+            model=str(model_arg(model, check_config)), prefill_instances=prefill_instances, prefill_cp=prefill_cp,
             decode_instances=decode_instances, decode_tp=decode_tp, decode_dcp=decode_dcp, dcp_index=dcp_index.value,
             transfer=transfer.value, host=host, port=port, policy=policy.value,
             admin_token=RouterConfig.token_from_env(admin_token), log_dir=str(log_dir), max_kv_tokens=max_kv_tokens,
@@ -373,7 +402,14 @@ def up(
     if check_config:
         from dataclasses import asdict
 
-        typer.echo(json.dumps({**asdict(cfg), "admin_token": "***" if cfg.admin_token else None}))
+        from .check_plan import echo_plan, up_plan
+
+        try:
+            plan = up_plan(cfg.model, prefill_instances, prefill_cp, decode_instances, decode_tp, decode_dcp,
+                           dcp_index.value, max_kv_tokens or 65536)
+        except ValueError as e:
+            fail(str(e))
+        echo_plan({**asdict(cfg), "admin_token": "***" if cfg.admin_token else None}, plan)
         return
     raise typer.Exit(run_stack(cfg, echo=lambda line: typer.echo(line)))
 

@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .quant import QuantConfig
+
 SUPPORTED_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32", "deepseek_v3")
 SPARSE_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")
 
@@ -77,6 +79,9 @@ class ModelConfig:
     indexer_rope_interleave: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Multi-token-prediction layers shipped after the last decoder layer (model.layers.{L}...); not served.
+    num_nextn_predict_layers: int = 0
+    quantization: QuantConfig | None = None  # the checkpoint's weight format (None: plain floats)
     # Run-time numerics, not from config.json. The reference computes norms, the router and the
     # indexer in float32 even in a float64 model ("float32 islands"); we do the same by default so
     # float64 runs match it. False computes them in the model dtype: true float64, which parallel
@@ -180,6 +185,8 @@ class ModelConfig:
             indexer_rope_interleave=model_type == "glm_moe_dsa",
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            num_nextn_predict_layers=int(d.get("num_nextn_predict_layers") or 0),
+            quantization=QuantConfig.from_config_dict(d),
         )
 
     @classmethod

@@ -5,6 +5,11 @@ The tensor names and shapes are those transformers 5.23's ``save_pretrained`` wr
 ``mlp.experts.E.*`` tensors, not the fused in-memory layout).  Values are a pure function of
 (seed, tensor name), so the same seed always gives byte-identical files, however the
 tensors are sharded.
+
+``quantize="fp8"`` writes the layout of the released FP8 checkpoints (quant.py): every 2-D
+projection weight as float8_e4m3fn plus a float32 ``weight_scale_inv`` per 128 x 128 block (partial
+blocks at the edges), norms / embeddings / LM head / router / indexer weights_proj unquantized, and
+``quantization_config`` in config.json.
 """
 
 from __future__ import annotations
@@ -23,6 +28,10 @@ from safetensors.torch import save_file
 
 from pdserve.model import bpe_builder
 from pdserve.model.presets import hf_config
+from pdserve.model.quant import SCALE_SUFFIX, QuantConfig, quantizable, quantize_fp8
+
+FP8_BLOCK = (128, 128)
+QUANTIZE_METHODS = ("fp8",)
 
 # How each tensor is initialised; see _init_tensor.
 LINEAR, EMBEDDING, NORM, BIAS = "linear", "embedding", "norm", "bias"
@@ -139,38 +148,58 @@ def _init_tensor(seed: int, name: str, spec: TensorSpec) -> torch.Tensor:
     return x  # embeddings: N(0, 1)
 
 
-def _plan_shards(specs: dict[str, TensorSpec], max_shard_bytes: int | None) -> list[list[str]]:
+def _stored_bytes(name: str, spec: TensorSpec, quant: QuantConfig | None) -> int:
+    """Bytes `name` takes in the files: float32, or fp8 plus its float32 block scales."""
+    if quant is None or not quantizable(name, spec.shape):
+        return spec.nbytes
+    rows, cols = quant.scale_shape(spec.shape)
+    return spec.nbytes // _BYTES_PER_ELEMENT + rows * cols * 4
+
+
+def _plan_shards(specs: dict[str, TensorSpec], max_shard_bytes: int | None,
+                 quant: QuantConfig | None = None) -> list[list[str]]:
     """Greedy packing in name order; a tensor larger than the limit gets a shard of its own."""
     if max_shard_bytes is None:
         return [list(specs)]
     shards: list[list[str]] = [[]]
     size = 0
     for name, spec in specs.items():
-        if shards[-1] and size + spec.nbytes > max_shard_bytes:
+        nbytes = _stored_bytes(name, spec, quant)
+        if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
         shards[-1].append(name)
-        size += spec.nbytes
+        size += nbytes
     return shards
+
+
+def _stored_tensors(seed: int, name: str, spec: TensorSpec, quant: QuantConfig | None) -> dict[str, torch.Tensor]:
+    w = _init_tensor(seed, name, spec)
+    if quant is None or not quantizable(name, spec.shape):
+        return {name: w}
+    q, scale = quantize_fp8(w, quant.block)
+    return {name: q, name + SCALE_SUFFIX: scale}
 
 
 def _dump_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _write_weights(tmp: Path, specs: dict[str, TensorSpec], seed: int, max_shard_bytes: int | None) -> None:
-    shards = _plan_shards(specs, max_shard_bytes)
+def _write_weights(tmp: Path, specs: dict[str, TensorSpec], seed: int, max_shard_bytes: int | None,
+                   quant: QuantConfig | None = None) -> None:
+    shards = _plan_shards(specs, max_shard_bytes, quant)
     if max_shard_bytes is None:
         files = ["model.safetensors"]
     else:
         files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
     for fname, names in zip(files, shards):
         # One shard in memory at a time keeps `small` (~200 MB) cheap when sharded.
-        tensors = {n: _init_tensor(seed, n, specs[n]) for n in names}
+        tensors = {k: t for n in names for k, t in _stored_tensors(seed, n, specs[n], quant).items()}
         save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, fname))
     if max_shard_bytes is not None:
-        weight_map = {n: f for f, names in zip(files, shards) for n in names}
-        total = sum(spec.nbytes for spec in specs.values())
+        total = sum(_stored_bytes(n, spec, quant) for n, spec in specs.items())
         _dump_json(tmp / "model.safetensors.index.json",
                    {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
 
@@ -205,16 +234,25 @@ def _move_into_place(tmp: Path, out: Path) -> None:
 
 
 def make_model(out_dir: str | Path, arch: str, size: str, seed: int = 0,
-               max_shard_bytes: int | None = None, overwrite: bool = False) -> Path:
-    """Write a complete random HF checkpoint for ``arch``/``size`` to ``out_dir``; return its path."""
+               max_shard_bytes: int | None = None, overwrite: bool = False, quantize: str | None = None,
+               config_overrides: dict[str, Any] | None = None) -> Path:
+    """Write a complete random HF checkpoint for ``arch``/``size`` to ``out_dir``; return its path.
+
+    quantize: None (float32 weights) or "fp8" (the released block-quantized layout).
+    config_overrides: config.json fields to change (tests use it for dimensions past one 128 block)."""
     if max_shard_bytes is not None and max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    cfg = hf_config(arch, size)
+    if quantize is not None and quantize not in QUANTIZE_METHODS:
+        raise ValueError(f"unknown quantize method {quantize!r}; expected one of {', '.join(QUANTIZE_METHODS)}")
+    cfg = {**hf_config(arch, size), **(config_overrides or {})}
+    quant = QuantConfig("fp8", FP8_BLOCK) if quantize else None
+    if quant is not None:
+        cfg["quantization_config"] = quant.to_config_dict()
     out = Path(out_dir).absolute()
     _prepare_destination(out, overwrite)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        _write_weights(tmp, tensor_specs(cfg), seed, max_shard_bytes)
+        _write_weights(tmp, tensor_specs(cfg), seed, max_shard_bytes, quant)
         bpe_builder.write_tokenizer_files(tmp, cfg["vocab_size"], cfg["max_position_embeddings"])
         _dump_json(tmp / "generation_config.json", _generation_config(cfg))
         # config.json last: its presence is what marks a directory as a checkpoint.

@@ -5,6 +5,11 @@ checkpoint tensor is read once and copied into its parameter (at most one tensor
 Released checkpoints and transformers' save_pretrained store routed experts per expert
 (`mlp.experts.N.gate_proj.weight`); transformers' in-memory fused layout (`mlp.experts.gate_up_proj`)
 is accepted too. Anything missing, misshapen or unknown is a one-line WeightError naming it.
+
+FP8 block-quantized checkpoints (quant.py): a `.weight` stored as float8_e4m3fn with a
+`.weight_scale_inv` beside it is dequantized block by block to the run dtype as it is read, so the
+peak stays near one copy of the run-dtype weights. Multi-token-prediction layers (the
+`num_nextn_predict_layers` layers after the last decoder layer) are skipped unread, with one line.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 from safetensors import safe_open
 
 from .config import ModelConfig
+from .quant import SCALE_SUFFIX, QuantizationError, check_scale, dequantize_fp8
 from .transformer import CausalLM
 
 # Parameters the reference keeps in float32 whatever the model dtype.
@@ -80,23 +86,29 @@ class _Filler:
             return key, self.params[key]
         return None
 
-    def ignorable(self, key: str) -> bool:
+    def is_mtp(self, key: str) -> bool:
+        """A tensor of the multi-token-prediction layers shipped after the last decoder layer."""
         m = _LAYER.match(key)
-        if m and int(m.group(1)) >= self.cfg.num_layers:
-            return True  # multi-token-prediction layers shipped after the last decoder layer
+        n = self.cfg.num_layers
+        return bool(m) and n <= int(m.group(1)) < n + self.cfg.num_nextn_predict_layers
+
+    def ignorable(self, key: str) -> bool:
         return key.endswith("rotary_emb.inv_freq") or (key == "lm_head.weight" and self.cfg.tie_word_embeddings)
 
-    def fill(self, key: str, tensor: torch.Tensor, where: Path) -> None:
+    def check_known(self, key: str, where: Path) -> tuple[str, torch.Tensor] | None:
+        """The destination of `key`, None for a tensor to skip, or a WeightError for an unknown one."""
         hit = self.target(key)
-        if hit is None:
-            if self.ignorable(key):
-                return
+        if hit is None and not self.ignorable(key):
             raise WeightError(f"unexpected tensor {key} in {where.name}: not part of a {self.cfg.model_type} model")
+        return hit
+
+    def fill(self, key: str, tensor: torch.Tensor, where: Path) -> None:
+        hit = self.check_known(key, where)
+        if hit is None:
+            return
         name, dest = hit
         if tuple(tensor.shape) != tuple(dest.shape):
             raise WeightError(f"tensor {key} has shape {list(tensor.shape)}, expected {list(dest.shape)}")
-        if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            raise WeightError(f"tensor {key} is {tensor.dtype}: quantized checkpoints are not supported yet")
         dest.copy_(tensor)
         m = _EXPERT.match(key)
         if m:
@@ -115,6 +127,25 @@ class _Filler:
             raise WeightError(f"missing tensor {first}{more} in {model_dir}")
 
 
+def check_tensor_names(cfg: ModelConfig, names, where: str = "the index") -> dict[str, int]:
+    """Classifies checkpoint tensor names as the loader would, on a meta-device model (no memory):
+    counts of loaded tensors, block scales, skipped MTP tensors and ignored ones; a WeightError names
+    the first tensor the loader would reject."""
+    with torch.device("meta"):
+        filler = _Filler(CausalLM(cfg), cfg)
+    counts = {"load": 0, "scale": 0, "mtp": 0, "ignored": 0}
+    for key in names:
+        if filler.is_mtp(key):
+            kind = "mtp"
+        elif key.endswith(SCALE_SUFFIX):
+            filler.check_known(key[: -len(SCALE_SUFFIX)], Path(where))
+            kind = "scale"
+        else:
+            kind = "ignored" if filler.check_known(key, Path(where)) is None else "load"
+        counts[kind] += 1
+    return counts
+
+
 def load_model(
     model_dir: str | Path,
     dtype: torch.dtype = torch.float32,
@@ -130,6 +161,7 @@ def load_model(
         progress = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     model = build_empty_model(cfg, dtype, device)
     filler = _Filler(model, cfg)
+    reader = _Reader(filler, cfg, dtype)
     with torch.no_grad():
         for i, path in enumerate(files, 1):
             if not path.is_file():
@@ -137,7 +169,82 @@ def load_model(
             if progress:
                 progress(f"loading weights: shard {i}/{len(files)} ({path.name})")
             with safe_open(str(path), framework="pt") as f:
-                for key in f.keys():
-                    filler.fill(key, f.get_tensor(key), path)
+                reader.read_shard(f, path)
+    reader.finish(model_dir)
     filler.check_complete(model_dir)
+    if reader.mtp_skipped:
+        (progress or _stderr)(f"skipped {reader.mtp_skipped} tensors of {cfg.num_nextn_predict_layers} "
+                              f"multi-token-prediction layer(s) (layers {cfg.num_layers}+; not served)")
     return model
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+class _Reader:
+    """Reads one shard at a time: skips MTP layers unread, pairs fp8 weights with their block scales
+    (in the same shard, or held until the other shard: an fp8 weight is 1 byte per value) and
+    dequantizes each to the run dtype before it is copied into its parameter."""
+
+    def __init__(self, filler: _Filler, cfg: ModelConfig, dtype: torch.dtype):
+        self.filler, self.cfg, self.dtype = filler, cfg, dtype
+        self.held_weights: dict[str, tuple[torch.Tensor, Path]] = {}  # fp8 weights waiting for a scale
+        self.held_scales: dict[str, torch.Tensor] = {}  # scales waiting for their weight
+        self.mtp_skipped = 0
+
+    def read_shard(self, f, path: Path) -> None:
+        keys = set(f.keys())
+        for key in f.keys():
+            if self.filler.is_mtp(key):
+                self.mtp_skipped += 1
+            elif key.endswith(SCALE_SUFFIX):
+                weight_key = key[: -len(SCALE_SUFFIX)]
+                self.filler.check_known(weight_key, path)
+                if weight_key in self.held_weights:
+                    self._fill_fp8(weight_key, *self.held_weights.pop(weight_key), f.get_tensor(key))
+                elif weight_key not in keys:
+                    self.held_scales[key] = f.get_tensor(key)
+            else:
+                self._read_tensor(f, key, path, keys)
+
+    def _read_tensor(self, f, key: str, path: Path, keys: set[str]) -> None:
+        tensor = f.get_tensor(key)
+        if tensor.dtype not in _FP8_DTYPES:
+            if key + SCALE_SUFFIX in keys or key + SCALE_SUFFIX in self.held_scales:
+                raise WeightError(f"tensor {key} is {tensor.dtype} but has a {key}{SCALE_SUFFIX}: "
+                                  "only float8_e4m3fn weights carry block scales")
+            self.filler.fill(key, tensor, path)
+            return
+        if self.cfg.quantization is None:
+            raise WeightError(f"tensor {key} is {tensor.dtype} but config.json has no quantization_config")
+        if tensor.dtype != torch.float8_e4m3fn:
+            raise WeightError(f"tensor {key} is {tensor.dtype}: only float8_e4m3fn block-quantized weights load")
+        scale_key = key + SCALE_SUFFIX
+        if scale_key in keys:
+            self._fill_fp8(key, tensor, path, f.get_tensor(scale_key))
+        elif scale_key in self.held_scales:
+            self._fill_fp8(key, tensor, path, self.held_scales.pop(scale_key))
+        else:
+            self.filler.check_known(key, path)
+            self.held_weights[key] = (tensor, path)
+
+    def _fill_fp8(self, key: str, q: torch.Tensor, path: Path, scale: torch.Tensor) -> None:
+        qcfg = self.cfg.quantization
+        try:
+            check_scale(key + SCALE_SUFFIX, tuple(q.shape), scale, qcfg)
+        except QuantizationError as e:
+            raise WeightError(str(e)) from None
+        self.filler.fill(key, dequantize_fp8(q, scale, qcfg.block, self.dtype), path)
+
+    def finish(self, model_dir: Path) -> None:
+        if self.held_weights:
+            key = sorted(self.held_weights)[0]
+            raise WeightError(f"missing tensor {key}{SCALE_SUFFIX} in {model_dir}: {key} is float8 and needs "
+                              "its block scales")
+        if self.held_scales:
+            key = sorted(self.held_scales)[0]
+            raise WeightError(f"missing tensor {key[: -len(SCALE_SUFFIX)]} in {model_dir} (its {key} is present)")

@@ -1,0 +1,112 @@
+"""Sizing real releases from config.json alone: `--check-config` plans, `admin capacity --gpu-memory`,
+and the loader's name mapping on a meta-device model (tests/data/configs, sources in its README)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pdserve.cli import app
+from pdserve.decode_server.tp import apply_decode_tp
+from pdserve.engine.weight_plan import param_bytes
+from pdserve.model.config import ModelConfig
+from pdserve.model.quant import quantizable
+from pdserve.model.random_checkpoint import tensor_specs
+from pdserve.model.weights import WeightError, check_tensor_names, load_model
+
+CONFIGS = Path(__file__).parent / "data" / "configs"
+RELEASES = {"glm5": 744e9, "deepseek_v32": 671e9, "deepseek_v3": 671e9}  # parameters the model cards state
+GIB = 2**30
+
+
+def cli(*args: str, env: dict | None = None):
+    return CliRunner().invoke(app, list(args), env={"PDSERVE_ADMIN_TOKEN": "", **(env or {})})
+
+
+@pytest.mark.parametrize("release", list(RELEASES))
+def test_release_config_passes_check_config(release):
+    d = str(CONFIGS / release)
+    r = cli("decode", "--model", d, "--tp-size", "16", "--dcp-size", "8", "--dtype", "bfloat16",
+            "--kv-cache-dtype", "fp8_e4m3", "--kv-memory", "40GiB", "--gpu-memory", "141GiB", "--check-config")
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.stdout)["plan"]
+    mcfg = ModelConfig.from_pretrained(d)
+    pb = param_bytes(mcfg, "bfloat16")
+    assert abs(pb.total / 2 - RELEASES[release]) < 0.005 * RELEASES[release]  # the card's size, within 0.5%
+    assert plan["weight_bytes_per_rank"] == pb.decode_rank(16, 8)
+    assert plan["kv_bytes_per_rank"] <= 40 * GIB and plan["kv_tokens"] == json.loads(r.stdout)["num_slots"]
+    assert plan["gpu"]["fits"] and "16 rank(s): TP=16, DCP C_d=8" in plan["topology"]
+    r = cli("prefill", "--model", d, "--cp-size", "4", "--dtype", "bfloat16", "--check-config")
+    assert r.exit_code == 0 and json.loads(r.stdout)["plan"]["weight_bytes_per_rank"] == pb.total
+    assert cli("up", "--model", d, "--decode-tp", "8", "--decode-dcp", "4", "--check-config").exit_code == 0
+
+
+@pytest.mark.parametrize("release,method", [("glm5_compressed_tensors", "compressed-tensors"), ("deepseek_v32_quark", "quark")])
+def test_unsupported_release_quantization_is_one_line(release, method):
+    r = cli("decode", "--model", str(CONFIGS / release), "--check-config")
+    assert r.exit_code == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [f"error: unsupported quantization method '{method}' in config.json "
+                                             "(supported: fp8 with e4m3 block scales, or an unquantized checkpoint)"]
+
+
+def test_check_config_never_builds_the_builtin_model(tmp_path):
+    for role in ("prefill", "decode", "up", "router"):
+        r = cli(role, "--check-config", env={"PDSERVE_CACHE": str(tmp_path)})
+        assert r.exit_code == 0, r.output
+        assert role == "router" or json.loads(r.stdout)["plan"]
+    assert not any(tmp_path.iterdir())
+
+
+def test_admin_capacity_sizes_glm5_on_h200():
+    r = cli("admin", "capacity", "--config", str(CONFIGS / "glm5"), "--kv-cache-dtype", "fp8_e4m3",
+            "--gpu-memory", "141GiB", "--json")
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    # the article's numbers (GLM-5.3, fp8 cache): E = 78 x 576, I = 21 x 132, factors 1.89 / 3.41 / 5.69
+    assert (report["entry_bytes"], report["index_bytes"]) == (44_928, 2_772)
+    assert [round(row["copy"]["factor"], 2) for row in report["rows"]] == [1.0, 1.89, 3.41, 5.69]
+    pb = param_bytes(ModelConfig.from_pretrained(CONFIGS / "glm5"), "bfloat16")
+    for row in report["gpu"]["rows"]:
+        w, c = row["ranks"], row["dcp_size"]
+        assert pb.decode_rank(w, c) <= 141 * GIB < pb.decode_rank(w // 2, c)  # the fewest that hold it
+        assert row["kv_bytes_per_rank"] == 141 * GIB - pb.decode_rank(w, c)
+    tokens = [row["tokens_copy"] for row in report["gpu"]["rows"]]
+    assert [round(t / tokens[0], 2) for t in tokens] == [1.0, 1.89, 3.41, 5.69]
+    table = cli("admin", "capacity", "--config", str(CONFIGS / "glm5"), "--gpu-memory", "141GiB").stdout
+    assert "C_d=8: 16 ranks" in table
+
+
+@pytest.mark.parametrize("tp,dcp,replicate", [(2, 1, False), (2, 2, True), (4, 2, True)])
+def test_decode_rank_bytes_are_what_tp_sharding_keeps(tiny_checkpoints, tp, dcp, replicate):
+    """The planner against the real decode sharding (decode_server/tp.py) of a tiny model."""
+    path = tiny_checkpoints[("deepseek_v32", "make-model")]
+    pb = param_bytes(ModelConfig.from_pretrained(path), "float32")
+    for rank in (0, tp - 1):
+        model = load_model(path)
+        apply_decode_tp(model, rank, tp, dcp, replicate, comm=None)
+        kept = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert kept == pb.decode_rank(tp, dcp, replicate), (rank, kept)
+
+
+@pytest.mark.parametrize("release", list(RELEASES))
+def test_every_release_tensor_name_is_mapped(release):
+    """Every name a release holds in its layout (per-expert FP8 weights + scales, and the MTP layer) is
+    one the loader maps or deliberately skips; built on the meta device."""
+    raw = json.loads((CONFIGS / release / "config.json").read_text())
+    cfg = ModelConfig.from_dict(raw)
+    specs = tensor_specs(raw)
+    names = list(specs) + [n + "_scale_inv" for n, s in specs.items() if quantizable(n, s.shape)]
+    mtp = f"model.layers.{cfg.num_layers}"
+    names += [f"{mtp}.{k}" for k in ("eh_proj.weight", "eh_proj.weight_scale_inv", "enorm.weight", "hnorm.weight",
+                                    "shared_head.norm.weight", "shared_head.head.weight", "embed_tokens.weight",
+                                    "self_attn.kv_b_proj.weight", "mlp.experts.255.down_proj.weight")]
+    if release == "deepseek_v3":  # the public excerpt of the released index
+        names += list(json.loads((CONFIGS / release / "model.safetensors.index.excerpt.json").read_text())["weight_map"])
+    counts = check_tensor_names(cfg, names)
+    assert counts["mtp"] == 9 and counts["load"] == len(specs) + (5 if release == "deepseek_v3" else 0)
+    with pytest.raises(WeightError, match=r"model\.layers\.0\.self_attn\.q_c_proj\.weight"):
+        check_tensor_names(cfg, ["model.layers.0.self_attn.q_c_proj.weight"])
+
