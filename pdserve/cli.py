@@ -52,6 +52,11 @@ def ensure_builtin_model() -> Path:
     return path
 
 
+SHUTDOWN_GRACE_HELP = ("Seconds running requests get to finish after SIGTERM: new requests and /health answer 503 "
+                       "(draining) at once; what still runs at the end gets an error; then exit 0. A second "
+                       "signal cuts it short.")
+
+
 def fail(msg: str) -> None:
     typer.echo(f"error: {msg}", err=True)
     raise typer.Exit(2)
@@ -176,6 +181,7 @@ def prefill(
     threads_per_rank: int = typer.Option(1, min=1, help="torch threads in each rank process."),
     bootstrap_timeout: float = typer.Option(30.0, help="Seconds a hand-off request waits for its decode instance's page reservation before it fails."),
     transfer: Transfer = typer.Option(Transfer.tcp, help="KV hand-off data path to decode instances: tcp (ZMQ over TCP) or nixl (NIXL/UCX one-sided WRITEs; RDMA or NVLink where present). Both sides must use the same."),
+    shutdown_grace: float = typer.Option(30.0, min=0.0, help=SHUTDOWN_GRACE_HELP),
     kv_residues: int = typer.Option(0, min=0, help="Store each layer's latent cache residue-major by R residues (slot s at row (s % R) * ceil(slots / R) + s // R), so each rank of a decode instance with C_d = R finds its tokens in contiguous rows, which --transfer nixl WRITEs straight from the cache without packing. 0 (default): the CP size. Any value works with any decode instance; only the packing cost differs."),
     check_config: bool = typer.Option(False, "--check-config", help="Validate the flags and the checkpoint, print the config, and exit without starting."),
 ):
@@ -189,7 +195,7 @@ def prefill(
             model=str(model or ensure_builtin_model()), cp_size=cp_size, cp_layout=cp_layout.value, cache=cache.value,
             chunk_size=chunk_size, moe_tp=moe_tp, host=host, port=port, dist_port=dist_port, dtype=dtype.value,
             max_kv_tokens=max_kv_tokens, threads_per_rank=threads_per_rank, bootstrap_timeout_s=bootstrap_timeout,
-            transfer=transfer.value, kv_residues=kv_residues,
+            transfer=transfer.value, kv_residues=kv_residues, shutdown_grace_s=shutdown_grace,
         )
         cfg.validate_model()
     except (ValueError, FileNotFoundError) as e:
@@ -239,6 +245,7 @@ def decode(
     heartbeat_timeout: float = typer.Option(5.0, help="Seconds of silence (no heartbeat) from a prefill instance after which its hand-offs in flight fail (it died)."),
     data_host: str = typer.Option("127.0.0.1", help="Address the ranks' TCP receivers (--transfer tcp) listen on and advertise to prefill ranks; on a cluster, this host's address that prefill hosts can reach (e.g. the pod IP)."),
     transfer: Transfer = typer.Option(Transfer.tcp, help="KV hand-off data path from prefill instances: tcp (ZMQ over TCP) or nixl (NIXL/UCX one-sided WRITEs). Both sides must use the same."),
+    shutdown_grace: float = typer.Option(30.0, min=0.0, help=SHUTDOWN_GRACE_HELP),
     transfer_quarantine: float = typer.Option(60.0, help="--transfer nixl: seconds the pages of a hand-off that failed while its prefill may still be sending stay out of use (NIXL WRITEs land in the cache itself; a late one must not reach another request)."),
     check_config: bool = typer.Option(False, "--check-config", help="Validate the flags and the checkpoint, print the config with its num_slots as JSON, and exit without starting."),
 ):
@@ -259,7 +266,7 @@ def decode(
             page_size=page_size, host=host, port=port, dist_port=dist_port, dtype=dtype.value,
             threads_per_rank=threads_per_rank, max_batch=max_batch, cpu_comm=cpu_comm.value,
             transfer_timeout_s=transfer_timeout, transfer=transfer.value, heartbeat_timeout_s=heartbeat_timeout,
-            data_host=data_host, transfer_quarantine_s=transfer_quarantine,
+            data_host=data_host, transfer_quarantine_s=transfer_quarantine, shutdown_grace_s=shutdown_grace,
         )
         cfg.validate_model()
         num_slots = cfg.num_slots()

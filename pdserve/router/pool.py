@@ -3,7 +3,9 @@
 An `Instance` is one prefill or decode server, known by its base URL. The health loop polls every
 instance's /health and its load endpoint (prefill /info, decode /capacity) and keeps the last
 answer; a failed poll, or a failed request (`suspect`), marks it unhealthy until a poll succeeds.
-A draining instance gets no new requests; its running ones finish. Choosing never blocks: it reads
+A draining instance gets no new requests; its running ones finish. Draining is the admin's choice
+(`draining`, /admin/drain) or the instance's own: after SIGTERM its /health answers 503
+{"status": "draining"} (engine/drain.py), which makes it unhealthy with the error "draining: ...". Choosing never blocks: it reads
 only the last polled state plus the router's own in-flight counts.
 """
 
@@ -172,4 +174,6 @@ def _detail(resp: httpx.Response) -> str:
     except ValueError:
         return f"HTTP {resp.status_code}"
     msg = body.get("error") or body.get("detail") if isinstance(body, dict) else None
+    if msg and body.get("status") == "draining":
+        msg = f"draining: {msg}"
     return f"HTTP {resp.status_code}: {msg}" if msg else f"HTTP {resp.status_code}"
