@@ -278,6 +278,11 @@ def decode(
     serve(cfg)
 
 
+class Restart(str, Enum):
+    on_failure = "on-failure"
+    never = "never"
+
+
 class Policy(str, Enum):
     round_robin = "round_robin"
     least_load = "least_load"
@@ -349,9 +354,12 @@ def up(
     admin_token: Optional[str] = typer.Option(None, help="Bearer token of the router's /admin API (default: PDSERVE_ADMIN_TOKEN); none disables it."),
     log_dir: Path = typer.Option(Path("pdserve-logs"), help="Directory for one log file per started process."),
     ready_timeout: float = typer.Option(600.0, help="Seconds every process gets to become healthy before the launch is given up."),
+    restart: Restart = typer.Option(Restart.on_failure, help="An instance that exits once the stack is up: on-failure starts it again on the same port (backoff 1 s doubling to 30 s; the router picks it up once healthy); never stops the whole stack (exit 1). The router exiting always stops the stack."),
+    shutdown_grace: float = typer.Option(30.0, min=0.0, help="Every instance's --shutdown-grace: on Ctrl-C / SIGTERM the instances drain this long (new requests 503, running ones finish) before they stop."),
     check_config: bool = typer.Option(False, "--check-config", help="Validate the flags, print the stack's config as JSON, and exit without starting."),
 ):
-    """Run the whole stack on this machine: prefill and decode instances plus the router; Ctrl-C stops it."""
+    """Run the whole stack on this machine: prefill and decode instances plus the router, restarting an
+    instance that dies; Ctrl-C stops it."""
     from .router.config import RouterConfig
     from .router.launch import StackConfig, up as run_stack
 
@@ -361,7 +369,7 @@ def up(
             decode_instances=decode_instances, decode_tp=decode_tp, decode_dcp=decode_dcp, dcp_index=dcp_index.value,
             transfer=transfer.value, host=host, port=port, policy=policy.value,
             admin_token=RouterConfig.token_from_env(admin_token), log_dir=str(log_dir), max_kv_tokens=max_kv_tokens,
-            ready_timeout_s=ready_timeout,
+            ready_timeout_s=ready_timeout, restart=restart.value, shutdown_grace_s=shutdown_grace,
         )
     except ValueError as e:
         fail(str(e))
