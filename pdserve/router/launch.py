@@ -170,12 +170,17 @@ class Stack:
             tail = "".join(child.log.read_text(errors="replace").splitlines(keepends=True)[-20:])
             raise RuntimeError(f"{child.name} exited with status {code}; the end of {child.log}:\n{tail}")
 
-    def stop(self) -> None:
-        """SIGTERM to every child at once: the router stops taking requests and lets its open ones end,
-        the instances drain (--shutdown-grace); SIGKILL to any still running some seconds after that."""
+    def terminate_all(self) -> None:
+        """SIGTERM to every live child. A second one, during stop(), cuts the instances' drain short
+        (they still stop cleanly)."""
         for child in self.children:
             if child.proc.poll() is None:
                 child.proc.terminate()
+
+    def stop(self) -> None:
+        """SIGTERM to every child at once: the router stops taking requests and lets its open ones end,
+        the instances drain (--shutdown-grace); SIGKILL to any still running some seconds after that."""
+        self.terminate_all()
         deadline = time.monotonic() + self.cfg.shutdown_grace_s + STOP_MARGIN_S
         for child in self.children:
             try:
@@ -216,16 +221,17 @@ def up(cfg: StackConfig, echo=print) -> int:
             supervisor.tick()
             time.sleep(POLL_S)
     except (KeyboardInterrupt, _Stop):
-        echo("stopping")
+        echo(f"stopping (the instances drain for up to {cfg.shutdown_grace_s:g} s; Ctrl-C again cuts that short)")
         return 0
     except RuntimeError as e:
         echo(f"error: {e}")
         return 1
     finally:
         # a second Ctrl-C or SIGTERM (process managers repeat them) must not cut the stop short and
-        # orphan the instances; they also die with this process if it is killed (_die_with_launcher)
-        old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # orphan the instances, only their drain; they also die with this process if it is killed
+        # (_die_with_launcher)
+        old_int = signal.signal(signal.SIGINT, lambda signum, frame: stack.terminate_all())
+        signal.signal(signal.SIGTERM, lambda signum, frame: stack.terminate_all())
         try:
             stack.stop()
         finally:
