@@ -181,8 +181,8 @@ def prefill(
     threads_per_rank: int = typer.Option(1, min=1, help="torch threads in each rank process."),
     bootstrap_timeout: float = typer.Option(30.0, help="Seconds a hand-off request waits for its decode instance's page reservation before it fails."),
     transfer: Transfer = typer.Option(Transfer.tcp, help="KV hand-off data path to decode instances: tcp (ZMQ over TCP) or nixl (NIXL/UCX one-sided WRITEs; RDMA or NVLink where present). Both sides must use the same."),
-    shutdown_grace: float = typer.Option(30.0, min=0.0, help=SHUTDOWN_GRACE_HELP),
     kv_residues: int = typer.Option(0, min=0, help="Store each layer's latent cache residue-major by R residues (slot s at row (s % R) * ceil(slots / R) + s // R), so each rank of a decode instance with C_d = R finds its tokens in contiguous rows, which --transfer nixl WRITEs straight from the cache without packing. 0 (default): the CP size. Any value works with any decode instance; only the packing cost differs."),
+    shutdown_grace: float = typer.Option(30.0, min=0.0, help=SHUTDOWN_GRACE_HELP),
     check_config: bool = typer.Option(False, "--check-config", help="Validate the flags and the checkpoint, print the config, and exit without starting."),
 ):
     """Run a prefill instance: C_p rank processes with context parallelism, behind an HTTP control API."""
@@ -192,10 +192,11 @@ def prefill(
 
     try:
         cfg = PrefillServerConfig(
+            shutdown_grace_s=shutdown_grace,
             model=str(model or ensure_builtin_model()), cp_size=cp_size, cp_layout=cp_layout.value, cache=cache.value,
             chunk_size=chunk_size, moe_tp=moe_tp, host=host, port=port, dist_port=dist_port, dtype=dtype.value,
             max_kv_tokens=max_kv_tokens, threads_per_rank=threads_per_rank, bootstrap_timeout_s=bootstrap_timeout,
-            transfer=transfer.value, kv_residues=kv_residues, shutdown_grace_s=shutdown_grace,
+            transfer=transfer.value, kv_residues=kv_residues,
         )
         cfg.validate_model()
     except (ValueError, FileNotFoundError) as e:
@@ -259,14 +260,14 @@ def decode(
     try:
         budget = parse_bytes(kv_memory) if kv_memory is not None else None
         cfg = DecodeServerConfig(
-            model=str(model or ensure_builtin_model()), tp_size=tp_size, dcp_size=dcp_size,
+            model=str(model or ensure_builtin_model()), tp_size=tp_size, dcp_size=dcp_size, shutdown_grace_s=shutdown_grace,
             dcp_index=dcp_index.value, dcp_comm=dcp_comm.value, replicate_q_proj=replicate_q_proj,
             kv_cache_dtype=kv_cache_dtype.value, kv_memory=budget,
             max_kv_tokens=DEFAULT_MAX_KV_TOKENS if budget is None and max_kv_tokens is None else max_kv_tokens,
             page_size=page_size, host=host, port=port, dist_port=dist_port, dtype=dtype.value,
             threads_per_rank=threads_per_rank, max_batch=max_batch, cpu_comm=cpu_comm.value,
             transfer_timeout_s=transfer_timeout, transfer=transfer.value, heartbeat_timeout_s=heartbeat_timeout,
-            data_host=data_host, transfer_quarantine_s=transfer_quarantine, shutdown_grace_s=shutdown_grace,
+            data_host=data_host, transfer_quarantine_s=transfer_quarantine,
         )
         cfg.validate_model()
         num_slots = cfg.num_slots()

@@ -58,13 +58,13 @@ class DecodeServerConfig:
     dtype: str = "float32"
     threads_per_rank: int = 1
     max_batch: int = 64
+    shutdown_grace_s: float = 30.0  # SIGTERM: running requests get this long to finish (engine/drain.py)
     cpu_comm: str = "auto"
     transfer_timeout_s: float = 30.0  # a hand-off's rows must arrive this long after the reservation went out
     transfer: str = "tcp"  # KV hand-off data path: tcp | nixl
     heartbeat_timeout_s: float = 5.0  # a hand-off fails once its prefill instance is silent this long
     data_host: str = "127.0.0.1"  # where the ranks' TCP receivers listen (reachable by the prefill ranks)
     transfer_quarantine_s: float = 60.0  # NIXL: pages of a hand-off that failed mid-send stay unused this long
-    shutdown_grace_s: float = 30.0  # SIGTERM: running requests get this long to finish (engine/drain.py)
 
     def __post_init__(self):
         if self.tp_size < 1 or self.dcp_size < 1 or self.tp_size % self.dcp_size:

@@ -40,10 +40,10 @@ class PrefillServerConfig:
     max_kv_tokens: int = 65536
     page_size: int = 16
     threads_per_rank: int = 1
+    shutdown_grace_s: float = 30.0  # SIGTERM: running requests get this long to finish (engine/drain.py)
     bootstrap_timeout_s: float = 30.0  # a hand-off request fails when no decode reservation came by then
     transfer: str = "tcp"  # KV hand-off data path: tcp | nixl
     kv_residues: int = 0  # residue-major latent cache (KVPool); 0: cp_size
-    shutdown_grace_s: float = 30.0  # SIGTERM: running requests get this long to finish (engine/drain.py)
 
     def __post_init__(self):
         if self.kv_residues < 0:
@@ -83,28 +83,21 @@ def _worker_loop(scheduler: PrefillScheduler, stop: threading.Event) -> None:
 
 
 def serve(cfg: PrefillServerConfig) -> None:
-    install_exit_signals()  # during startup a signal exits through a `finally`, stopping the ranks
-    cfg.validate_model()
-    instance = cfg.build_instance()
-    print(f"starting {cfg.cp_size} prefill rank(s) for {cfg.model}", file=sys.stderr, flush=True)
-    try:
-        instance.start()
-        _serve_started(cfg, instance)
-    finally:
-        instance.shutdown()
-
-
-def _serve_started(cfg: PrefillServerConfig, instance: PrefillInstance) -> None:
     import uvicorn
 
     from .http_api import create_app
 
+    cfg.validate_model()
+    instance = cfg.build_instance()
+    print(f"starting {cfg.cp_size} prefill rank(s) for {cfg.model}", file=sys.stderr, flush=True)
+    instance.start()
     bootstrap = BootstrapService(cfg.host)  # the hand-off side channel (own thread: heartbeats); decode instances connect
     scheduler = PrefillScheduler(instance, bootstrap)
     stop = threading.Event()
     worker = threading.Thread(target=_worker_loop, args=(scheduler, stop), daemon=True)
     worker.start()
     start_watchdog(instance, "prefill", stop)
+    install_exit_signals()  # a signal uvicorn re-raises after it stopped must still run the `finally` below
     drain = Drain("prefill", cfg.shutdown_grace_s, lambda: scheduler.queue_depth)
     app = create_app(instance, scheduler, instance.ranks.dead_rank, cfg.bootstrap_timeout_s, drain)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5)
@@ -117,3 +110,4 @@ def _serve_started(cfg: PrefillServerConfig, instance: PrefillInstance) -> None:
         scheduler.stop()
         worker.join(timeout=10)  # it may still be answering a room through the service
         bootstrap.close()
+        instance.shutdown()

@@ -3,9 +3,7 @@
 An `Instance` is one prefill or decode server, known by its base URL. The health loop polls every
 instance's /health and its load endpoint (prefill /info, decode /capacity) and keeps the last
 answer; a failed poll, or a failed request (`suspect`), marks it unhealthy until a poll succeeds.
-A draining instance gets no new requests; its running ones finish. Draining is the admin's choice
-(`draining`, /admin/drain) or the instance's own: after SIGTERM its /health answers 503
-{"status": "draining"} (engine/drain.py), which makes it unhealthy with the error "draining: ...". Choosing never blocks: it reads
+A draining instance gets no new requests; its running ones finish. Choosing never blocks: it reads
 only the last polled state plus the router's own in-flight counts.
 """
 
@@ -142,8 +140,8 @@ class Pool:
         path = "/info" if inst.role == "prefill" else "/capacity"
         try:
             health = await client.get(f"{inst.url}/health", timeout=5)
-            if health.status_code != 200:
-                raise RuntimeError(_detail(health))
+            if health.status_code != 200:  # an instance's own drain (SIGTERM) makes it unusable too
+                raise RuntimeError(("draining: " if _says_draining(health) else "") + _detail(health))
             load = await client.get(f"{inst.url}{path}", timeout=5)
             if load.status_code != 200:
                 raise RuntimeError(f"{path}: {_detail(load)}")
@@ -168,12 +166,19 @@ class Pool:
             await asyncio.sleep(interval_s)
 
 
+def _says_draining(resp: httpx.Response) -> bool:
+    """/health of an instance that got SIGTERM: 503 {"status": "draining"} (engine/drain.py)."""
+    try:
+        body = resp.json()
+    except ValueError:
+        return False
+    return isinstance(body, dict) and body.get("status") == "draining"
+
+
 def _detail(resp: httpx.Response) -> str:
     try:
         body = resp.json()
     except ValueError:
         return f"HTTP {resp.status_code}"
     msg = body.get("error") or body.get("detail") if isinstance(body, dict) else None
-    if msg and body.get("status") == "draining":
-        msg = f"draining: {msg}"
     return f"HTTP {resp.status_code}: {msg}" if msg else f"HTTP {resp.status_code}"
