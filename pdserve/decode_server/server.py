@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import uvicorn
 
 from ..engine import capacity
+from ..engine.drain import Drain, DrainingServer, install_exit_signals
 from ..engine.launcher import LaunchConfig
 from ..engine.request import SamplingParams
-from ..engine.drain import Drain, DrainingServer, install_exit_signals
 from ..engine.watchdog import start_watchdog, stop_instance
 from ..model.config import ModelConfig
 from .dcp_backend import COMM_MODES
