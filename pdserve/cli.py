@@ -66,6 +66,11 @@ def model_arg(model: Optional[Path], check_config: bool) -> Path:
     return model or ensure_builtin_model()
 
 
+SHUTDOWN_GRACE_HELP = ("Seconds running requests get to finish after SIGTERM: new requests and /health answer 503 "
+                       "(draining) at once; what still runs at the end gets an error; then exit 0. A second "
+                       "signal cuts it short.")
+
+
 def fail(msg: str) -> None:
     typer.echo(f"error: {msg}", err=True)
     raise typer.Exit(2)
@@ -195,6 +200,7 @@ def prefill(
     transfer: Transfer = typer.Option(Transfer.tcp, help="KV hand-off data path to decode instances: tcp (ZMQ over TCP) or nixl (NIXL/UCX one-sided WRITEs; RDMA or NVLink where present). Both sides must use the same."),
     max_queue: int = typer.Option(256, min=1, help="Requests waiting to be prefilled beyond this many are refused with 429 and Retry-After (bounded admission; the router then tries another instance)."),
     kv_residues: int = typer.Option(0, min=0, help="Store each layer's latent cache residue-major by R residues (slot s at row (s % R) * ceil(slots / R) + s // R), so each rank of a decode instance with C_d = R finds its tokens in contiguous rows, which --transfer nixl WRITEs straight from the cache without packing. 0 (default): the CP size. Any value works with any decode instance; only the packing cost differs."),
+    shutdown_grace: float = typer.Option(30.0, min=0.0, help=SHUTDOWN_GRACE_HELP),
     check_config: bool = typer.Option(False, "--check-config", help="Validate the flags and the checkpoint (config.json alone is enough), print the config and its plan (topology, weight and KV bytes per rank) as JSON, and exit without starting."),
 ):
     """Run a prefill instance: C_p rank processes with context parallelism, behind an HTTP control API."""
@@ -204,6 +210,7 @@ def prefill(
 
     try:
         cfg = PrefillServerConfig(
+            shutdown_grace_s=shutdown_grace,
             model=str(model_arg(model, check_config)), cp_size=cp_size, cp_layout=cp_layout.value, cache=cache.value,
             chunk_size=chunk_size, moe_tp=moe_tp, host=host, port=port, dist_port=dist_port, dtype=dtype.value,
             max_kv_tokens=max_kv_tokens, threads_per_rank=threads_per_rank, bootstrap_timeout_s=bootstrap_timeout,
@@ -263,6 +270,7 @@ def decode(
     heartbeat_timeout: float = typer.Option(5.0, help="Seconds of silence (no heartbeat) from a prefill instance after which its hand-offs in flight fail (it died)."),
     data_host: str = typer.Option("127.0.0.1", help="Address the ranks' TCP receivers (--transfer tcp) listen on and advertise to prefill ranks; on a cluster, this host's address that prefill hosts can reach (e.g. the pod IP)."),
     transfer: Transfer = typer.Option(Transfer.tcp, help="KV hand-off data path from prefill instances: tcp (ZMQ over TCP) or nixl (NIXL/UCX one-sided WRITEs). Both sides must use the same."),
+    shutdown_grace: float = typer.Option(30.0, min=0.0, help=SHUTDOWN_GRACE_HELP),
     transfer_quarantine: float = typer.Option(60.0, help="--transfer nixl: seconds the pages of a hand-off that failed while its prefill may still be sending stay out of use (NIXL WRITEs land in the cache itself; a late one must not reach another request)."),
     gpu_memory: Optional[str] = typer.Option(None, help="With --check-config: memory of one GPU, e.g. 141GiB; adds whether this instance fits one GPU per rank and, per C_d, the fewest ranks that hold the weights and the KV tokens they leave room for."),
     check_config: bool = typer.Option(False, "--check-config", help="Validate the flags and the checkpoint (config.json alone is enough), print the config with its num_slots and plan (topology, weight and KV bytes per rank) as JSON, and exit without starting."),
@@ -277,7 +285,7 @@ def decode(
     try:
         budget = parse_bytes(kv_memory) if kv_memory is not None else None
         cfg = DecodeServerConfig(
-            model=str(model_arg(model, check_config)), tp_size=tp_size, dcp_size=dcp_size,
+            model=str(model_arg(model, check_config)), tp_size=tp_size, dcp_size=dcp_size, shutdown_grace_s=shutdown_grace,
             dcp_index=dcp_index.value, dcp_comm=dcp_comm.value, replicate_q_proj=replicate_q_proj,
             kv_cache_dtype=kv_cache_dtype.value, kv_memory=budget,
             max_kv_tokens=DEFAULT_MAX_KV_TOKENS if budget is None and max_kv_tokens is None else max_kv_tokens,
@@ -300,6 +308,11 @@ def decode(
         echo_plan({**asdict(cfg), "num_slots": num_slots}, plan)
         return
     serve(cfg)
+
+
+class Restart(str, Enum):
+    on_failure = "on-failure"
+    never = "never"
 
 
 class Policy(str, Enum):
@@ -381,9 +394,12 @@ def up(
     admin_token: Optional[str] = typer.Option(None, help="Bearer token of the router's /admin API (default: PDSERVE_ADMIN_TOKEN); none disables it."),
     log_dir: Path = typer.Option(Path("pdserve-logs"), help="Directory for one log file per started process."),
     ready_timeout: float = typer.Option(600.0, help="Seconds every process gets to become healthy before the launch is given up."),
+    restart: Restart = typer.Option(Restart.on_failure, help="An instance that exits once the stack is up: on-failure starts it again on the same port (backoff 1 s doubling to 30 s; the router picks it up once healthy); never stops the whole stack (exit 1). The router exiting always stops the stack."),
+    shutdown_grace: float = typer.Option(30.0, min=0.0, help="Every instance's --shutdown-grace: on Ctrl-C / SIGTERM the instances drain this long (new requests 503, running ones finish) before they stop."),
     check_config: bool = typer.Option(False, "--check-config", help="Validate the flags, print the stack's config as JSON, and exit without starting."),
 ):
-    """Run the whole stack on this machine: prefill and decode instances plus the router; Ctrl-C stops it."""
+    """Run the whole stack on this machine: prefill and decode instances plus the router, restarting an
+    instance that dies; Ctrl-C stops it."""
     from .router.config import RouterConfig
     from .router.launch import StackConfig, up as run_stack
 
@@ -393,7 +409,7 @@ def up(
             decode_instances=decode_instances, decode_tp=decode_tp, decode_dcp=decode_dcp, dcp_index=dcp_index.value,
             transfer=transfer.value, host=host, port=port, policy=policy.value,
             admin_token=RouterConfig.token_from_env(admin_token), log_dir=str(log_dir), max_kv_tokens=max_kv_tokens,
-            ready_timeout_s=ready_timeout,
+            ready_timeout_s=ready_timeout, restart=restart.value, shutdown_grace_s=shutdown_grace,
         )
     except ValueError as e:
         fail(str(e))

@@ -1,7 +1,8 @@
 """HTTP API of a decode instance.
 
 GET  /live         200 while the HTTP server runs (Kubernetes liveness; /health is readiness)
-GET  /health       200 {"status": "ok"} while every rank lives; 503 {"error": "rank 1 (pid ...) ..."} otherwise
+GET  /health       200 {"status": "ok"} while every rank lives; 503 {"error": "rank 1 (pid ...) ..."} otherwise;
+                   503 {"status": "draining"} after SIGTERM (new requests get 503, running ones finish)
 GET  /capacity     total / free KV tokens, bytes per token per rank (DESIGN.md invariant 6), index mode,
                    tp_size, dcp_size, kv_cache_dtype, page_size, running / queued requests, ranks (pid, cache bytes)
 POST /v1/generate  {"token_ids": [...], "max_tokens": 16, "temperature", "top_p", "top_k", "seed",
@@ -65,8 +66,9 @@ class AbortBody(StrictModel):
     request_id: str = Field(max_length=256)
 
 
-def create_app(cfg, instance, engine_loop, dead_rank) -> FastAPI:
-    """cfg: DecodeServerConfig; engine_loop: server.EngineLoop; dead_rank() -> message or None."""
+def create_app(cfg, instance, engine_loop, dead_rank, drain=None) -> FastAPI:
+    """cfg: DecodeServerConfig; engine_loop: server.EngineLoop; dead_rank() -> message or None;
+    drain: engine.drain.Drain (graceful shutdown) or None."""
     app = FastAPI(title="pdserve decode instance")
     mcfg, alloc = instance.model_config, instance.allocator
     static = {  # fixed for the life of the instance
@@ -80,7 +82,7 @@ def create_app(cfg, instance, engine_loop, dead_rank) -> FastAPI:
     }
 
     install_edge(app)
-    add_health_route(app, dead_rank)
+    add_health_route(app, dead_rank, drain and (lambda: drain.draining))
 
     @app.get("/live")
     def live():
@@ -92,6 +94,8 @@ def create_app(cfg, instance, engine_loop, dead_rank) -> FastAPI:
 
     @app.post("/v1/generate")
     async def generate(body: GenerateBody, request: Request):
+        if drain and drain.draining:
+            raise HTTPException(503, drain.refusal())
         params = _sampling_params(body, mcfg.vocab_size)
         request_id = body.request_id or f"gen-{uuid.uuid4().hex}"
         loop, events = asyncio.get_running_loop(), asyncio.Queue()

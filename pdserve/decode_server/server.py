@@ -4,7 +4,8 @@ Threads: uvicorn (main thread) runs the HTTP handlers; one engine thread owns th
 and is the only code that touches it (the scheduler and allocator are plain Python without locks);
 the shared rank watchdog stops the instance, naming the rank, if any rank dies. Handlers talk to
 the engine thread through a thread-safe command queue (submit / abort), and the engine thread
-answers through per-request callbacks. SIGTERM/SIGINT stop HTTP, the engine thread and the ranks.
+answers through per-request callbacks. The first SIGTERM/SIGINT drains (engine/drain.py: new requests
+get 503, running ones get --shutdown-grace seconds), then HTTP, the engine thread and the ranks stop.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import uvicorn
 
 from ..engine import capacity
+from ..engine.drain import Drain, DrainingServer, install_exit_signals
 from ..engine.launcher import LaunchConfig
 from ..engine.request import Overloaded, SamplingParams
 from ..engine.watchdog import start_watchdog, stop_instance
@@ -56,6 +58,7 @@ class DecodeServerConfig:
     dtype: str = "float32"
     threads_per_rank: int = 1
     max_batch: int = 64
+    shutdown_grace_s: float = 30.0  # SIGTERM: running requests get this long to finish (engine/drain.py)
     cpu_comm: str = "auto"
     transfer_timeout_s: float = 30.0  # a hand-off's rows must arrive this long after the reservation went out
     transfer: str = "tcp"  # KV hand-off data path: tcp | nixl
@@ -87,6 +90,8 @@ class DecodeServerConfig:
         if self.transfer_timeout_s <= 0 or self.heartbeat_timeout_s <= 0 or self.transfer_quarantine_s <= 0:
             raise ValueError("--transfer-timeout, --heartbeat-timeout and --transfer-quarantine must be positive")
         check_transfer(self.transfer)
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"--shutdown-grace must be >= 0, got {self.shutdown_grace_s}")
         if self.data_host in ("0.0.0.0", "::", "*", ""):
             raise ValueError(f"--data-host {self.data_host!r} is a wildcard: give an address the prefill ranks can "
                              "connect to (on Kubernetes, the pod IP)")
@@ -155,6 +160,7 @@ class EngineLoop:
         self.listeners: dict[str, Listener] = {}
         self.remote = RemoteRooms(engine, self._emit, transfer_timeout_s, heartbeat_timeout_s)
         self._stop = threading.Event()
+        self._stop_reason = "the decode instance is shutting down"
         self._closed, self._lock = False, threading.Lock()  # once closed, no command can be left unanswered
         self.stats = self._snapshot()  # replaced (never mutated) after every iteration: readers need no lock
 
@@ -173,7 +179,14 @@ class EngineLoop:
                 self.commands.put(cmd)
         return cmd.accepted if isinstance(cmd, _Submit) else cmd.done
 
-    def stop(self) -> None:
+    def busy(self) -> int:
+        """Requests accepted or on their way in (thread-safe): a draining server waits for 0."""
+        return len(self.listeners) + self.commands.qsize()
+
+    def stop(self, reason: str | None = None) -> None:
+        """Ends the thread; requests still live get an error event naming `reason`."""
+        if reason:
+            self._stop_reason = reason
         self._stop.set()
         self.commands.put(None)  # wakes an idle thread
 
@@ -195,7 +208,7 @@ class EngineLoop:
                 self.on_fatal(message)
         with self._lock:
             self._closed = True
-        self._fail_all("the decode instance is shutting down")
+        self._fail_all(self._stop_reason)
         self.remote.close()
         while not self.commands.empty():
             cmd = self.commands.get_nowait()
@@ -296,32 +309,12 @@ def _send(listener: Listener, event: tuple[str, object]) -> None:
         pass
 
 
-class _HTTPServer(uvicorn.Server):
-    """uvicorn waits for open responses before it stops: stopping the engine first ends every
-    request with a clear error at once, instead of cutting streams after a timeout."""
-
-    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]):
-        super().__init__(config)
-        self.on_exit = on_exit
-
-    def handle_exit(self, sig, frame) -> None:
-        self.on_exit()
-        super().handle_exit(sig, frame)
-
-
-def _exit_on_signal(signum, frame) -> None:
-    raise SystemExit(0)
-
-
 def serve(cfg: DecodeServerConfig) -> None:
     import torch
 
     from .http_api import create_app
 
-    # uvicorn re-raises SIGTERM after its graceful shutdown; with the default handler that kills the
-    # process before the ranks are stopped, so turn both signals into SystemExit and clean up below.
-    signal.signal(signal.SIGTERM, _exit_on_signal)
-    signal.signal(signal.SIGINT, _exit_on_signal)
+    install_exit_signals()  # during startup a signal exits through the `finally` below, stopping the ranks
     torch.set_num_threads(cfg.threads_per_rank)  # the local prefill must not take the ranks' cores
     cfg.validate_model()
     instance = cfg.build_instance()
@@ -336,9 +329,10 @@ def serve(cfg: DecodeServerConfig) -> None:
         thread = threading.Thread(target=loop.run, name="decode-engine", daemon=True)
         thread.start()
         start_watchdog(instance, "decode", stop)
-        app = create_app(cfg, instance, loop, instance.ranks.unhealthy)
+        drain = Drain("decode", cfg.shutdown_grace_s, loop.busy)
+        app = create_app(cfg, instance, loop, instance.ranks.unhealthy, drain)
         config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5)
-        _HTTPServer(config, on_exit=loop.stop).run()
+        DrainingServer(config, drain, on_exit=loop.stop).run()
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not interrupt the shutdown
         signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -43,9 +43,10 @@ def start_watchdog(instance, role: str, stop: threading.Event) -> threading.Thre
     return thread
 
 
-def add_health_route(app, dead_rank) -> None:
-    """GET /health on a server's FastAPI app: 200 while every rank lives, 503 naming a dead one
-    (or why the group broke: `RankGroup.unhealthy`)."""
+def add_health_route(app, dead_rank, draining=None) -> None:
+    """GET /health on a server's FastAPI app: 200 while every rank lives, 503 naming a dead one (or
+    why the group broke: `RankGroup.unhealthy`), and 503 {"status": "draining"} once `draining()` is
+    true (graceful shutdown: choose another instance)."""
     from fastapi.responses import JSONResponse
 
     @app.get("/health")
@@ -53,4 +54,7 @@ def add_health_route(app, dead_rank) -> None:
         dead = dead_rank()
         if dead:
             return JSONResponse({"status": "unhealthy", "error": dead}, status_code=503)
+        if draining is not None and draining():
+            return JSONResponse({"status": "draining", "error": "shutting down: running requests are finishing, "
+                                 "new ones are refused"}, status_code=503)
         return {"status": "ok"}

@@ -1,7 +1,8 @@
 """HTTP control API of a prefill instance.
 
 GET  /live        200 while the HTTP server runs (Kubernetes liveness; /health is readiness)
-GET  /health      200 when every rank is alive, 503 with the failed rank otherwise
+GET  /health      200 when every rank is alive, 503 with the failed rank otherwise; 503
+                  {"status": "draining"} after SIGTERM (new requests get 503, running ones finish)
 GET  /info        model, ranks (pid, cache bytes, layers held), layout, storage, queue depth
 POST /v1/prefill  {"token_ids": [...], "temperature", "top_p", "top_k", "seed", "request_id"?,
                    "chunk_size"?, "handoff"?} -> {"request_id", "first_token", "prompt_tokens", "seconds"}
@@ -37,11 +38,12 @@ class PrefillBody(StrictModel):
     handoff: bool = False
 
 
-def create_app(instance, scheduler: PrefillScheduler, dead_rank, bootstrap_timeout_s: float = 30.0) -> FastAPI:
-    """dead_rank() -> message naming a dead rank, or None."""
+def create_app(instance, scheduler: PrefillScheduler, dead_rank, bootstrap_timeout_s: float = 30.0,
+               drain=None) -> FastAPI:
+    """dead_rank() -> message naming a dead rank, or None; drain: engine.drain.Drain or None."""
     app = FastAPI(title="pdserve prefill instance")
     install_edge(app)
-    add_health_route(app, dead_rank)
+    add_health_route(app, dead_rank, drain and (lambda: drain.draining))
 
     @app.get("/live")
     def live():
@@ -54,6 +56,8 @@ def create_app(instance, scheduler: PrefillScheduler, dead_rank, bootstrap_timeo
 
     @app.post("/v1/prefill")
     async def prefill(body: PrefillBody):
+        if drain and drain.draining:
+            raise HTTPException(503, drain.refusal())
         try:
             params = SamplingParams(max_tokens=1, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                     seed=body.seed)

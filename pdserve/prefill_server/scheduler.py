@@ -93,12 +93,13 @@ class PrefillScheduler:
                     return True
         return False
 
-    def stop(self) -> None:
+    def stop(self, reason: str | None = None) -> None:
+        """Fails every waiting request with `reason`; the one running finishes (the worker then stops)."""
         with self._cv:
             self._stopped = True
             self._cv.notify_all()
             while self.waiting:
-                self._finish(self.waiting.popleft(), error="the prefill instance is shutting down")
+                self._finish(self.waiting.popleft(), error=reason or "the prefill instance is shutting down")
 
     @property
     def queue_depth(self) -> int:

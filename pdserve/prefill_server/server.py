@@ -2,16 +2,19 @@
 
 Startup: spawn the C_p ranks and wait for every readiness ack, then serve HTTP. A watchdog
 thread checks the ranks; if any dies, the instance logs which one, stops every other rank and
-exits with status 1 (it never hangs in a collective). SIGTERM/SIGINT shut everything down cleanly.
+exits with status 1 (it never hangs in a collective). The first SIGTERM/SIGINT drains (engine/drain.py:
+new requests get 503, running ones get --shutdown-grace seconds), then everything shuts down, exit 0.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 import threading
 import time
 from dataclasses import dataclass
 
+from ..engine.drain import Drain, DrainingServer, install_exit_signals
 from ..engine.launcher import LaunchConfig
 from ..engine.watchdog import start_watchdog
 from ..transfer.backends import check_transfer
@@ -37,6 +40,7 @@ class PrefillServerConfig:
     max_kv_tokens: int = 65536
     page_size: int = 16
     threads_per_rank: int = 1
+    shutdown_grace_s: float = 30.0  # SIGTERM: running requests get this long to finish (engine/drain.py)
     bootstrap_timeout_s: float = 30.0  # a hand-off request fails when no decode reservation came by then
     transfer: str = "tcp"  # KV hand-off data path: tcp | nixl
     kv_residues: int = 0  # residue-major latent cache (KVPool); 0: cp_size
@@ -57,6 +61,8 @@ class PrefillServerConfig:
             raise ValueError("--port and --dist-port must differ")
         if self.bootstrap_timeout_s <= 0:
             raise ValueError("--bootstrap-timeout must be positive")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"--shutdown-grace must be >= 0, got {self.shutdown_grace_s}")
         check_transfer(self.transfer)
 
     def validate_model(self) -> None:
@@ -94,10 +100,15 @@ def serve(cfg: PrefillServerConfig) -> None:
     worker = threading.Thread(target=_worker_loop, args=(scheduler, stop), daemon=True)
     worker.start()
     start_watchdog(instance, "prefill", stop)
-    app = create_app(instance, scheduler, instance.ranks.unhealthy, cfg.bootstrap_timeout_s)
+    install_exit_signals()  # a signal uvicorn re-raises after it stopped must still run the `finally` below
+    drain = Drain("prefill", cfg.shutdown_grace_s, lambda: scheduler.queue_depth)
+    app = create_app(instance, scheduler, instance.ranks.unhealthy, cfg.bootstrap_timeout_s, drain)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5)
     try:
-        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
+        DrainingServer(config, drain, on_exit=scheduler.stop).run()
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not interrupt the shutdown
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         stop.set()
         scheduler.stop()
         worker.join(timeout=10)  # it may still be answering a room through the service

@@ -2,10 +2,13 @@
 
 Starts N prefill instances and M decode instances (each `python -m pdserve.cli prefill|decode` on
 free ports), waits until every one answers /health (deadline), then starts the router in front of
-them and waits for its /health. Prints the URL and an example request, then watches: a child
-that exits stops the stack (exit 1); Ctrl-C or SIGTERM stops every child (router first, then the
-instances, SIGTERM then SIGKILL after a grace period) and exits 0. Children's output goes to
-one log file each in --log-dir; a child that fails to start has its log's tail printed.
+them and waits for its /health. Prints the URL and an example request, then supervises
+(supervise.py): an instance that exits is started again on its port with backoff
+(`--restart on-failure`, the default) or stops the stack (`--restart never`, exit 1); the router
+exiting stops the stack (exit 1). Ctrl-C or SIGTERM stops every child (SIGTERM to all at once: the
+instances drain for --shutdown-grace seconds; SIGKILL for what is left after that) and exits 0.
+Children's output goes to one log file each in --log-dir (a restart appends); a child that fails to
+start has its log's tail printed.
 Imports no torch: the model directory must exist (cli.py builds the built-in one first).
 """
 
@@ -17,10 +20,18 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from .supervise import RESTART_POLICIES, Supervisor
+
+
+STOP_MARGIN_S = 15.0  # past the instances' grace period: time to stop their ranks before SIGKILL
+POLL_S = 0.5  # how often the launcher looks at its children
+ROUTER_HEALTH_INTERVAL_S = 1.0  # a restarted instance rejoins (and a dead one leaves) within about this
 
 
 @dataclass(frozen=True)
@@ -40,8 +51,14 @@ class StackConfig:
     log_dir: str = "pdserve-logs"
     max_kv_tokens: int | None = None  # per instance; None: each server's default
     ready_timeout_s: float = 600.0
+    restart: str = "on-failure"  # a dead instance: on-failure (start it again) | never (stop the stack)
+    shutdown_grace_s: float = 30.0  # each instance's --shutdown-grace
 
     def __post_init__(self):
+        if self.restart not in RESTART_POLICIES:
+            raise ValueError(f"--restart must be one of {', '.join(RESTART_POLICIES)}, got {self.restart!r}")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"--shutdown-grace must be >= 0, got {self.shutdown_grace_s}")
         for name in ("prefill_instances", "prefill_cp", "decode_instances", "decode_tp", "decode_dcp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -55,6 +72,7 @@ class Child:
     proc: subprocess.Popen
     url: str
     log: Path
+    args: Callable[[], list[str]]  # its command line; called again for a restart (fresh side ports)
 
 
 def _die_with_launcher() -> None:
@@ -63,6 +81,13 @@ def _die_with_launcher() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
     except OSError:
         pass
+
+
+def _popen(args: list[str], log: Path, mode: str) -> subprocess.Popen:
+    with log.open(mode) as out:
+        return subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True,  # Ctrl-C reaches the launcher only; it stops the rest
+                                preexec_fn=_die_with_launcher)
 
 
 def free_port() -> int:
@@ -78,42 +103,48 @@ class Stack:
         self.log_dir = Path(cfg.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
 
-    def _spawn(self, name: str, args: list[str], port: int) -> Child:
+    def _spawn(self, name: str, args: Callable[[], list[str]], port: int) -> Child:
         log = self.log_dir / f"{name}.log"
-        with log.open("w") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True,  # Ctrl-C reaches the launcher only; it stops the rest
-                                    preexec_fn=_die_with_launcher)
-        child = Child(name, proc, f"http://127.0.0.1:{port}", log)
+        child = Child(name, _popen(args(), log, "w"), f"http://127.0.0.1:{port}", log, args)
         self.children.append(child)
         return child
 
+    def respawn(self, child: Child, why: str) -> None:
+        """Starts an exited child again with the same HTTP port, appending to its log after a marker."""
+        with child.log.open("a") as out:
+            out.write(f"\n===== pdserve up: {why} =====\n")
+        child.proc = _popen(child.args(), child.log, "a")
+
     def start_instances(self) -> tuple[list[Child], list[Child]]:
-        c, model = self.cfg, self.cfg.model
-        kv = ["--max-kv-tokens", str(c.max_kv_tokens)] if c.max_kv_tokens else []
-        prefill, decode = [], []
-        for i in range(c.prefill_instances):
-            port = free_port()
-            prefill.append(self._spawn(f"prefill-{i}", [
-                "prefill", "--model", model, "--cp-size", str(c.prefill_cp), "--port", str(port),
-                "--dist-port", str(free_port()), "--transfer", c.transfer, "--kv-residues", str(c.decode_dcp), *kv],
-                port))  # residues = C_d: each decode rank's rows are contiguous in the prefill cache
-        page = 64 if 64 % c.decode_dcp == 0 else 64 * c.decode_dcp
-        for i in range(c.decode_instances):
-            port = free_port()
-            decode.append(self._spawn(f"decode-{i}", [
-                "decode", "--model", model, "--tp-size", str(c.decode_tp), "--dcp-size", str(c.decode_dcp),
-                "--dcp-index", c.dcp_index, "--page-size", str(page), "--port", str(port),
-                "--dist-port", str(free_port()), "--transfer", c.transfer, *kv], port))
+        prefill = [self._start_instance(f"prefill-{i}", self._prefill_args) for i in range(self.cfg.prefill_instances)]
+        decode = [self._start_instance(f"decode-{i}", self._decode_args) for i in range(self.cfg.decode_instances)]
         return prefill, decode
+
+    def _start_instance(self, name: str, role_args: Callable[[], list[str]]) -> Child:
+        c, port = self.cfg, free_port()
+        kv = ["--max-kv-tokens", str(c.max_kv_tokens)] if c.max_kv_tokens else []
+        return self._spawn(name, lambda: [*role_args(), "--model", c.model, "--port", str(port), "--dist-port",
+                                          str(free_port()), "--transfer", c.transfer, "--shutdown-grace",
+                                          f"{c.shutdown_grace_s:g}", *kv], port)
+
+    def _prefill_args(self) -> list[str]:
+        # residues = C_d: each decode rank's rows are contiguous in the prefill cache
+        return ["prefill", "--cp-size", str(self.cfg.prefill_cp), "--kv-residues", str(self.cfg.decode_dcp)]
+
+    def _decode_args(self) -> list[str]:
+        c = self.cfg
+        page = 64 if 64 % c.decode_dcp == 0 else 64 * c.decode_dcp
+        return ["decode", "--tp-size", str(c.decode_tp), "--dcp-size", str(c.decode_dcp), "--dcp-index", c.dcp_index,
+                "--page-size", str(page)]
 
     def start_router(self, prefill: list[Child], decode: list[Child]) -> Child:
         c = self.cfg
-        args = ["router", "--model", c.model, "--host", c.host, "--port", str(c.port), "--policy", c.policy]
+        args = ["router", "--model", c.model, "--host", c.host, "--port", str(c.port), "--policy", c.policy,
+                "--health-interval", str(ROUTER_HEALTH_INTERVAL_S)]
         args += [a for p in prefill for a in ("--prefill", p.url)] + [a for d in decode for a in ("--decode", d.url)]
         if c.admin_token:
             args += ["--admin-token", c.admin_token]
-        child = self._spawn("router", args, c.port)
+        child = self._spawn("router", lambda: args, c.port)
         child.url = f"http://{'127.0.0.1' if c.host in ('0.0.0.0', '::') else c.host}:{c.port}"
         return child
 
@@ -139,15 +170,24 @@ class Stack:
             tail = "".join(child.log.read_text(errors="replace").splitlines(keepends=True)[-20:])
             raise RuntimeError(f"{child.name} exited with status {code}; the end of {child.log}:\n{tail}")
 
-    def stop(self, grace_s: float = 20.0) -> None:
-        for child in reversed(self.children):  # the router first: no new requests reach dying instances
+    def terminate_all(self) -> None:
+        """SIGTERM to every live child. A second one, during stop(), cuts the instances' drain short
+        (they still stop cleanly)."""
+        for child in self.children:
             if child.proc.poll() is None:
                 child.proc.terminate()
-                try:
-                    child.proc.wait(grace_s)
-                except subprocess.TimeoutExpired:
-                    child.proc.kill()
-                    child.proc.wait()
+
+    def stop(self) -> None:
+        """SIGTERM to every child at once: the router stops taking requests and lets its open ones end,
+        the instances drain (--shutdown-grace); SIGKILL to any still running some seconds after that."""
+        self.terminate_all()
+        deadline = time.monotonic() + self.cfg.shutdown_grace_s + STOP_MARGIN_S
+        for child in self.children:
+            try:
+                child.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
 
 
 class _Stop(Exception):
@@ -159,7 +199,8 @@ def _raise_stop(signum, frame):
 
 
 def up(cfg: StackConfig, echo=print) -> int:
-    """Runs the stack until Ctrl-C / SIGTERM (returns 0) or until a child dies (returns 1)."""
+    """Runs the stack until Ctrl-C / SIGTERM (returns 0), or until the router dies or, with
+    --restart never, any child (returns 1)."""
     stack = Stack(cfg)
     old = signal.signal(signal.SIGTERM, _raise_stop)
     try:
@@ -175,21 +216,22 @@ def up(cfg: StackConfig, echo=print) -> int:
         echo(f"ready: {router.url}/v1  (model {model!r}; Ctrl-C stops everything)")
         echo(f"example:\n  curl {router.url}/v1/completions -H 'Content-Type: application/json' "
              f"-d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'")
+        supervisor = Supervisor(stack, router, prefill + decode, cfg.restart, echo)
         while True:
-            for child in stack.children:
-                stack.check_alive(child)
-            time.sleep(0.5)
+            supervisor.tick()
+            time.sleep(POLL_S)
     except (KeyboardInterrupt, _Stop):
-        echo("stopping")
+        echo(f"stopping (the instances drain for up to {cfg.shutdown_grace_s:g} s; Ctrl-C again cuts that short)")
         return 0
     except RuntimeError as e:
         echo(f"error: {e}")
         return 1
     finally:
         # a second Ctrl-C or SIGTERM (process managers repeat them) must not cut the stop short and
-        # orphan the instances; they also die with this process if it is killed (_die_with_launcher)
-        old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # orphan the instances, only their drain; they also die with this process if it is killed
+        # (_die_with_launcher)
+        old_int = signal.signal(signal.SIGINT, lambda signum, frame: stack.terminate_all())
+        signal.signal(signal.SIGTERM, lambda signum, frame: stack.terminate_all())
         try:
             stack.stop()
         finally:

@@ -167,8 +167,8 @@ class Pool:
         path = "/info" if inst.role == "prefill" else "/capacity"
         try:
             health = await client.get(f"{inst.url}/health", timeout=5)
-            if health.status_code != 200:
-                raise RuntimeError(_detail(health))
+            if health.status_code != 200:  # an instance's own drain (SIGTERM) makes it unusable too
+                raise RuntimeError(("draining: " if _says_draining(health) else "") + _detail(health))
             load = await client.get(f"{inst.url}{path}", timeout=5)
             if load.status_code != 200:
                 raise RuntimeError(f"{path}: {_detail(load)}")
@@ -191,6 +191,15 @@ class Pool:
         while True:
             await self.poll_all(client)
             await asyncio.sleep(interval_s)
+
+
+def _says_draining(resp: httpx.Response) -> bool:
+    """/health of an instance that got SIGTERM: 503 {"status": "draining"} (engine/drain.py)."""
+    try:
+        body = resp.json()
+    except ValueError:
+        return False
+    return isinstance(body, dict) and body.get("status") == "draining"
 
 
 def _detail(resp: httpx.Response) -> str:

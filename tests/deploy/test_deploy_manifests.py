@@ -35,6 +35,9 @@ def test_kustomize_output_is_valid_kubernetes(path):
         assert shm["emptyDir"]["medium"] == "Memory"
         gpus = tpl["spec"]["containers"][0]["resources"].get("limits", {}).get("nvidia.com/gpu")
         assert gpus == (2 if "gpu" in path else None)
+        args = tpl["spec"]["containers"][0]["args"]  # the kubelet's SIGKILL must come after the drain
+        grace = float(args[args.index("--shutdown-grace") + 1])
+        assert grace + 5 <= tpl["spec"]["terminationGracePeriodSeconds"] <= grace + 60, role
     router = deployments["pdserve-router"]["spec"]["containers"][0]
     token = [e for e in router["env"] if e["name"] == "PDSERVE_ADMIN_TOKEN"][0]
     assert token["valueFrom"]["secretKeyRef"]["name"].startswith("pdserve-admin")
@@ -56,6 +59,10 @@ def test_compose_files():
         test = base[name]["healthcheck"]["test"]
         assert any("/health" in part for part in test), name
     assert base["prefill"]["shm_size"] and base["decode"]["ipc"] == "service:prefill"
+    for name in ("prefill", "decode"):  # docker's SIGKILL must come after the drain
+        cmd = base[name]["command"]
+        grace = float(cmd[cmd.index("--shutdown-grace") + 1])
+        assert int(base[name]["stop_grace_period"].rstrip("s")) >= grace + 5, name
     assert base["prometheus"]["profiles"] == ["monitoring"]
     prom = yaml.safe_load((DEPLOY / "compose" / "prometheus.yml").read_text())
     job = prom["scrape_configs"][0]

@@ -28,7 +28,7 @@ VOCAB_PROBE = 10**9  # an id outside any vocabulary
 def stack(model_dir, instances):
     p_url, d_url = instances
     cfg = RouterConfig(model=str(model_dir), prefill=(p_url,), decode=(d_url,), served_model_name="tiny",
-                       health_interval_s=0.5, max_body_bytes=1 << 20, max_prompt_bytes=256 << 10)
+                       health_interval_s=0.5, max_body_bytes=8 << 20, max_prompt_bytes=4 << 20)
     with running_router(cfg) as (url, app):
         yield {"url": url, "p_url": p_url, "d_url": d_url}
 
@@ -86,15 +86,15 @@ def test_non_finite_numbers_are_refused_promptly(stack, field, literal):
 
 def test_a_large_prompt_is_refused_and_never_blocks_health(stack):
     start = time.monotonic()
-    assert_error(completion(stack, prompt="x" * (10 << 20)), 413)  # the body limit (1 MiB here)
-    assert_error(completion(stack, prompt="hello " * 50_000), 400, "prompt")  # 300 kB > max_prompt_bytes
+    assert_error(completion(stack, prompt="x" * (10 << 20)), 413)  # the body limit (8 MiB here)
+    assert_error(completion(stack, prompt="hello " * 1_000_000), 400, "prompt")  # 6 MB > max_prompt_bytes (4 MiB)
     assert time.monotonic() - start < 10
     # under the byte limit, a long prompt is tokenized (off the event loop) and then too long for the decode
     result, latencies = {}, []
 
     def send():
         t0 = time.monotonic()
-        result["r"] = completion(stack, prompt="lorem ipsum dolor sit amet " * 9000)  # ~250 kB, ~90k tokens
+        result["r"] = completion(stack, prompt="lorem ipsum dolor sit amet " * 120_000)  # 3.2 MB, ~1.2M tokens
         result["s"] = time.monotonic() - t0
 
     sender = threading.Thread(target=send)
