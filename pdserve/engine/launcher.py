@@ -29,6 +29,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 _STOP = "__stop__"
+_LISTENERS: list = []  # rank 0's rendezvous socket (see _store)
 
 
 class RankError(RuntimeError):
@@ -80,10 +81,9 @@ def _rank_main(factory: Callable[..., Any], payload: Any, rank: int, cfg: Launch
 
     torch.set_num_threads(cfg.threads_per_rank)
     try:
-        dist.init_process_group(
-            cfg.backend, init_method=f"tcp://{cfg.dist_host}:{cfg.dist_port}", rank=rank,
-            world_size=cfg.world_size, timeout=timedelta(seconds=cfg.collective_timeout_s),
-        )
+        timeout = timedelta(seconds=cfg.collective_timeout_s)
+        dist.init_process_group(cfg.backend, store=_store(rank, cfg, timeout), rank=rank, world_size=cfg.world_size,
+                                timeout=timeout)
         worker = factory(rank, cfg.world_size, payload)
         conn.send(("ready", getattr(worker, "info", lambda: {})()))
     except Exception:
@@ -98,6 +98,28 @@ def _rank_main(factory: Callable[..., Any], payload: Any, rank: int, cfg: Launch
         except Exception:
             conn.send(("error", traceback.format_exc()))
     dist.destroy_process_group()
+
+
+def _store(rank: int, cfg: LaunchConfig, timeout: timedelta):
+    """The rendezvous store, listening on dist_host only (torch's own would listen on every interface);
+    gloo's connections too stay on loopback when dist_host is a loopback address."""
+    import socket
+
+    import torch.distributed as dist
+
+    if cfg.dist_host in ("127.0.0.1", "localhost", "::1") and "GLOO_SOCKET_IFNAME" not in os.environ:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    if rank != 0:
+        return dist.TCPStore(cfg.dist_host, cfg.dist_port, cfg.world_size, False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in cfg.dist_host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((cfg.dist_host, cfg.dist_port))
+    listener.listen(256)
+    store = dist.TCPStore(cfg.dist_host, cfg.dist_port, cfg.world_size, True, timeout=timeout,
+                          master_listen_fd=listener.fileno())
+    _LISTENERS.append(listener)  # the store serves on this socket: it must stay open as long as the process
+    return store
 
 
 class RankGroup:

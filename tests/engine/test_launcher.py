@@ -77,3 +77,30 @@ def test_a_dead_rank_breaks_the_group(group):
     with pytest.raises(RankError, match="rank 1"):
         group.call(Cmd(1))
     assert "rank 1" in group.unhealthy()
+
+
+def listening_addresses(pid: int) -> list[str]:
+    """Local addresses of the TCP sockets `pid` listens on (from /proc, IPv4 and IPv6)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                    found.append(cols[1].split(":")[0])
+    return found
+
+
+def test_rank_processes_listen_on_loopback_only(group):
+    loopback = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1 and ::1 as /proc writes them
+    addresses = [a for pid in group.pids for a in listening_addresses(pid)]
+    assert addresses, "the rendezvous store and gloo listen somewhere"
+    assert set(addresses) <= loopback, addresses
