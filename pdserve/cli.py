@@ -71,6 +71,38 @@ SHUTDOWN_GRACE_HELP = ("Seconds running requests get to finish after SIGTERM: ne
                        "signal cuts it short.")
 
 
+INTERNAL_TOKEN_HELP = ("The internal token that authenticates pdserve's own processes to each other (instance HTTP "
+                       "APIs, side channel, data path); the same on the router and every instance. Default: "
+                       "$PDSERVE_INTERNAL_TOKEN. A value given here is visible in `ps`: prefer the variable or "
+                       "--internal-token-file.")
+INTERNAL_TOKEN_FILE_HELP = "A file holding the internal token (e.g. a mounted Kubernetes Secret)."
+
+
+def internal_token(flag: Optional[str], file: Optional[Path], check_config: bool) -> Optional[str]:
+    """The internal token (engine/auth.py), required unless only the config is checked."""
+    from .engine.auth import AuthConfigError, load_internal_token
+
+    try:
+        return load_internal_token(flag, str(file) if file else None, required=not check_config)
+    except AuthConfigError as e:
+        fail(str(e))
+
+
+def _stack_token(flag: Optional[str], file: Optional[Path]) -> str:
+    from .engine.auth import AuthConfigError, load_internal_token, new_token
+
+    try:
+        return load_internal_token(flag, str(file) if file else None, required=False) or new_token()
+    except AuthConfigError as e:
+        fail(str(e))
+
+
+def masked(config: dict) -> dict:
+    """A config for printing: secrets as "***" (or null when unset)."""
+    return {k: ("***" if v else None) if k in ("internal_token", "admin_token", "api_key") else v
+            for k, v in config.items()}
+
+
 def fail(msg: str) -> None:
     typer.echo(f"error: {msg}", err=True)
     raise typer.Exit(2)
@@ -201,6 +233,8 @@ def prefill(
     max_queue: int = typer.Option(256, min=1, help="Requests waiting to be prefilled beyond this many are refused with 429 and Retry-After (bounded admission; the router then tries another instance)."),
     kv_residues: int = typer.Option(0, min=0, help="Store each layer's latent cache residue-major by R residues (slot s at row (s % R) * ceil(slots / R) + s // R), so each rank of a decode instance with C_d = R finds its tokens in contiguous rows, which --transfer nixl WRITEs straight from the cache without packing. 0 (default): the CP size. Any value works with any decode instance; only the packing cost differs."),
     shutdown_grace: float = typer.Option(30.0, min=0.0, help=SHUTDOWN_GRACE_HELP),
+    internal_token_: Optional[str] = typer.Option(None, "--internal-token", help=INTERNAL_TOKEN_HELP),
+    internal_token_file: Optional[Path] = typer.Option(None, help=INTERNAL_TOKEN_FILE_HELP),
     check_config: bool = typer.Option(False, "--check-config", help="Validate the flags and the checkpoint (config.json alone is enough), print the config and its plan (topology, weight and KV bytes per rank) as JSON, and exit without starting."),
 ):
     """Run a prefill instance: C_p rank processes with context parallelism, behind an HTTP control API."""
@@ -210,7 +244,7 @@ def prefill(
 
     try:
         cfg = PrefillServerConfig(
-            shutdown_grace_s=shutdown_grace,
+            shutdown_grace_s=shutdown_grace, internal_token=internal_token(internal_token_, internal_token_file, check_config),
             model=str(model_arg(model, check_config)), cp_size=cp_size, cp_layout=cp_layout.value, cache=cache.value,
             chunk_size=chunk_size, moe_tp=moe_tp, host=host, port=port, dist_port=dist_port, dtype=dtype.value,
             max_kv_tokens=max_kv_tokens, threads_per_rank=threads_per_rank, bootstrap_timeout_s=bootstrap_timeout,
@@ -225,7 +259,7 @@ def prefill(
     except (ValueError, FileNotFoundError) as e:
         fail(str(e))
     if check_config:
-        echo_plan(asdict(cfg), plan)
+        echo_plan(masked(asdict(cfg)), plan)
         return
     serve(cfg)
 
@@ -272,6 +306,8 @@ def decode(
     transfer: Transfer = typer.Option(Transfer.tcp, help="KV hand-off data path from prefill instances: tcp (ZMQ over TCP) or nixl (NIXL/UCX one-sided WRITEs). Both sides must use the same."),
     shutdown_grace: float = typer.Option(30.0, min=0.0, help=SHUTDOWN_GRACE_HELP),
     transfer_quarantine: float = typer.Option(60.0, help="--transfer nixl: seconds the pages of a hand-off that failed while its prefill may still be sending stay out of use (NIXL WRITEs land in the cache itself; a late one must not reach another request)."),
+    internal_token_: Optional[str] = typer.Option(None, "--internal-token", help=INTERNAL_TOKEN_HELP),
+    internal_token_file: Optional[Path] = typer.Option(None, help=INTERNAL_TOKEN_FILE_HELP),
     gpu_memory: Optional[str] = typer.Option(None, help="With --check-config: memory of one GPU, e.g. 141GiB; adds whether this instance fits one GPU per rank and, per C_d, the fewest ranks that hold the weights and the KV tokens they leave room for."),
     check_config: bool = typer.Option(False, "--check-config", help="Validate the flags and the checkpoint (config.json alone is enough), print the config with its num_slots and plan (topology, weight and KV bytes per rank) as JSON, and exit without starting."),
 ):
@@ -286,6 +322,7 @@ def decode(
         budget = parse_bytes(kv_memory) if kv_memory is not None else None
         cfg = DecodeServerConfig(
             model=str(model_arg(model, check_config)), tp_size=tp_size, dcp_size=dcp_size, shutdown_grace_s=shutdown_grace,
+            internal_token=internal_token(internal_token_, internal_token_file, check_config),
             dcp_index=dcp_index.value, dcp_comm=dcp_comm.value, replicate_q_proj=replicate_q_proj,
             kv_cache_dtype=kv_cache_dtype.value, kv_memory=budget,
             max_kv_tokens=DEFAULT_MAX_KV_TOKENS if budget is None and max_kv_tokens is None else max_kv_tokens,
@@ -305,7 +342,7 @@ def decode(
     except (ValueError, FileNotFoundError) as e:
         fail(str(e))
     if check_config:
-        echo_plan({**asdict(cfg), "num_slots": num_slots}, plan)
+        echo_plan(masked({**asdict(cfg), "num_slots": num_slots}), plan)
         return
     serve(cfg)
 
@@ -334,7 +371,10 @@ def router(
     policy: Policy = typer.Option(Policy.round_robin, help="How an instance is chosen: round_robin, or least_load (fewest in-flight requests, then shortest queue / most free KV tokens)."),
     host: str = typer.Option("127.0.0.1", help="Address the OpenAI-compatible API listens on."),
     port: int = typer.Option(8000, help="Port of the OpenAI-compatible API."),
-    admin_token: Optional[str] = typer.Option(None, help="Bearer token of the /admin API (default: PDSERVE_ADMIN_TOKEN); without one the admin API is disabled."),
+    admin_token: Optional[str] = typer.Option(None, help="Bearer token of the /admin API (default: PDSERVE_ADMIN_TOKEN; at least 24 random characters); without one the admin API is disabled."),
+    api_key: Optional[str] = typer.Option(None, help="API key clients must send as `Authorization: Bearer KEY` on /v1/* (default: $PDSERVE_API_KEY); without one the OpenAI API is open."),
+    internal_token_: Optional[str] = typer.Option(None, "--internal-token", help=INTERNAL_TOKEN_HELP),
+    internal_token_file: Optional[Path] = typer.Option(None, help=INTERNAL_TOKEN_FILE_HELP),
     health_interval: float = typer.Option(2.0, help="Seconds between health checks of every instance."),
     max_attempts: int = typer.Option(3, min=1, help="Tries of one request on different instance pairs while no token reached the client."),
     request_timeout: float = typer.Option(600.0, help="Deadline of one request, from arrival to its last token (every try and wait for room included); past it the client gets 504, or an error event once streaming began."),
@@ -360,6 +400,8 @@ def router(
             model=str(model_arg(model, check_config)), prefill=tuple(prefill), decode=tuple(decode),
             policy=policy.value, served_model_name=served_model_name, host=host, port=port,
             admin_token=RouterConfig.token_from_env(admin_token), health_interval_s=health_interval,
+            api_key=api_key or os.environ.get("PDSERVE_API_KEY") or None,
+            internal_token=internal_token(internal_token_, internal_token_file, check_config),
             max_attempts=max_attempts, request_timeout_s=request_timeout, instance_timeout_s=instance_timeout,
             max_body_bytes=max_body_bytes, max_prompt_bytes=max_prompt_bytes, max_prompt_tokens=max_prompt_tokens,
             max_in_flight=max_in_flight, max_queue=max_queue, discovery=discovery.value,
@@ -368,7 +410,7 @@ def router(
     except ValueError as e:
         fail(str(e))
     if check_config:
-        typer.echo(json.dumps({**asdict(cfg), "admin_token": "***" if cfg.admin_token else None}))
+        typer.echo(json.dumps(masked(asdict(cfg))))
         return
     if cfg.discovery == "k8s" and cfg.k8s_api is None and not os.environ.get("KUBERNETES_SERVICE_HOST"):
         fail("--discovery k8s outside a pod needs --k8s-api URL (no KUBERNETES_SERVICE_HOST)")
@@ -396,6 +438,8 @@ def up(
     ready_timeout: float = typer.Option(600.0, help="Seconds every process gets to become healthy before the launch is given up."),
     restart: Restart = typer.Option(Restart.on_failure, help="An instance that exits once the stack is up: on-failure starts it again on the same port (backoff 1 s doubling to 30 s; the router picks it up once healthy); never stops the whole stack (exit 1). The router exiting always stops the stack."),
     shutdown_grace: float = typer.Option(30.0, min=0.0, help="Every instance's --shutdown-grace: on Ctrl-C / SIGTERM the instances drain this long (new requests 503, running ones finish) before they stop."),
+    internal_token_: Optional[str] = typer.Option(None, "--internal-token", help="The stack's internal token (default: $PDSERVE_INTERNAL_TOKEN, else a new random one); it reaches the router and the instances through their environment, never their command lines."),
+    internal_token_file: Optional[Path] = typer.Option(None, help=INTERNAL_TOKEN_FILE_HELP),
     check_config: bool = typer.Option(False, "--check-config", help="Validate the flags, print the stack's config as JSON, and exit without starting."),
 ):
     """Run the whole stack on this machine: prefill and decode instances plus the router, restarting an
@@ -410,6 +454,7 @@ def up(
             transfer=transfer.value, host=host, port=port, policy=policy.value,
             admin_token=RouterConfig.token_from_env(admin_token), log_dir=str(log_dir), max_kv_tokens=max_kv_tokens,
             ready_timeout_s=ready_timeout, restart=restart.value, shutdown_grace_s=shutdown_grace,
+            internal_token=_stack_token(internal_token_, internal_token_file),
         )
     except ValueError as e:
         fail(str(e))
@@ -425,7 +470,7 @@ def up(
                            dcp_index.value, max_kv_tokens or 65536)
         except ValueError as e:
             fail(str(e))
-        echo_plan({**asdict(cfg), "admin_token": "***" if cfg.admin_token else None}, plan)
+        echo_plan(masked(asdict(cfg)), plan)
         return
     raise typer.Exit(run_stack(cfg, echo=lambda line: typer.echo(line)))
 

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
+
+from pdserve.engine.auth import INTERNAL_TOKEN_ENV
+from tests.servers import TEST_TOKEN
+
+os.environ[INTERNAL_TOKEN_ENV] = TEST_TOKEN  # every server, router and `pdserve up` a test starts shares it
 
 ARCHS = ("glm_moe_dsa", "deepseek_v32", "deepseek_v3")
 

@@ -11,6 +11,12 @@ import httpx
 
 from tests.reference import free_port
 
+# Every server a test starts inherits this internal token (tests/conftest.py puts it in the
+# environment); `http` sends it, so tests reach the instances' authenticated APIs.
+TEST_TOKEN = "pdserve-test-internal-token-7f3a9c1e5b"
+AUTH = {"Authorization": f"Bearer {TEST_TOKEN}"}
+http = httpx.Client(headers=AUTH, timeout=5.0)
+
 
 def pid_alive(pid: int) -> bool:
     """True while the process exists and is not a zombie."""

@@ -81,7 +81,7 @@ def create_app(cfg, instance, engine_loop, dead_rank, drain=None) -> FastAPI:
                   for i, r in enumerate(instance.rank_infos)],
     }
 
-    install_edge(app)
+    install_edge(app, token=getattr(cfg, "internal_token", None))
     add_health_route(app, dead_rank, drain and (lambda: drain.draining))
 
     @app.get("/live")

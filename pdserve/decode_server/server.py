@@ -17,12 +17,13 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import uvicorn
 
 from ..engine import capacity
 from ..engine.drain import Drain, DrainingServer, install_exit_signals
+from ..engine.auth import require_token
 from ..engine.launcher import LaunchConfig
 from ..engine.request import Overloaded, SamplingParams
 from ..engine.watchdog import start_watchdog, stop_instance
@@ -59,6 +60,7 @@ class DecodeServerConfig:
     threads_per_rank: int = 1
     max_batch: int = 64
     shutdown_grace_s: float = 30.0  # SIGTERM: running requests get this long to finish (engine/drain.py)
+    internal_token: str | None = field(default=None, repr=False)  # engine/auth.py; serve() requires one
     cpu_comm: str = "auto"
     transfer_timeout_s: float = 30.0  # a hand-off's rows must arrive this long after the reservation went out
     transfer: str = "tcp"  # KV hand-off data path: tcp | nixl
@@ -316,6 +318,7 @@ def serve(cfg: DecodeServerConfig) -> None:
 
     install_exit_signals()  # during startup a signal exits through the `finally` below, stopping the ranks
     torch.set_num_threads(cfg.threads_per_rank)  # the local prefill must not take the ranks' cores
+    require_token(cfg.internal_token)
     cfg.validate_model()
     instance = cfg.build_instance()
     print(f"starting {cfg.tp_size} decode rank(s) (DCP {cfg.dcp_size}) for {cfg.model}", file=sys.stderr, flush=True)

@@ -59,6 +59,13 @@ def load_internal_token(flag: str | None = None, file: str | None = None, requir
     return check_strength(token, "the internal token")
 
 
+def require_token(token: str | None) -> str:
+    """A server's start: its token must be there (the CLI loads and checks it)."""
+    if token is None:
+        raise AuthConfigError(f"no internal token: set {INTERNAL_TOKEN_ENV} (or --internal-token-file)")
+    return check_strength(token, "the internal token")
+
+
 def bearer_ok(header: str | None, token: str) -> bool:
     """Constant-time check of an `Authorization: Bearer ...` header."""
     if not header or not header.startswith("Bearer "):

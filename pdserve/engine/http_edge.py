@@ -5,18 +5,23 @@
   error id; the traceback goes to the log under that id, never to the client).
 - A request body size limit, checked before anything parses the body.
 - `StrictModel`: the pydantic base of request bodies; non-finite numbers are refused.
+- Bearer authentication (`RequireBearer`): an instance requires the internal token on every path
+  but /health and /live; the router, with --api-key, requires the API key on /v1/*.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .auth import bearer_ok
 
 log = logging.getLogger("pdserve.http")
 
@@ -58,8 +63,13 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return text or "invalid request body", param
 
 
-def install_edge(app: FastAPI, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
-    """Error handlers and the body size limit of one HTTP edge."""
+OPEN_PATHS = ("/health", "/live")  # probes: no secret in a kubelet's config
+
+
+def install_edge(app: FastAPI, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, token: str | None = None,
+                 protect: Callable[[str], bool] = lambda path: path not in OPEN_PATHS) -> None:
+    """Error handlers, the body size limit and, with `token`, bearer authentication of the paths
+    `protect` selects (every one but the probes, by default)."""
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, exc: RequestValidationError):  # 400, not FastAPI's 422
@@ -77,6 +87,24 @@ def install_edge(app: FastAPI, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> 
         return error_response(500, f"internal error (error id {error_id})")
 
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    if token is not None:  # outermost: nothing of an unauthenticated request is read
+        app.add_middleware(RequireBearer, token=token, protect=protect)
+
+
+class RequireBearer:
+    """ASGI middleware: 401 with an OpenAI error body unless `Authorization: Bearer <token>`."""
+
+    def __init__(self, app, token: str, protect: Callable[[str], bool]):
+        self.app, self.token, self.protect = app, token, protect
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.protect(scope["path"]):
+            header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if not bearer_ok(header, self.token):
+                response = error_response(401, "missing or invalid bearer token", code="invalid_api_key",
+                                          headers={"WWW-Authenticate": "Bearer"})
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 class BodyLimit:

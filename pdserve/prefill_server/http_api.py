@@ -39,10 +39,11 @@ class PrefillBody(StrictModel):
 
 
 def create_app(instance, scheduler: PrefillScheduler, dead_rank, bootstrap_timeout_s: float = 30.0,
-               drain=None) -> FastAPI:
-    """dead_rank() -> message naming a dead rank, or None; drain: engine.drain.Drain or None."""
+               drain=None, token: str | None = None) -> FastAPI:
+    """dead_rank() -> message naming a dead rank, or None; drain: engine.drain.Drain or None;
+    token: the internal token every path but /health and /live requires (None: open, tests only)."""
     app = FastAPI(title="pdserve prefill instance")
-    install_edge(app)
+    install_edge(app, token=token)
     add_health_route(app, dead_rank, drain and (lambda: drain.draining))
 
     @app.get("/live")

@@ -12,9 +12,10 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..engine.drain import Drain, DrainingServer, install_exit_signals
+from ..engine.auth import require_token
 from ..engine.launcher import LaunchConfig
 from ..engine.watchdog import start_watchdog
 from ..transfer.backends import check_transfer
@@ -41,6 +42,7 @@ class PrefillServerConfig:
     page_size: int = 16
     threads_per_rank: int = 1
     shutdown_grace_s: float = 30.0  # SIGTERM: running requests get this long to finish (engine/drain.py)
+    internal_token: str | None = field(default=None, repr=False)  # engine/auth.py; serve() requires one
     bootstrap_timeout_s: float = 30.0  # a hand-off request fails when no decode reservation came by then
     transfer: str = "tcp"  # KV hand-off data path: tcp | nixl
     kv_residues: int = 0  # residue-major latent cache (KVPool); 0: cp_size
@@ -90,6 +92,7 @@ def serve(cfg: PrefillServerConfig) -> None:
 
     from .http_api import create_app
 
+    require_token(cfg.internal_token)
     cfg.validate_model()
     instance = cfg.build_instance()
     print(f"starting {cfg.cp_size} prefill rank(s) for {cfg.model}", file=sys.stderr, flush=True)
@@ -102,7 +105,7 @@ def serve(cfg: PrefillServerConfig) -> None:
     start_watchdog(instance, "prefill", stop)
     install_exit_signals()  # a signal uvicorn re-raises after it stopped must still run the `finally` below
     drain = Drain("prefill", cfg.shutdown_grace_s, lambda: scheduler.queue_depth)
-    app = create_app(instance, scheduler, instance.ranks.unhealthy, cfg.bootstrap_timeout_s, drain)
+    app = create_app(instance, scheduler, instance.ranks.unhealthy, cfg.bootstrap_timeout_s, drain, cfg.internal_token)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5)
     try:
         DrainingServer(config, drain, on_exit=scheduler.stop).run()

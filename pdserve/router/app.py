@@ -69,7 +69,8 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     async def lifespan(app: FastAPI):
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         timeout = httpx.Timeout(cfg.instance_timeout_s, connect=cfg.connect_timeout_s)
-        async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        headers = {"Authorization": f"Bearer {cfg.internal_token}"} if cfg.internal_token else {}
+        async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
             state = app.state.router = RouterState(cfg, client)
             await state.pool.poll_all(client)
             tasks = [asyncio.create_task(state.pool.health_loop(client, cfg.health_interval_s))]
@@ -82,7 +83,7 @@ def create_app(cfg: RouterConfig) -> FastAPI:
                     task.cancel()
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
-    _add_error_handlers(app, cfg.max_body_bytes)
+    _add_error_handlers(app, cfg.max_body_bytes, cfg.api_key)
     app.include_router(admin_router(cfg.admin_token))
 
     @app.get("/live")
@@ -141,8 +142,8 @@ def _discovery(cfg: RouterConfig, state: RouterState):
     return K8sDiscovery(state.pool, cfg.selector, cfg.namespace, cfg.k8s_api, on_added=poll_now)
 
 
-def _add_error_handlers(app: FastAPI, max_body_bytes: int) -> None:
-    install_edge(app, max_body_bytes)
+def _add_error_handlers(app: FastAPI, max_body_bytes: int, api_key: str | None) -> None:
+    install_edge(app, max_body_bytes, token=api_key, protect=lambda path: path.startswith("/v1/"))
 
     @app.exception_handler(P.ApiError)
     async def api_error(request: Request, exc: P.ApiError):

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from ..engine.auth import check_strength
 
 POLICIES = ("round_robin", "least_load")
 ADMIN_TOKEN_ENV = "PDSERVE_ADMIN_TOKEN"
@@ -20,7 +22,9 @@ class RouterConfig:
     served_model_name: str | None = None  # the `model` clients must send; default: the directory's name
     host: str = "127.0.0.1"
     port: int = 8000
-    admin_token: str | None = None  # None: the admin API answers 404 (disabled)
+    admin_token: str | None = field(default=None, repr=False)  # None: the admin API answers 404 (disabled)
+    api_key: str | None = field(default=None, repr=False)  # clients' bearer key on /v1/*; None: open
+    internal_token: str | None = field(default=None, repr=False)  # sent to the instances (engine/auth.py)
     health_interval_s: float = 2.0
     max_attempts: int = 3  # tries of one request on different pairs, while no token reached the client
     retry_backoff_s: float = 0.2  # doubled after every failed try
@@ -39,6 +43,8 @@ class RouterConfig:
     k8s_api: str | None = None  # None: the in-cluster API server
 
     def __post_init__(self):
+        if self.admin_token is not None:
+            check_strength(self.admin_token, "the admin token")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         for role, urls in (("prefill", self.prefill), ("decode", self.decode)):

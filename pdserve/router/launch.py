@@ -15,16 +15,20 @@ Imports no torch: the model directory must exist (cli.py builds the built-in one
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from ..engine.auth import INTERNAL_TOKEN_ENV, new_token
+from .config import ADMIN_TOKEN_ENV
 
 from .supervise import RESTART_POLICIES, Supervisor
 
@@ -47,12 +51,13 @@ class StackConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     policy: str = "round_robin"
-    admin_token: str | None = None
+    admin_token: str | None = field(default=None, repr=False)  # reaches the router through its environment
     log_dir: str = "pdserve-logs"
     max_kv_tokens: int | None = None  # per instance; None: each server's default
     ready_timeout_s: float = 600.0
     restart: str = "on-failure"  # a dead instance: on-failure (start it again) | never (stop the stack)
     shutdown_grace_s: float = 30.0  # each instance's --shutdown-grace
+    internal_token: str = field(default_factory=new_token, repr=False)  # one per stack, in the children's environment
 
     def __post_init__(self):
         if self.restart not in RESTART_POLICIES:
@@ -83,9 +88,11 @@ def _die_with_launcher() -> None:
         pass
 
 
-def _popen(args: list[str], log: Path, mode: str) -> subprocess.Popen:
+def _popen(args: list[str], log: Path, mode: str, env: dict[str, str]) -> subprocess.Popen:
+    """A child; secrets travel in `env`, never on its command line (visible in ps)."""
     with log.open(mode) as out:
         return subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], stdout=out, stderr=subprocess.STDOUT,
+                                env=env,
                                 start_new_session=True,  # Ctrl-C reaches the launcher only; it stops the rest
                                 preexec_fn=_die_with_launcher)
 
@@ -102,10 +109,14 @@ class Stack:
         self.children: list[Child] = []
         self.log_dir = Path(cfg.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.env = {**os.environ, INTERNAL_TOKEN_ENV: cfg.internal_token}
+        self.env.pop(ADMIN_TOKEN_ENV, None)
+        if cfg.admin_token:  # only the router reads it; instances ignore it
+            self.env[ADMIN_TOKEN_ENV] = cfg.admin_token
 
     def _spawn(self, name: str, args: Callable[[], list[str]], port: int) -> Child:
         log = self.log_dir / f"{name}.log"
-        child = Child(name, _popen(args(), log, "w"), f"http://127.0.0.1:{port}", log, args)
+        child = Child(name, _popen(args(), log, "w", self.env), f"http://127.0.0.1:{port}", log, args)
         self.children.append(child)
         return child
 
@@ -113,7 +124,7 @@ class Stack:
         """Starts an exited child again with the same HTTP port, appending to its log after a marker."""
         with child.log.open("a") as out:
             out.write(f"\n===== pdserve up: {why} =====\n")
-        child.proc = _popen(child.args(), child.log, "a")
+        child.proc = _popen(child.args(), child.log, "a", self.env)
 
     def start_instances(self) -> tuple[list[Child], list[Child]]:
         prefill = [self._start_instance(f"prefill-{i}", self._prefill_args) for i in range(self.cfg.prefill_instances)]
@@ -142,8 +153,6 @@ class Stack:
         args = ["router", "--model", c.model, "--host", c.host, "--port", str(c.port), "--policy", c.policy,
                 "--health-interval", str(ROUTER_HEALTH_INTERVAL_S)]
         args += [a for p in prefill for a in ("--prefill", p.url)] + [a for d in decode for a in ("--decode", d.url)]
-        if c.admin_token:
-            args += ["--admin-token", c.admin_token]
         child = self._spawn("router", lambda: args, c.port)
         child.url = f"http://{'127.0.0.1' if c.host in ('0.0.0.0', '::') else c.host}:{c.port}"
         return child

@@ -22,7 +22,7 @@ from pdserve.engine import capacity
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import SamplingParams
 from pdserve.model.config import ModelConfig
-from tests.servers import pid_alive, start_server
+from tests.servers import http, pid_alive, start_server
 
 MAX_KV_TOKENS = 4096  # room for a long request, so the disconnect test can only pass by aborting it
 
@@ -35,7 +35,7 @@ def pdserve_decode(model, *args: str) -> subprocess.CompletedProcess:
 def wait_all_free(url: str, timeout_s: float = 15) -> dict:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        cap = httpx.get(f"{url}/capacity").json()
+        cap = http.get(f"{url}/capacity").json()
         if cap["free_tokens"] == cap["total_tokens"] and cap["running"] == cap["queued"] == 0:
             return cap
         time.sleep(0.1)
@@ -55,7 +55,7 @@ def glm(tiny_checkpoints):
 
 
 def check_capacity(url: str, glm) -> dict:
-    cap = httpx.get(f"{url}/capacity").json()
+    cap = http.get(f"{url}/capacity").json()
     assert cap["total_tokens"] == cap["free_tokens"] == MAX_KV_TOKENS and cap["running"] == cap["queued"] == 0
     want = capacity.bytes_per_token_per_rank(ModelConfig.from_pretrained(glm), 2, "split", "auto", "float32")
     assert cap["bytes_per_token_per_rank"] == want
@@ -68,10 +68,10 @@ def check_generate(url: str, glm) -> None:
     ids, n = list(range(5, 40)), 12
     want = LLMEngine.from_pretrained(glm).generate([ids], SamplingParams(max_tokens=n, ignore_eos=True))[0]
     body = {"token_ids": ids, "max_tokens": n, "ignore_eos": True}
-    r = httpx.post(f"{url}/v1/generate", json=body, timeout=60)
+    r = http.post(f"{url}/v1/generate", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["token_ids"] == want and r.json()["finish_reason"] == "length"
-    with httpx.stream("POST", f"{url}/v1/generate", json={**body, "stream": True, "request_id": "s1"}, timeout=60) as r:
+    with http.stream("POST", f"{url}/v1/generate", json={**body, "stream": True, "request_id": "s1"}, timeout=60) as r:
         lines = [json.loads(line) for line in r.iter_lines() if line]
     assert [x["token"] for x in lines[:-1]] == want
     assert lines[-1] == {"finish_reason": "length", "request_id": "s1"}
@@ -79,28 +79,28 @@ def check_generate(url: str, glm) -> None:
 
 def check_disconnect_frees_pages(url: str) -> None:
     body = {"token_ids": [7] * 10, "max_tokens": MAX_KV_TOKENS - 10, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/generate", json=body, timeout=60) as r:
+    with http.stream("POST", f"{url}/v1/generate", json=body, timeout=60) as r:
         lines = r.iter_lines()
         assert "token" in json.loads(next(lines)) and "token" in json.loads(next(lines))
-        assert httpx.get(f"{url}/capacity").json()["running"] == 1
+        assert http.get(f"{url}/capacity").json()["running"] == 1
     wait_all_free(url)  # about 4000 more decode steps had it not been aborted
 
 
 def check_bad_input(url: str) -> None:
-    bad = httpx.post(f"{url}/v1/generate", json={"token_ids": [1, 10**7]})
+    bad = http.post(f"{url}/v1/generate", json={"token_ids": [1, 10**7]})
     assert bad.status_code == 400 and "token ids must be in [0, 512)" in bad.text
-    bad = httpx.post(f"{url}/v1/generate", json={"token_ids": [1], "top_p": 0})
+    bad = http.post(f"{url}/v1/generate", json={"token_ids": [1], "top_p": 0})
     assert bad.status_code == 400 and "top_p" in bad.text
-    too_big = httpx.post(f"{url}/v1/generate", json={"token_ids": [5] * 100, "max_tokens": MAX_KV_TOKENS})
+    too_big = http.post(f"{url}/v1/generate", json={"token_ids": [5] * 100, "max_tokens": MAX_KV_TOKENS})
     assert too_big.status_code == 400 and f"holds {MAX_KV_TOKENS}" in too_big.text
-    assert httpx.post(f"{url}/v1/abort", json={"request_id": "nope"}).json() == {"aborted": False}
+    assert http.post(f"{url}/v1/abort", json={"request_id": "nope"}).json() == {"aborted": False}
 
 
 def sigterm_mid_stream(proc: subprocess.Popen, url: str) -> None:
     """A stream still running when the shutdown grace period (1 s) ends gets an error line, not a cut
     connection (tests/router/test_drain.py: one that finishes within it runs to its end)."""
     body = {"token_ids": [7] * 10, "max_tokens": MAX_KV_TOKENS - 10, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/generate", json=body, timeout=60) as r:
+    with http.stream("POST", f"{url}/v1/generate", json=body, timeout=60) as r:
         lines = r.iter_lines()
         assert "token" in json.loads(next(lines))
         proc.send_signal(signal.SIGTERM)
@@ -130,7 +130,7 @@ def test_decode_server_serves_streams_frees_and_stops_on_sigterm(glm):
 @pytest.mark.slow
 def test_killing_a_rank_stops_the_instance_naming_it(glm):
     proc, url = start_server("decode", glm, "--tp-size", "2", "--dcp-size", "2", max_kv_tokens=MAX_KV_TOKENS)
-    rank_pids = [r["pid"] for r in httpx.get(f"{url}/capacity").json()["ranks"]]
+    rank_pids = [r["pid"] for r in http.get(f"{url}/capacity").json()["ranks"]]
     os.kill(rank_pids[1], signal.SIGKILL)
     try:
         proc.wait(timeout=10)

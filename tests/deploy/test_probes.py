@@ -7,6 +7,7 @@ import httpx
 
 from tests.deploy.helpers import kustomize
 from tests.router.helpers import start_servers, stop_all
+from tests.servers import http
 
 
 def test_probe_paths_answer_on_real_servers(tiny_checkpoints):
@@ -21,7 +22,7 @@ def test_probe_paths_answer_on_real_servers(tiny_checkpoints):
     try:
         for (_, url), role in zip(servers, ("prefill", "decode")):
             for path in sorted(probes[role]):
-                resp = httpx.get(f"{url}{path}", timeout=10)
+                resp = http.get(f"{url}{path}", timeout=10)
                 assert resp.status_code == 200 and resp.json()["status"] == "ok", (role, path, resp.text)
     finally:
         stop_all([proc for proc, _ in servers])

@@ -18,7 +18,7 @@ import pytest
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import SamplingParams
-from tests.servers import pid_alive, start_server
+from tests.servers import http, pid_alive, start_server
 
 
 @pytest.fixture()
@@ -30,17 +30,17 @@ def glm(tiny_checkpoints):
 def test_prefill_server_serves_and_stops_on_sigterm(glm):
     proc, url = start_server("prefill", glm, "--cp-size", "2", "--chunk-size", "16")
     try:
-        info = httpx.get(f"{url}/info").json()
+        info = http.get(f"{url}/info").json()
         assert info["cp_size"] == 2 and info["layout"] == "interleave" and info["cache"] == "full"
         assert len(info["ranks"]) == 2 and all(r["cache_bytes"] > 0 for r in info["ranks"])
         ids = list(range(5, 60))
-        r = httpx.post(f"{url}/v1/prefill", json={"token_ids": ids}, timeout=60)
+        r = http.post(f"{url}/v1/prefill", json={"token_ids": ids}, timeout=60)
         assert r.status_code == 200, r.text
         want = LLMEngine.from_pretrained(glm).generate([ids], SamplingParams(max_tokens=1, ignore_eos=True))[0][0]
         assert r.json()["first_token"] == want and r.json()["prompt_tokens"] == len(ids)
-        bad = httpx.post(f"{url}/v1/prefill", json={"token_ids": [1, 10**7]})
+        bad = http.post(f"{url}/v1/prefill", json={"token_ids": [1, 10**7]})
         assert bad.status_code == 400 and "token ids" in bad.text
-        too_long = httpx.post(f"{url}/v1/prefill", json={"token_ids": [5] * 5000})
+        too_long = http.post(f"{url}/v1/prefill", json={"token_ids": [5] * 5000})
         assert too_long.status_code == 400 and "exceeds" in too_long.text
         rank_pids = [r["pid"] for r in info["ranks"]]
     finally:
@@ -55,7 +55,7 @@ def test_prefill_server_serves_and_stops_on_sigterm(glm):
 @pytest.mark.slow
 def test_killing_a_rank_stops_the_instance_naming_it(glm):
     proc, url = start_server("prefill", glm, "--cp-size", "3", "--cache", "layer-split")
-    rank_pids = [r["pid"] for r in httpx.get(f"{url}/info").json()["ranks"]]
+    rank_pids = [r["pid"] for r in http.get(f"{url}/info").json()["ranks"]]
     os.kill(rank_pids[1], signal.SIGKILL)
     start = time.monotonic()
     try:

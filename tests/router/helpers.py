@@ -3,6 +3,7 @@ thread) or as `pdserve router`, polling with a deadline."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import threading
@@ -16,12 +17,14 @@ import uvicorn
 from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
 from tests.reference import free_port
-from tests.servers import start_server
+from tests.servers import TEST_TOKEN, http, start_server
 
 
 @contextmanager
 def running_router(cfg: RouterConfig):
-    """Serves create_app(cfg) on a free port until the block ends; yields (base URL, the app)."""
+    """Serves create_app(cfg) on a free port until the block ends; yields (base URL, the app). The
+    router talks to the instances with the tests' internal token unless cfg names another."""
+    cfg = dataclasses.replace(cfg, internal_token=cfg.internal_token or TEST_TOKEN)
     port = free_port()
     app = create_app(cfg)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -49,7 +52,7 @@ def wait_until(predicate, what: str, timeout_s: float = 30.0):
 
 
 def decode_idle(d_url: str) -> bool:
-    cap = httpx.get(f"{d_url}/capacity").json()
+    cap = http.get(f"{d_url}/capacity").json()
     return (cap["free_tokens"] == cap["total_tokens"] and cap["running"] == 0 and cap["queued"] == 0
             and cap["transfers_pending"] == 0)
 
@@ -85,7 +88,7 @@ def start_router_cli(*args: str) -> tuple[subprocess.Popen, str]:
     def live() -> bool:
         assert proc.poll() is None, f"router exited: {proc.stderr.read()}"
         try:
-            return httpx.get(f"{url}/live", timeout=1).status_code == 200
+            return http.get(f"{url}/live", timeout=1).status_code == 200
         except httpx.HTTPError:
             return False
 

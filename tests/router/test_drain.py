@@ -21,14 +21,14 @@ import pytest
 
 from pdserve.router.pool import NoInstance, Pool
 from tests.router.helpers import start_servers, stop_all, wait_until
-from tests.servers import start_server
+from tests.servers import AUTH, http, start_server
 
 MAX_TOKENS = 400  # long enough to still be streaming while the draining checks run (~10 ms a token)
 
 
 def poll_pool(pool: Pool) -> None:
     async def run():
-        async with httpx.AsyncClient() as client:
+        async with httpx.AsyncClient(headers=AUTH) as client:
             await pool.poll_all(client)
 
     asyncio.run(run())
@@ -39,7 +39,7 @@ def stream_in_thread(url: str, body: dict) -> tuple[list[dict], threading.Thread
     lines: list[dict] = []
 
     def read():
-        with httpx.stream("POST", f"{url}/v1/generate", json=body, timeout=120) as r:
+        with http.stream("POST", f"{url}/v1/generate", json=body, timeout=120) as r:
             assert r.status_code == 200, r.read()
             lines.extend(json.loads(line) for line in r.iter_lines() if line)
 
@@ -56,9 +56,9 @@ def message(resp: httpx.Response) -> str:
 
 
 def check_draining(url: str, path: str, body: dict) -> None:
-    health = httpx.get(f"{url}/health", timeout=10)
+    health = http.get(f"{url}/health", timeout=10)
     assert health.status_code == 503 and health.json()["status"] == "draining", health.text
-    refused = httpx.post(f"{url}{path}", json=body, timeout=10)
+    refused = http.post(f"{url}{path}", json=body, timeout=10)
     assert refused.status_code == 503 and "draining" in message(refused), refused.text
 
 
@@ -71,10 +71,10 @@ def test_sigterm_drains_a_decode_instance_and_the_pool_avoids_it(model_dir):
         assert {pool.pick("decode", 10).url for _ in range(4)} == {url1, url2}
         body = {"token_ids": [5, 6, 7, 8], "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True}
         lines, reader = stream_in_thread(url1, body)
-        wait_until(lambda: lines or httpx.get(f"{url1}/capacity").json()["running"], "the stream to start")
+        wait_until(lambda: lines or http.get(f"{url1}/capacity").json()["running"], "the stream to start")
         d1.send_signal(signal.SIGTERM)
         sent = time.monotonic()
-        wait_until(lambda: httpx.get(f"{url1}/health").status_code == 503, "/health to say draining")
+        wait_until(lambda: http.get(f"{url1}/health").status_code == 503, "/health to say draining")
         check_draining(url1, "/v1/generate", {"token_ids": [5], "max_tokens": 2})
         poll_pool(pool)
         assert not pool.get(url1).usable and "draining" in pool.get(url1).error
@@ -99,13 +99,13 @@ def test_a_second_sigterm_cuts_a_prefill_drain_short_with_an_error(model_dir):
     proc, url = start_server("prefill", model_dir, "--shutdown-grace", "60", "--bootstrap-timeout", "120")
     try:
         answer: list[httpx.Response] = []
-        waiting = threading.Thread(target=lambda: answer.append(httpx.post(
+        waiting = threading.Thread(target=lambda: answer.append(http.post(
             f"{url}/v1/prefill", json={"token_ids": [5, 6, 7], "request_id": "room-1", "handoff": True}, timeout=120)))
         waiting.start()  # no decode instance reserves room-1: it waits for its reservation
-        wait_until(lambda: httpx.get(f"{url}/info").json()["queue_depth"] == 1, "the hand-off to be queued")
+        wait_until(lambda: http.get(f"{url}/info").json()["queue_depth"] == 1, "the hand-off to be queued")
         proc.send_signal(signal.SIGTERM)
         sent = time.monotonic()
-        wait_until(lambda: httpx.get(f"{url}/health").status_code == 503, "/health to say draining")
+        wait_until(lambda: http.get(f"{url}/health").status_code == 503, "/health to say draining")
         check_draining(url, "/v1/prefill", {"token_ids": [5]})
         time.sleep(0.5)  # not for readiness: the waiting request must still be held after a while
         assert waiting.is_alive() and proc.poll() is None

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 
 from pdserve.router.config import RouterConfig
 from tests.router.helpers import decode_idle, running_router, wait_until
+from tests.servers import http
 
 VOCAB_PROBE = 10**9  # an id outside any vocabulary
 
@@ -35,9 +36,9 @@ def stack(model_dir, instances):
 
 def post(url: str, body=None, content: bytes | str | None = None, headers=None, timeout: float = 60) -> httpx.Response:
     if content is not None:
-        return httpx.post(url, content=content, headers=headers or {"content-type": "application/json"},
+        return http.post(url, content=content, headers=headers or {"content-type": "application/json"},
                           timeout=timeout)
-    return httpx.post(url, json=body, headers=headers, timeout=timeout)
+    return http.post(url, json=body, headers=headers, timeout=timeout)
 
 
 def assert_error(r: httpx.Response, status: int | None = None, param: str | None = None) -> dict:
@@ -53,7 +54,7 @@ def assert_error(r: httpx.Response, status: int | None = None, param: str | None
 
 def all_healthy(stack) -> None:
     for base in (stack["url"], stack["p_url"], stack["d_url"]):
-        assert httpx.get(f"{base}/health", timeout=10).status_code == 200, base
+        assert http.get(f"{base}/health", timeout=10).status_code == 200, base
 
 
 def completion(stack, **kw) -> httpx.Response:
@@ -101,7 +102,7 @@ def test_a_large_prompt_is_refused_and_never_blocks_health(stack):
     sender.start()
     while sender.is_alive():
         t0 = time.monotonic()
-        assert httpx.get(f"{stack['url']}/health", timeout=5).status_code == 200
+        assert http.get(f"{stack['url']}/health", timeout=5).status_code == 200
         latencies.append(time.monotonic() - t0)
         time.sleep(0.02)
     sender.join()
@@ -190,7 +191,7 @@ def test_hostile_bodies_get_4xx_and_every_server_stays_healthy(stack):
         else:
             r = post(f"{stack['url']}{path}", content=body, headers={"content-type": ctype}, timeout=20)
         assert_error(r)
-        assert httpx.get(f"{stack['url']}/health", timeout=5).status_code == 200, (path, body)
+        assert http.get(f"{stack['url']}/health", timeout=5).status_code == 200, (path, body)
     for role, path, body in INSTANCE_HOSTILE:
         base = stack["p_url"] if role == "p" else stack["d_url"]
         assert_error(post(f"{base}{path}", body, timeout=20))

@@ -19,7 +19,7 @@ import pytest
 
 from tests.reference import free_port
 
-NS, TOKEN = "serving", "k8s-test-token"
+NS, TOKEN = "serving", "k8s-admin-test-token-4e9b2a71"
 SELECTOR = "app.kubernetes.io/part-of=pdserve"
 
 

@@ -26,6 +26,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import SamplingParams
 from tests.router.helpers import wait_until
 from tests.router.test_up_restart import launch_up
+from tests.servers import TEST_TOKEN, http
 
 REQUESTS, CONCURRENCY, KILL_AFTER = 220, 32, 60
 CLIENT_TIMEOUT_S = 120  # longer than any request may take: hitting it is a hang
@@ -91,15 +92,15 @@ def _instance_urls(lines: list[str]) -> dict[str, str]:
 
 
 def _rank_pid(url: str, path: str) -> int:
-    return httpx.get(f"{url}{path}", timeout=10).json()["ranks"][1]["pid"]
+    return http.get(f"{url}{path}", timeout=10).json()["ranks"][1]["pid"]
 
 
 def _idle(urls: dict[str, str]) -> bool:
     for name, url in urls.items():
         try:
-            if httpx.get(f"{url}/health", timeout=5).status_code != 200:
+            if http.get(f"{url}/health", timeout=5).status_code != 200:
                 return False
-            info = httpx.get(f"{url}/{'info' if name.startswith('prefill') else 'capacity'}", timeout=5).json()
+            info = http.get(f"{url}/{'info' if name.startswith('prefill') else 'capacity'}", timeout=5).json()
         except httpx.HTTPError:
             return False
         if info["free_tokens"] != info["total_tokens"]:
@@ -124,8 +125,13 @@ def test_load_with_killed_ranks_through_up(model_dir, tmp_path):
                                  "--max-kv-tokens", "4096")
     try:
         urls = _instance_urls(lines)
+        for pid in re.findall(r"\(pid (\d+),", "".join(lines)):  # secrets travel in the environment only
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                assert TEST_TOKEN.encode() not in f.read()
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                assert f"PDSERVE_INTERNAL_TOKEN={TEST_TOKEN}".encode() in f.read().split(b"\0")
         assert sorted(urls) == ["decode-0", "decode-1", "prefill-0", "prefill-1"], "".join(lines)
-        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        model = http.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
         victims = [_rank_pid(urls["decode-0"], "/capacity"), _rank_pid(urls["prefill-1"], "/info")]
         jobs = []
         for i in range(REQUESTS):

@@ -17,12 +17,13 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import SamplingParams
 from pdserve.router.config import RouterConfig
 from tests.router.helpers import decode_idle, running_router, start_servers, stop_all, wait_until
+from tests.servers import http
 
 TOKENS = 24
 
 
 def _complete(url: str, ids: list[int]) -> httpx.Response:
-    return httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": TOKENS,
+    return http.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": TOKENS,
                                                      "temperature": 0, "ignore_eos": True,
                                                      "return_token_ids": True}, timeout=120)
 
@@ -37,7 +38,7 @@ def test_router_admits_a_bounded_number_and_429s_the_rest(model_dir, instances):
     with running_router(cfg) as (url, _):
         with ThreadPoolExecutor(len(prompts)) as pool:
             answers = list(pool.map(lambda ids: _complete(url, ids), prompts))
-        metrics = httpx.get(f"{url}/metrics").text
+        metrics = http.get(f"{url}/metrics").text
     ok = [(ids, r) for ids, r in zip(prompts, answers) if r.status_code == 200]
     refused = [r for r in answers if r.status_code == 429]
     assert len(ok) + len(refused) == len(prompts), [r.status_code for r in answers]
@@ -57,12 +58,12 @@ def test_a_full_decode_instance_answers_429_and_the_router_passes_it_on(model_di
     (decode, d_url), = start_servers(model_dir, [("decode", "--max-batch", "1", "--max-queue", "1")])
     try:
         body = {"token_ids": [5, 6, 7], "max_tokens": 400, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{d_url}/v1/generate", json=body, timeout=120) as running:
+        with http.stream("POST", f"{d_url}/v1/generate", json=body, timeout=120) as running:
             lines = running.iter_lines()
             assert '"token"' in next(lines)  # the first request runs (max-batch 1) ...
-            with httpx.stream("POST", f"{d_url}/v1/generate", json=body, timeout=120) as queued:
-                wait_until(lambda: httpx.get(f"{d_url}/capacity").json()["queued"] == 1, "one queued request")
-                r = httpx.post(f"{d_url}/v1/generate", json={**body, "stream": False}, timeout=30)
+            with http.stream("POST", f"{d_url}/v1/generate", json=body, timeout=120) as queued:
+                wait_until(lambda: http.get(f"{d_url}/capacity").json()["queued"] == 1, "one queued request")
+                r = http.post(f"{d_url}/v1/generate", json={**body, "stream": False}, timeout=30)
                 assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text  # ... the third is refused
                 assert "queue is full" in r.json()["error"]["message"]
                 cfg = RouterConfig(model=str(model_dir), prefill=(p_url,), decode=(d_url,), served_model_name="tiny",
@@ -73,6 +74,6 @@ def test_a_full_decode_instance_answers_429_and_the_router_passes_it_on(model_di
                 queued.close()
             running.close()
         wait_until(lambda: decode_idle(d_url), "the decode instance to be idle")
-        assert httpx.get(f"{d_url}/health").status_code == 200
+        assert http.get(f"{d_url}/health").status_code == 200
     finally:
         stop_all([decode])

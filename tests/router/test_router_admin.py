@@ -25,8 +25,9 @@ import pytest
 from pdserve.model.config import ModelConfig
 from pdserve.router.config import RouterConfig
 from tests.router.helpers import decode_idle, running_router, start_router_cli, start_servers, stop_all, wait_until
+from tests.servers import http
 
-TOKEN = "admin-t0ken"
+TOKEN = "admin-test-token-a83f61c2d9"
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +44,8 @@ def topo(model_dir):
                                        "--health-interval", "60")
         procs.append(router)
         auth = {"Authorization": f"Bearer {TOKEN}"}  # /admin/capacity polls every instance now
-        wait_until(lambda: httpx.get(f"{url}/admin/capacity", headers=auth, timeout=30).status_code == 200
-                   and httpx.get(f"{url}/health").status_code == 200, "the router to be ready", 60)
+        wait_until(lambda: http.get(f"{url}/admin/capacity", headers=auth, timeout=30).status_code == 200
+                   and http.get(f"{url}/health").status_code == 200, "the router to be ready", 60)
         yield {"url": url, "a": a, "b": b, "d": d, "procs": dict(zip(("a", "b", "d"), procs)), "model_dir": model_dir}
     finally:
         stop_all(procs)
@@ -64,23 +65,23 @@ def served(topo) -> dict[str, int]:
 def complete(topo, n: int = 1) -> None:
     for _ in range(n):
         body = {"model": "tiny", "prompt": [4, 5, 6], "max_tokens": 3, "temperature": 0, "ignore_eos": True}
-        r = httpx.post(f"{topo['url']}/v1/completions", json=body, timeout=60)
+        r = http.post(f"{topo['url']}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
 
 
 @pytest.mark.slow
 def test_admin_api_needs_the_token(topo, model_dir):
     url = topo["url"]
-    assert httpx.get(f"{url}/admin/topology").status_code == 401
-    r = httpx.get(f"{url}/admin/topology", headers={"Authorization": "Bearer nope"})
+    assert http.get(f"{url}/admin/topology").status_code == 401
+    r = http.get(f"{url}/admin/topology", headers={"Authorization": "Bearer nope"})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-    assert httpx.post(f"{url}/admin/drain", json={"url": topo["a"]}).status_code == 401
-    assert httpx.get(f"{url}/admin/topology", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+    assert http.post(f"{url}/admin/drain", json={"url": topo["a"]}).status_code == 401
+    assert http.get(f"{url}/admin/topology", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
     bad = admin(topo, "drain", topo["a"], token="wrong")
     assert bad.returncode == 1 and "401" in bad.stderr
     assert not any(row["draining"] for row in json.loads(admin(topo, "topology", "--json").stdout)["instances"])
     with running_router(RouterConfig(model=str(model_dir))) as (plain, _):  # no token configured: no admin API
-        r = httpx.get(f"{plain}/admin/topology", headers={"Authorization": f"Bearer {TOKEN}"})
+        r = http.get(f"{plain}/admin/topology", headers={"Authorization": f"Bearer {TOKEN}"})
         assert r.status_code == 404 and "disabled" in r.json()["error"]["message"]
 
 
@@ -130,7 +131,7 @@ def metric(text: str, name: str, **labels) -> float:
 @pytest.mark.slow
 def test_metrics_are_prometheus_text(topo):
     complete(topo, 2)
-    text = httpx.get(f"{topo['url']}/metrics").text
+    text = http.get(f"{topo['url']}/metrics").text
     completed = metric(text, "pdserve_router_requests_total", outcome="completed")
     assert completed >= 2
     for h in ("time_to_first_token", "inter_token_latency", "e2e_latency"):
@@ -156,12 +157,12 @@ def test_dead_prefill_instance_costs_a_retry_not_a_failure(topo):
     victim = topo["procs"]["b"]
     victim.terminate()
     victim.wait(30)
-    failed_before = httpx.get(f"{topo['d']}/capacity").json()["transfers_failed"]
+    failed_before = http.get(f"{topo['d']}/capacity").json()["transfers_failed"]
     complete(topo, 2)  # round robin: one of them is sent to B first
     # the decode half of the failed try was aborted by the router, not left to its transfer timeout
     wait_until(lambda: decode_idle(topo["d"]), "the decode instance to be idle")
-    assert httpx.get(f"{topo['d']}/capacity").json()["transfers_failed"] == failed_before
-    text = httpx.get(f"{topo['url']}/metrics").text
+    assert http.get(f"{topo['d']}/capacity").json()["transfers_failed"] == failed_before
+    text = http.get(f"{topo['url']}/metrics").text
     assert metric(text, "pdserve_router_retries_total", role="prefill") >= 1
     assert metric(text, "pdserve_router_requests_total", outcome="failed") == 0
     rows = served_rows(topo)
@@ -172,7 +173,7 @@ def test_dead_prefill_instance_costs_a_retry_not_a_failure(topo):
 @pytest.mark.slow
 def test_dead_decode_rank_mid_stream_is_an_error_event_then_503(topo, model_dir):
     client = openai.OpenAI(base_url=f"{topo['url']}/v1", api_key="unused", max_retries=0, timeout=60)
-    rank_pid = httpx.get(f"{topo['d']}/capacity").json()["ranks"][0]["pid"]
+    rank_pid = http.get(f"{topo['d']}/capacity").json()["ranks"][0]["pid"]
     stream = client.completions.create(model="tiny", prompt=[7, 8, 9], max_tokens=2000, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})
     assert next(iter(stream)).choices[0].text is not None  # tokens are flowing
@@ -181,18 +182,18 @@ def test_dead_decode_rank_mid_stream_is_an_error_event_then_503(topo, model_dir)
         for _ in stream:
             pass
     wait_until(lambda: not served_rows(topo)[topo["d"]]["healthy"], "the decode instance to be marked unhealthy")
-    r = httpx.post(f"{topo['url']}/v1/completions", json={"model": "tiny", "prompt": [1], "max_tokens": 2})
+    r = http.post(f"{topo['url']}/v1/completions", json={"model": "tiny", "prompt": [1], "max_tokens": 2})
     assert r.status_code == 503 and "decode" in r.json()["error"]["message"], r.text
-    text = httpx.get(f"{topo['url']}/metrics").text
+    text = http.get(f"{topo['url']}/metrics").text
     assert metric(text, "pdserve_router_requests_total", outcome="failed") == 1
-    assert httpx.get(f"{topo['url']}/health").status_code == 503
+    assert http.get(f"{topo['url']}/health").status_code == 503
     # a healthy decode instance joins: later requests go there
     [(spare, e)] = start_servers(model_dir, [("decode", "--page-size", "4")])
     try:
         added = admin(topo, "add", "decode", e, "--json")
         assert added.returncode == 0 and json.loads(added.stdout)["healthy"], added.stdout
         complete(topo, 2)
-        assert served(topo)[e] == 2 and httpx.get(f"{topo['url']}/health").status_code == 200
+        assert served(topo)[e] == 2 and http.get(f"{topo['url']}/health").status_code == 200
     finally:
         stop_all([spare])
 

@@ -23,9 +23,10 @@ from pdserve.engine.request import SamplingParams
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.router.config import RouterConfig
 from tests.router.helpers import decode_idle, running_router, wait_until
+from tests.servers import http
 
 TOKENS = 8
-ADMIN = "s3cret"
+ADMIN = "e2e-admin-token-5d1c8f2a9b7e"
 
 
 @pytest.fixture(scope="module")
@@ -119,17 +120,17 @@ def test_stop_string_cuts_the_text_and_frees_the_decode(stack, engine):
 def test_client_leaving_mid_stream_aborts_the_request(stack):
     body = {"model": "tiny", "prompt": [9, 10, 11], "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
             "stream": True}
-    with httpx.stream("POST", f"{stack['url']}/v1/completions", json=body, timeout=60) as r:
+    with http.stream("POST", f"{stack['url']}/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))  # generation has started
     wait_until(lambda: decode_idle(stack["d_url"]), "the abandoned request to be aborted")
-    text = httpx.get(f"{stack['url']}/metrics").text
+    text = http.get(f"{stack['url']}/metrics").text
     assert 'pdserve_router_requests_total{outcome="aborted"} 1' in text
     with pytest.raises(httpx.ReadTimeout):  # not streamed: the router notices the closed connection by polling
-        httpx.post(f"{stack['url']}/v1/completions", json={**body, "max_tokens": 2000, "stream": False}, timeout=1.5)
+        http.post(f"{stack['url']}/v1/completions", json={**body, "max_tokens": 2000, "stream": False}, timeout=1.5)
     wait_until(lambda: decode_idle(stack["d_url"]), "the abandoned non-streaming request to be aborted")
-    text = httpx.get(f"{stack['url']}/metrics").text
+    text = http.get(f"{stack['url']}/metrics").text
     assert 'pdserve_router_requests_total{outcome="aborted"} 2' in text
 
 
@@ -154,19 +155,19 @@ BAD = {
 def test_bad_input_is_a_4xx_with_openai_error_body(stack, name):
     body, status, param = BAD[name]
     for stream in (False, True):
-        r = httpx.post(f"{stack['url']}/v1/completions", json={**body, "stream": stream}, timeout=30)
+        r = http.post(f"{stack['url']}/v1/completions", json={**body, "stream": stream}, timeout=30)
         assert r.status_code == status, r.text
         err = r.json()["error"]
         assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"], err
-    assert httpx.get(f"{stack['url']}/health").status_code == 200
+    assert http.get(f"{stack['url']}/health").status_code == 200
 
 
 @pytest.mark.slow
 def test_invalid_json_and_openai_client_errors(stack):
-    r = httpx.post(f"{stack['url']}/v1/completions", content=b'{"model": "tiny", "prompt": ', timeout=30,
+    r = http.post(f"{stack['url']}/v1/completions", content=b'{"model": "tiny", "prompt": ', timeout=30,
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and "invalid JSON" in r.json()["error"]["message"], r.text
-    r = httpx.post(f"{stack['url']}/v1/chat/completions", json={"model": "tiny", "messages": []}, timeout=30)
+    r = http.post(f"{stack['url']}/v1/chat/completions", json={"model": "tiny", "messages": []}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     with pytest.raises(openai.NotFoundError):
         stack["client"].chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
@@ -181,13 +182,13 @@ def test_no_usable_instance_is_503(model_dir):
     dead = "http://127.0.0.1:9"  # the discard port: nothing listens there
     cfg = RouterConfig(model=str(model_dir), prefill=("http://localhost:9",), decode=(dead,), served_model_name="tiny")
     with running_router(cfg) as (url, _):
-        assert httpx.get(f"{url}/live").status_code == 200
-        h = httpx.get(f"{url}/health")
+        assert http.get(f"{url}/live").status_code == 200
+        h = http.get(f"{url}/health")
         assert h.status_code == 503 and "no usable" in h.json()["error"]
         for stream in (False, True):
-            r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "stream": stream})
+            r = http.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "stream": stream})
             assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable", r.text
-        metrics = httpx.get(f"{url}/metrics").text
+        metrics = http.get(f"{url}/metrics").text
         assert f'pdserve_instance_healthy{{instance="{dead}",role="decode"}} 0' in metrics
         assert 'pdserve_router_requests_total{outcome="unavailable"} 2' in metrics
 

@@ -29,7 +29,7 @@ import pytest
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import SamplingParams
 from tests.reference import free_port
-from tests.servers import pid_alive
+from tests.servers import http, pid_alive
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,7 +81,7 @@ def test_up_serves_and_stops_cleanly(model_dir, tmp_path, index, transfer, stop)
         assert len(pids) == 3  # prefill, decode, router
         p_url = re.search(r"prefill-0: (\S+)", out).group(1)
         d_url = re.search(r"decode-0: (\S+)", out).group(1)
-        ranks = httpx.get(f"{p_url}/info").json()["ranks"] + httpx.get(f"{d_url}/capacity").json()["ranks"]
+        ranks = http.get(f"{p_url}/info").json()["ranks"] + http.get(f"{d_url}/capacity").json()["ranks"]
         pids += [r["pid"] for r in ranks]
         assert len(pids) == 7
         model = re.search(r"\"model\": \"([^\"]+)\"", out).group(1)

@@ -24,7 +24,7 @@ import pytest
 from pdserve.router.supervise import Backoff
 from tests.reference import free_port
 from tests.router.helpers import wait_until
-from tests.servers import pid_alive
+from tests.servers import http, pid_alive
 
 
 def launch_up(model_dir, log_dir, *args: str) -> tuple[subprocess.Popen, list[str], str]:
@@ -52,12 +52,12 @@ def all_pids(out: str, d_url: str) -> list[int]:
 
 
 def rank_pids(d_url: str) -> list[int]:
-    return [r["pid"] for r in httpx.get(f"{d_url}/capacity", timeout=10).json()["ranks"]]
+    return [r["pid"] for r in http.get(f"{d_url}/capacity", timeout=10).json()["ranks"]]
 
 
 def greedy(router: str) -> list[int]:
-    model = httpx.get(f"{router}/v1/models", timeout=10).json()["data"][0]["id"]
-    r = httpx.post(f"{router}/v1/completions", timeout=60, json={
+    model = http.get(f"{router}/v1/models", timeout=10).json()["data"][0]["id"]
+    r = http.post(f"{router}/v1/completions", timeout=60, json={
         "model": model, "prompt": list(range(5, 40)), "max_tokens": 6, "temperature": 0, "ignore_eos": True,
         "return_token_ids": True})
     assert r.status_code == 200, r.text
@@ -65,7 +65,7 @@ def greedy(router: str) -> list[int]:
 
 
 def router_health(router: str) -> int:
-    return httpx.get(f"{router}/health", timeout=5).status_code
+    return http.get(f"{router}/health", timeout=5).status_code
 
 
 def assert_all_gone(pids: list[int]) -> None:

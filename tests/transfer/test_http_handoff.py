@@ -23,7 +23,7 @@ import pytest
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import SamplingParams
-from tests.servers import start_server
+from tests.servers import http, start_server
 
 TOKENS = 10
 
@@ -36,7 +36,7 @@ def stack(tiny_checkpoints):
                                  "--page-size", "4", "--transfer-timeout", "4", "--transfer", "nixl",
                                  "--heartbeat-timeout", "2", "--transfer-quarantine", "2")
     try:
-        yield glm, p_url, d_url, httpx.get(f"{p_url}/info").json()["bootstrap"]
+        yield glm, p_url, d_url, http.get(f"{p_url}/info").json()["bootstrap"]
     finally:
         for proc in (prefill, decode):
             proc.terminate()
@@ -46,29 +46,29 @@ def stack(tiny_checkpoints):
 def generate(d_url: str, bootstrap: str, room: str, ids: list[int], stream: bool = False) -> dict:
     body = {"token_ids": ids, "max_tokens": TOKENS, "ignore_eos": True, "request_id": room, "bootstrap": bootstrap}
     if not stream:
-        r = httpx.post(f"{d_url}/v1/generate", json=body, timeout=60)
+        r = http.post(f"{d_url}/v1/generate", json=body, timeout=60)
         return {"status": r.status_code, **r.json()}
-    with httpx.stream("POST", f"{d_url}/v1/generate", json={**body, "stream": True}, timeout=60) as r:
+    with http.stream("POST", f"{d_url}/v1/generate", json={**body, "stream": True}, timeout=60) as r:
         lines = [json.loads(line) for line in r.iter_lines() if line]
     return {"status": r.status_code, "token_ids": [x["token"] for x in lines if "token" in x], **lines[-1]}
 
 
 def prefill(p_url: str, room: str, ids: list[int], delay_s: float = 0.0) -> httpx.Response:
     time.sleep(delay_s)
-    return httpx.post(f"{p_url}/v1/prefill", json={"token_ids": ids, "request_id": room, "handoff": True}, timeout=60)
+    return http.post(f"{p_url}/v1/prefill", json={"token_ids": ids, "request_id": room, "handoff": True}, timeout=60)
 
 
 def assert_idle(p_url: str, d_url: str) -> None:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        cap, info = httpx.get(f"{d_url}/capacity").json(), httpx.get(f"{p_url}/info").json()
+        cap, info = http.get(f"{d_url}/capacity").json(), http.get(f"{p_url}/info").json()
         if (cap["free_tokens"] == cap["total_tokens"] and cap["transfers_pending"] == 0 and cap["queued"] == 0
                 and info["queue_depth"] == 0):
             break
         time.sleep(0.1)
     assert cap["free_tokens"] == cap["total_tokens"] and cap["transfers_pending"] == 0, cap
     assert info["queue_depth"] == 0, info
-    assert httpx.get(f"{p_url}/health").status_code == httpx.get(f"{d_url}/health").status_code == 200
+    assert http.get(f"{p_url}/health").status_code == http.get(f"{d_url}/health").status_code == 200
 
 
 @pytest.mark.slow
@@ -89,14 +89,14 @@ def test_handoff_over_http_equals_single_rank(stack):
             assert got["status"] == 200 and got["finish_reason"] == "length", got
             assert got["token_ids"] == want[room], room
             assert p.json()["first_token"] == want[room][0]
-    assert httpx.get(f"{d_url}/capacity").json()["transfers_completed"] >= len(prompts)
+    assert http.get(f"{d_url}/capacity").json()["transfers_completed"] >= len(prompts)
     assert_idle(p_url, d_url)
 
 
 @pytest.mark.slow
 def test_failed_handoffs_release_both_sides(stack):
     glm, p_url, d_url, bootstrap = stack
-    failed_before = httpx.get(f"{d_url}/capacity").json()["transfers_failed"]
+    failed_before = http.get(f"{d_url}/capacity").json()["transfers_failed"]
     # no decode instance ever reserves the room: the prefill gives up after --bootstrap-timeout
     start = time.monotonic()
     r = prefill(p_url, "lonely-prefill", [5, 6, 7])
@@ -105,7 +105,7 @@ def test_failed_handoffs_release_both_sides(stack):
     # the prefill never gets the request: the decode request fails after --transfer-timeout
     got = generate(d_url, bootstrap, "lonely-decode", [5, 6, 7], stream=True)
     assert "transfer timeout" in got["error"] and "waiting for the prefill's outcome" in got["error"], got
-    assert httpx.get(f"{d_url}/capacity").json()["transfers_failed"] == failed_before + 1
+    assert http.get(f"{d_url}/capacity").json()["transfers_failed"] == failed_before + 1
     # an unreachable bootstrap endpoint sends no heartbeat: failed after --heartbeat-timeout, not a hang
     dead = generate(d_url, "tcp://127.0.0.1:9", "dead-peer", [5, 6], stream=False)
     assert dead["status"] == 500 and "stopped answering (no heartbeat" in dead["error"]["message"], dead
@@ -120,9 +120,9 @@ def test_failed_handoffs_release_both_sides(stack):
 @pytest.mark.slow
 def test_handoff_requests_are_checked(stack):
     _, p_url, d_url, _ = stack
-    r = httpx.post(f"{p_url}/v1/prefill", json={"token_ids": [1, 2], "handoff": True})
+    r = http.post(f"{p_url}/v1/prefill", json={"token_ids": [1, 2], "handoff": True})
     assert r.status_code == 400 and "request_id" in r.text
-    r = httpx.post(f"{d_url}/v1/generate", json={"token_ids": [1, 2], "bootstrap": "not-an-endpoint"})
+    r = http.post(f"{d_url}/v1/generate", json={"token_ids": [1, 2], "bootstrap": "not-an-endpoint"})
     assert r.status_code == 400 and "bootstrap" in r.text
 
 
@@ -131,13 +131,13 @@ def test_sender_killed_mid_handoff_fails_only_that_request(stack):
     glm, p_url, d_url, _ = stack
     victim, v_url = start_server("prefill", glm, "--cp-size", "2", "--transfer", "nixl", "--chunk-size", "64")
     try:
-        info = httpx.get(f"{v_url}/info").json()
+        info = http.get(f"{v_url}/info").json()
         ids = [(5 * i) % 500 + 4 for i in range(1500)]  # 24 chunks: the rank dies while the room is in flight
         pool = ThreadPoolExecutor(2)
         got = pool.submit(generate, d_url, info["bootstrap"], "doomed", ids, True)
         sent = pool.submit(prefill, v_url, "doomed", ids)
         deadline = time.monotonic() + 20
-        while httpx.get(f"{d_url}/capacity").json()["free_tokens"] == httpx.get(f"{d_url}/capacity").json()["total_tokens"]:
+        while http.get(f"{d_url}/capacity").json()["free_tokens"] == http.get(f"{d_url}/capacity").json()["total_tokens"]:
             assert time.monotonic() < deadline, "the decode instance never reserved the room"
             time.sleep(0.02)
         time.sleep(0.2)  # the prefill is working on the room now
