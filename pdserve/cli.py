@@ -479,6 +479,10 @@ app.add_typer(admin_app, name="admin")
 
 
 def main() -> None:
+    import logging
+
+    # server logs: errors with their id (engine/http_edge.py) and any traceback go to stderr
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app()
 
 

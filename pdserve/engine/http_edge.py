@@ -35,6 +35,10 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
+def new_error_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
@@ -78,11 +82,16 @@ def install_edge(app: FastAPI, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tok
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+        message = str(exc.detail)
+        if exc.status_code >= 500:  # a server-side failure: the id finds its log line (and any traceback)
+            error_id = new_error_id()
+            log.error("error %s on %s %s: %s", error_id, request.method, request.url.path, message)
+            message = f"{message} (error id {error_id})"
+        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):
-        error_id = uuid.uuid4().hex[:12]
+        error_id = new_error_id()
         log.error("error %s on %s %s", error_id, request.method, request.url.path, exc_info=exc)
         return error_response(500, f"internal error (error id {error_id})")
 

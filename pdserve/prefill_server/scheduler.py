@@ -26,6 +26,7 @@ The scheduler decides; `PrefillInstance` executes. `run_once()` is driven by one
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -42,6 +43,7 @@ DROPPED_KEEP_S = 600.0  # how long an aborted room waits for a late reservation 
 BOOTSTRAP_POLL_MS = 10  # with only hand-offs waiting for their reservation, how long one poll blocks
 
 _ids = itertools.count()
+log = logging.getLogger("pdserve.prefill")
 
 
 @dataclass
@@ -128,8 +130,9 @@ class PrefillScheduler:
         except OutOfPages:
             self._requeue(job)  # other requests hold the pages: try again when they are released
             return False
-        except Exception as e:  # a rank failure is reported to this request; the watchdog handles the instance
+        except Exception as e:  # this request fails; a dead rank or a broken group is the watchdog's
             self.current = None
+            log.error("prefill of %s failed: %s\n%s", job.request_id, e, getattr(e, "traceback", ""))
             self._finish(job, error=f"{type(e).__name__}: {e}")
             return True
         self.instance.release(job.request_id)  # no decode target: nothing to hand off

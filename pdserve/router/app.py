@@ -34,7 +34,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from ..engine.http_edge import install_edge
+from ..engine.http_edge import install_edge, new_error_id
 from ..model.tokenizer import Tokenizer
 from . import protocol as P
 from .admin import admin_router
@@ -224,7 +224,7 @@ async def _pieces(state: RouterState, prompt: list[int], params: GenParams, stop
         raise
     except Exception as e:  # a bug: the client still gets a clean error; the traceback goes to the log
         outcome = "failed"
-        error_id = uuid.uuid4().hex[:12]
+        error_id = new_error_id()
         log.error("error %s while serving a request", error_id, exc_info=e)
         raise P.ApiError(500, f"internal error (error id {error_id})") from None
     finally:
