@@ -59,3 +59,13 @@ def tiny_checkpoints(tmp_path_factory):
         out[(arch, "make-model")] = make_model(root / f"mm-{arch}", arch, "tiny", seed=0)
         out[(arch, "save_pretrained")] = save_pretrained_checkpoint(arch, root / f"hf-{arch}")
     return out
+
+
+@pytest.fixture(scope="session")
+def heads12_checkpoints(tmp_path_factory):
+    """{arch: path}: the tiny presets with 12 attention heads, so TP (= W) can be 1, 2, 3 or 4."""
+    from pdserve.model.random_checkpoint import make_model
+
+    root = tmp_path_factory.mktemp("ckpt12")
+    heads = {"num_attention_heads": 12, "num_key_value_heads": 12}
+    return {arch: make_model(root / arch, arch, "tiny", seed=3, overrides=heads) for arch in ARCHS}

@@ -205,11 +205,13 @@ def _move_into_place(tmp: Path, out: Path) -> None:
 
 
 def make_model(out_dir: str | Path, arch: str, size: str, seed: int = 0,
-               max_shard_bytes: int | None = None, overwrite: bool = False) -> Path:
-    """Write a complete random HF checkpoint for ``arch``/``size`` to ``out_dir``; return its path."""
+               max_shard_bytes: int | None = None, overwrite: bool = False,
+               overrides: dict[str, Any] | None = None) -> Path:
+    """Write a complete random HF checkpoint for ``arch``/``size`` to ``out_dir``; return its path.
+    ``overrides`` replaces preset config fields (e.g. more attention heads, for TP over 3 ranks)."""
     if max_shard_bytes is not None and max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    cfg = hf_config(arch, size)
+    cfg = {**hf_config(arch, size), **(overrides or {})}
     out = Path(out_dir).absolute()
     _prepare_destination(out, overwrite)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
