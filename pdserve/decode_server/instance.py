@@ -56,9 +56,11 @@ class DecodeInstance:
         """Stores a prompt's cache ([L, P, c + rope] and index keys) in the pages reserved for it."""
         self.ranks.call(LoadCmd(self.slots(pages, kv.shape[1]), kv, index))
 
-    def step(self, token_ids: list[int], pages: list[list[int]], lengths: list[int]) -> torch.Tensor:
-        """One decode step over requests with these pages and context lengths; returns logits [B, vocab]."""
-        return self.ranks.call(StepCmd(token_ids, pages, lengths, self.allocator.page_size))[0]
+    def step(self, token_ids: list[int], pages: list[list[int]], lengths: list[int],
+             request_ids: tuple[str, ...] = ()) -> torch.Tensor:
+        """One decode step over requests with these pages and context lengths; returns logits [B, vocab].
+        CommandFailed when a rank raised (the group stays usable); RankError when the group broke."""
+        return self.ranks.call(StepCmd(token_ids, pages, lengths, self.allocator.page_size, tuple(request_ids)))[0]
 
     def dump(self, slots: list[int]) -> list[dict]:
         return self.ranks.call(DumpCmd(slots))

@@ -14,6 +14,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -21,13 +24,19 @@ import torch
 from pdserve.decode_server.engine import DecodeEngine
 from pdserve.decode_server.instance import DecodeInstance
 from pdserve.decode_server.rank_worker import DecodeWorkerConfig
+from pdserve.decode_server.server import EngineLoop
+from pdserve.engine.faults import FAULT_ENV
 from pdserve.engine.launcher import LaunchConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import SamplingParams
+from pdserve.prefill_server.instance import PrefillInstance
+from pdserve.prefill_server.rank_worker import PrefillWorkerConfig
+from pdserve.prefill_server.scheduler import PrefillJob, PrefillScheduler
 from tests.reference import assert_close, free_port
 
 pytestmark = pytest.mark.slow
 TOKENS = 12
+FAULTY = "fault-me"
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +50,7 @@ def single(path):
 
 
 def start_decode(path: str, w: int, c: int, monkeypatch) -> DecodeEngine:
+    monkeypatch.setenv(FAULT_ENV, FAULTY)  # the ranks inherit it; only this request id is hit
     cfg = DecodeWorkerConfig(path, num_slots=240, dcp_size=c, dtype="float64", float32_islands=False)
     return DecodeEngine(DecodeInstance(cfg, LaunchConfig(w, free_port()), page_size=c).start())
 
@@ -75,3 +85,67 @@ def test_one_token_prompt_alone_decodes_exactly(path, single, monkeypatch, c):
         assert sum(r["empty_selections"] for r in inst.rank_info()) > 0  # some rank really was empty
     finally:
         inst.shutdown()
+
+
+def run_loop(engine: DecodeEngine, requests: dict[str, list[int]]) -> dict[str, list]:
+    """Submits every request to a running EngineLoop; returns each request's events once it ended."""
+    loop = EngineLoop(engine, on_fatal=lambda msg: pytest.fail(f"the instance stopped: {msg}"))
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    events: dict[str, list] = {rid: [] for rid in requests}
+    ended = {rid: Future() for rid in requests}
+
+    def listener(rid):
+        def on(ev):
+            events[rid].append(ev)
+            if ev[0] in ("finish", "error"):
+                ended[rid].set_result(None)
+        return on
+
+    try:
+        for rid, ids in requests.items():
+            loop.submit(ids, SamplingParams(max_tokens=TOKENS, ignore_eos=True), rid, listener(rid)).result(60)
+        for f in ended.values():
+            f.result(120)
+    finally:
+        loop.stop()
+        thread.join(30)
+    return events
+
+
+def test_injected_fault_fails_only_its_request(path, single, monkeypatch):
+    engine = start_decode(path, 4, 2, monkeypatch)
+    try:
+        prompts = {"short": [5], "mid": list(range(10, 19)), FAULTY: list(range(30, 50)), "long": list(range(60, 90))}
+        events = run_loop(engine, prompts)
+        assert events[FAULTY][-1][0] == "error" and "injected fault" in events[FAULTY][-1][1], events[FAULTY]
+        for rid, ids in prompts.items():
+            if rid == FAULTY:
+                continue
+            want = single.generate([ids], SamplingParams(max_tokens=TOKENS, ignore_eos=True))[0]
+            assert events[rid][-1] == ("finish", "length"), (rid, events[rid][-3:])
+            assert [v for k, v in events[rid] if k == "token"] == want, rid
+        alloc = engine.instance.allocator
+        assert engine.scheduler.is_idle() and alloc.num_free == alloc.num_pages
+        assert engine.instance.ranks.unhealthy() is None
+        again = run_loop(engine, {"after": [5]})  # the instance keeps serving
+        assert again["after"][-1] == ("finish", "length")
+    finally:
+        engine.instance.shutdown()
+
+
+def test_prefill_job_failure_stays_its_own(path, single, monkeypatch):
+    monkeypatch.setenv(FAULT_ENV, FAULTY)
+    worker = PrefillWorkerConfig(path, num_slots=256, dtype="float64", float32_islands=False)
+    with PrefillInstance(worker, LaunchConfig(2, free_port()), page_size=4) as inst:
+        sched = PrefillScheduler(inst)
+        bad = sched.submit(PrefillJob([1, 2, 3], request_id=FAULTY))
+        good = sched.submit(PrefillJob([7, 8, 9, 10], request_id="fine"))
+        deadline = time.monotonic() + 60
+        while good.state not in ("done", "failed"):
+            sched.run_once(0.05)
+            assert time.monotonic() < deadline
+        assert bad.state == "failed" and "CommandFailed" in bad.error and "injected fault" in bad.error, bad.error
+        assert good.state == "done" and good.first_token == int(single.prefill_logits([7, 8, 9, 10])[-1].argmax())
+        assert inst.ranks.unhealthy() is None and not inst.held
+        assert inst.allocator.num_free == inst.allocator.num_pages
