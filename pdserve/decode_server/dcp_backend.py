@@ -49,6 +49,7 @@ class DCPBackend:
         self.cfg, self.pool, self.dcp = cfg, pool, dcp
         self.index_mode, self.comm, self.replicate_q = index_mode, comm, replicate_q
         self.empty_selections = 0  # (request, layer) pairs where this rank selected no token
+        self.selections: dict[int, torch.Tensor] = {}
 
     def begin(self, batch: DecodeBatch) -> None:
         C, me = self.dcp.size, self.dcp.rank
@@ -70,6 +71,7 @@ class DCPBackend:
         self._new_rows = new_slots // C
         self._new_slots = new_slots
         self._selection: torch.Tensor | None = None
+        self.selections: dict[int, torch.Tensor] = {}  # indexer layer -> [B, k]: this step's (for checks)
 
     # ---- the AttentionBackend method ------------------------------------------------------
     def attention(self, layer: int, q: torch.Tensor, kv: torch.Tensor, index: IndexerInputs | None, scale: float) -> torch.Tensor:
@@ -99,6 +101,7 @@ class DCPBackend:
             return self.pool.read_kv(layer, self._own_rows), self._own_valid
         if index is not None:
             self._selection = self._select_copy(layer, index) if self.index_mode == "copy" else self._select_split(layer, index)
+            self.selections[layer] = self._selection
         sel = self._selection  # [B, k] global positions, -1 padded; shared layers reuse it
         mine = (sel >= 0) & (sel % self.dcp.size == self.dcp.rank)
         rows = self._slots.gather(1, sel.clamp(min=0)) // self.dcp.size

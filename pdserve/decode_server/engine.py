@@ -25,6 +25,7 @@ class DecodeEngine:
         self._caches: dict[str, tuple[torch.Tensor, dict[int, torch.Tensor], int]] = {}
         self._local: LLMEngine | None = None
         self._remote: set[str] = set()  # requests whose cache comes by KV hand-off (transfer/handoff.py)
+        self.last_logits: dict[str, torch.Tensor] = {}  # request id -> [vocab] of the last step (for checks)
 
     def _local_prefill(self) -> LLMEngine:
         if self._local is None:  # built on first use: only the direct-load path needs it
@@ -81,6 +82,7 @@ class DecodeEngine:
         `error` (DESIGN.md invariant 9: the others go on). RankError (a broken rank group) propagates."""
         events = self.admit()
         batch = list(self.scheduler.running)
+        self.last_logits = {}
         if batch:
             events += self._decode(batch)
         for req, _ in events:
@@ -124,6 +126,7 @@ class DecodeEngine:
             try:
                 tokens.append(self.sampler.sample(logits[i : i + 1], [req.params], [req.request_id])[0])
                 ok.append(req)
+                self.last_logits[req.request_id] = logits[i]
             except Exception as e:
                 events.append(self._fail(req, e))
         self.scheduler.postprocess(ok, tokens)

@@ -69,6 +69,10 @@ class DecodeInstance:
         """Switches the index mode and merge backend on running ranks; clears every cache."""
         self.rank_infos = self.ranks.call(ReconfigureCmd(index_mode, comm))
 
+    def selections(self) -> list[dict[int, torch.Tensor]]:
+        """Every rank's selected positions of the last step, per indexer layer ([B, k], -1 padded)."""
+        return self.ranks.call("selections")
+
     def rank_info(self) -> list[dict]:
         return self.ranks.call("info")
 

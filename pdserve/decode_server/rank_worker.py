@@ -138,6 +138,8 @@ class DecodeRankWorker:
             return self.receiver.handle(cmd)
         if cmd == "info":
             return self.info()
+        if cmd == "selections":  # the last step's selected positions per indexer layer (for checks)
+            return self.backend.selections
         raise TypeError(f"unknown command {type(cmd).__name__}")
 
     def _own(self, slots: torch.Tensor) -> torch.Tensor:
