@@ -16,6 +16,16 @@ os.environ[INTERNAL_TOKEN_ENV] = TEST_TOKEN  # every server, router and `pdserve
 ARCHS = ("glm_moe_dsa", "deepseek_v32", "deepseek_v3")
 
 
+def pytest_addoption(parser):
+    """The randomized equality sweep (tests/sweep/test_sweep.py)."""
+    group = parser.getgroup("sweep", "randomized equality sweep")
+    group.addoption("--deep", action="store_true", help="the long local sweep (1008 drawn cases)")
+    group.addoption("--seed", type=int, default=None, help="the sweep's seed (default 0)")
+    group.addoption("--pairs", type=int, default=None, help="how many drawn instance pairs to run")
+    group.addoption("--case", type=int, default=None, help="run only this drawn case (with its pair)")
+    group.addoption("--requests", default=None, help="only these requests of --case, e.g. 0,2")
+
+
 def randomize_hf_model(model, seed: int) -> None:
     """Give every weight a non-default random value: norms around 1, biases and the routing
     correction bias non-zero, matrices N(0, 1/fan_in) so activations stay O(1)."""
@@ -65,3 +75,18 @@ def tiny_checkpoints(tmp_path_factory):
         out[(arch, "make-model")] = make_model(root / f"mm-{arch}", arch, "tiny", seed=0)
         out[(arch, "save_pretrained")] = save_pretrained_checkpoint(arch, root / f"hf-{arch}")
     return out
+
+
+@pytest.fixture(scope="session")
+def heads12_checkpoints(tmp_path_factory):
+    """{arch: path}: the tiny presets with 12 attention heads, so TP (= W) can be 1, 2, 3 or 4.
+    glm_moe_dsa's has one index head: a score is then w * relu(q . k), exactly 0 for about half the
+    keys and the largest score whenever w < 0, so ties at 0 decide top-k places all the time (the
+    tie rule of DESIGN.md invariant 3 is exercised); deepseek_v32 keeps the preset's 8 index heads."""
+    from pdserve.model.random_checkpoint import make_model
+
+    root = tmp_path_factory.mktemp("ckpt12")
+    heads = {"num_attention_heads": 12, "num_key_value_heads": 12}
+    extra = {"glm_moe_dsa": {"index_n_heads": 1}}
+    return {arch: make_model(root / arch, arch, "tiny", seed=3, config_overrides={**heads, **extra.get(arch, {})})
+            for arch in ARCHS}

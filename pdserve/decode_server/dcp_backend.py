@@ -49,6 +49,7 @@ class DCPBackend:
         self.cfg, self.pool, self.dcp = cfg, pool, dcp
         self.index_mode, self.comm, self.replicate_q = index_mode, comm, replicate_q
         self.empty_selections = 0  # (request, layer) pairs where this rank selected no token
+        self.selections: dict[int, torch.Tensor] = {}
 
     def begin(self, batch: DecodeBatch) -> None:
         C, me = self.dcp.size, self.dcp.rank
@@ -58,7 +59,9 @@ class DCPBackend:
         for i, s in enumerate(batch.slots):
             self._slots[i, : lens[i]] = s
         self._valid = torch.arange(smax)[None, :] < torch.tensor(lens)[:, None]  # [B, Smax]
-        own_pos = torch.arange(me, smax, C)  # positions this rank may own
+        # positions this rank may own; none when its first one is past every context (a short
+        # request alone in the batch): an empty rank still joins every collective, with lse = -inf
+        own_pos = torch.arange(me, max(me, smax), C)
         self._own_pos = own_pos.expand(len(lens), -1)  # [B, N]
         self._own_valid = self._valid[:, own_pos]
         self._own_rows = self._slots[:, own_pos] // C
@@ -68,6 +71,7 @@ class DCPBackend:
         self._new_rows = new_slots // C
         self._new_slots = new_slots
         self._selection: torch.Tensor | None = None
+        self.selections: dict[int, torch.Tensor] = {}  # indexer layer -> [B, k]: this step's (for checks)
 
     # ---- the AttentionBackend method ------------------------------------------------------
     def attention(self, layer: int, q: torch.Tensor, kv: torch.Tensor, index: IndexerInputs | None, scale: float) -> torch.Tensor:
@@ -97,6 +101,7 @@ class DCPBackend:
             return self.pool.read_kv(layer, self._own_rows), self._own_valid
         if index is not None:
             self._selection = self._select_copy(layer, index) if self.index_mode == "copy" else self._select_split(layer, index)
+            self.selections[layer] = self._selection
         sel = self._selection  # [B, k] global positions, -1 padded; shared layers reuse it
         mine = (sel >= 0) & (sel % self.dcp.size == self.dcp.rank)
         rows = self._slots.gather(1, sel.clamp(min=0)) // self.dcp.size
@@ -111,10 +116,7 @@ class DCPBackend:
         k = self.cfg.index_topk
         idx_keys = self.pool.read_index(layer, self._own_rows)  # [B, N, Di]: own tokens' keys only
         scores = index_scores(index.q, index.weights, idx_keys, index.softmax_scale)  # [B, N]
-        local = topk_earliest(scores, self._own_valid, k)  # [B, k] indices into own tokens
-        ok = local >= 0
-        cand_score = torch.where(ok, scores.gather(1, local.clamp(min=0)), torch.full_like(scores[:, :1], float("-inf")))
-        cand_pos = torch.where(ok, self._own_pos.gather(1, local.clamp(min=0)), torch.full_like(local, -1))
+        cand_score, cand_pos = self._candidates(scores, k)
         packed = torch.stack([cand_score.double(), cand_pos.double()], dim=-1)  # [B, k, 2]: one collective
         every = self.dcp.comm.all_gather(packed)  # [C, B, k, 2]
         every = every.permute(1, 0, 2, 3).reshape(packed.shape[0], -1, 2)  # [B, C*k, 2]
@@ -124,6 +126,18 @@ class DCPBackend:
         score = every[..., 0].gather(1, order).to(scores.dtype)
         pick = topk_earliest(score, pos >= 0, k)  # ties: the earlier position comes first in this order
         return torch.where(pick >= 0, pos.gather(1, pick.clamp(min=0)), torch.full_like(pick, -1))
+
+    def _candidates(self, scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's best k (score, global position) per request [B, k], padded with (-inf, -1);
+        all padding when the rank owns no position yet (scores [B, 0])."""
+        B = scores.shape[0]
+        if scores.shape[1] == 0:
+            return torch.full((B, k), float("-inf"), dtype=scores.dtype), torch.full((B, k), -1, dtype=torch.int64)
+        local = topk_earliest(scores, self._own_valid, k)  # [B, k] indices into own tokens
+        ok, at = local >= 0, local.clamp(min=0)
+        cand_score = torch.where(ok, scores.gather(1, at), torch.full_like(scores[:, :1], float("-inf")))
+        cand_pos = torch.where(ok, self._own_pos.gather(1, at), torch.full_like(local, -1))
+        return cand_score, cand_pos
 
     # ---- head slices and the merge -------------------------------------------------------------
     def _gather_heads(self, q: torch.Tensor) -> torch.Tensor:

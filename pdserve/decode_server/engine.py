@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..engine.launcher import RankError
 from ..engine.llm_engine import LLMEngine
 from ..engine.request import SamplingParams
 from ..engine.sampler import Sampler
@@ -24,6 +25,7 @@ class DecodeEngine:
         self._caches: dict[str, tuple[torch.Tensor, dict[int, torch.Tensor], int]] = {}
         self._local: LLMEngine | None = None
         self._remote: set[str] = set()  # requests whose cache comes by KV hand-off (transfer/handoff.py)
+        self.last_logits: dict[str, torch.Tensor] = {}  # request id -> [vocab] of the last step (for checks)
 
     def _local_prefill(self) -> LLMEngine:
         if self._local is None:  # built on first use: only the direct-load path needs it
@@ -74,30 +76,82 @@ class DecodeEngine:
         self.sampler.forget(request_id)
         return self.scheduler.abort(request_id, hold_s)
 
-    def step(self) -> list[tuple[DecodeRequest, int]]:
-        """Admits what fits (loading its cache), then decodes one token for every running request."""
+    def step(self) -> list[tuple[DecodeRequest, int | None]]:
+        """Admits what fits (loading its cache), then decodes one token for every running request.
+        Events are (request, token); a request that failed has token None, state "failed" and its
+        `error` (DESIGN.md invariant 9: the others go on). RankError (a broken rank group) propagates."""
         events = self.admit()
         batch = list(self.scheduler.running)
+        self.last_logits = {}
         if batch:
-            logits = self.instance.step([r.output_ids[-1] for r in batch], [r.pages for r in batch],
-                                        [r.num_tokens for r in batch])
-            tokens = self.sampler.sample(logits, [r.params for r in batch], [r.request_id for r in batch])
-            self.scheduler.postprocess(batch, tokens)
-            events += list(zip(batch, tokens))
+            events += self._decode(batch)
         for req, _ in events:
-            if req.state in ("finished", "aborted"):
+            if req.state in ("finished", "aborted", "failed"):
                 self.sampler.forget(req.request_id)
         return events
 
-    def admit(self) -> list[tuple[DecodeRequest, int]]:
+    def _decode(self, batch: list[DecodeRequest]) -> list[tuple[DecodeRequest, int | None]]:
+        try:
+            logits = self._forward(batch)
+        except RankError:
+            raise
+        except Exception:  # CommandFailed (the group is usable) or a main-process error
+            return self._decode_one_by_one(batch)
+        return self._sample(batch, logits)
+
+    def _forward(self, batch: list[DecodeRequest]) -> torch.Tensor:
+        return self.instance.step([r.output_ids[-1] for r in batch], [r.pages for r in batch],
+                                  [r.num_tokens for r in batch], tuple(r.request_id for r in batch))
+
+    def _decode_one_by_one(self, batch: list[DecodeRequest]) -> list[tuple[DecodeRequest, int | None]]:
+        """A batched step failed and the rank group is still usable: each request runs alone, and
+        only those that fail alone fail. A decode step is idempotent per request (running it again
+        writes the same entry into the same slot), so re-running the others changes nothing."""
+        events = []
+        for req in batch:
+            try:
+                logits = self._forward([req])
+            except RankError:
+                raise
+            except Exception as e:
+                events.append(self._fail(req, e))
+                continue
+            events += self._sample([req], logits)
+        return events
+
+    def _sample(self, batch: list[DecodeRequest], logits: torch.Tensor) -> list[tuple[DecodeRequest, int | None]]:
+        """One token per request, sampled row by row so that a failure fails only its own request."""
+        events, ok, tokens = [], [], []
+        for i, req in enumerate(batch):
+            try:
+                tokens.append(self.sampler.sample(logits[i : i + 1], [req.params], [req.request_id])[0])
+                ok.append(req)
+                self.last_logits[req.request_id] = logits[i]
+            except Exception as e:
+                events.append(self._fail(req, e))
+        self.scheduler.postprocess(ok, tokens)
+        return events + list(zip(ok, tokens))
+
+    def _fail(self, req: DecodeRequest, e: Exception) -> tuple[DecodeRequest, None]:
+        self.scheduler.fail(req, f"{type(e).__name__}: {e}")
+        return req, None
+
+    def admit(self) -> list[tuple[DecodeRequest, int | None]]:
         """Reserves pages for what fits; loads directly given caches (those run at once). Requests
-        submitted with submit_remote() stay in waiting_for_kv, their pages reserved for the hand-off."""
+        submitted with submit_remote() stay in waiting_for_kv, their pages reserved for the hand-off.
+        A cache that fails to load fails its request (token None)."""
         events = []
         for req in self.scheduler.admit():
             if req.request_id in self._remote:
                 continue
             kv, index, first = self._caches.pop(req.request_id)
-            self.instance.load(req.pages, kv, index)
+            try:
+                self.instance.load(req.pages, kv, index)
+            except RankError:
+                raise
+            except Exception as e:
+                events.append(self._fail(req, e))
+                continue
             self.scheduler.kv_ready(req.request_id, first)
             events.append((req, first))
         return events

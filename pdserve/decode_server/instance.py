@@ -56,9 +56,11 @@ class DecodeInstance:
         """Stores a prompt's cache ([L, P, c + rope] and index keys) in the pages reserved for it."""
         self.ranks.call(LoadCmd(self.slots(pages, kv.shape[1]), kv, index))
 
-    def step(self, token_ids: list[int], pages: list[list[int]], lengths: list[int]) -> torch.Tensor:
-        """One decode step over requests with these pages and context lengths; returns logits [B, vocab]."""
-        return self.ranks.call(StepCmd(token_ids, pages, lengths, self.allocator.page_size))[0]
+    def step(self, token_ids: list[int], pages: list[list[int]], lengths: list[int],
+             request_ids: tuple[str, ...] = ()) -> torch.Tensor:
+        """One decode step over requests with these pages and context lengths; returns logits [B, vocab].
+        CommandFailed when a rank raised (the group stays usable); RankError when the group broke."""
+        return self.ranks.call(StepCmd(token_ids, pages, lengths, self.allocator.page_size, tuple(request_ids)))[0]
 
     def dump(self, slots: list[int]) -> list[dict]:
         return self.ranks.call(DumpCmd(slots))
@@ -66,6 +68,10 @@ class DecodeInstance:
     def reconfigure(self, index_mode: str, comm: str) -> None:
         """Switches the index mode and merge backend on running ranks; clears every cache."""
         self.rank_infos = self.ranks.call(ReconfigureCmd(index_mode, comm))
+
+    def selections(self) -> list[dict[int, torch.Tensor]]:
+        """Every rank's selected positions of the last step, per indexer layer ([B, k], -1 padded)."""
+        return self.ranks.call("selections")
 
     def rank_info(self) -> list[dict]:
         return self.ranks.call("info")

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..engine.comm import CPU_COMMS, make_comm
+from ..engine.faults import check_fault
 from ..engine.kv_cache import KVPool
 from ..engine.llm_engine import parse_dtype
 from ..model.weights import load_model
@@ -66,6 +67,7 @@ class StepCmd:
     pages: list[list[int]]  # per request: its pages (page tables are small; slot lists would be O(context))
     lengths: list[int]  # per request: S, so positions 0..S-1 are read and S-1 is the newest token
     page_size: int
+    request_ids: tuple[str, ...] = ()  # for error messages and the test-only fault hook (engine/faults.py)
 
     def slots(self) -> list[torch.Tensor]:
         out = []
@@ -136,6 +138,8 @@ class DecodeRankWorker:
             return self.receiver.handle(cmd)
         if cmd == "info":
             return self.info()
+        if cmd == "selections":  # the last step's selected positions per indexer layer (for checks)
+            return self.backend.selections
         raise TypeError(f"unknown command {type(cmd).__name__}")
 
     def _own(self, slots: torch.Tensor) -> torch.Tensor:
@@ -158,6 +162,8 @@ class DecodeRankWorker:
         self.backend.begin(DecodeBatch(cmd.slots()))
         positions = torch.tensor(cmd.lengths, dtype=torch.int64) - 1
         hidden = self.model(torch.tensor(cmd.token_ids, dtype=torch.int64), positions, self.backend)  # [B, hidden]
+        if self.rank == self.world - 1:  # after every collective: the other ranks still answer
+            check_fault(cmd.request_ids)
         return self.model.compute_logits(hidden) if self.rank == 0 else None
 
     def dump(self, cmd: DumpCmd) -> dict:

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from ..engine.launcher import RankError
 from ..engine.request import SamplingParams
 from ..transfer.handoff import HandoffFailure, verify_done
 from ..transfer.messages import DecodeReservation, TransferDone, TransferFailed
@@ -78,9 +79,10 @@ class RemoteRooms:
                     self._progress(room, r)
             except HandoffFailure as e:  # quiesced: the prefill answered, so it sent all it will
                 self._fail(room, r, e.reason, quiesced=self._client(r.bootstrap).outcome(room) is not None)
-            except Exception as e:  # a rank call failed: the engine loop's own failure path follows
+            except Exception as e:  # a rank call failed: only a broken group (RankError) stops the loop
                 self._fail(room, r, f"{type(e).__name__}: {e}", quiesced=False)
-                raise
+                if isinstance(e, RankError):
+                    raise
 
     def _client(self, endpoint: str) -> DecodeClient:
         if endpoint not in self.clients:

@@ -5,6 +5,7 @@
     finished <--(EOS, a stop token id, max_tokens)--------------------------------------------+
     aborted  <--(abort(), from any state: the request's pages are freed at once, or held for hold_s
               when a failed NIXL hand-off's senders may still write into them)
+    failed   <--(fail(): computing this request raised; `error` says why, its pages are freed)
 
 - Admission reserves every slot the request can ever need (prompt + max_tokens - 1: the last
   token is never cached), so a running request never stalls for memory and nothing is preempted.
@@ -36,8 +37,9 @@ class DecodeRequest:
     request_id: str = field(default_factory=lambda: f"decode-{next(_ids)}")
     pages: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)  # output_ids[0] is the prefill's first token
-    state: str = "new"  # new | waiting_for_kv | running | finished | aborted
-    finish_reason: str | None = None  # stop | length | abort
+    state: str = "new"  # new | waiting_for_kv | running | finished | aborted | failed
+    finish_reason: str | None = None  # stop | length | abort | error
+    error: str | None = None  # why it failed (state "failed")
 
     @property
     def num_slots_needed(self) -> int:
@@ -116,8 +118,13 @@ class DecodeScheduler:
         if req.pages:
             self.allocator.free(req.pages, hold_s)
             req.pages = []
-        req.state = "aborted" if reason == "abort" else "finished"
+        req.state = {"abort": "aborted", "error": "failed"}.get(reason, "finished")
         req.finish_reason = reason
+
+    def fail(self, req: DecodeRequest, message: str) -> None:
+        """Computing this request raised: it ends with `message`, its pages are freed."""
+        req.error = message
+        self._finish(req, "error")
 
     def abort(self, request_id: str, hold_s: float = 0.0) -> DecodeRequest | None:
         """hold_s: its pages become reusable only that much later (see PageAllocator.free)."""

@@ -202,7 +202,7 @@ class EngineLoop:
                 if not s.is_idle():
                     self._dispatch(self.engine.step())
                 self.stats = self._snapshot()
-        except Exception as e:  # a rank failed mid-step (or a bug): the ranks' state can no longer be trusted
+        except Exception as e:  # a rank died or the group broke (RankError), or a bug outside any one request
             message = f"decode step failed: {type(e).__name__}: {e}"
             self._fail_all(message)
             if not self._stop.is_set():  # while stopping, the ranks going away is expected
@@ -257,17 +257,19 @@ class EngineLoop:
             cmd.accepted.set_result(None)
 
     def _dispatch(self, events) -> None:
-        finished = {}
-        for req, token in events:  # a request's finish follows all of its tokens of this step
+        ended = {}
+        for req, token in events:  # a request's end follows all of its tokens of this step
             listener = self.listeners.get(req.request_id)
-            if listener:
+            if listener and token is not None:
                 _send(listener, ("token", token))
-            if req.state in ("finished", "aborted"):
-                finished[req.request_id] = req.finish_reason
-        for request_id, reason in finished.items():
+            if req.state == "failed":  # computing it raised: only this request ends (engine.step)
+                ended[req.request_id] = ("error", f"decode step failed: {req.error}")
+            elif req.state in ("finished", "aborted"):
+                ended[req.request_id] = ("finish", req.finish_reason)
+        for request_id, event in ended.items():
             listener = self.listeners.pop(request_id, None)
             if listener:
-                _send(listener, ("finish", reason))
+                _send(listener, event)
 
     def _emit(self, request_id: str, event: tuple[str, object]) -> None:
         """An event from the hand-off path; a finish or an error is the request's last."""

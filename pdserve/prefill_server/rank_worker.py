@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..engine.faults import check_fault
 from ..engine.kv_cache import KVPool
 from ..engine.llm_engine import parse_dtype
 from ..engine.request import SamplingParams
@@ -97,6 +98,7 @@ class PrefillRankWorker:
 
     @torch.inference_mode()
     def prefill(self, cmd: PrefillCmd) -> dict:
+        check_fault([cmd.request_id])  # test-only, off by default (engine/faults.py)
         n = len(cmd.token_ids)
         slots = torch.tensor(cmd.slots, dtype=torch.int64)
         last_hidden = None
