@@ -183,8 +183,12 @@ class PrefillScheduler:
         if not self.instance.allocator.can_allocate(len(job.token_ids)):
             self._requeue(job)
             return False
+        reservation = self.bootstrap.claim(job.request_id)  # kept now: never expired under the hand-off
+        if reservation is None:  # it expired (or was forgotten) since _next_ready saw it
+            self.current = None
+            self._finish(job, error=f"the decode reservation of room {job.request_id} expired")
+            return True
         job.state = "transferring"
-        reservation = self.bootstrap.reservations[job.request_id]
         outcome = serve_reserved(self.instance, self.bootstrap, reservation, job.token_ids, job.params)
         self.current = None
         if isinstance(outcome, TransferDone):

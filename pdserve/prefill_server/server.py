@@ -18,6 +18,7 @@ from ..engine.drain import Drain, DrainingServer, install_exit_signals
 from ..engine.launcher import LaunchConfig
 from ..engine.watchdog import start_watchdog
 from ..transfer.backends import check_transfer
+from ..transfer.frames import cluster_frame_key
 from ..transfer.side_channel import BootstrapService
 from .instance import PrefillInstance
 from .layouts import check_layout_allowed
@@ -74,7 +75,8 @@ class PrefillServerConfig:
     def build_instance(self) -> PrefillInstance:
         num_slots = -(-self.max_kv_tokens // self.page_size) * self.page_size
         worker = PrefillWorkerConfig(self.model, num_slots, self.dtype, self.cp_layout, self.cache, self.moe_tp,
-                                     transfer=self.transfer, kv_residues=self.kv_residues or self.cp_size)
+                                     transfer=self.transfer, kv_residues=self.kv_residues or self.cp_size,
+                                     frame_key=cluster_frame_key(self))
         launch = LaunchConfig(self.cp_size, self.dist_port, threads_per_rank=self.threads_per_rank)
         return PrefillInstance(worker, launch, page_size=self.page_size, chunk_size=self.chunk_size)
 
@@ -94,7 +96,9 @@ def serve(cfg: PrefillServerConfig) -> None:
     instance = cfg.build_instance()
     print(f"starting {cfg.cp_size} prefill rank(s) for {cfg.model}", file=sys.stderr, flush=True)
     instance.start()
-    bootstrap = BootstrapService(cfg.host)  # the hand-off side channel (own thread: heartbeats); decode instances connect
+    # the hand-off side channel (own thread: heartbeats); decode instances connect. Its frames are signed with the
+    # key of cfg.internal_token (transfer/frames.cluster_frame_key); bootstrap.unhealthy() names a dead thread.
+    bootstrap = BootstrapService(cfg.host, cluster_frame_key(cfg))
     scheduler = PrefillScheduler(instance, bootstrap, cfg.max_queue)
     stop = threading.Event()
     worker = threading.Thread(target=_worker_loop, args=(scheduler, stop), daemon=True)
