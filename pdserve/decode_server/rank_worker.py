@@ -39,7 +39,7 @@ class DecodeWorkerConfig:
     transfer: str = "tcp"  # KV hand-off data path: "tcp" | "nixl"
     data_host: str = "127.0.0.1"  # address the TCP receivers bind and advertise to prefill ranks
     transfer_quarantine_s: float = 60.0  # NIXL: a failed room's pages stay unused this long (senders may write)
-    frame_key: bytes = field(default=DEV_FRAME_KEY, repr=False)  # data frames must be signed with it (transfer/frames.py)
+    frame_key: bytes = field(default=DEV_FRAME_KEY, repr=False)  # data frames must be signed with it (frames.py)
 
     def __post_init__(self):
         check_transfer(self.transfer)
@@ -110,7 +110,7 @@ class DecodeRankWorker:
         self._build(cfg.index_mode, cfg.comm)
         # KV hand-off data path (transfer/tcp.py or nixl.py): stores arriving rows into the current pool
         self.receiver = make_receiver(cfg.transfer, rank, lambda: self.pool, cfg.data_host, cfg.transfer_quarantine_s,
-                                      cfg.frame_key)
+                                      cfg.frame_key, cfg.num_slots)
 
     def _build(self, index_mode: str, comm: str) -> None:
         cfg = self.cfg = replace(self.cfg, index_mode=index_mode, comm=comm)

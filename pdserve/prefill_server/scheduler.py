@@ -150,7 +150,7 @@ class PrefillScheduler:
             room = job.request_id
             if room in self.bootstrap.aborted:
                 reason = self.bootstrap.aborted[room]
-            elif room in self.bootstrap.reservations:
+            elif self.bootstrap.claim(room) is not None:  # claimed: it no longer expires while the job waits
                 return job
             elif now - job.submitted > job.bootstrap_timeout_s:
                 reason = f"bootstrap timeout: no decode reservation for room {room} within {job.bootstrap_timeout_s} s"

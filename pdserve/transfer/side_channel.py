@@ -108,7 +108,8 @@ class _Endpoint:
 class BootstrapServer(_Endpoint):
     """Prefill side: collects reservations (they may come before the prompt), answers per room."""
 
-    def __init__(self, host: str = "127.0.0.1", key: bytes = DEV_FRAME_KEY, reservation_ttl_s: float = RESERVATION_TTL_S):
+    def __init__(self, host: str = "127.0.0.1", key: bytes = DEV_FRAME_KEY,
+                 reservation_ttl_s: float = RESERVATION_TTL_S):
         super().__init__(zmq.ROUTER, key, P2D, D2P)
         self.endpoint = f"tcp://{host}:{self.sock.bind_to_random_port(f'tcp://{host}')}"
         self.reservation_ttl_s = reservation_ttl_s
@@ -141,7 +142,8 @@ class BootstrapServer(_Endpoint):
             self._send([identity, *self._seal(Welcome(msg.nonce))])
         elif isinstance(msg, DecodeReservation):
             if room in self.reservations or len(self.reservations) >= MAX_RESERVATIONS:
-                self.refused += room not in self.reservations or self.reservations[room] != msg  # a resend is no refusal
+                if self.reservations.get(room) != msg:  # the same reservation again is no refusal
+                    self.refused += 1
                 return
             self.reservations[room], self.peers[room] = msg, identity
             self.reserved_at[room] = time.monotonic()
@@ -209,7 +211,8 @@ class BootstrapService(BootstrapServer):
     that thread is busy. The room tables are plain dicts read without the lock (single operations
     on them are atomic in CPython); the thread changes them under `lock`."""
 
-    def __init__(self, host: str = "127.0.0.1", key: bytes = DEV_FRAME_KEY, reservation_ttl_s: float = RESERVATION_TTL_S):
+    def __init__(self, host: str = "127.0.0.1", key: bytes = DEV_FRAME_KEY,
+                 reservation_ttl_s: float = RESERVATION_TTL_S):
         super().__init__(host, key, reservation_ttl_s)
         self.lock = threading.Lock()
         self.generation = time.time_ns()

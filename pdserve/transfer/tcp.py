@@ -113,22 +113,24 @@ def pack_rows(pool, kind: str, layer: int, runs, out: torch.Tensor) -> None:
         pos += r.length
 
 
-def max_frame_bytes(pool) -> int:
-    """The largest legitimate data frame for this pool: one layer's rows of the whole pool, in the
-    widest dtype that travels, plus the header."""
-    rows = max(pool.kv.shape[1] * pool.kv.shape[-1], pool.index_k.shape[1] * pool.index_k.shape[-1] * 2)
-    return rows * 8 + HEADER_MAX_BYTES
+def max_frame_bytes(pool, slots: int | None = None) -> int:
+    """The largest legitimate data frame for this pool: one layer's rows of every slot (`slots`: the
+    instance's global slots, which bounds every index mode a reconfigure may switch to; default the
+    pool's own rows), in the widest dtype that travels, plus the header."""
+    slots = slots or max(pool.kv.shape[1], pool.index_k.shape[1])
+    return slots * max(pool.kv.shape[-1], pool.index_k.shape[-1]) * 8 + HEADER_MAX_BYTES
 
 
 class TcpReceiver:
     """One per decode rank: a PULL socket on 127.0.0.1 (ephemeral port) and the thread that drains it."""
 
-    def __init__(self, rank: int, pool: Callable[[], object], host: str = "127.0.0.1", key: bytes = DEV_FRAME_KEY):
+    def __init__(self, rank: int, pool: Callable[[], object], host: str = "127.0.0.1", key: bytes = DEV_FRAME_KEY,
+                 slots: int | None = None):
         self.rank, self.pool, self.key = rank, pool, key  # pool(): the rank's current KVPool (reconfigure replaces it)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes(pool()))  # a larger frame disconnects its sender
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes(pool(), slots))  # a larger frame disconnects its sender
         port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
         self.lock = threading.Lock()
@@ -176,7 +178,8 @@ class TcpReceiver:
 
     def _take(self, parts: list[bytes]) -> None:
         """One received message: authenticated, decoded, checked, stored -- or counted and dropped."""
-        if len(parts) != 3 or len(parts[0]) > HEADER_MAX_BYTES or not data_ok(self.key, parts[0], len(parts[1]), parts[2]):
+        if len(parts) != 3 or len(parts[0]) > HEADER_MAX_BYTES or \
+                not data_ok(self.key, parts[0], len(parts[1]), parts[2]):
             with self.lock:
                 self.unauthenticated += 1
             return

@@ -24,7 +24,8 @@ from pdserve.transfer.nixl_send import NixlSender
 from pdserve.transfer.plan import DecodeSide, PrefillSide, plan_transfer
 from pdserve.transfer.room import RoomSlots
 from pdserve.transfer.side_channel import BootstrapService, DecodeClient
-from pdserve.transfer.tcp import ExpectCmd, ForgetCmd, SendCmd, StageCmd, TcpReceiver, TcpSender, TransferStatusCmd
+from pdserve.transfer.tcp import (ExpectCmd, ForgetCmd, ListenerStatusCmd, SendCmd, StageCmd, TcpReceiver, TcpSender,
+                                  TransferStatusCmd)
 from tests.transfer import fuzz_frames as fz
 
 FRAMES = 5000
@@ -243,3 +244,18 @@ def test_nixl_notification_receiver_survives_any_notification(pools):
             pass
         recv.close()
         sender.close()
+
+
+def test_a_dead_receiver_thread_is_reported(pools):
+    """ListenerStatusCmd (what DecodeInstance.listener_problem asks every rank, for /health) names a
+    receiver thread that stopped."""
+    _, _, dst = pools
+    recv = TcpReceiver(0, lambda: dst, key=KEY)
+    try:
+        assert recv.handle(ListenerStatusCmd()) == {"alive": True, "problem": None, "crashes": 0}
+        recv._stop.set()  # the loop ends, as if the thread had died
+        recv.thread.join(2)
+        status = recv.handle(ListenerStatusCmd())
+        assert not status["alive"] and "dead" in status["problem"]
+    finally:
+        recv.close()

@@ -14,8 +14,9 @@ import pytest
 import zmq
 
 from pdserve.engine.auth import frame_key, sign
-from pdserve.transfer.frames import D2P, P2D, new_ticket
-from pdserve.transfer.messages import DecodeReservation, Fingerprint, Hello, TransferDone, TransferFailed, Welcome, decode, encode
+from pdserve.transfer.frames import D2P, P2D, SIDE_MAX_BYTES, new_ticket
+from pdserve.transfer.messages import (DecodeReservation, Fingerprint, Hello, TransferDone, TransferFailed, Welcome,
+                                       decode, encode)
 from pdserve.transfer.side_channel import BootstrapServer, BootstrapService, DecodeClient
 
 KEY, WRONG = frame_key("the-cluster-token-for-these-tests-0123"), frame_key("another-clusters-token-0123456789")
@@ -168,3 +169,19 @@ def test_the_tag_covers_the_frame():
     tag = sign(KEY, D2P, frame)
     assert verify(KEY, tag, D2P, frame) and not verify(KEY, tag, P2D, frame) and not verify(WRONG, tag, D2P, frame)
     assert not any(verify(KEY, tag, D2P, frame[:i] + bytes([frame[i] ^ 1]) + frame[i + 1:]) for i in range(len(frame)))
+
+
+def test_oversized_frames_never_reach_the_decoder(service):
+    """A correctly signed reservation larger than SIDE_MAX_BYTES: ZMQ's MAXMSGSIZE drops its
+    connection before it is read; the service goes on serving."""
+    server, owner, _, ctx = service
+    big = encode(DecodeReservation("huge", FP, 1, 1, 1, 4, (1,), {r: "x" * (1 << 20) for r in range(5)}, new_ticket()))
+    assert len(big) > SIDE_MAX_BYTES + 4096
+    flood = raw_dealer(ctx, server.endpoint)
+    flood.send_multipart([big, sign(KEY, D2P, big)])
+    owner.send(reservation("after"))
+    wait_for(lambda: "after" in server.reservations)
+    time.sleep(0.2)
+    assert "huge" not in server.reservations and server.unhealthy() is None
+    assert server.sock.getsockopt(zmq.MAXMSGSIZE) == SIDE_MAX_BYTES + 4096
+    flood.close()
