@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from pdserve.engine.auth import frame_key
 from pdserve.engine.request import SamplingParams
 from pdserve.transfer.frames import new_ticket
 from pdserve.transfer.handoff import hand_off
@@ -19,7 +20,7 @@ from pdserve.transfer.nixl import NixlReceiver
 from pdserve.transfer.nixl_send import NixlSender
 from pdserve.transfer.plan import DecodeSide, PrefillSide, plan_transfer
 from pdserve.transfer.room import RoomSlots
-from pdserve.transfer.tcp import ExpectCmd, ForgetCmd, SendCmd, StageCmd, TransferStatusCmd
+from pdserve.transfer.tcp import ExpectCmd, ForgetCmd, SendCmd, StageCmd, TcpReceiver, TcpSender, TransferStatusCmd
 from tests.transfer.handoff_helpers import MAX_TOKENS, assert_idle, prompt
 
 pytestmark = pytest.mark.slow
@@ -122,3 +123,28 @@ def test_room_slots_cover_exactly_the_rooms_pages():
     with pytest.raises(ValueError):
         c.check("other", 16, 1)
     c.check("kv", 1 << 39, 0)  # an empty run touches no row
+
+
+def test_data_frames_without_the_key_are_dropped_unread(pools):
+    """A sender with another cluster's key, the right room, ticket and rows: every frame is dropped
+    before it is decoded (counted `unauthenticated`), nothing is written, the room stays open."""
+    cfg, src, dst = pools
+    plan = plan_transfer(PrefillSide(1, "full", cfg.num_layers, cfg.indexer_layers, range(20, 32)),
+                         DecodeSide(1, 1, "copy", 4, (0, 1, 2)), 12)
+    key = frame_key("the-cluster-token-for-these-tests-0123")
+    recv = TcpReceiver(0, lambda: dst, key=key)
+    foreign = TcpSender(0, src, key=frame_key("another-clusters-token-0123456789"))
+    try:
+        ticket = new_ticket()
+        recv.handle(ExpectCmd("r", ticket, {0: {0: sum(t.rows for t in plan)}}, RoomSlots.of((0, 1, 2), 4, 1, "copy")))
+        assert foreign.send(SendCmd("r", ticket, plan, {0: recv.endpoint}))["error"] is None
+        deadline = time.monotonic() + 5
+        while recv.handle(TransferStatusCmd("r"))["unauthenticated"] < len(plan):
+            assert time.monotonic() < deadline, recv.handle(TransferStatusCmd("r"))
+            time.sleep(0.005)
+        status = recv.handle(TransferStatusCmd("r"))
+        assert status["rows"] == 0 and status["error"] is None and status["bad_frames"] == 0
+        assert not dst.kv.any() and not dst.index_k.any()
+    finally:
+        recv.close()
+        foreign.close()
