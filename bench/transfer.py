@@ -219,7 +219,7 @@ def handoff(model: str, transfer: str, tokens: int, repeats: int) -> dict:
             pages = dec.allocator.allocate(tokens)
             reservation = dec.reservation(room, pages, prompt_len=tokens)
             plan = plan_transfer(pre.prefill_side(result.slots), dec.decode_side(pages), tokens)
-            dec.expect(room, reservation.ticket, plan)
+            dec.expect(room, reservation.ticket, plan, pages)
             c0, t0 = [cpu_seconds(pid) for pid in pids], time.perf_counter()
             pre.send("bench", room, reservation.ticket, plan, reservation.endpoints)
             while True:  # one status round trip per poll, as the decode engine thread does

@@ -7,8 +7,6 @@ request's token p lands on group rank p % C_d. The scheduler decides; this class
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from ..engine.launcher import LaunchConfig, RankGroup
@@ -16,7 +14,9 @@ from ..engine.page_allocator import PageAllocator
 from ..model.config import ModelConfig
 from ..transfer.messages import DecodeReservation, Fingerprint, model_hash
 from ..transfer.plan import DecodeSide, PrefillSide, Transfer, plan_transfer
-from ..transfer.tcp import ANY_SRC, ExpectCmd, ForgetCmd, StageCmd, TransferStatusCmd
+from ..transfer.frames import new_ticket
+from ..transfer.room import ANY_SRC, RoomSlots
+from ..transfer.tcp import ExpectCmd, ForgetCmd, ListenerStatusCmd, StageCmd, TransferStatusCmd
 from .rank_worker import DecodeRankWorker, DecodeWorkerConfig, DumpCmd, LoadCmd, ReconfigureCmd, StepCmd
 
 
@@ -33,7 +33,6 @@ class DecodeInstance:
         self.allocator = PageAllocator(worker.num_slots // page_size, page_size)
         self.ranks = RankGroup(DecodeRankWorker, worker, launch)
         self.rank_infos: list[dict] = []
-        self._tickets = itertools.count(1)  # one per reservation: late frames of an earlier use of a room id are dropped
         self._last_plan: tuple[tuple, list[Transfer]] | None = None  # reservation, expect_totals, handoff_bytes share it
 
     def start(self) -> "DecodeInstance":
@@ -91,7 +90,8 @@ class DecodeInstance:
         """A new ticket for the room, and every rank staged for it (StageCmd): each rank's endpoint,
         NIXL's with a receive region sized for the rows it stores of a prompt_len-token prompt
         (default: every reserved slot). RuntimeError, with nothing left staged, when a rank cannot."""
-        ticket = next(self._tickets)
+        ticket = new_ticket()  # 128 random bits: late frames of an earlier use of a room id, or frames
+        # of a sender that holds another room's ticket, never match it
         n = len(pages) * self.allocator.page_size if prompt_len is None else prompt_len
         rows: dict[int, dict[str, int]] = {}
         for t in self._any_prefill_plan(pages, n):
@@ -109,22 +109,26 @@ class DecodeInstance:
     def decode_side(self, pages: list[int]) -> DecodeSide:
         return DecodeSide(self.launch.world_size, self.worker.dcp_size, self.index_mode, self.allocator.page_size, pages)
 
-    def expect(self, room: str, ticket: int, plan: list[Transfer]) -> None:
-        """Every rank starts accepting its rows of `plan` for this room (before anything is sent)."""
+    def room_slots(self, pages: list[int]) -> RoomSlots:
+        """The pool rows the room owns on each rank: receivers refuse rows anywhere else (transfer/room.py)."""
+        return RoomSlots.of(pages, self.allocator.page_size, self.worker.dcp_size, self.index_mode)
+
+    def expect(self, room: str, ticket: bytes, plan: list[Transfer], pages: list[int]) -> None:
+        """Every rank starts accepting its rows of `plan` for this room, in these pages (before anything is sent)."""
         expected: dict[int, dict[int, int]] = {}
         for t in plan:
             per_src = expected.setdefault(t.dst_rank, {})
             per_src[t.src_rank] = per_src.get(t.src_rank, 0) + t.rows
-        self.ranks.call(ExpectCmd(room, ticket, expected))
+        self.ranks.call(ExpectCmd(room, ticket, expected, self.room_slots(pages)))
 
-    def expect_totals(self, room: str, ticket: int, pages: list[int], prompt_len: int) -> None:
+    def expect_totals(self, room: str, ticket: bytes, pages: list[int], prompt_len: int) -> None:
         """Like expect(), without the prefill's plan: each rank's row total is fixed by the decode
         layout alone (a one-rank prefill plan has the same rows per destination as any other)."""
         totals: dict[int, dict[int, int]] = {}
         for t in self._any_prefill_plan(pages, prompt_len):
             per = totals.setdefault(t.dst_rank, {ANY_SRC: 0})
             per[ANY_SRC] += t.rows
-        self.ranks.call(ExpectCmd(room, ticket, totals))
+        self.ranks.call(ExpectCmd(room, ticket, totals, self.room_slots(pages)))
 
     def _any_prefill_plan(self, pages: list[int], prompt_len: int) -> list[Transfer]:
         """A one-rank prefill's plan into these pages (rows per decode rank are the same for any prefill
@@ -145,6 +149,13 @@ class DecodeInstance:
 
     def transfer_status(self, room: str) -> list[dict]:
         return self.ranks.call(TransferStatusCmd(room))
+
+    def listener_problem(self) -> str | None:
+        """Why a rank's data-path receiver thread cannot receive (dead or wedged), or None. A rank
+        call: only from the thread that owns the ranks (RemoteRooms caches it for /health)."""
+        problems = [f"decode rank {rank}: {s['problem']}" for rank, s in enumerate(self.ranks.call(ListenerStatusCmd()))
+                    if s.get("problem")]
+        return "; ".join(problems) or None
 
     def forget(self, room: str, quiesced: bool = False) -> float:
         """Every rank drops the room; quiesced: no sender will write for it any more (transfer/nixl.py).

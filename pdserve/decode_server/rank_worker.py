@@ -8,7 +8,7 @@ returns the logits (every rank holds the same replicated LM head, so one answer 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,7 @@ from ..engine.kv_cache import KVPool
 from ..engine.llm_engine import parse_dtype
 from ..model.weights import load_model
 from ..transfer.backends import check_transfer, make_receiver
+from ..transfer.frames import DEV_FRAME_KEY
 from ..transfer.tcp import TRANSFER_CMDS
 from .dcp_backend import COMM_MODES, INDEX_MODES, DCPBackend, DCPGroup, DecodeBatch
 from .tp import apply_decode_tp
@@ -39,6 +40,7 @@ class DecodeWorkerConfig:
     transfer: str = "tcp"  # KV hand-off data path: "tcp" | "nixl"
     data_host: str = "127.0.0.1"  # address the TCP receivers bind and advertise to prefill ranks
     transfer_quarantine_s: float = 60.0  # NIXL: a failed room's pages stay unused this long (senders may write)
+    frame_key: bytes = field(default=DEV_FRAME_KEY, repr=False)  # data frames must be signed with it (frames.py)
 
     def __post_init__(self):
         check_transfer(self.transfer)
@@ -109,7 +111,8 @@ class DecodeRankWorker:
         self.dcp = DCPGroup(rank % cfg.dcp_size, cfg.dcp_size, make_comm(cfg.cpu_comm, rank % cfg.dcp_size, cfg.dcp_size, group))
         self._build(cfg.index_mode, cfg.comm)
         # KV hand-off data path (transfer/tcp.py or nixl.py): stores arriving rows into the current pool
-        self.receiver = make_receiver(cfg.transfer, rank, lambda: self.pool, cfg.data_host, cfg.transfer_quarantine_s)
+        self.receiver = make_receiver(cfg.transfer, rank, lambda: self.pool, cfg.data_host, cfg.transfer_quarantine_s,
+                                      cfg.frame_key, cfg.num_slots)
 
     def _build(self, index_mode: str, comm: str) -> None:
         cfg = self.cfg = replace(self.cfg, index_mode=index_mode, comm=comm)

@@ -15,17 +15,28 @@ by hand-off instead of a local prefill. Per room, polled once per engine-loop it
                      deadline: the room is forgotten on every rank, the pages freed, the prefill told
                      (TransferFailed), the client gets one error event. Other requests go on.
 An abort (client gone) releases the room the same way. The engine thread owns every DecodeClient
-(ZMQ sockets are single-threaded); one client per prefill bootstrap endpoint, kept for reuse.
+(ZMQ sockets are single-threaded). Clients are cached per prefill bootstrap endpoint, share one ZMQ
+context (a client costs a socket, not I/O threads), and are bounded: one with no open room is
+closed after `client_idle_s`, and beyond `max_clients` the least recently used idle one goes first
+(so a stream of distinct -- even bogus -- endpoints cannot exhaust threads or file descriptors).
+
+Health (DESIGN.md invariant 11): every LISTENER_CHECK_S the engine thread asks the ranks whether
+their data-path receiver threads live (DecodeInstance.listener_problem); `unhealthy()` returns the
+last answer for /health without touching the ranks.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
+import zmq
+
 from ..engine.launcher import RankError
 from ..engine.request import SamplingParams
+from ..transfer.frames import DEV_FRAME_KEY
 from ..transfer.handoff import HandoffFailure, verify_done
 from ..transfer.messages import DecodeReservation, TransferDone, TransferFailed
 from ..transfer.side_channel import DecodeClient
@@ -33,6 +44,9 @@ from ..transfer.two_sided import poll_room
 from .engine import DecodeEngine
 
 Emit = Callable[[str, tuple[str, object]], None]  # (request_id, event) -> delivered to its listener
+MAX_CLIENTS = 64
+CLIENT_IDLE_S = 60.0
+LISTENER_CHECK_S = 2.0
 
 
 @dataclass
@@ -48,11 +62,17 @@ class _Room:
 
 class RemoteRooms:
     def __init__(self, engine: DecodeEngine, emit: Emit, transfer_timeout_s: float = 30.0,
-                 heartbeat_timeout_s: float = 5.0):
+                 heartbeat_timeout_s: float = 5.0, frame_key: bytes = DEV_FRAME_KEY, max_clients: int = MAX_CLIENTS,
+                 client_idle_s: float = CLIENT_IDLE_S):
         self.engine, self.emit, self.transfer_timeout_s = engine, emit, transfer_timeout_s
-        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.heartbeat_timeout_s, self.frame_key = heartbeat_timeout_s, frame_key
+        self.max_clients, self.client_idle_s = max_clients, client_idle_s
         self.rooms: dict[str, _Room] = {}
-        self.clients: dict[str, DecodeClient] = {}
+        self.ctx = zmq.Context()  # shared by every client
+        self.clients: OrderedDict[str, DecodeClient] = OrderedDict()  # least recently used first
+        self.clients_closed = 0
+        self.listener_error: str | None = None  # a rank's receiver thread is dead or wedged (for /health)
+        self._next_check = 0.0
         self.completed = self.failed = 0
         self.bytes_received, self.transfer_seconds = 0, 0.0  # over completed hand-offs (reservation -> verified)
 
@@ -71,6 +91,7 @@ class RemoteRooms:
     def poll(self) -> None:
         """Reserves rooms the engine admitted (engine.step admits), finishes delivered ones, fails
         late or broken ones."""
+        self._housekeeping()
         for room, r in list(self.rooms.items()):
             try:
                 if r.reservation is None:
@@ -85,9 +106,38 @@ class RemoteRooms:
                     raise
 
     def _client(self, endpoint: str) -> DecodeClient:
-        if endpoint not in self.clients:
-            self.clients[endpoint] = DecodeClient(endpoint)
-        return self.clients[endpoint]
+        client = self.clients.get(endpoint)
+        if client is None:
+            self._close_idle(self.max_clients - 1)
+            client = self.clients[endpoint] = DecodeClient(endpoint, self.frame_key, self.ctx)
+        self.clients.move_to_end(endpoint)
+        return client
+
+    def _close_idle(self, keep: int, idle_s: float = 0.0) -> None:
+        """Closes clients with no open room, least recently used first, idle for idle_s at least,
+        until at most `keep` are left (a client with an open room is never closed)."""
+        busy = {r.bootstrap for r in self.rooms.values()}
+        now = time.monotonic()
+        for endpoint, client in list(self.clients.items()):
+            if len(self.clients) <= keep:
+                return
+            if endpoint not in busy and now - client.used >= idle_s:
+                del self.clients[endpoint]
+                client.close()
+                self.clients_closed += 1
+
+    def _housekeeping(self) -> None:
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        self._next_check = now + LISTENER_CHECK_S
+        self._close_idle(0, self.client_idle_s)
+        self.listener_error = self.engine.instance.listener_problem()
+
+    def unhealthy(self) -> str | None:
+        """Why hand-offs cannot be received (a rank's receiver thread died or is wedged), or None: for
+        /health. Thread-safe: the last answer of the engine thread's check."""
+        return self.listener_error
 
     def _reserve(self, room: str, r: _Room) -> None:
         req = self.engine.scheduler.waiting_for_kv.get(room)
@@ -152,9 +202,11 @@ class RemoteRooms:
     def _forget(self, room: str, quiesced: bool) -> float:
         r = self.rooms.pop(room)
         self._client(r.bootstrap).forget(room)
+        self._close_idle(self.max_clients)  # a burst of rooms may have opened more clients than the bound
         return self.engine.instance.forget(room, quiesced)
 
     def close(self) -> None:
         for c in self.clients.values():
             c.close()
         self.clients.clear()
+        self.ctx.term()

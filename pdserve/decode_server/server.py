@@ -32,6 +32,7 @@ from .dcp_backend import COMM_MODES
 from .engine import DecodeEngine
 from ..engine.comm import CPU_COMMS
 from ..transfer.backends import check_transfer
+from ..transfer.frames import DEV_FRAME_KEY, cluster_frame_key
 from .instance import DecodeInstance
 from .remote import RemoteRooms
 from .rank_worker import DecodeWorkerConfig
@@ -122,7 +123,7 @@ class DecodeServerConfig:
         worker = DecodeWorkerConfig(self.model, self.num_slots(), self.dcp_size, self.dcp_index, self.dcp_comm,
                                     self.replicate_q_proj, self.dtype, self.kv_cache_dtype, cpu_comm=self.cpu_comm,
                                     transfer=self.transfer, data_host=self.data_host,
-                                    transfer_quarantine_s=self.transfer_quarantine_s)
+                                    transfer_quarantine_s=self.transfer_quarantine_s, frame_key=cluster_frame_key(self))
         launch = LaunchConfig(self.tp_size, self.dist_port, threads_per_rank=self.threads_per_rank)
         return DecodeInstance(worker, launch, page_size=self.page_size)
 
@@ -156,11 +157,11 @@ class EngineLoop:
     """The engine thread. submit(), abort() and stop() are thread-safe; the rest runs on the thread."""
 
     def __init__(self, engine: DecodeEngine, on_fatal: Callable[[str], None], transfer_timeout_s: float = 30.0,
-                 heartbeat_timeout_s: float = 5.0, max_queue: int = 256):
+                 heartbeat_timeout_s: float = 5.0, max_queue: int = 256, frame_key: bytes = DEV_FRAME_KEY):
         self.engine, self.on_fatal, self.max_queue = engine, on_fatal, max_queue
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.listeners: dict[str, Listener] = {}
-        self.remote = RemoteRooms(engine, self._emit, transfer_timeout_s, heartbeat_timeout_s)
+        self.remote = RemoteRooms(engine, self._emit, transfer_timeout_s, heartbeat_timeout_s, frame_key)
         self._stop = threading.Event()
         self._stop_reason = "the decode instance is shutting down"
         self._closed, self._lock = False, threading.Lock()  # once closed, no command can be left unanswered
@@ -330,12 +331,12 @@ def serve(cfg: DecodeServerConfig) -> None:
     try:
         instance.start()
         loop = EngineLoop(DecodeEngine(instance, cfg.max_batch), lambda msg: stop_instance(instance, "decode", msg),
-                          cfg.transfer_timeout_s, cfg.heartbeat_timeout_s, cfg.max_queue)
+                          cfg.transfer_timeout_s, cfg.heartbeat_timeout_s, cfg.max_queue, cluster_frame_key(cfg))
         thread = threading.Thread(target=loop.run, name="decode-engine", daemon=True)
         thread.start()
         start_watchdog(instance, "decode", stop)
         drain = Drain("decode", cfg.shutdown_grace_s, loop.busy)
-        app = create_app(cfg, instance, loop, instance.ranks.unhealthy, drain)
+        app = create_app(cfg, instance, loop, lambda: instance.ranks.unhealthy() or loop.remote.unhealthy(), drain)
         config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5)
         DrainingServer(config, drain, on_exit=loop.stop).run()
     finally:

@@ -7,7 +7,7 @@ tokens of every chunk, and the rank that holds the prompt's last token samples t
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +18,7 @@ from ..engine.request import SamplingParams
 from ..engine.sampler import Sampler
 from ..model.weights import load_model
 from ..transfer.backends import check_transfer, make_sender
+from ..transfer.frames import DEV_FRAME_KEY
 from ..transfer.tcp import SendCmd, TransferStatusCmd
 from .cp_backend import ChunkPlan, CPBackend, layer_owners
 from .layouts import split_positions
@@ -38,6 +39,7 @@ class PrefillWorkerConfig:
     float32_islands: bool = True  # False: true float64 (see ModelConfig)
     transfer: str = "tcp"  # KV hand-off data path: "tcp" | "nixl"
     kv_residues: int = 0  # latent cache residue-major by this many residues (KVPool); 0: the CP size
+    frame_key: bytes = field(default=DEV_FRAME_KEY, repr=False)  # data frames are signed with it (transfer/frames.py)
 
     def __post_init__(self):
         check_transfer(self.transfer)
@@ -78,7 +80,7 @@ class PrefillRankWorker:
         self.pool = KVPool(self.mcfg, cfg.num_slots, dtype, layers=layers, residues=cfg.kv_residues or world)
         self.backend = CPBackend(self.mcfg, self.pool, rank, world, cfg.query_block)
         self.sampler = Sampler()
-        self.sender = make_sender(cfg.transfer, rank, self.pool)  # KV hand-off data path (transfer/tcp.py, nixl.py)
+        self.sender = make_sender(cfg.transfer, rank, self.pool, cfg.frame_key)  # KV hand-off data path (transfer/tcp.py, nixl.py)
 
     def info(self) -> dict:
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())

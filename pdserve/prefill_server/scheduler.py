@@ -153,7 +153,7 @@ class PrefillScheduler:
             room = job.request_id
             if room in self.bootstrap.aborted:
                 reason = self.bootstrap.aborted[room]
-            elif room in self.bootstrap.reservations:
+            elif self.bootstrap.claim(room) is not None:  # claimed: it no longer expires while the job waits
                 return job
             elif now - job.submitted > job.bootstrap_timeout_s:
                 reason = f"bootstrap timeout: no decode reservation for room {room} within {job.bootstrap_timeout_s} s"
@@ -186,8 +186,12 @@ class PrefillScheduler:
         if not self.instance.allocator.can_allocate(len(job.token_ids)):
             self._requeue(job)
             return False
+        reservation = self.bootstrap.claim(job.request_id)  # kept now: never expired under the hand-off
+        if reservation is None:  # it expired (or was forgotten) since _next_ready saw it
+            self.current = None
+            self._finish(job, error=f"the decode reservation of room {job.request_id} expired")
+            return True
         job.state = "transferring"
-        reservation = self.bootstrap.reservations[job.request_id]
         outcome = serve_reserved(self.instance, self.bootstrap, reservation, job.token_ids, job.params)
         self.current = None
         if isinstance(outcome, TransferDone):

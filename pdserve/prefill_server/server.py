@@ -19,6 +19,7 @@ from ..engine.auth import require_token
 from ..engine.launcher import LaunchConfig
 from ..engine.watchdog import start_watchdog
 from ..transfer.backends import check_transfer
+from ..transfer.frames import cluster_frame_key
 from ..transfer.side_channel import BootstrapService
 from .instance import PrefillInstance
 from .layouts import check_layout_allowed
@@ -76,7 +77,8 @@ class PrefillServerConfig:
     def build_instance(self) -> PrefillInstance:
         num_slots = -(-self.max_kv_tokens // self.page_size) * self.page_size
         worker = PrefillWorkerConfig(self.model, num_slots, self.dtype, self.cp_layout, self.cache, self.moe_tp,
-                                     transfer=self.transfer, kv_residues=self.kv_residues or self.cp_size)
+                                     transfer=self.transfer, kv_residues=self.kv_residues or self.cp_size,
+                                     frame_key=cluster_frame_key(self))
         launch = LaunchConfig(self.cp_size, self.dist_port, threads_per_rank=self.threads_per_rank)
         return PrefillInstance(worker, launch, page_size=self.page_size, chunk_size=self.chunk_size)
 
@@ -97,7 +99,9 @@ def serve(cfg: PrefillServerConfig) -> None:
     instance = cfg.build_instance()
     print(f"starting {cfg.cp_size} prefill rank(s) for {cfg.model}", file=sys.stderr, flush=True)
     instance.start()
-    bootstrap = BootstrapService(cfg.host)  # the hand-off side channel (own thread: heartbeats); decode instances connect
+    # the hand-off side channel (own thread: heartbeats); decode instances connect. Its frames are signed with the
+    # key of cfg.internal_token (transfer/frames.cluster_frame_key); bootstrap.unhealthy() names a dead thread.
+    bootstrap = BootstrapService(cfg.host, cluster_frame_key(cfg))
     scheduler = PrefillScheduler(instance, bootstrap, cfg.max_queue)
     stop = threading.Event()
     worker = threading.Thread(target=_worker_loop, args=(scheduler, stop), daemon=True)
@@ -105,7 +109,8 @@ def serve(cfg: PrefillServerConfig) -> None:
     start_watchdog(instance, "prefill", stop)
     install_exit_signals()  # a signal uvicorn re-raises after it stopped must still run the `finally` below
     drain = Drain("prefill", cfg.shutdown_grace_s, lambda: scheduler.queue_depth)
-    app = create_app(instance, scheduler, instance.ranks.unhealthy, cfg.bootstrap_timeout_s, drain, cfg.internal_token)
+    app = create_app(instance, scheduler, lambda: instance.ranks.unhealthy() or bootstrap.unhealthy(),
+                     cfg.bootstrap_timeout_s, drain, cfg.internal_token)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5)
     try:
         DrainingServer(config, drain, on_exit=scheduler.stop).run()

@@ -102,7 +102,7 @@ def _transfer(prefill, decode, prompt_ids, params, reservation, state, hooks, ti
     result = prefill.prefill(room, list(prompt_ids), params or SamplingParams())
     plan = plan_transfer(prefill.prefill_side(result.slots), decode.instance.decode_side(list(reservation.pages)),
                          len(prompt_ids))
-    decode.instance.expect(room, reservation.ticket, plan)
+    decode.instance.expect(room, reservation.ticket, plan, list(reservation.pages))
     state.advance(KVPoll.Transferring)
     checksums = {}
     if not hooks.skip_send:

@@ -8,7 +8,14 @@ shifts another one. Unknown tags and unknown or missing fields are a `ProtocolEr
 Order on the channel (DESIGN.md section 4): decode -> prefill `DecodeReservation` (where each
 decode rank wants its rows), prefill -> decode data frames (transfer/tcp.py), then `TransferDone`
 LAST (aux: first token, room echo, per-destination checksums, layout echo) or `TransferFailed`.
-`Heartbeat`s let either side detect a dead peer. Torch-free: the router may import this module.
+`Heartbeat`s let either side detect a dead peer. `Hello` / `Welcome` open a side channel: a decode
+client sends nothing else (no reservation, so no endpoint or NIXL agent metadata) before the peer
+proved it holds the cluster key (transfer/side_channel.py).
+
+`decode` checks every field's type and size against the class's schema and raises ProtocolError --
+and nothing else -- for any input whatsoever (tests/transfer/test_fuzz_listeners.py fuzzes it).
+Frames are authenticated before they get here (transfer/frames.py). Torch-free: the router may
+import this module.
 """
 
 from __future__ import annotations
@@ -16,11 +23,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
+
+from .frames import SIDE_MAX_BYTES, TICKET_BYTES, unpack
 
 _TAG = "__type__"
 _REGISTRY: dict[str, type] = {}
@@ -89,7 +99,8 @@ class DecodeReservation:
     page_size: int
     pages: tuple[int, ...]  # global pages reserved for the request (prompt first)
     endpoints: dict[int, str] = field(default_factory=dict)  # decode rank -> "tcp://host:port"
-    ticket: int = 0  # unique per reservation: frames of an earlier use of the same room id are dropped
+    ticket: bytes = b""  # 128 random bits per reservation (frames.new_ticket): frames of an earlier use
+    # of the same room id, or of another room, are dropped
 
     def __post_init__(self):
         _tuple(self, "pages")
@@ -109,10 +120,17 @@ class TransferDone:
         object.__setattr__(self, "checksums", {int(k): int(v) for k, v in self.checksums.items()})
 
 
+MAX_REASON = 4096  # longer failure reasons are cut (a frame must stay decodable)
+
+
 @message("failed")
 class TransferFailed:
     room: str
     reason: str
+
+    def __post_init__(self):
+        if isinstance(self.reason, str) and len(self.reason) > MAX_REASON:
+            object.__setattr__(self, "reason", self.reason[:MAX_REASON - 3] + "...")
 
 
 @message("heartbeat")
@@ -120,6 +138,20 @@ class Heartbeat:
     sender: str
     generation: int
     time_s: float
+
+
+@message("hello")
+class Hello:
+    """decode -> prefill: the first frame of a client; the nonce is fresh per client."""
+
+    nonce: bytes
+
+
+@message("welcome")
+class Welcome:
+    """prefill -> decode: the client's nonce back, under the prefill->decode label: the peer holds the key."""
+
+    nonce: bytes
 
 
 def _to_wire(obj: Any) -> Any:
@@ -135,25 +167,98 @@ def _to_wire(obj: Any) -> Any:
     return obj
 
 
-def _from_wire(obj: Any) -> Any:
-    if isinstance(obj, dict) and _TAG in obj:
-        tag = obj[_TAG]
-        cls = _REGISTRY.get(tag)
-        if cls is None:
-            raise ProtocolError(f"unknown message type {tag!r}")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        extra = set(obj) - fields - {_TAG}
-        if extra:
-            raise ProtocolError(f"{tag}: unknown fields {sorted(extra)}")
-        try:
-            return cls(**{k: _from_wire(v) for k, v in obj.items() if k != _TAG})
-        except TypeError as e:
-            raise ProtocolError(f"{tag}: {e}") from None
-    if isinstance(obj, list):
-        return [_from_wire(x) for x in obj]
-    if isinstance(obj, dict):
-        return {k: _from_wire(v) for k, v in obj.items()}
-    return obj
+MAX_ROOM, MAX_NAME, MAX_ENDPOINT = 1024, 1024, 1 << 20
+MAX_PAGES, MAX_RANKS = 1 << 20, 4096
+INT64 = 1 << 63
+
+
+def _fail(what: str):
+    raise ProtocolError(what)
+
+
+def _int(lo: int = -INT64, hi: int = INT64) -> Callable:
+    def check(v, name):
+        if type(v) is not int or not lo <= v < hi:
+            _fail(f"{name}: expected an integer in [{lo}, {hi}), got {type(v).__name__}")
+        return v
+    return check
+
+
+def _str(max_len: int) -> Callable:
+    def check(v, name):
+        if type(v) is not str or len(v) > max_len:
+            _fail(f"{name}: expected a string of at most {max_len} characters")
+        return v
+    return check
+
+
+def _bytes(size: int) -> Callable:
+    def check(v, name):
+        if type(v) is not bytes or len(v) != size:
+            _fail(f"{name}: expected {size} bytes")
+        return v
+    return check
+
+
+def _float(v, name):
+    if type(v) not in (int, float) or not math.isfinite(v):
+        _fail(f"{name}: expected a finite number")
+    return v
+
+
+def _pages(v, name):
+    if type(v) is not list or len(v) > MAX_PAGES:
+        _fail(f"{name}: expected a list of at most {MAX_PAGES} pages")
+    page = _int(0, 1 << 40)
+    return tuple(page(p, name) for p in v)
+
+
+def _rank_map(value: Callable) -> Callable:
+    def check(v, name):
+        if type(v) is not dict or len(v) > MAX_RANKS:
+            _fail(f"{name}: expected a map of at most {MAX_RANKS} ranks")
+        rank = _int(0, MAX_RANKS)
+        return {rank(k, name): value(x, name) for k, x in v.items()}
+    return check
+
+
+def _nested(cls) -> Callable:
+    def check(v, name):
+        if type(v) is not dict or v.get(_TAG) != cls.TAG:
+            _fail(f"{name}: expected a {cls.TAG} message")
+        return _build(cls, v)
+    return check
+
+
+_SCHEMA: dict[type, dict[str, Callable]] = {
+    Fingerprint: {"model_hash": _str(256), "kv_cache_dtype": _str(64), "model_dtype": _str(64),
+                  "page_size": _int(1, 1 << 20), "num_layers": _int(1, 1 << 16), "dcp_size": _int(1, MAX_RANKS),
+                  "index_mode": _str(64)},
+    DecodeReservation: {"room": _str(MAX_ROOM), "fingerprint": _nested(Fingerprint), "generation": _int(),
+                        "tp_size": _int(1, MAX_RANKS), "dcp_size": _int(1, MAX_RANKS), "page_size": _int(1, 1 << 20),
+                        "pages": _pages, "endpoints": _rank_map(_str(MAX_ENDPOINT)), "ticket": _bytes(TICKET_BYTES)},
+    TransferDone: {"room": _str(MAX_ROOM), "first_token": _int(0, 1 << 32), "checksums": _rank_map(_int(0, 1 << 32)),
+                   "fingerprint": _nested(Fingerprint)},
+    TransferFailed: {"room": _str(MAX_ROOM), "reason": _str(MAX_REASON)},
+    Heartbeat: {"sender": _str(MAX_NAME), "generation": _int(), "time_s": _float},
+    Hello: {"nonce": _bytes(16)},
+    Welcome: {"nonce": _bytes(16)},
+}
+
+
+def _build(cls, obj: dict) -> Any:
+    """The message of class cls from its wire map: every field named, typed and sized by the schema."""
+    schema = _SCHEMA[cls]
+    names = set(obj) - {_TAG}
+    if not all(type(k) is str for k in names):
+        _fail(f"{cls.TAG}: field names must be strings")
+    if names - set(schema):
+        _fail(f"{cls.TAG}: unknown fields {sorted(names - set(schema))}")
+    required = {f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    if required - names:
+        _fail(f"{cls.TAG}: missing fields {sorted(required - names)}")
+    return cls(**{k: schema[k](obj[k], f"{cls.TAG}.{k}") for k in names})
 
 
 def encode(msg: Any) -> bytes:
@@ -163,10 +268,22 @@ def encode(msg: Any) -> bytes:
 
 
 def decode(data: bytes) -> Any:
+    """The message of one frame; ProtocolError -- and no other exception -- for anything else."""
+    if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) > SIDE_MAX_BYTES:
+        raise ProtocolError("not a frame of at most SIDE_MAX_BYTES bytes")
     try:
-        obj = msgpack.unpackb(data, raw=False, strict_map_key=False)  # int keys: rank -> ...
+        obj = unpack(data, SIDE_MAX_BYTES)  # int keys: rank -> ...
     except Exception as e:
-        raise ProtocolError(f"not a msgpack frame: {e}") from None
-    if not (isinstance(obj, dict) and _TAG in obj):
+        raise ProtocolError(f"not a msgpack frame: {type(e).__name__}") from None
+    if not (type(obj) is dict and _TAG in obj):
         raise ProtocolError("frame carries no message type tag")
-    return _from_wire(obj)
+    tag = obj[_TAG]
+    cls = _REGISTRY.get(tag) if type(tag) is str else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {str(tag)[:64]!r}")
+    try:
+        return _build(cls, obj)
+    except ProtocolError:
+        raise
+    except Exception as e:  # a value the dataclass itself refuses: still only a protocol error
+        raise ProtocolError(f"{tag}: {type(e).__name__}: {e}"[:512]) from None

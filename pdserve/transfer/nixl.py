@@ -33,9 +33,12 @@ two_sided.py run unchanged over either backend.
                   while a room is open and IDLE_POLL_S otherwise; the sender polls check_xfer_state
                   with SEND_POLL_S sleeps until DONE, an error or its deadline (then it cancels).
 
-A notified chunk counts only when it names a room that is open with the SAME ticket (every
-reservation gets a new ticket) and fits the rank's layout and the rows still expected
-(tcp.frame_rows); then its rows are checksummed where they now are (pool landing: in the pool,
+A notification is authentic only with a valid HMAC trailer under the cluster frame key
+(frames.seal_notif; dropped and counted otherwise, before it is decoded), and its header must be
+the protocol's (room.check_notif). A notified chunk counts only when it names a room that is open
+with the SAME ticket (128 random bits per reservation), every destination run lies in the room's
+own pages (room.RoomSlots, from the reservation: anything else fails the room) and it fits the
+rank's layout and the rows still expected (room.frame_rows); then its rows are checksummed where they now are (pool landing: in the pool,
 nothing to copy; region landing: copied into the pool first, then checksummed from the region, so
 bytes that change during the copy fail the room's checksum). A room's request runs only after
 every row arrived and the checksums match the sender's (verify_done).
@@ -53,7 +56,11 @@ still write there:
     them before the quarantine ends.
 So a late WRITE lands in memory no other room owns, and its notification is dropped. A prefill
 rank's pool is registered only as the source of its own WRITEs: no decode rank loads a prefill
-agent's metadata.
+agent's metadata. A decode rank's agent metadata (which lets its holder WRITE into the registered
+pool) travels only inside reservations, and a decode client sends those only to a side-channel peer
+that proved it holds the cluster key (transfer/side_channel.py: Hello / Welcome). A pool-landing
+WRITE itself cannot be refused: what a notification claims is checked, so a peer that writes
+outside its room fails that room.
 
 Peers: a sender loads a decode agent's metadata once per (name, generation), the generation being
 that agent's creation time in ns. A newer generation replaces it (remove_remote_agent first: NIXL
@@ -69,11 +76,12 @@ import threading
 import time
 from dataclasses import dataclass
 
-import msgpack
 import torch
 
+from .frames import DEV_FRAME_KEY, HEADER_MAX_BYTES, Liveness, open_notif, unpack
 from .nixl_agent import Arena, NixlEndpoint, agent_name, make_agent
-from .tcp import DTYPES, ExpectCmd, ForgetCmd, RoomRows, StageCmd, TransferStatusCmd, count_rows, frame_rows, store_rows
+from .room import DTYPES, RoomRows, check_notif, count_rows, frame_rows, store_rows
+from .tcp import ExpectCmd, ForgetCmd, ListenerStatusCmd, StageCmd, TransferStatusCmd
 
 QUARANTINE_S = 60.0
 BUSY_POLL_S, IDLE_POLL_S = 0.0005, 0.005
@@ -104,18 +112,17 @@ class _Room(RoomRows):
 
 
 def _rows_named(h: dict) -> int:
-    try:
-        return sum(int(n) for item in h["items"] for _, n in item[3])
-    except (KeyError, TypeError, ValueError, IndexError):
-        return 0
+    """Rows a checked notification names."""
+    return sum(n for item in h["items"] for _, n in item[3])
 
 
 class NixlReceiver:
     """One per decode rank: its agent, its receive arena and the thread that stores notified chunks."""
 
     def __init__(self, rank: int, pool, staging_bytes: int = 256 << 20, name: str | None = None,
-                 quarantine_s: float = QUARANTINE_S, direct: bool = True):
+                 quarantine_s: float = QUARANTINE_S, direct: bool = True, key: bytes = DEV_FRAME_KEY):
         self.rank, self.pool, self.quarantine_s = rank, pool, quarantine_s  # pool(): the rank's current KVPool
+        self.key = key  # notifications must carry a valid tag under it
         self.direct = direct  # land WRITEs in the pool when it stores the dtype that travels (not fp8)
         self.pool_regs: list = []
         self.pool_key: tuple | None = None  # the registered pool's tensors (address, bytes)
@@ -130,8 +137,10 @@ class NixlReceiver:
         self.rooms: dict[str, _Room] = {}
         self.quarantine: dict[int, tuple[str, _Room]] = {}  # ticket -> forgotten room whose region may be written
         self.dropped = 0  # notifications for rooms not open (late or stale): ignored by design
+        self.unauthenticated = self.bad_frames = 0  # no valid tag / authentic but not the protocol's header
         self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._loop, name=f"kv-nixl-recv-{rank}", daemon=True)
+        self.live = Liveness(f"NIXL notification receiver of rank {rank}")
+        self.thread = self.live.thread = threading.Thread(target=self._loop, name=f"kv-nixl-recv-{rank}", daemon=True)
         self.thread.start()
         atexit.register(self.close)  # stop polling before the interpreter tears the agent down
 
@@ -145,6 +154,8 @@ class NixlReceiver:
                 return self._drop(cmd.room, cmd.quiesced)
             if isinstance(cmd, TransferStatusCmd):
                 return self._status(cmd.room)
+        if isinstance(cmd, ListenerStatusCmd):
+            return self.live.status()
         raise TypeError(f"unknown transfer command {type(cmd).__name__}")
 
     def _row_bytes(self, kind: str) -> int:
@@ -192,10 +203,10 @@ class NixlReceiver:
         expected = dict(cmd.expected.get(self.rank, {}))
         r = self.rooms.get(cmd.room)
         if r is not None and r.ticket == cmd.ticket:
-            r.expected, r.expecting = expected, True
+            r.expected, r.expecting, r.slots = expected, True, cmd.slots
             return
         self._drop(cmd.room, quiesced=False)
-        self.rooms[cmd.room] = _Room(cmd.ticket, expected, expecting=True)  # no region: nothing can land for it
+        self.rooms[cmd.room] = _Room(cmd.ticket, expected, cmd.slots, expecting=True)  # no region: nothing can land for it
 
     def _drop(self, room: str, quiesced: bool) -> dict:
         """Forgets the room; {"hold_s": how long its pool pages must stay unused} -- non-zero for a
@@ -213,13 +224,15 @@ class NixlReceiver:
 
     def _status(self, room: str) -> dict:
         r = self.rooms.get(room)
-        base = {"open_rooms": len(self.rooms), "dropped": self.dropped, "staging_bytes": self.arena.used,
+        base = {"open_rooms": len(self.rooms), "dropped": self.dropped, "unauthenticated": self.unauthenticated,
+                "bad_frames": self.bad_frames, "staging_bytes": self.arena.used,
                 "quarantined": len(self.quarantine), "registered_regions": 1 if self.reg is not None else 0,
                 "registered_pool": len(self.pool_regs)}
         return {**base, **(r.status() if r else {"known": False})}
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            self.live.beat()
             try:
                 notifs = self.agent.get_new_notifs()
             except Exception:  # a broken peer connection; its rooms time out on the decode side
@@ -227,7 +240,10 @@ class NixlReceiver:
             with self.lock:
                 for msgs in notifs.values():
                     for msg in msgs:
-                        self._on_notif(msg)
+                        try:
+                            self._on_notif(msg)
+                        except Exception:  # never expected (notifications are checked): the thread goes on
+                            self.live.crashes += 1
                 self._expire()
                 busy = bool(self.rooms)
             if not notifs:
@@ -242,12 +258,16 @@ class NixlReceiver:
                     self.arena.release(r.start, r.length)
 
     def _on_notif(self, msg: bytes) -> None:
-        try:
-            h = msgpack.unpackb(msg, raw=False)
-            room, ticket = h["room"], h["ticket"]
-        except Exception:
-            self.dropped += 1
+        header = open_notif(self.key, msg)
+        if header is None or len(header) > HEADER_MAX_BYTES:
+            self.unauthenticated += 1
             return
+        try:
+            h = check_notif(unpack(header, HEADER_MAX_BYTES))
+        except Exception:
+            self.bad_frames += 1
+            return
+        room, ticket = h["room"], h["ticket"]
         r = self.rooms.get(room)
         if r is None or r.ticket != ticket or not r.lands:
             late = self.quarantine.get(ticket)

@@ -11,6 +11,7 @@ import msgpack
 import torch
 
 from .base import RoomChecksum
+from .frames import DEV_FRAME_KEY, seal_notif
 from .nixl_agent import NixlEndpoint, agent_name, make_agent
 from .plan import Run, Transfer
 from .tcp import SendCmd, pack_rows
@@ -84,8 +85,9 @@ class NixlSender:
     """One per prefill rank: WRITEs its share of a plan, from its pool or packed into staging."""
 
     def __init__(self, rank: int, pool, staging_bytes: int = 64 << 20, name: str | None = None,
-                 chunk_bytes: int = CHUNK_BYTES):
+                 chunk_bytes: int = CHUNK_BYTES, key: bytes = DEV_FRAME_KEY):
         self.rank, self.pool, self.chunk_bytes = rank, pool, min(chunk_bytes, staging_bytes)
+        self.key = key  # notifications carry an HMAC trailer under it (frames.seal_notif)
         self.name = name or agent_name("prefill", rank)
         self.agent = make_agent(self.name)
         self.staging = torch.empty(staging_bytes, dtype=torch.uint8)
@@ -215,8 +217,9 @@ class NixlSender:
         """One WRITE of the local pieces (staging or pool, nbytes in all) to the region's bytes
         [offset, offset + nbytes) -- or, with `remote`, to those pieces of the decode pool -- its
         header as notification; waits."""
-        notif = msgpack.packb({"room": cmd.room, "ticket": cmd.ticket, "src_rank": self.rank, "offset": offset,
-                               "nbytes": nbytes, "dtype": str(self.pool.dtype), "items": items})
+        notif = seal_notif(self.key, msgpack.packb({"room": cmd.room, "ticket": cmd.ticket, "src_rank": self.rank,
+                                                    "offset": offset, "nbytes": nbytes, "dtype": str(self.pool.dtype),
+                                                    "items": items}))
         deadline = time.monotonic() + cmd.send_timeout_ms / 1000
         h, err = None, None
         try:

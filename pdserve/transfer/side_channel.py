@@ -16,17 +16,39 @@ answering while the scheduler's thread is deep in a long prefill. Every HEARTBEA
 Heartbeat (sender = its endpoint) to each decode instance with an open room; a decode instance
 that hears nothing from a prefill for its heartbeat timeout while it waits on one of its rooms
 fails those rooms at once instead of waiting out the whole transfer timeout (a dead prefill).
+
+Authentication (DESIGN.md invariant 11, transfer/frames.py): every frame is [message, HMAC tag]
+under the cluster frame key, signed with its direction's label; a frame whose tag does not verify
+is dropped and counted (`unauthenticated`) before anything of it is decoded, and one that verifies
+but does not decode is counted in `bad_frames`. A client sends `Hello(nonce)` first and holds every
+other message -- reservations carry its ranks' endpoints and NIXL agent metadata -- until the peer
+answered `Welcome(nonce)` under the prefill->decode label, i.e. proved it holds the key.
+
+Rooms: the first reservation of a room wins (a later one, from any peer, is refused and counted);
+only the peer that reserved a room can abort it. A reservation that no request claimed within
+`reservation_ttl_s` expires; at most MAX_RESERVATIONS are kept. Heartbeat senders kept: MAX_PEERS.
+Every receive path is guarded: no frame, however malformed, stops BootstrapService's thread, and
+`unhealthy()` names a dead or wedged one (for /health).
 """
 
 from __future__ import annotations
 
 import queue
+import secrets
 import threading
 import time
 
 import zmq
 
-from .messages import DecodeReservation, Heartbeat, ProtocolError, TransferDone, TransferFailed, decode, encode
+from .frames import D2P, DEV_FRAME_KEY, P2D, SIDE_MAX_BYTES, Liveness
+from .messages import (DecodeReservation, Heartbeat, Hello, ProtocolError, TransferDone, TransferFailed, Welcome,
+                       decode, encode)
+from ..engine.auth import sign, verify
+
+MAX_RESERVATIONS = 4096
+MAX_PEERS = 1024
+RESERVATION_TTL_S = 120.0
+EXPIRE_EVERY_S = 1.0
 
 
 class BootstrapTimeout(TimeoutError):
@@ -34,11 +56,17 @@ class BootstrapTimeout(TimeoutError):
 
 
 class _Endpoint:
-    def __init__(self, kind: int):
-        self.ctx = zmq.Context()
+    """One side-channel socket: frames out are sealed under `send_label`, frames in must verify under `recv_label`."""
+
+    def __init__(self, kind: int, key: bytes, send_label: bytes, recv_label: bytes, ctx: zmq.Context | None = None):
+        self.own_ctx = ctx is None
+        self.ctx = ctx or zmq.Context()
         self.sock = self.ctx.socket(kind)
         self.sock.setsockopt(zmq.LINGER, 0)  # a dead peer must not block close()
-        self.bad_frames = 0
+        self.sock.setsockopt(zmq.MAXMSGSIZE, SIDE_MAX_BYTES + 4096)  # a larger frame disconnects its sender
+        self.key, self.send_label, self.recv_label = key, send_label, recv_label
+        self.bad_frames = 0  # authenticated, but not a message this side takes
+        self.unauthenticated = 0  # no valid tag: dropped undecoded
         self.heartbeats: dict[str, float] = {}  # peer -> when (time.monotonic) its last heartbeat came
 
     def _recv(self, timeout_ms: int) -> list[bytes] | None:
@@ -46,47 +74,103 @@ class _Endpoint:
             return None
         return self.sock.recv_multipart()
 
-    def _decode(self, frame: bytes):
+    def _seal(self, msg) -> list[bytes]:
+        frame = encode(msg)
+        return [frame, sign(self.key, self.send_label, frame)]
+
+    def _open(self, parts: list[bytes]):
+        """The message of [frame, tag], or None (counted) when it is not authentic or not a message."""
+        if len(parts) != 2 or not verify(self.key, parts[1], self.recv_label, parts[0]):
+            self.unauthenticated += 1
+            return None
         try:
-            msg = decode(frame)
+            msg = decode(parts[0])
         except ProtocolError:
             self.bad_frames += 1
             return None
         if isinstance(msg, Heartbeat):
-            self.heartbeats[msg.sender] = time.monotonic()
+            self._heard(msg.sender)
             return None
         return msg
 
+    def _heard(self, sender: str) -> None:
+        self.heartbeats.pop(sender, None)  # re-inserted last: the dict is oldest-first
+        if len(self.heartbeats) >= MAX_PEERS:
+            del self.heartbeats[next(iter(self.heartbeats))]
+        self.heartbeats[sender] = time.monotonic()
+
     def close(self) -> None:
         self.sock.close()
-        self.ctx.term()
+        if self.own_ctx:
+            self.ctx.term()
 
 
 class BootstrapServer(_Endpoint):
     """Prefill side: collects reservations (they may come before the prompt), answers per room."""
 
-    def __init__(self, host: str = "127.0.0.1"):
-        super().__init__(zmq.ROUTER)
+    def __init__(self, host: str = "127.0.0.1", key: bytes = DEV_FRAME_KEY,
+                 reservation_ttl_s: float = RESERVATION_TTL_S):
+        super().__init__(zmq.ROUTER, key, P2D, D2P)
         self.endpoint = f"tcp://{host}:{self.sock.bind_to_random_port(f'tcp://{host}')}"
+        self.reservation_ttl_s = reservation_ttl_s
         self.reservations: dict[str, DecodeReservation] = {}
         self.peers: dict[str, bytes] = {}  # room -> DEALER identity that reserved it
         self.aborted: dict[str, str] = {}  # room -> decode's reason
+        self.reserved_at: dict[str, float] = {}
+        self.claimed: set[str] = set()  # rooms a request is being served for: never expired
+        self.refused = 0  # a second reservation of a room, an abort from a peer that did not reserve it, overflow
+        self.expired = 0
+        self._next_expiry = 0.0
 
     def drain(self, timeout_ms: int = 0) -> None:
         while (parts := self._recv(timeout_ms)) is not None:
             timeout_ms = 0
-            if len(parts) != 2:
+            try:
+                msg = self._open(parts[1:]) if len(parts) == 3 else None
+                if len(parts) != 3:
+                    self.unauthenticated += 1
+                elif msg is not None:
+                    self._take(parts[0], msg)
+            except Exception:  # never expected: the frame is dropped, the server goes on
                 self.bad_frames += 1
-                continue
-            identity, msg = parts[0], self._decode(parts[1])
-            if isinstance(msg, DecodeReservation):
-                self.reservations[msg.room], self.peers[msg.room] = msg, identity
-                self.aborted.pop(msg.room, None)
-            elif isinstance(msg, TransferFailed):
-                if msg.room in self.reservations:  # else already answered: keeping it would leak
-                    self.aborted[msg.room] = msg.reason
-            elif msg is not None:
-                self.bad_frames += 1
+        if time.monotonic() >= self._next_expiry:
+            self.expire()
+
+    def _take(self, identity: bytes, msg) -> None:
+        room = getattr(msg, "room", None)
+        if isinstance(msg, Hello):
+            self._send([identity, *self._seal(Welcome(msg.nonce))])
+        elif isinstance(msg, DecodeReservation):
+            if room in self.reservations or len(self.reservations) >= MAX_RESERVATIONS:
+                if self.reservations.get(room) != msg:  # the same reservation again is no refusal
+                    self.refused += 1
+                return
+            self.reservations[room], self.peers[room] = msg, identity
+            self.reserved_at[room] = time.monotonic()
+            self.aborted.pop(room, None)
+        elif isinstance(msg, TransferFailed):
+            if self.peers.get(room) == identity:
+                self.aborted[room] = msg.reason
+            elif room in self.reservations:
+                self.refused += 1  # another peer's room
+        else:
+            self.bad_frames += 1
+
+    def expire(self) -> None:
+        """Forgets reservations nobody claimed within reservation_ttl_s (their request never came)."""
+        now = time.monotonic()
+        self._next_expiry = now + EXPIRE_EVERY_S
+        for room, since in list(self.reserved_at.items()):
+            if now - since > self.reservation_ttl_s and room not in self.claimed:
+                self.expired += 1
+                self.forget(room)
+
+    def claim(self, room: str) -> DecodeReservation | None:
+        """The room's reservation, now kept until forget() (None when there is none, e.g. it expired)."""
+        r = self.reservations.get(room)
+        if r is not None:
+            self.claimed.add(room)
+        return r
 
     def wait_reservation(self, room: str, timeout_s: float) -> DecodeReservation:
         """The decode reservation of `room`; BootstrapTimeout when none came within timeout_s."""
@@ -103,16 +187,19 @@ class BootstrapServer(_Endpoint):
         identity = self.peers.get(msg.room)
         if identity is None:
             raise KeyError(f"no decode instance reserved room {msg.room}")
-        self._send([identity, encode(msg)])
+        self._send([identity, *self._seal(msg)])
         self.forget(msg.room)
 
     def _send(self, frames: list[bytes]) -> None:
         self.sock.send_multipart(frames)
 
     def forget(self, room: str) -> None:
-        self.reservations.pop(room, None)
-        self.peers.pop(room, None)
-        self.aborted.pop(room, None)
+        for table in (self.reservations, self.peers, self.aborted, self.reserved_at):
+            table.pop(room, None)
+        self.claimed.discard(room)
+
+    def unhealthy(self) -> str | None:
+        return None  # polled by its owner: no thread of its own
 
 
 HEARTBEAT_S = 0.5  # how often a BootstrapService tells each decode peer with an open room it lives
@@ -124,30 +211,44 @@ class BootstrapService(BootstrapServer):
     that thread is busy. The room tables are plain dicts read without the lock (single operations
     on them are atomic in CPython); the thread changes them under `lock`."""
 
-    def __init__(self, host: str = "127.0.0.1"):
-        super().__init__(host)
+    def __init__(self, host: str = "127.0.0.1", key: bytes = DEV_FRAME_KEY,
+                 reservation_ttl_s: float = RESERVATION_TTL_S):
+        super().__init__(host, key, reservation_ttl_s)
         self.lock = threading.Lock()
         self.generation = time.time_ns()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # (identity, frame) to send
         self._arrived = threading.Event()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="bootstrap", daemon=True)
+        self.live = Liveness("bootstrap side-channel")
+        self._thread = self.live.thread = threading.Thread(target=self._loop, name="bootstrap", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
         next_beat = 0.0
         while not self._stop.is_set():
-            if self.sock.poll(5):
-                with self.lock:
-                    super().drain()
-                self._arrived.set()
-            while not self._outbox.empty():
-                self.sock.send_multipart(self._outbox.get_nowait())
-            if time.monotonic() >= next_beat:
-                beat = encode(Heartbeat(self.endpoint, self.generation, time.time()))
-                for identity in set(self.peers.values()):
-                    self.sock.send_multipart([identity, beat])
-                next_beat = time.monotonic() + HEARTBEAT_S
+            self.live.beat()
+            try:
+                next_beat = self._turn(next_beat)
+            except Exception:  # never expected (frames are guarded in drain): the thread must go on
+                self.live.crashes += 1
+                time.sleep(0.01)
+
+    def _turn(self, next_beat: float) -> float:
+        if self.sock.poll(5):
+            with self.lock:
+                super().drain()
+            self._arrived.set()
+        elif time.monotonic() >= self._next_expiry:
+            with self.lock:
+                self.expire()
+        while not self._outbox.empty():
+            self.sock.send_multipart(self._outbox.get_nowait())
+        if time.monotonic() >= next_beat:
+            beat = self._seal(Heartbeat(self.endpoint, self.generation, time.time()))
+            for identity in set(self.peers.values()):
+                self.sock.send_multipart([identity, *beat])
+            next_beat = time.monotonic() + HEARTBEAT_S
+        return next_beat
 
     def drain(self, timeout_ms: int = 0) -> None:
         """Waits up to timeout_ms for a new message (the thread takes them in as they come)."""
@@ -161,31 +262,86 @@ class BootstrapService(BootstrapServer):
         with self.lock:
             super().forget(room)
 
+    def claim(self, room: str) -> DecodeReservation | None:
+        with self.lock:
+            return super().claim(room)
+
+    def unhealthy(self) -> str | None:
+        """Why the side channel cannot serve (its thread died or is wedged), or None: for /health."""
+        return self.live.problem()
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join(2.0)
         super().close()
 
 
-class DecodeClient(_Endpoint):
-    """Decode side: reserves rooms, receives their outcome."""
+MAX_HELD = 4096  # messages a client holds until its peer proved it has the key
 
-    def __init__(self, bootstrap_endpoint: str):
-        super().__init__(zmq.DEALER)
+
+class DecodeClient(_Endpoint):
+    """Decode side: reserves rooms, receives their outcome. `ctx`: a shared ZMQ context (RemoteRooms
+    keeps one for all its clients, so a client costs a socket, not two I/O threads)."""
+
+    def __init__(self, bootstrap_endpoint: str, key: bytes = DEV_FRAME_KEY, ctx: zmq.Context | None = None):
+        super().__init__(zmq.DEALER, key, D2P, P2D, ctx)
+        self.endpoint = bootstrap_endpoint
         self.sock.connect(bootstrap_endpoint)
+        self.nonce, self.ready = secrets.token_bytes(16), False
+        self.held: list = []  # messages waiting for the peer's Welcome
+        self.open: set[str] = set()  # rooms reserved through this client: only their outcomes are kept
         self.outcomes: dict[str, TransferDone | TransferFailed] = {}
+        self.used = time.monotonic()
+        self._post(Hello(self.nonce))
+
+    def _post(self, msg) -> None:
+        try:
+            self.sock.send_multipart(self._seal(msg), zmq.NOBLOCK)
+        except zmq.Again:  # the peer takes nothing: its rooms fail by heartbeat timeout
+            pass
 
     def send(self, msg: DecodeReservation | TransferFailed | Heartbeat) -> None:
-        self.sock.send(encode(msg))
+        self.used = time.monotonic()
+        if isinstance(msg, DecodeReservation):
+            self.open.add(msg.room)
+        if self.ready:
+            return self._post(msg)
+        if isinstance(msg, TransferFailed) and any(getattr(m, "room", None) == msg.room for m in self.held):
+            self.held = [m for m in self.held if getattr(m, "room", None) != msg.room]  # never sent: nothing to abort
+            return
+        if len(self.held) < MAX_HELD:
+            self.held.append(msg)
 
     def drain(self, timeout_ms: int = 0) -> None:
         while (parts := self._recv(timeout_ms)) is not None:
             timeout_ms = 0
-            msg = self._decode(parts[-1])
-            if isinstance(msg, (TransferDone, TransferFailed)):
-                self.outcomes[msg.room] = msg
-            elif msg is not None:
+            try:
+                msg = self._open(parts)
+                if msg is not None:
+                    self._take(msg)
+            except Exception:  # never expected: the frame is dropped, the engine thread goes on
                 self.bad_frames += 1
+
+    def _take(self, msg) -> None:
+        if isinstance(msg, Welcome) and msg.nonce == self.nonce and not self.ready:
+            self.ready = True
+            held, self.held = self.held, []
+            for m in held:
+                self._post(m)
+        elif isinstance(msg, (TransferDone, TransferFailed)) and msg.room in self.open:
+            self.outcomes[msg.room] = msg
+        else:
+            self.bad_frames += 1
+
+    def wait_ready(self, timeout_s: float, pump=None) -> bool:
+        """Drains until the peer's Welcome came (True) or timeout_s passed; pump(), if given, runs
+        between tries (a polled BootstrapServer in the same thread: its drain answers the Hello)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.ready and time.monotonic() < deadline:
+            if pump is not None:
+                pump()
+            self.drain(5)
+        return self.ready
 
     def outcome(self, room: str) -> TransferDone | TransferFailed | None:
         self.drain()
@@ -197,3 +353,5 @@ class DecodeClient(_Endpoint):
 
     def forget(self, room: str) -> None:
         self.outcomes.pop(room, None)
+        self.open.discard(room)
+        self.used = time.monotonic()

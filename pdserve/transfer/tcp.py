@@ -1,21 +1,27 @@
 """TCP data path of a KV hand-off: prefill ranks PUSH packed rows, decode ranks PULL and store them.
 
 Wire: one ZMQ multipart message per transfer (src_rank, dst_rank, layer, kind) of the plan:
-    [msgpack header, payload]
+    [msgpack header, payload, tag]
     header  {room, ticket, src_rank, layer, kind, runs: [[dst_start, length], ...], dtype, width, seq}
     payload the rows in run order, contiguous [rows, width] of `dtype` (raw bytes).
+    tag     HMAC-SHA256 of the header and the payload's length under the cluster frame key
+            (transfer/frames.py): checked first; a frame without a valid tag is dropped, undecoded.
 One PUSH socket per destination endpoint (cached), so frames to one decode rank arrive in the
 order they were sent; `seq` counts frames per (room, destination) for debugging.
 
-The command dataclasses, the room bookkeeping (`RoomRows`) and the frame checks (`frame_rows`,
-`store_rows`) are shared with the NIXL data path (transfer/nixl.py), which honours the same commands.
+The command dataclasses, the room bookkeeping (`RoomRows`) and the frame checks (transfer/room.py:
+`check_header`, `frame_rows`, `store_rows`) are shared with the NIXL data path (transfer/nixl.py),
+which honours the same commands.
 
 Receiver invariants (DESIGN.md 3.7-3.8):
   - rows are written into the pool ONLY for a room that is currently expected with the same ticket
     (`ExpectCmd`); anything else (late data of an aborted room, an old reuse of the room id) is
     dropped and counted, never stored where a live request could decode it;
-  - a frame that does not fit (dtype, width, rows out of range, more rows than expected) marks the
-    room failed and is not written;
+  - a frame that does not fit (dtype, width, rows out of range, rows outside the room's own pages
+    (`RoomSlots`), more rows than expected) marks the room failed and is not written;
+  - no frame stops the receiver thread: wrong part counts, tags, msgpack, field types and sizes are
+    counted and dropped; the PULL socket's MAXMSGSIZE is the largest legitimate frame (a layer of
+    the whole pool) plus headroom; `ListenerStatusCmd` says whether the thread lives (for /health);
   - per room: rows received vs expected and a `RoomChecksum` over the payloads, which the
     hand-off compares with the senders' (`TransferStatusCmd`); `ForgetCmd` drops the room.
 The receiver thread and the rank's command loop share the room table: one lock guards it.
@@ -24,7 +30,7 @@ The receiver thread and the rank's command loop share the room table: one lock g
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import msgpack
@@ -32,9 +38,9 @@ import torch
 import zmq
 
 from .base import RoomChecksum
+from .frames import DEV_FRAME_KEY, HEADER_MAX_BYTES, Liveness, data_ok, seal_data, unpack
 from .plan import Transfer
-
-DTYPES = {str(d): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
+from .room import SLICE_RUNS, RoomRows, RoomSlots, check_header, frame_rows, payload_rows, run_rows, store_rows
 
 
 @dataclass(frozen=True)
@@ -44,8 +50,9 @@ class ExpectCmd:
     (every stored row arrives exactly once), not how the prefill spreads the sending."""
 
     room: str
-    ticket: int
+    ticket: bytes
     expected: dict[int, dict[int, int]]
+    slots: RoomSlots  # the room's pages: rows anywhere else fail the room (transfer/room.py)
 
 
 @dataclass(frozen=True)
@@ -55,7 +62,7 @@ class StageCmd:
     endpoint is the rank's socket; NIXL's also names a receive region reserved for this room."""
 
     room: str
-    ticket: int
+    ticket: bytes
     rows: dict[int, dict[str, int]]
 
 
@@ -79,78 +86,19 @@ class SendCmd:
     """Prefill ranks: send the transfers of `plan` whose src_rank is this rank."""
 
     room: str
-    ticket: int
+    ticket: bytes
     plan: list[Transfer]
     endpoints: dict[int, str]  # decode rank -> "tcp://host:port"
     corrupt: bool = False  # test hook: flip one payload byte after checksumming (checksum must catch it)
     send_timeout_ms: int = 10_000  # a destination that accepts nothing for this long is dead for this room
 
 
-SLICE_RUNS = 64  # frames with at most this many destination runs are stored run by run
-TRANSFER_CMDS = (StageCmd, ExpectCmd, TransferStatusCmd, ForgetCmd)
-ANY_SRC = -1
+@dataclass(frozen=True)
+class ListenerStatusCmd:
+    """Decode ranks: {"alive", "problem", "crashes"} of the receiver thread (frames.Liveness)."""
 
 
-@dataclass
-class RoomRows:
-    """What a receiver knows of one room: rows expected per source, rows stored, their checksum."""
-
-    ticket: int
-    expected: dict[int, int]  # src_rank (or ANY_SRC) -> rows
-    received: dict[int, int] = field(default_factory=dict)
-    checksum: RoomChecksum = field(default_factory=RoomChecksum)
-    error: str | None = None
-
-    def status(self) -> dict:
-        rows, expected = sum(self.received.values()), sum(self.expected.values())
-        return {"known": True, "rows": rows, "expected": expected, "complete": rows == expected,
-                "checksum": self.checksum.value(), "error": self.error}
-
-
-def _count_key(r: RoomRows, src: int) -> int:
-    return src if src in r.expected else ANY_SRC
-
-
-def frame_rows(pool, r: RoomRows, h: dict, nbytes: int) -> int:
-    """The number of destination rows of one frame (header h: src_rank, layer, kind, runs, dtype,
-    width) of nbytes payload bytes, after checking it fits this rank's pool and the room's
-    expectations; ValueError (or KeyError / TypeError on a malformed header) says why it does not."""
-    layer, src = h["layer"], h["src_rank"]
-    if h["kind"] == "kv":
-        width, limit, ok = pool.kv.shape[-1], pool.num_slots, pool.holds(layer)
-    elif h["kind"] == "index":
-        width, limit, ok = pool.index_k.shape[-1], pool.index_slots, layer in pool.index_row
-    else:
-        raise ValueError(f"unknown kind {h['kind']!r}")
-    if not ok:
-        raise ValueError(f"this rank stores no {h['kind']} for layer {layer}")
-    if h["width"] != width or h["dtype"] not in DTYPES:
-        raise ValueError(f"layout mismatch: got width {h['width']} dtype {h['dtype']}, rank stores width {width}")
-    rows = 0
-    for dst, n in h["runs"]:
-        if not (isinstance(dst, int) and isinstance(n, int) and n >= 0 and 0 <= dst and dst + n <= limit):
-            raise ValueError(f"run [{dst}, +{n}) out of range [0, {limit})")
-        rows += n
-    key = _count_key(r, src)
-    if r.received.get(key, 0) + rows > r.expected.get(key, 0):
-        raise ValueError(f"more rows than expected from prefill rank {src}")
-    if nbytes != rows * width * DTYPES[h["dtype"]].itemsize:
-        raise ValueError(f"payload of {nbytes} bytes for {rows} rows of width {width}")
-    return rows
-
-
-def run_rows(starts: list[int], lengths: list[int], steps: list[int] | None = None) -> torch.Tensor:
-    """Rows start, start + step, ..., start + (length - 1) * step of every run, in run order, without
-    a Python loop per run (a plan may hold thousands of short runs)."""
-    if not starts:
-        return torch.empty(0, dtype=torch.int64)
-    s, n = torch.tensor(starts, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64)
-    if int(n.min()) < 0:
-        raise ValueError("a run has a negative length")
-    first = torch.cumsum(n, 0) - n  # where each run begins among the packed rows
-    within = torch.arange(int(n.sum())) - torch.repeat_interleave(first, n)  # i: the row's index in its run
-    step = torch.repeat_interleave(torch.tensor(steps, dtype=torch.int64), n) if steps is not None else 1
-    return torch.repeat_interleave(s, n) + within * step
+TRANSFER_CMDS = (StageCmd, ExpectCmd, TransferStatusCmd, ForgetCmd, ListenerStatusCmd)
 
 
 def pack_rows(pool, kind: str, layer: int, runs, out: torch.Tensor) -> None:
@@ -165,48 +113,34 @@ def pack_rows(pool, kind: str, layer: int, runs, out: torch.Tensor) -> None:
         pos += r.length
 
 
-def payload_rows(payload, h: dict, rows: int) -> torch.Tensor:
-    """A checked frame's payload (writable bytes-like) as its [rows, width] tensor, without a copy."""
-    return torch.frombuffer(payload, dtype=torch.uint8).view(DTYPES[h["dtype"]]).view(rows, h["width"])
-
-
-def store_rows(pool, r: RoomRows, h: dict, data: torch.Tensor) -> None:
-    """Writes a checked frame's rows `data` [rows, width] into the pool, counts them, and only THEN
-    checksums `data`: bytes that change under the store make the checksum disagree with the sender's."""
-    write = pool.write_kv if h["kind"] == "kv" else pool.write_index
-    if len(h["runs"]) <= SLICE_RUNS:  # a few long runs (the usual case): slice copies, ~2x index_copy_'s speed
-        pos = 0
-        for dst, n in h["runs"]:
-            write(h["layer"], slice(dst, dst + n), data[pos:pos + n])
-            pos += n
-    else:
-        write(h["layer"], run_rows([d for d, _ in h["runs"]], [n for _, n in h["runs"]]), data)
-    count_rows(r, h, [data])
-
-
-def count_rows(r: RoomRows, h: dict, parts: list[torch.Tensor]) -> None:
-    """Counts a checked frame's stored rows and checksums them (parts: [rows, width], in run order)."""
-    key = _count_key(r, h["src_rank"])
-    for rows in parts:
-        r.received[key] = r.received.get(key, 0) + len(rows)
-        r.checksum.update(h["src_rank"], h["layer"], h["kind"], rows)
+def max_frame_bytes(pool, slots: int | None = None) -> int:
+    """The largest legitimate data frame for this pool: one layer's rows of every slot (`slots`: the
+    instance's global slots, which bounds every index mode a reconfigure may switch to; default the
+    pool's own rows), in the widest dtype that travels, plus the header."""
+    slots = slots or max(pool.kv.shape[1], pool.index_k.shape[1])
+    return slots * max(pool.kv.shape[-1], pool.index_k.shape[-1]) * 8 + HEADER_MAX_BYTES
 
 
 class TcpReceiver:
     """One per decode rank: a PULL socket on 127.0.0.1 (ephemeral port) and the thread that drains it."""
 
-    def __init__(self, rank: int, pool: Callable[[], object], host: str = "127.0.0.1"):
-        self.rank, self.pool = rank, pool  # pool(): the rank's current KVPool (reconfigure replaces it)
+    def __init__(self, rank: int, pool: Callable[[], object], host: str = "127.0.0.1", key: bytes = DEV_FRAME_KEY,
+                 slots: int | None = None):
+        self.rank, self.pool, self.key = rank, pool, key  # pool(): the rank's current KVPool (reconfigure replaces it)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes(pool(), slots))  # a larger frame disconnects its sender
         port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
         self.lock = threading.Lock()
         self.rooms: dict[str, RoomRows] = {}
         self.dropped = 0  # frames for rooms not expected (late or stale): ignored by design
+        self.unauthenticated = 0  # frames without a valid tag
+        self.bad_frames = 0  # authentic frames whose header is not the protocol's
         self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._loop, name=f"kv-recv-{rank}", daemon=True)
+        self.live = Liveness(f"KV receiver of rank {rank}")
+        self.thread = self.live.thread = threading.Thread(target=self._loop, name=f"kv-recv-{rank}", daemon=True)
         self.thread.start()
 
     def handle(self, cmd):
@@ -214,45 +148,59 @@ class TcpReceiver:
             if isinstance(cmd, StageCmd):
                 return {"endpoint": self.endpoint, "error": None}  # one socket for every room
             if isinstance(cmd, ExpectCmd):
-                self.rooms[cmd.room] = RoomRows(cmd.ticket, dict(cmd.expected.get(self.rank, {})))
+                self.rooms[cmd.room] = RoomRows(cmd.ticket, dict(cmd.expected.get(self.rank, {})), cmd.slots)
                 return None
             if isinstance(cmd, ForgetCmd):
                 self.rooms.pop(cmd.room, None)
                 return None
             if isinstance(cmd, TransferStatusCmd):
                 return self._status(cmd.room)
+        if isinstance(cmd, ListenerStatusCmd):
+            return self.live.status()
         raise TypeError(f"unknown transfer command {type(cmd).__name__}")
 
     def _status(self, room: str) -> dict:
         r = self.rooms.get(room)
-        base = {"open_rooms": len(self.rooms), "dropped": self.dropped}
+        base = {"open_rooms": len(self.rooms), "dropped": self.dropped, "unauthenticated": self.unauthenticated,
+                "bad_frames": self.bad_frames}
         return {**base, **(r.status() if r else {"known": False})}
 
     def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(100):
-                continue
-            header, payload = self.sock.recv_multipart(copy=True)
+            self.live.beat()
             try:
-                h = msgpack.unpackb(header, raw=False)
-            except Exception:
-                with self.lock:
-                    self.dropped += 1
-                continue
-            with self.lock:  # held while writing: status never sees half a frame
-                self._on_frame(h, payload)
+                if poller.poll(100):
+                    self._take(self.sock.recv_multipart(copy=True))
+            except Exception:  # never expected (frames are checked): the thread must go on
+                self.live.crashes += 1
+
+    def _take(self, parts: list[bytes]) -> None:
+        """One received message: authenticated, decoded, checked, stored -- or counted and dropped."""
+        if len(parts) != 3 or len(parts[0]) > HEADER_MAX_BYTES or \
+                not data_ok(self.key, parts[0], len(parts[1]), parts[2]):
+            with self.lock:
+                self.unauthenticated += 1
+            return
+        try:
+            h = check_header(unpack(parts[0], HEADER_MAX_BYTES))
+        except Exception:
+            with self.lock:
+                self.bad_frames += 1
+            return
+        with self.lock:  # held while writing: status never sees half a frame
+            self._on_frame(h, parts[1])
 
     def _on_frame(self, h: dict, payload: bytes) -> None:
-        r = self.rooms.get(h.get("room"))
-        if r is None or r.ticket != h.get("ticket") or r.error is not None:
+        r = self.rooms.get(h["room"])
+        if r is None or r.ticket != h["ticket"] or r.error is not None:
             self.dropped += 1
             return
         try:
             rows = frame_rows(self.pool(), r, h, len(payload))
         except (ValueError, KeyError, TypeError, RuntimeError) as e:
-            r.error = f"bad frame from prefill rank {h.get('src_rank')}: {e}"
+            r.error = f"bad frame from prefill rank {h['src_rank']}: {e}"
             return
         store_rows(self.pool(), r, h, payload_rows(bytearray(payload), h, rows))
 
@@ -266,8 +214,8 @@ class TcpReceiver:
 class TcpSender:
     """One per prefill rank: packs its share of a plan per (layer, kind) and PUSHes it."""
 
-    def __init__(self, rank: int, pool: object):
-        self.rank, self.pool = rank, pool
+    def __init__(self, rank: int, pool: object, key: bytes = DEV_FRAME_KEY):
+        self.rank, self.pool, self.key = rank, pool, key
         self.ctx = zmq.Context()
         self.socks: dict[str, zmq.Socket] = {}
 
@@ -299,7 +247,9 @@ class TcpSender:
             if not endpoint.startswith("tcp://"):  # e.g. a NIXL decode instance: a clear error, not a ZMQError
                 return {"sums": {}, "error": f"decode rank {t.dst_rank} offers a non-tcp endpoint {endpoint[:12]!r}..."}
             try:
-                self._sock(endpoint, cmd.send_timeout_ms).send_multipart([msgpack.packb(header), payload])
+                packed = msgpack.packb(header)
+                tag = seal_data(self.key, packed, len(payload))
+                self._sock(endpoint, cmd.send_timeout_ms).send_multipart([packed, payload, tag])
             except zmq.Again:
                 self.socks.pop(endpoint).close()  # LINGER 0: its queued frames go with it
                 return {"sums": {}, "error": f"decode rank {t.dst_rank} at {endpoint} is not receiving"}

@@ -59,6 +59,7 @@ def serve_reserved(prefill: PrefillInstance, server: BootstrapServer, reservatio
                    hooks: HandoffHooks | None = None) -> TransferDone | TransferFailed:
     """A room whose reservation arrived: fingerprint, prefill, send, outcome LAST; pages released."""
     hooks, room = hooks or HandoffHooks(), reservation.room
+    server.claim(room)  # the reservation stays until reply() forgets it (no expiry mid-hand-off)
     try:
         fp = prefill_fingerprint(prefill, reservation)
         fp.check_compatible(reservation.fingerprint)

@@ -4,8 +4,11 @@ for the session so test_nixl_handoff.py and test_tcp_handoff.py share the shapes
 from __future__ import annotations
 
 import pytest
+import torch
 
+from pdserve.engine.kv_cache import KVPool
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.model.config import ModelConfig
 from tests.transfer.handoff_helpers import Instances
 
 
@@ -24,3 +27,13 @@ def instances(model_path):
     inst = Instances(model_path)
     yield inst
     inst.close()
+
+
+@pytest.fixture()
+def pools(model_path):
+    """(model config, a random source pool, an empty destination pool) of 64 slots: in-process data-path tests."""
+    cfg = ModelConfig.from_pretrained(model_path)
+    src, dst = KVPool(cfg, 64, torch.float64), KVPool(cfg, 64, torch.float64)
+    src.kv.normal_(generator=torch.Generator().manual_seed(0))
+    src.index_k.normal_(generator=torch.Generator().manual_seed(1))
+    return cfg, src, dst

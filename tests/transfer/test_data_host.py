@@ -12,7 +12,9 @@ import torch
 from pdserve.decode_server.server import DecodeServerConfig
 from pdserve.engine.kv_cache import KVPool
 from pdserve.model.config import ModelConfig
+from pdserve.transfer.frames import new_ticket
 from pdserve.transfer.plan import DecodeSide, PrefillSide, plan_transfer
+from pdserve.transfer.room import RoomSlots
 from pdserve.transfer.tcp import ExpectCmd, SendCmd, TcpReceiver, TcpSender, TransferStatusCmd, merge_checksums
 
 
@@ -36,8 +38,9 @@ def test_receiver_listens_and_advertises_the_data_host(model_path):
         assert recv.endpoint.startswith(f"tcp://{host}:")
         plan = [t for t in plan_transfer(PrefillSide(1, "full", cfg.num_layers, cfg.indexer_layers, range(10, 22)),
                                          DecodeSide(1, 1, "split", 4, (1, 0, 2)), 12) if t.kind == "kv"]
-        recv.handle(ExpectCmd("r", 1, {0: {0: sum(t.rows for t in plan)}}))
-        reply = sender.send(SendCmd("r", 1, plan, {0: recv.endpoint}))
+        ticket = new_ticket()
+        recv.handle(ExpectCmd("r", ticket, {0: {0: sum(t.rows for t in plan)}}, RoomSlots.of((1, 0, 2), 4, 1, "split")))
+        reply = sender.send(SendCmd("r", ticket, plan, {0: recv.endpoint}))
         deadline = time.monotonic() + 5
         while not recv.handle(TransferStatusCmd("r"))["complete"]:
             assert time.monotonic() < deadline, recv.handle(TransferStatusCmd("r"))

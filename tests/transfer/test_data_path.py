@@ -17,8 +17,10 @@ from pdserve.model.config import ModelConfig
 from pdserve.transfer.base import RoomChecksum, row_digest
 from pdserve.transfer.nixl import NixlReceiver
 from pdserve.transfer.nixl_send import NixlSender
+from pdserve.transfer.frames import new_ticket
 from pdserve.transfer.plan import DecodeSide, PrefillSide, plan_transfer
-from pdserve.transfer.tcp import (SLICE_RUNS, ExpectCmd, ForgetCmd, SendCmd, StageCmd, TcpReceiver, TcpSender,
+from pdserve.transfer.room import SLICE_RUNS, RoomSlots
+from pdserve.transfer.tcp import ( ExpectCmd, ForgetCmd, SendCmd, StageCmd, TcpReceiver, TcpSender,
                                   TransferStatusCmd, merge_checksums)
 
 
@@ -102,10 +104,11 @@ def test_rows_arrive_exactly_and_the_checksums_agree(model_path, backend, kind, 
         rows = {r: {} for r in ranks}
         for t in plan:
             rows[t.dst_rank][t.kind] = rows[t.dst_rank].get(t.kind, 0) + t.rows
-        endpoints = {r: recv[r].handle(StageCmd("room", 7, rows))["endpoint"] for r in ranks}
+        ticket, slots = new_ticket(), RoomSlots.of(decode.pages, decode.page_size, decode.dcp_size, decode.index_mode)
+        endpoints = {r: recv[r].handle(StageCmd("room", ticket, rows))["endpoint"] for r in ranks}
         for r in ranks:
-            recv[r].handle(ExpectCmd("room", 7, {r: {0: sum(rows[r].values())}}))
-        reply = sender.send(SendCmd("room", 7, plan, endpoints))
+            recv[r].handle(ExpectCmd("room", ticket, {r: {0: sum(rows[r].values())}}, slots))
+        reply = sender.send(SendCmd("room", ticket, plan, endpoints))
         assert reply["error"] is None, reply
         deadline = time.monotonic() + 10
         while not all(recv[r].handle(TransferStatusCmd("room"))["complete"] for r in ranks):

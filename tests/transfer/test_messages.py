@@ -15,7 +15,7 @@ FP = Fingerprint("abc123", "auto", "float64", 16, 4, 2, "split")
 MESSAGES = [
     FP,
     DecodeReservation("room-1", FP, generation=3, tp_size=4, dcp_size=2, page_size=16, pages=(5, 1, 9),
-                      endpoints={0: "tcp://127.0.0.1:5000", 3: "tcp://127.0.0.1:5003"}),
+                      endpoints={0: "tcp://127.0.0.1:5000", 3: "tcp://127.0.0.1:5003"}, ticket=bytes(range(16))),
     TransferDone("room-1", first_token=42, checksums={0: 123, 1: 2**32 - 1}, fingerprint=FP),
     TransferFailed("room-1", "bootstrap timeout after 5.0 s"),
     Heartbeat("prefill-0", generation=1, time_s=12.5),

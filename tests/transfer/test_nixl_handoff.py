@@ -25,14 +25,14 @@ import torch
 from pdserve.decode_server.engine import DecodeEngine
 from pdserve.decode_server.instance import DecodeInstance
 from pdserve.decode_server.rank_worker import DecodeWorkerConfig
-from pdserve.engine.kv_cache import KVPool
 from pdserve.engine.launcher import LaunchConfig
 from pdserve.engine.request import SamplingParams
-from pdserve.model.config import ModelConfig
 from pdserve.transfer.handoff import HandoffHooks, TransferError, hand_off
+from pdserve.transfer.frames import new_ticket
 from pdserve.transfer.nixl import NixlReceiver
 from pdserve.transfer.nixl_send import NixlSender
 from pdserve.transfer.plan import DecodeSide, PrefillSide, plan_transfer
+from pdserve.transfer.room import RoomSlots
 from pdserve.transfer.side_channel import BootstrapServer, DecodeClient
 from pdserve.transfer.tcp import ExpectCmd, ForgetCmd, SendCmd, SendError, StageCmd, TransferStatusCmd, merge_checksums
 from pdserve.transfer.two_sided import decode_finish, decode_reserve, prefill_serve
@@ -85,7 +85,7 @@ def test_stale_write_for_a_reused_room_never_reaches_the_live_request(pair, sing
     stale = inst.reservation("late", old_pages, prompt_len=len(old_ids))
     res = prefill.prefill("stale-sender", old_ids)
     plan = plan_transfer(prefill.prefill_side(res.slots), inst.decode_side(old_pages), len(old_ids))
-    inst.expect("late", stale.ticket, plan)
+    inst.expect("late", stale.ticket, plan, old_pages)
     hold_s = inst.forget("late")  # decode drops the room; the prefill has not sent yet
     assert hold_s == QUARANTINE_S
     decode.abort("late", hold_s)
@@ -120,6 +120,7 @@ def test_two_sided_handoff_over_nixl(pair, single):
     server = BootstrapServer()
     client = DecodeClient(server.endpoint)
     try:
+        assert client.wait_ready(5, server.drain)
         ids, params = prompt(23), SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
         req, reservation = decode_reserve(decode, client, "two-sided-nixl", len(ids), params)
         prefill_serve(prefill, server, "two-sided-nixl", ids, params, bootstrap_timeout_s=5)
@@ -147,7 +148,7 @@ def test_decode_rank_killed_mid_write(pair, model_path):
         reservation = victim.instance.reservation("victim", req.pages, prompt_len=len(ids))
         res = prefill.prefill("victim", ids)
         plan = plan_transfer(prefill.prefill_side(res.slots), victim.instance.decode_side(req.pages), len(ids))
-        victim.instance.expect("victim", reservation.ticket, plan)
+        victim.instance.expect("victim", reservation.ticket, plan, req.pages)
         pid = victim.instance.ranks.pids[0]
         os.kill(pid, signal.SIGSTOP)
         outcome = {}
@@ -179,15 +180,6 @@ def test_decode_rank_killed_mid_write(pair, model_path):
 
 
 # ---- one process, real agents: peer generations, arena exhaustion and quarantine --------------------
-@pytest.fixture()
-def pools(model_path):
-    cfg = ModelConfig.from_pretrained(model_path)
-    src, dst = KVPool(cfg, 64, torch.float64), KVPool(cfg, 64, torch.float64)
-    src.kv.normal_(generator=torch.Generator().manual_seed(0))
-    src.index_k.normal_(generator=torch.Generator().manual_seed(1))
-    return cfg, src, dst
-
-
 def one_room(cfg, n: int = 12) -> tuple[list, dict, dict]:
     """A plan for n tokens from one prefill rank to one decode rank, its staging rows and expectations."""
     plan = plan_transfer(PrefillSide(1, "full", cfg.num_layers, cfg.indexer_layers, range(20, 20 + n)),
@@ -198,10 +190,14 @@ def one_room(cfg, n: int = 12) -> tuple[list, dict, dict]:
     return plan, {0: rows}, {0: {0: sum(rows.values())}}
 
 
-def deliver(recv: NixlReceiver, sender: NixlSender, room: str, ticket: int, plan, rows, expected) -> dict:
+ONE_ROOM_SLOTS = RoomSlots.of((2, 0, 1), 4, 1, "copy")
+T1, T2 = new_ticket(), new_ticket()
+
+
+def deliver(recv: NixlReceiver, sender: NixlSender, room: str, ticket: bytes, plan, rows, expected) -> dict:
     ep = recv.handle(StageCmd(room, ticket, rows))
     assert ep["error"] is None, ep
-    recv.handle(ExpectCmd(room, ticket, expected))
+    recv.handle(ExpectCmd(room, ticket, expected, ONE_ROOM_SLOTS))
     reply = sender.send(SendCmd(room, ticket, plan, {0: ep["endpoint"]}))
     if reply["error"] is None:
         deadline = time.monotonic() + 5
@@ -218,17 +214,17 @@ def test_restarted_peer_is_reloaded_and_an_old_generation_refused(pools):
     sender = NixlSender(0, src, staging_bytes=4096, name="test-prefill")  # small: several chunks per room
     first = NixlReceiver(0, lambda: dst, staging_bytes=1 << 20, name="test-decode")
     try:
-        old = deliver(first, sender, "a", 1, plan, rows, expected)
+        old = deliver(first, sender, "a", T1, plan, rows, expected)
         assert old["reply"]["error"] is None and sender.status()["peers"] == 1
         first.handle(ForgetCmd("a", quiesced=True))
         first.close()
         dst.kv.zero_()
         second = NixlReceiver(0, lambda: dst, staging_bytes=1 << 20, name="test-decode")  # same name, restarted
         try:
-            new = deliver(second, sender, "b", 2, plan, rows, expected)
+            new = deliver(second, sender, "b", T2, plan, rows, expected)
             assert new["reply"]["error"] is None and sender.status()["reloads"] == 1
             assert torch.equal(dst.read_kv(0, torch.tensor([8, 9, 10, 11, 0])), src.read_kv(0, torch.arange(20, 25)))
-            reply = sender.send(SendCmd("a", 1, plan, {0: old["endpoint"]}))  # the first incarnation's endpoint
+            reply = sender.send(SendCmd("a", T1, plan, {0: old["endpoint"]}))  # the first incarnation's endpoint
             assert "stale endpoint" in reply["error"]
             assert sender.status()["xfer_handles"] == 0 and second.handle(TransferStatusCmd("b"))["dropped"] == 0
         finally:
@@ -243,17 +239,17 @@ def test_full_arena_refuses_a_room_until_the_quarantine_passed(pools):
     recv = NixlReceiver(0, lambda: dst, staging_bytes=30_000, name="test-small-arena", quarantine_s=0.3,
                         direct=False)  # WRITEs into regions (what an fp8 pool gets)
     try:
-        assert recv.handle(StageCmd("a", 1, rows))["error"] is None  # 18 kB of 30 kB
-        assert "receive staging full" in recv.handle(StageCmd("b", 2, rows))["error"]
+        assert recv.handle(StageCmd("a", T1, rows))["error"] is None  # 18 kB of 30 kB
+        assert "receive staging full" in recv.handle(StageCmd("b", T2, rows))["error"]
         recv.handle(ForgetCmd("a"))  # not quiesced: a sender may still write into it
         status = recv.handle(TransferStatusCmd("x"))
         assert status["quarantined"] == 1 and status["staging_bytes"] > 0
-        assert "receive staging full" in recv.handle(StageCmd("b", 2, rows))["error"]
+        assert "receive staging full" in recv.handle(StageCmd("b", T2, rows))["error"]
         deadline = time.monotonic() + 5
         while recv.handle(TransferStatusCmd("x"))["quarantined"]:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        assert recv.handle(StageCmd("b", 2, rows))["error"] is None
+        assert recv.handle(StageCmd("b", T2, rows))["error"] is None
         recv.handle(ForgetCmd("b", quiesced=True))
         assert recv.handle(TransferStatusCmd("x"))["staging_bytes"] == 0
     finally:

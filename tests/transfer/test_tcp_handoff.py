@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from pdserve.engine.request import SamplingParams
+from pdserve.transfer.frames import new_ticket
 from pdserve.transfer.handoff import HandoffHooks, TransferError, hand_off
 from pdserve.transfer.messages import TransferDone, TransferFailed
 from pdserve.transfer.plan import plan_transfer
@@ -89,13 +90,13 @@ def test_late_data_for_an_aborted_room_is_dropped(pair, reused):
     reservation = inst.reservation("late", req.pages)
     res = prefill.prefill("late", ids)
     plan = plan_transfer(prefill.prefill_side(res.slots), inst.decode_side(req.pages), len(ids))
-    inst.expect("late", reservation.ticket, plan)
+    inst.expect("late", reservation.ticket, plan, req.pages)
     slots = inst.slots(req.pages, len(ids))
     before = inst.dump(slots)
     inst.forget("late")  # decode aborts the room ...
     decode.abort("late")
     if reused:  # the room id is expected again, by a newer reservation (another ticket)
-        inst.expect("late", reservation.ticket + 1000, plan)
+        inst.expect("late", new_ticket(), plan, req.pages)
     dropped = [s["dropped"] for s in inst.transfer_status("late")]
     prefill.send("late", "late", reservation.ticket, plan, reservation.endpoints)  # ... then the data arrives
     frames = [sum(1 for t in plan if t.dst_rank == r) for r in range(len(dropped))]
@@ -139,6 +140,7 @@ def test_many_mixed_faults_leave_nothing_behind(pair):
 def channel():
     server = BootstrapServer()
     client = DecodeClient(server.endpoint)
+    assert client.wait_ready(5, server.drain)
     yield server, client
     client.close()
     server.close()

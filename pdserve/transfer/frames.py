@@ -1,0 +1,102 @@
+"""Authenticated frames of the transfer layer (DESIGN.md invariant 11), shared by the side channel,
+the TCP data path and NIXL notifications.
+
+Every frame carries an HMAC-SHA256 tag under the cluster's frame key (engine/auth.frame_key of the
+internal token), checked BEFORE anything of the frame is decoded; a frame whose tag does not verify
+is dropped and counted. Why HMAC and not ZMQ CURVE: the one cluster secret keys everything (no
+per-instance key pairs to make, distribute and rotate), it works the same for ZMQ side-channel
+frames, TCP data frames and NIXL notifications (which CURVE cannot cover), and it costs one small
+hash per frame. Confidentiality is out of scope: encrypt the network (WireGuard, IPsec, a mesh).
+
+Each kind of frame is signed under its own label (the direction of a side-channel frame, a data
+frame, a notification), so a captured frame of one kind is never valid as another. A data frame's
+tag covers its header and its payload's LENGTH, not the payload bytes (HMAC runs at ~2 GB/s, the
+hand-off at tens): the payload is authenticated end to end by the room's checksum, which comes in
+the signed TransferDone, so a forged payload can only fail its own room -- and only ever lands in
+that room's own slots (transfer/room.py).
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+
+import msgpack
+
+from ..engine.auth import MAC_BYTES, frame_key, sign, verify
+
+DEV_FRAME_KEY = frame_key("pdserve-development-only-frame-key")  # tests and --dev runs; serve() passes the real one
+TICKET_BYTES = 16
+
+D2P, P2D = b"pdserve side-channel decode->prefill", b"pdserve side-channel prefill->decode"
+DATA, NOTIF = b"pdserve kv data frame", b"pdserve nixl notification"
+
+SIDE_MAX_BYTES = 4 << 20  # the largest side-channel frame (a reservation of thousands of pages, NIXL endpoints)
+HEADER_MAX_BYTES = 1 << 20  # the largest data-frame header or notification (run lists)
+WEDGED_S = 30.0  # a listener loop that has not come round for this long is reported wedged
+
+
+def new_ticket() -> bytes:
+    """128 random bits: a reservation's ticket cannot be guessed from any other."""
+    return secrets.token_bytes(TICKET_BYTES)
+
+
+def unpack(data: bytes, max_bytes: int):
+    """msgpack with every length bounded by max_bytes (raises on anything malformed)."""
+    return msgpack.unpackb(data, raw=False, strict_map_key=False, max_bin_len=max_bytes, max_str_len=max_bytes,
+                           max_array_len=max_bytes, max_map_len=max_bytes, max_ext_len=0)
+
+
+def seal_data(key: bytes, header: bytes, payload_len: int) -> bytes:
+    return sign(key, DATA, header, payload_len.to_bytes(8, "little"))
+
+
+def data_ok(key: bytes, header: bytes, payload_len: int, tag: bytes) -> bool:
+    return verify(key, tag, DATA, header, payload_len.to_bytes(8, "little"))
+
+
+def seal_notif(key: bytes, header: bytes) -> bytes:
+    """A NIXL notification: the header with its tag as a fixed trailer."""
+    return header + sign(key, NOTIF, header)
+
+
+def open_notif(key: bytes, msg: bytes) -> bytes | None:
+    """The notification's header, or None when its trailer does not verify."""
+    if not isinstance(msg, bytes) or len(msg) <= MAC_BYTES:
+        return None
+    header, tag = msg[:-MAC_BYTES], msg[-MAC_BYTES:]
+    return header if verify(key, tag, NOTIF, header) else None
+
+
+class Liveness:
+    """A long-lived listener thread's health: `beat()` once per loop turn; `problem()` says why it is
+    dead or wedged (None while fine)."""
+
+    def __init__(self, name: str):
+        self.name, self.last = name, time.monotonic()
+        self.thread: threading.Thread | None = None
+        self.crashes = 0  # frames whose handling raised (caught: the loop goes on)
+
+    def beat(self) -> None:
+        self.last = time.monotonic()
+
+    def problem(self) -> str | None:
+        if self.thread is None:
+            return None
+        if not self.thread.is_alive():
+            return f"the {self.name} thread is dead"
+        stalled = time.monotonic() - self.last
+        return f"the {self.name} thread is wedged ({stalled:.0f} s without a turn)" if stalled > WEDGED_S else None
+
+    def status(self) -> dict:
+        return {"alive": self.thread is not None and self.thread.is_alive(), "problem": self.problem(),
+                "crashes": self.crashes}
+
+
+def cluster_frame_key(cfg) -> bytes:
+    """A server config's frame key: from its `internal_token` (engine/auth.load_internal_token) when
+    it has one, else the development key (an instance without a token trusts anyone who knows the
+    code, i.e. anyone: only for tests and loopback-only dev runs)."""
+    token = getattr(cfg, "internal_token", None)
+    return frame_key(token) if token else DEV_FRAME_KEY
