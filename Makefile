@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test serve bench clean
+.PHONY: setup test serve bench clean scan-tools
 
 setup: $(STAMP)
 
@@ -17,8 +17,19 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $(STAMP)
 
-test: setup
-	$(PY) -m pytest -q tests
+# checkov (tests/deploy/test_deploy_scan.py) in a venv of its own: its pins would downgrade packaging
+# and networkx in the project venv
+CHECKOV_VERSION := 3.3.30
+SCAN_VENV ?= $(HOME)/.cache/pdserve/checkov-$(CHECKOV_VERSION)
+
+scan-tools: $(SCAN_VENV)/bin/checkov
+
+$(SCAN_VENV)/bin/checkov:
+	$(PYTHON) -m venv $(SCAN_VENV)
+	$(SCAN_VENV)/bin/pip install -q checkov==$(CHECKOV_VERSION)
+
+test: setup scan-tools
+	PDSERVE_CHECKOV=$(SCAN_VENV)/bin/checkov $(PY) -m pytest -q tests
 
 # the whole stack on the built-in small model: router, a prefill instance (C_p = 2), a decode
 # instance (W = C_d = 2); it prints the URL and an example request; Ctrl-C stops everything

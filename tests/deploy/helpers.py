@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -67,3 +68,15 @@ def compose_commands(model: str) -> list[tuple[str, list[str]]]:
             if "command" in svc and "prometheus" not in str(svc.get("image", "")):
                 out.append((f"{path.name}:{name}", [model if a == MODEL_IN_IMAGE else a for a in svc["command"]]))
     return out
+
+
+def checkov() -> str:
+    """The checkov executable: $PDSERVE_CHECKOV, else the venv `make scan-tools` builds (checkov's pins
+    would downgrade packaging and networkx in the project venv, so it gets its own)."""
+    env = os.environ.get("PDSERVE_CHECKOV")
+    if env:
+        return env
+    version = re.search(r"^CHECKOV_VERSION\s*:?=\s*(\S+)", (ROOT / "Makefile").read_text(), re.M).group(1)
+    path = Path.home() / ".cache" / "pdserve" / f"checkov-{version}" / "bin" / "checkov"
+    assert path.is_file(), f"checkov {version} is not installed: run `make scan-tools` (or set PDSERVE_CHECKOV)"
+    return str(path)

@@ -6,11 +6,13 @@ checkpoint. The image's entrypoint is `pdserve`, so the argument list is the who
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from pdserve.cli import app
+from pdserve.engine.auth import new_token
 from tests.deploy.helpers import KUSTOMIZATIONS, compose_commands, k8s_commands, kustomize
 
 
@@ -19,8 +21,19 @@ def model(tiny_checkpoints):
     return str(tiny_checkpoints[("glm_moe_dsa", "make-model")])
 
 
-def check(args: list[str]):
-    return CliRunner().invoke(app, [*args, "--check-config"], env={"PDSERVE_ADMIN_TOKEN": ""})
+@pytest.fixture(scope="module")
+def token(tmp_path_factory) -> Path:
+    """The Secret the manifests mount: --check-config reads and checks a given --internal-token-file."""
+    path = tmp_path_factory.mktemp("secret") / "internal-token"
+    path.write_text(new_token())
+    return path
+
+
+def check(args: list[str], token_file: Path):
+    if "--internal-token-file" in args:
+        args = _with(args, "--internal-token-file", str(token_file))
+    env = {"PDSERVE_ADMIN_TOKEN": "", "PDSERVE_INTERNAL_TOKEN": ""}
+    return CliRunner().invoke(app, [*args, "--check-config"], env=env)
 
 
 def all_commands(model: str) -> list[tuple[str, list[str]]]:
@@ -30,7 +43,7 @@ def all_commands(model: str) -> list[tuple[str, list[str]]]:
     return out + compose_commands(model)
 
 
-def test_every_deploy_command_passes_check_config(model):
+def test_every_deploy_command_passes_check_config(model, token):
     commands = all_commands(model)
     roles = {args[0] for _, args in commands}
     assert roles == {"make-model", "prefill", "decode", "router"}, roles
@@ -38,7 +51,7 @@ def test_every_deploy_command_passes_check_config(model):
     for where, args in commands:
         key = tuple(args)
         if key not in seen:
-            result = check(args)
+            result = check(args, token)
             assert result.exit_code == 0, f"{where}: pdserve {' '.join(args)}\n{result.output}"
             seen[key] = json.loads(result.stdout.strip().splitlines()[-1])
     # the topology of `make serve`: C_p = 2, W = C_d = 2 everywhere
@@ -55,17 +68,26 @@ def _with(args: list[str], flag: str, value: str) -> list[str]:
     return out
 
 
-def test_a_broken_command_is_rejected(model):
+def test_a_broken_command_is_rejected(model, token):
     """The check can fail: the compose decode command with an unknown flag, or with C_d = 3 on W = 2."""
     decode = next(args for _, args in compose_commands(model) if args[0] == "decode")
-    assert check(decode).exit_code == 0
-    assert check(decode + ["--no-such-flag"]).exit_code == 2
-    assert check(_with(decode, "--dcp-size", "3")).exit_code == 2
+    assert check(decode, token).exit_code == 0
+    assert check(decode + ["--no-such-flag"], token).exit_code == 2
+    assert check(_with(decode, "--dcp-size", "3"), token).exit_code == 2
 
 
-def test_up_check_config(model):
+def test_the_mounted_token_file_is_read(model, token, tmp_path):
+    """The manifests' --internal-token-file is read even by --check-config: a weak or missing one fails."""
+    prefill = next(args for where, args in all_commands(model) if args[0] == "prefill" and "--internal-token-file" in args)
+    assert check(prefill, token).exit_code == 0
+    (tmp_path / "weak").write_text("change" + "-me")
+    assert check(prefill, tmp_path / "weak").exit_code != 0
+    assert check(prefill, tmp_path / "missing").exit_code != 0
+
+
+def test_up_check_config(model, token):
     """`make serve`'s command line, checked the same way (up got --check-config for it)."""
-    ok = check(["up", "--model", model, "--prefill-cp", "2", "--decode-tp", "2", "--decode-dcp", "2"])
+    ok = check(["up", "--model", model, "--prefill-cp", "2", "--decode-tp", "2", "--decode-dcp", "2"], token)
     assert ok.exit_code == 0, ok.output
     assert json.loads(ok.stdout)["decode_dcp"] == 2
-    assert check(["up", "--model", model, "--decode-tp", "3", "--decode-dcp", "2"]).exit_code == 2
+    assert check(["up", "--model", model, "--decode-tp", "3", "--decode-dcp", "2"], token).exit_code == 2

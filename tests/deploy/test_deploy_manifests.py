@@ -19,8 +19,9 @@ def test_kustomize_output_is_valid_kubernetes(path):
         kubernetes_validate.validate(r, K8S_VERSION, strict=True)  # raises ValidationError naming the field
     kinds = sorted(f"{r['kind']}/{r['metadata']['name'].rsplit('-', 1)[0] if r['kind'] in ('ConfigMap', 'Secret') else r['metadata']['name']}" for r in resources)
     assert kinds == ["ConfigMap/pdserve-config", "Deployment/pdserve-decode", "Deployment/pdserve-prefill",
-                     "Deployment/pdserve-router", "Role/pdserve-pod-reader", "RoleBinding/pdserve-router-pod-reader",
-                     "Secret/pdserve-admin", "Service/pdserve-router", "ServiceAccount/pdserve-router"]
+                     "Deployment/pdserve-router", "NetworkPolicy/pdserve-decode", "NetworkPolicy/pdserve-default-deny",
+                     "NetworkPolicy/pdserve-prefill", "NetworkPolicy/pdserve-router", "Role/pdserve-pod-reader",
+                     "RoleBinding/pdserve-router-pod-reader", "Service/pdserve-router", "ServiceAccount/pdserve-router"]
     deployments = {r["metadata"]["name"]: r["spec"]["template"] for r in resources if r["kind"] == "Deployment"}
     for name, tpl in deployments.items():
         c = tpl["spec"]["containers"][0]
@@ -40,7 +41,7 @@ def test_kustomize_output_is_valid_kubernetes(path):
         assert grace + 5 <= tpl["spec"]["terminationGracePeriodSeconds"] <= grace + 60, role
     router = deployments["pdserve-router"]["spec"]["containers"][0]
     token = [e for e in router["env"] if e["name"] == "PDSERVE_ADMIN_TOKEN"][0]
-    assert token["valueFrom"]["secretKeyRef"]["name"].startswith("pdserve-admin")
+    assert token["valueFrom"]["secretKeyRef"] == {"name": "pdserve-admin", "key": "token", "optional": True}
 
 
 def test_a_broken_manifest_is_rejected():
