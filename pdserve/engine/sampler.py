@@ -40,7 +40,10 @@ class Sampler:
 
 def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """[V] logits -> [V] probabilities after temperature, top-k and top-p."""
-    logits = logits / p.temperature
+    # shift first: with a tiny temperature (any finite one is allowed) logits / T overflows to +-inf
+    # and inf - inf in the softmax would be NaN; shifted, the largest logit stays exactly 0. A
+    # temperature below the dtype's smallest normal would round to 0 (0 / 0): it is floored there.
+    logits = (logits - logits.max()) / max(p.temperature, torch.finfo(logits.dtype).tiny)
     if 0 < p.top_k < logits.numel():
         kth = logits.topk(p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -49,6 +52,7 @@ def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         sorted_probs, order = probs.sort(descending=True)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
         drop = (sorted_probs.cumsum(0) - sorted_probs) >= p.top_p
+        drop[0] = False  # explicitly: a top_p below the dtype's resolution compares as 0 >= 0
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         probs = probs / probs.sum()

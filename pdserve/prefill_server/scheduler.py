@@ -201,6 +201,16 @@ class PrefillScheduler:
             self._finish(job, error=outcome.reason)
         return True
 
+    def fail_current(self, reason: str) -> None:
+        """The worker's last resort after an unexpected error: the running job fails, its pages go back."""
+        job, self.current = self.current, None
+        if job is not None and job.state not in ("done", "failed"):
+            try:
+                self.instance.release(job.request_id)
+            except Exception:  # nothing held, or the ranks are gone (the watchdog's case)
+                pass
+            self._finish(job, error=reason)
+
     def _requeue(self, job: PrefillJob) -> None:
         with self._cv:
             self.waiting.appendleft(job)

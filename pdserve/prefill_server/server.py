@@ -9,6 +9,7 @@ new requests get 503, running ones get --shutdown-grace seconds), then everythin
 from __future__ import annotations
 
 import signal
+import logging
 import sys
 import threading
 import time
@@ -82,10 +83,18 @@ class PrefillServerConfig:
         launch = LaunchConfig(self.cp_size, self.dist_port, threads_per_rank=self.threads_per_rank)
         return PrefillInstance(worker, launch, page_size=self.page_size, chunk_size=self.chunk_size)
 
+log = logging.getLogger("pdserve.prefill")
+
 
 def _worker_loop(scheduler: PrefillScheduler, stop: threading.Event) -> None:
     while not stop.is_set():
-        if not scheduler.run_once() and scheduler.waiting:
+        try:
+            ran = scheduler.run_once()
+        except Exception as e:  # a bug must cost the request at hand, never the thread that serves all of them
+            log.exception("prefill worker: unexpected error")
+            scheduler.fail_current(f"internal error: {type(e).__name__}: {e}")
+            continue
+        if not ran and scheduler.waiting:
             time.sleep(0.01)  # waiting for pages held by hand-offs in flight
 
 

@@ -89,6 +89,18 @@ def test_sampling_params_are_validated():
     assert Sampler().sample(torch.zeros(1, 8), [p], ["edge"])[0] in range(8)
 
 
+def test_extreme_temperatures_sample_from_valid_distributions():
+    logits = torch.tensor([[1.0, 3.0, 3.0, -2.0, 50.0, 49.999]], dtype=torch.float64)
+    for t in (5e-324, 1e-300, 1e-6):  # the hottest logit (index 4) wins: its distribution is one-hot
+        p = filtered_probs(logits[0], SamplingParams(temperature=t, top_p=0.9))
+        assert torch.isfinite(p).all() and p[4] == 1.0, (t, p)
+        assert Sampler().sample(logits, [SamplingParams(temperature=t, seed=1)], ["x"]) == [4]
+    for top_p in (5e-324, 1e-45):  # below float32's resolution: the most likely token still stays
+        assert Sampler().sample(logits, [SamplingParams(temperature=1.0, top_p=top_p, seed=2)], ["y"]) == [4]
+    p = filtered_probs(logits[0], SamplingParams(temperature=100.0))
+    assert torch.isfinite(p).all() and abs(float(p.sum()) - 1) < 1e-12 and float(p.min()) > 0
+
+
 def test_sampler_seeded_and_filters():
     logits = torch.log_softmax(torch.tensor([[1.0, 3.0, 2.0, 0.5]]), -1)
     p = SamplingParams(temperature=1.0, seed=123)

@@ -203,6 +203,10 @@ def test_hostile_bodies_get_4xx_and_every_server_stays_healthy(stack):
     wait_until(lambda: decode_idle(stack["d_url"]), "the decode instance to be idle")
 
 
+UNSERVED = ("n", "best_of", "logprobs", "echo", "suffix", "logit_bias", "presence_penalty", "frequency_penalty",
+            "repetition_penalty")
+
+
 def _steer(case, positive: bool) -> None:
     """Valid bodies name the served model (a random name is only ever a 404) and keep prompt and
     output lengths short: the fuzz is about input, not throughput (a long prefill on a loaded
@@ -210,6 +214,9 @@ def _steer(case, positive: bool) -> None:
     if isinstance(case.body, dict):
         if positive and isinstance(case.body.get("model"), str):
             case.body["model"] = "tiny"
+        if positive:  # valid but refused as not served (n > 1, logprobs, ...): the negative mode covers them
+            for key in UNSERVED:
+                case.body.pop(key, None)
         prompt = case.body.get("prompt")
         if isinstance(prompt, (str, list)) and len(prompt) > 64:
             case.body["prompt"] = prompt[:64]
@@ -239,5 +246,5 @@ def test_fuzz_router_schema_no_5xx(stack, mode):
     run()
     assert sum(seen.values()) >= 30, seen
     if mode == schemathesis.GenerationMode.POSITIVE:
-        assert seen.get(200, 0) >= 5, seen  # valid bodies were really served, not all refused
+        assert seen.get(200, 0) >= 20, seen  # valid bodies were really served, not all refused
     all_healthy(stack)
