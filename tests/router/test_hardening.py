@@ -203,6 +203,22 @@ def test_hostile_bodies_get_4xx_and_every_server_stays_healthy(stack):
     wait_until(lambda: decode_idle(stack["d_url"]), "the decode instance to be idle")
 
 
+def _steer_prompt(body: dict) -> None:
+    """The schema cannot say which ids are in the vocabulary or which roles exist: valid bodies get
+    prompts and messages the model accepts, so that most of them are served."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        body["prompt"] = [abs(t) % 400 + 4 for t in prompt] or [5]
+    elif isinstance(prompt, list) and prompt:
+        body["prompt"] = prompt[:1]
+    elif prompt == "":
+        body["prompt"] = "hi"
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        body["messages"] = [{**m, "role": "user"} for m in messages[:4] if isinstance(m, dict)] or \
+            [{"role": "user", "content": "hi"}]
+
+
 UNSERVED = ("n", "best_of", "logprobs", "echo", "suffix", "logit_bias", "presence_penalty", "frequency_penalty",
             "repetition_penalty")
 
@@ -217,6 +233,7 @@ def _steer(case, positive: bool) -> None:
         if positive:  # valid but refused as not served (n > 1, logprobs, ...): the negative mode covers them
             for key in UNSERVED:
                 case.body.pop(key, None)
+            _steer_prompt(case.body)
         prompt = case.body.get("prompt")
         if isinstance(prompt, (str, list)) and len(prompt) > 64:
             case.body["prompt"] = prompt[:64]
