@@ -3,7 +3,7 @@
 Claims measured (article sections 3.6 and 4):
   (a) capacity: on a fixed KV budget per rank, the allocator of a C_d-rank DCP group holds the
       formula's factor more tokens than plain TP (C_d = 1): (E + I) / (E / C_d + I) with a copied
-      index, C_d with a split one (DESIGN.md invariant 6); computed for the built-in `small` model
+      index, C_d with a split one (docs/design.md invariant 6); computed for the built-in `small` model
       and a GLM-5.3-like config with an fp8 cache, each pool built for real and its bytes checked;
   (b) step time: splitting the cache costs little. At 32k tokens of context, the DCP step time
       (W = 2, C_d = 2) over the plain tensor-parallel step time (W = 2, C_d = 1) is at most 1.15

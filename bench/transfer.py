@@ -1,6 +1,6 @@
 """KV hand-off transport: bandwidth between two processes, pack cost, and a whole 16k-token hand-off.
 
-Claims measured (issue 5): at 64 MB, NIXL (UCX, host DRAM) moves data at least as fast as a raw TCP
+Claims measured: at 64 MB, NIXL (UCX, host DRAM) moves data at least as fast as a raw TCP
 socket on loopback (the practical ceiling on a machine without RDMA), measured in the same run; and
 a whole hand-off of a 16k-token prompt of the built-in `small` model from a prefill instance with
 C_p = 2 into a decode instance with W = C_d = 2 (pack included, from the first send to the last row

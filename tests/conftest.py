@@ -82,7 +82,7 @@ def heads12_checkpoints(tmp_path_factory):
     """{arch: path}: the tiny presets with 12 attention heads, so TP (= W) can be 1, 2, 3 or 4.
     glm_moe_dsa's has one index head: a score is then w * relu(q . k), exactly 0 for about half the
     keys and the largest score whenever w < 0, so ties at 0 decide top-k places all the time (the
-    tie rule of DESIGN.md invariant 3 is exercised); deepseek_v32 keeps the preset's 8 index heads."""
+    tie rule of docs/design.md invariant 3 is exercised); deepseek_v32 keeps the preset's 8 index heads."""
     from pdserve.model.random_checkpoint import make_model
 
     root = tmp_path_factory.mktemp("ckpt12")

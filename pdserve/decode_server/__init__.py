@@ -1,1 +1,1 @@
-"""Decode instance: DCP slot mapping, DCP attention backend and LSE merge, decode scheduler (issue 4)."""
+"""Decode instance: DCP slot mapping, DCP attention backend and LSE merge, decode scheduler."""

@@ -79,7 +79,7 @@ class DecodeEngine:
     def step(self) -> list[tuple[DecodeRequest, int | None]]:
         """Admits what fits (loading its cache), then decodes one token for every running request.
         Events are (request, token); a request that failed has token None, state "failed" and its
-        `error` (DESIGN.md invariant 9: the others go on). RankError (a broken rank group) propagates."""
+        `error` (docs/design.md invariant 9: the others go on). RankError (a broken rank group) propagates."""
         events = self.admit()
         batch = list(self.scheduler.running)
         self.last_logits = {}

@@ -3,7 +3,7 @@
 GET  /live         200 while the HTTP server runs (Kubernetes liveness; /health is readiness)
 GET  /health       200 {"status": "ok"} while every rank lives; 503 {"error": "rank 1 (pid ...) ..."} otherwise;
                    503 {"status": "draining"} after SIGTERM (new requests get 503, running ones finish)
-GET  /capacity     total / free KV tokens, bytes per token per rank (DESIGN.md invariant 6), index mode,
+GET  /capacity     total / free KV tokens, bytes per token per rank (docs/design.md invariant 6), index mode,
                    tp_size, dcp_size, kv_cache_dtype, page_size, running / queued requests, ranks (pid, cache bytes)
 POST /v1/generate  {"token_ids": [...], "max_tokens": 16, "temperature", "top_p", "top_k", "seed",
                     "stop_token_ids": [], "ignore_eos": false, "stream": false, "request_id"?, "bootstrap"?}

@@ -1,6 +1,6 @@
 """The main-process side of a decode instance: its ranks and its page bookkeeping.
 
-One global slot numbering for the whole instance (DESIGN.md invariant 4): pages are page_size
+One global slot numbering for the whole instance (docs/design.md invariant 4): pages are page_size
 slots, page_size a multiple of C_d, so a page's slots are spread evenly over the DCP group and a
 request's token p lands on group rank p % C_d. The scheduler decides; this class executes.
 """

@@ -20,7 +20,7 @@ context (a client costs a socket, not I/O threads), and are bounded: one with no
 closed after `client_idle_s`, and beyond `max_clients` the least recently used idle one goes first
 (so a stream of distinct -- even bogus -- endpoints cannot exhaust threads or file descriptors).
 
-Health (DESIGN.md invariant 11): every LISTENER_CHECK_S the engine thread asks the ranks whether
+Health (docs/design.md invariant 11): every LISTENER_CHECK_S the engine thread asks the ranks whether
 their data-path receiver threads live (DecodeInstance.listener_problem); `unhealthy()` returns the
 last answer for /health without touching the ranks.
 """

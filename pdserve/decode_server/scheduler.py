@@ -11,7 +11,7 @@
   token is never cached), so a running request never stalls for memory and nothing is preempted.
   Requests are admitted in arrival order; one that does not fit yet waits at the head.
 - waiting_for_kv: pages are reserved, the cache is being delivered (loaded directly today, by the
-  KV hand-off in issue 5). `kv_ready()` moves a request to running.
+  KV hand-off). `kv_ready()` moves a request to running.
 - running: continuous batching. Every step decodes one token for every running request;
   requests join and leave between steps.
 The first output token comes with the cache (the prefill sampled it), so a request with

@@ -1,4 +1,4 @@
-"""The cluster secret and what is derived from it (DESIGN.md invariant 11). Torch-free.
+"""The cluster secret and what is derived from it (docs/design.md invariant 11). Torch-free.
 
 One internal token per deployment authenticates everything between pdserve's own processes:
 - instance HTTP APIs (everything but /health and /live) require `Authorization: Bearer <token>`;

@@ -1,4 +1,4 @@
-"""How many tokens a decode rank can hold: DESIGN.md invariant 6.
+"""How many tokens a decode rank can hold: docs/design.md invariant 6.
 
 With decode context parallelism over C_d ranks, slot s lives on rank s % C_d, so each rank keeps
 1/C_d of the latent cache (E bytes per token over all layers). The index (I bytes per token over the

@@ -1,4 +1,4 @@
-"""What every HTTP edge shares (router and instances alike; DESIGN.md invariants 9 and 11). Torch-free.
+"""What every HTTP edge shares (router and instances alike; docs/design.md invariants 9 and 11). Torch-free.
 
 - OpenAI-style error bodies: {"error": {"message", "type", "param", "code"}}, for bad bodies (400,
   naming the field), HTTPExceptions, oversized bodies (413) and unexpected failures (500 with an

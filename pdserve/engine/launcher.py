@@ -7,7 +7,7 @@ It owns shutdown: `shutdown()` stops every rank, and `dead_rank()` reports a ran
 the instance can stop at once with a message naming it instead of hanging in a collective.
 Each rank asks the kernel to SIGTERM it when the launcher dies, so no rank is ever orphaned.
 
-Failure isolation (DESIGN.md invariant 9): an exception inside a command (a bad request, an
+Failure isolation (docs/design.md invariant 9): an exception inside a command (a bad request, an
 unexpected shape, an injected fault) is that command's failure, `CommandFailed`, and the group
 stays usable, provided every rank answered: a rank answers only once it is out of its command, so
 no collective can be left half-done. Only a rank that dies, or ranks that stay inside the command

@@ -1,6 +1,6 @@
 """Request and sampling types shared by the engine, both servers and the router (plain Python, no torch).
 
-The range limits below are the one definition every edge checks against (DESIGN.md invariant 9):
+The range limits below are the one definition every edge checks against (docs/design.md invariant 9):
 the router's OpenAI bodies, the instances' HTTP bodies and SamplingParams itself.
 """
 

@@ -67,7 +67,7 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, softmax_s
 
 
 def topk_earliest(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k per row with the tie rule of DESIGN.md invariant 3: among equal scores the earlier
+    """Top-k per row with the tie rule of docs/design.md invariant 3: among equal scores the earlier
     (lower index) key wins. Invalid keys are never selected.
 
     scores [B, S] float, valid [B, S] bool -> indices [B, k] in ascending order, -1 where a row has

@@ -1,1 +1,1 @@
-"""Prefill instance: context-parallel layouts, CP attention backend, prefill scheduler (issue 3)."""
+"""Prefill instance: context-parallel layouts, CP attention backend, prefill scheduler."""

@@ -2,7 +2,7 @@
 
 Every rank holds the same slot numbering (full cache) or the same numbering for its own layers
 (layer-split), so one PageAllocator here serves all of them. A request's pages stay held after its
-prefill until `release()`: the KV hand-off (issue 5) reads them before they are freed.
+prefill until `release()`: the KV hand-off reads them before they are freed.
 """
 
 from __future__ import annotations

@@ -1,1 +1,1 @@
-"""Router: OpenAI-compatible API, instance pools and policies, admin API and CLI (issue 6). Imports no torch."""
+"""Router: OpenAI-compatible API, instance pools and policies, admin API and CLI. Imports no torch."""

@@ -1,4 +1,4 @@
-"""One request through a prefill and a decode instance (DESIGN.md section 4), with retries.
+"""One request through a prefill and a decode instance (docs/design.md section 4), with retries.
 
 A try picks a pair, makes a room id, and sends to both halves at once: the decode's
 POST /v1/generate (NDJSON stream, `bootstrap` = the prefill's side channel) and the prefill's

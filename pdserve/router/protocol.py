@@ -1,7 +1,7 @@
 """OpenAI request bodies (the fields the router honours), response builders and the error body.
 
 Unknown fields are ignored, as OpenAI-compatible servers do; every known field is range-checked
-(DESIGN.md invariant 9: non-finite numbers, huge integers, out-of-range values are a 400 naming the
+(docs/design.md invariant 9: non-finite numbers, huge integers, out-of-range values are a 400 naming the
 field). Extensions: `top_k` (-1 or 0: off), `ignore_eos`, and `return_token_ids` (each choice gets
 the generated ids as `token_ids`).
 """

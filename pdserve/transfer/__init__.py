@@ -1,1 +1,1 @@
-"""KV hand-off between prefill and decode instances: packing plans, sender/receiver protocol, NIXL and TCP backends (issue 5)."""
+"""KV hand-off between prefill and decode instances: packing plans, sender/receiver protocol, NIXL and TCP backends."""

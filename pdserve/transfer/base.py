@@ -10,7 +10,7 @@ the aux message (TransferDone) was sent last. Receiver: Bootstrapping until its 
 offered, WaitingForInput until the first data frame, Transferring until the aux data arrived and
 checked out (Success) -- or the transfer timeout passed (Failed).
 
-Invariants (DESIGN.md 3.7-3.8): Failed never reverts and keeps its first reason; Success only
+Invariants (docs/design.md 3.7-3.8): Failed never reverts and keeps its first reason; Success only
 from Transferring and is final; an illegal transition raises (it is a bug, not a peer's fault).
 Backends call `fail()` for every peer-caused problem, so a bad peer fails one room, never the process.
 """

@@ -1,4 +1,4 @@
-"""Authenticated frames of the transfer layer (DESIGN.md invariant 11), shared by the side channel,
+"""Authenticated frames of the transfer layer (docs/design.md invariant 11), shared by the side channel,
 the TCP data path and NIXL notifications.
 
 Every frame carries an HMAC-SHA256 tag under the cluster's frame key (engine/auth.frame_key of the

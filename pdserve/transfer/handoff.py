@@ -8,7 +8,7 @@
     decode   polls TransferStatusCmd until every expected row arrived (or the transfer timeout),
              checks errors, checksums and the layout echo -> kv_ready: the request runs.
 On any failure both sides release what they hold (prefill pages, decode pages and receiver room
-state) and `TransferError` names the reason; the instances stay usable (DESIGN.md 3.7-3.8). The
+state) and `TransferError` names the reason; the instances stay usable (docs/design.md 3.7-3.8). The
 decode side is told the room is quiesced (a NIXL receive region is reusable at once) unless the
 prefill ranks may still be sending: only when prefill.send itself broke off (not a SendError).
 The same code runs over either data path (the ranks' `transfer`: tcp or nixl).

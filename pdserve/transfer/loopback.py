@@ -5,7 +5,7 @@ path. The receiver opens a room and posts its DecodeReservation; the sender pick
 the fingerprint, ships frames, and posts TransferDone last. Every room opened gets a new ticket;
 the sender keeps the ticket of the reservation it answered, and the bus drops anything posted with
 a stale ticket or to a closed room -- so a late completion for an aborted (even a reused) room is
-ignored, never delivered (DESIGN.md invariant 8).
+ignored, never delivered (docs/design.md invariant 8).
 """
 
 from __future__ import annotations

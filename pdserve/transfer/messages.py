@@ -5,7 +5,7 @@ Every message is a frozen dataclass registered under a type tag. `encode` writes
 from the tag and the field NAMES -- never by position, so adding a field with a default never
 shifts another one. Unknown tags and unknown or missing fields are a `ProtocolError`.
 
-Order on the channel (DESIGN.md section 4): decode -> prefill `DecodeReservation` (where each
+Order on the channel (docs/design.md section 4): decode -> prefill `DecodeReservation` (where each
 decode rank wants its rows), prefill -> decode data frames (transfer/tcp.py), then `TransferDone`
 LAST (aux: first token, room echo, per-destination checksums, layout echo) or `TransferFailed`.
 `Heartbeat`s let either side detect a dead peer. `Hello` / `Welcome` open a side channel: a decode

@@ -43,7 +43,7 @@ nothing to copy; region landing: copied into the pool first, then checksummed fr
 bytes that change during the copy fail the room's checksum). A room's request runs only after
 every row arrived and the checksums match the sender's (verify_done).
 
-Stale writes (DESIGN.md 3.7-3.8). A one-sided WRITE cannot be refused by its target. What a room's
+Stale writes (docs/design.md 3.7-3.8). A one-sided WRITE cannot be refused by its target. What a room's
 senders may still write into -- its pool pages, or its region -- is not reused while a sender can
 still write there:
   - ForgetCmd(quiesced=True): the caller knows every sender returned (hand_off after prefill.send,

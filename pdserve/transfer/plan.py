@@ -5,7 +5,7 @@ The plan lists, for one request, the rows each prefill rank sends to each decode
 source row, first destination row, length, source step). It is a pure function of the two layouts (no torch,
 no I/O): every prefill rank computes the same plan and executes the transfers it is the source of.
 
-Where position p of the prompt lives (DESIGN.md section 3, invariant 4):
+Where position p of the prompt lives (docs/design.md section 3, invariant 4):
   prefill  every rank that holds layer l keeps p's entries at prefill slot `slots[p]` (the same
            slot numbering on every rank). `full`: every rank holds every layer. `layer-split`:
            rank r holds a contiguous block of layers (`layer_owners`, the rule of

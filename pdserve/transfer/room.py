@@ -1,5 +1,5 @@
 """What a decode rank's receiver knows of one room, and the checks every arriving frame passes
-before a byte of it is stored (DESIGN.md invariants 8 and 11) -- shared by the TCP data path
+before a byte of it is stored (docs/design.md invariants 8 and 11) -- shared by the TCP data path
 (transfer/tcp.py) and NIXL notifications (transfer/nixl.py).
 
   - `check_header` / `check_notif`: the decoded header of a data frame / notification has exactly

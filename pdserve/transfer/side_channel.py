@@ -17,7 +17,7 @@ Heartbeat (sender = its endpoint) to each decode instance with an open room; a d
 that hears nothing from a prefill for its heartbeat timeout while it waits on one of its rooms
 fails those rooms at once instead of waiting out the whole transfer timeout (a dead prefill).
 
-Authentication (DESIGN.md invariant 11, transfer/frames.py): every frame is [message, HMAC tag]
+Authentication (docs/design.md invariant 11, transfer/frames.py): every frame is [message, HMAC tag]
 under the cluster frame key, signed with its direction's label; a frame whose tag does not verify
 is dropped and counted (`unauthenticated`) before anything of it is decoded, and one that verifies
 but does not decode is counted in `bad_frames`. A client sends `Hello(nonce)` first and holds every

@@ -13,7 +13,7 @@ The command dataclasses, the room bookkeeping (`RoomRows`) and the frame checks 
 `check_header`, `frame_rows`, `store_rows`) are shared with the NIXL data path (transfer/nixl.py),
 which honours the same commands.
 
-Receiver invariants (DESIGN.md 3.7-3.8):
+Receiver invariants (docs/design.md 3.7-3.8):
   - rows are written into the pool ONLY for a room that is currently expected with the same ticket
     (`ExpectCmd`); anything else (late data of an aborted room, an old reuse of the room id) is
     dropped and counted, never stored where a live request could decode it;

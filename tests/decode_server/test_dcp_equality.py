@@ -1,4 +1,4 @@
-"""DESIGN.md invariant 2 for decode: a decode instance of W real rank processes (TP = W, DCP = C_d)
+"""docs/design.md invariant 2 for decode: a decode instance of W real rank processes (TP = W, DCP = C_d)
 decodes exactly like the single-rank engine (float64 logits within 1e-8, identical greedy tokens).
 
 For (W, C_d) in {(1,1), (2,1), (2,2), (4,2), (4,4)} x index {copy, split} x merge {a2a, ag_rs} x

@@ -1,5 +1,5 @@
 """Issue 14: a short request alone in a batch, and a failure in one request, stay their own size
-(DESIGN.md invariants 2 and 9), over real rank processes.
+(docs/design.md invariants 2 and 9), over real rank processes.
 
 - Regression: a 1-token prompt alone in the batch at C_d = 3 and 4 (copy and split index) used to
   raise on the ranks that own no position yet (`arange(me, smax, C)`, then `gather` on a zero-size

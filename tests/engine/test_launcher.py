@@ -1,4 +1,4 @@
-"""RankGroup failure isolation (DESIGN.md invariant 9), with real rank processes over gloo.
+"""RankGroup failure isolation (docs/design.md invariant 9), with real rank processes over gloo.
 
 A command that raises on some rank while every rank answers fails that command only; the group
 goes on serving. Ranks left inside a collective that a failed peer never joined break the group

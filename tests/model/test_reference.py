@@ -1,4 +1,4 @@
-"""DESIGN.md invariant 1: the single-rank engine computes what Hugging Face transformers computes.
+"""docs/design.md invariant 1: the single-rank engine computes what Hugging Face transformers computes.
 
 For each architecture, on checkpoints written by `make-model` and by transformers' save_pretrained:
 prefill logits at every position in float64 (max abs <= 1e-8) and float32 (relative <= 1e-4) for

@@ -1,4 +1,4 @@
-"""DESIGN.md invariant 2 for prefill: a prefill instance of C_p real rank processes (gloo) stores
+"""docs/design.md invariant 2 for prefill: a prefill instance of C_p real rank processes (gloo) stores
 exactly the cache entries, and computes exactly the first-token logits, of the single-rank engine.
 
 Float64, max abs difference <= 1e-8, for C_p in {1, 2, 3, 4}, every allowed layout, both storage

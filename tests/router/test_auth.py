@@ -1,4 +1,4 @@
-"""Authentication at the HTTP edges (DESIGN.md invariant 11).
+"""Authentication at the HTTP edges (docs/design.md invariant 11).
 
 Instance APIs answer 401 without the internal token (only /health and /live are open), so nobody
 but the router can run a prefill, read /info or /capacity, abort a request, or make a decode

@@ -1,4 +1,4 @@
-"""Hostile input at every HTTP edge (DESIGN.md invariant 9), against real instances behind a router.
+"""Hostile input at every HTTP edge (docs/design.md invariant 9), against real instances behind a router.
 
 Regressions: an out-of-range seed once broke every prefill instance for good (manual_seed raised in
 a rank); `temperature: NaN` once never got an answer (the orchestrator's task died on it); a 10 MB

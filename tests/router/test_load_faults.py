@@ -1,4 +1,4 @@
-"""Load and faults through `pdserve up` (DESIGN.md invariant 9): a failure stays its own size.
+"""Load and faults through `pdserve up` (docs/design.md invariant 9): a failure stays its own size.
 
 Two prefill instances (C_p = 2) and two decode instances (W = C_d = 2) behind the router take 200+
 greedy requests at concurrency 32, streamed and not, some cancelled by the client, while one rank

@@ -1,4 +1,4 @@
-"""Issue 14: a seeded randomized equality sweep over topologies, lengths and batches (DESIGN.md
+"""Issue 14: a seeded randomized equality sweep over topologies, lengths and batches (docs/design.md
 invariants 2, 3 and 5), through the whole path with real rank processes.
 
 Each drawn pair (tests/sweep/draw.py) starts a prefill instance (C_p 1-4, every allowed layout, full

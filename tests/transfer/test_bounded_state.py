@@ -1,4 +1,4 @@
-"""Bounded state on the decode side (DESIGN.md invariant 7 and 11, issue 13 item 4): requests naming
+"""Bounded state on the decode side (docs/design.md invariant 7 and 11, issue 13 item 4): requests naming
 ENDPOINTS distinct bogus bootstrap endpoints (nothing answers there) go through RemoteRooms with a
 real decode instance; each fails cleanly, and the process's threads (OS threads: ZMQ's are not
 Python threads) and file descriptors stay within a bound -- side-channel clients share one ZMQ

@@ -1,4 +1,4 @@
-"""Every listener survives any frame (DESIGN.md invariant 11, issue 13 item 4). FRAMES random and
+"""Every listener survives any frame (docs/design.md invariant 11, issue 13 item 4). FRAMES random and
 malformed frames -- most of them correctly signed, so they get past authentication into the
 decoders -- go to each long-lived listener over its real transport: the prefill's side-channel
 service (ZMQ DEALER -> ROUTER), a decode side-channel client (ROUTER -> DEALER), a TCP receiver

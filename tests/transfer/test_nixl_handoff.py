@@ -111,7 +111,7 @@ def test_stale_write_for_a_reused_room_never_reaches_the_live_request(pair, sing
 
 def test_many_failures_leave_nothing_behind(pair):
     """200 hand-offs, successes and failures of every kind, then the `pair` fixture checks staging,
-    xfer handles, rooms and registrations on both sides are back at idle (DESIGN.md invariant 7)."""
+    xfer handles, rooms and registrations on both sides are back at idle (docs/design.md invariant 7)."""
     run_mixed_faults(*pair, cases=200, seed=1)
 
 

@@ -1,5 +1,5 @@
 """Packing plan of the prefill -> decode hand-off, checked by brute force against the ownership rules
-(DESIGN.md invariant 4): every stored row arrives exactly once from a rank that holds it, nothing
+(docs/design.md invariant 4): every stored row arrives exactly once from a rank that holds it, nothing
 else is sent, runs are maximal, and full-storage sending is spread over all prefill ranks."""
 
 from __future__ import annotations

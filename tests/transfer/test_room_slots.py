@@ -1,4 +1,4 @@
-"""Receivers write only into the slots of the room the rows are for (DESIGN.md invariant 11, issue 13
+"""Receivers write only into the slots of the room the rows are for (docs/design.md invariant 11, issue 13
 item 3). A sender that holds one room's ticket aims that room's rows at another request's slots:
 the frames are refused before a byte is written, the sender's room fails, and the victim's rows
 and greedy tokens are unchanged -- over TCP with real rank processes, and for NIXL notifications

@@ -1,4 +1,4 @@
-"""Side-channel authentication over real ZMQ sockets (DESIGN.md invariant 11, issue 13 item 2): a
+"""Side-channel authentication over real ZMQ sockets (docs/design.md invariant 11, issue 13 item 2): a
 peer without the cluster key (no tag, a wrong key) cannot reserve a room, replace a reservation or
 abort a room -- its frames are dropped and counted; among peers with the key the first reservation
 of a room wins and only the reserving peer can abort it; a decode client sends its reservation

@@ -131,7 +131,7 @@ def test_dead_decode_endpoint_fails_the_room_not_the_instance(pair):
 def test_many_mixed_faults_leave_nothing_behind(pair):
     """200 cases: successes, corrupted payloads, data that never comes and decode aborts mid-transfer (its
     frames then arrive late and are dropped), in one run on the same instances; the `pair` fixture
-    then checks both sides are idle (DESIGN.md invariant 7)."""
+    then checks both sides are idle (docs/design.md invariant 7)."""
     run_mixed_faults(*pair, cases=200, seed=0)
 
 
