@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test serve bench clean scan-tools
+.PHONY: setup test lint serve bench clean scan-tools
 
 setup: $(STAMP)
 
@@ -28,7 +28,12 @@ $(SCAN_VENV)/bin/checkov:
 	$(PYTHON) -m venv $(SCAN_VENV)
 	$(SCAN_VENV)/bin/pip install -q checkov==$(CHECKOV_VERSION)
 
-test: setup scan-tools
+# the formatter's check and the lint set of pyproject.toml ([tool.ruff]); `ruff format .` fixes layout
+lint: setup
+	$(VENV)/bin/ruff format --check pdserve tests bench docs
+	$(VENV)/bin/ruff check pdserve tests bench docs
+
+test: setup scan-tools lint
 	PDSERVE_CHECKOV=$(SCAN_VENV)/bin/checkov $(PY) -m pytest -q tests
 
 # the whole stack on the built-in small model: router, a prefill instance (C_p = 2), a decode

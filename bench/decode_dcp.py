@@ -36,13 +36,13 @@ from pathlib import Path
 import torch
 
 from pdserve.cli import ensure_builtin_model
-from pdserve.engine import capacity
-from pdserve.engine.comm import CPU_COMMS
-from pdserve.model.config import ModelConfig
-from pdserve.model.presets import glm53_like_config
 from pdserve.decode_server.instance import DecodeInstance
 from pdserve.decode_server.rank_worker import DecodeWorkerConfig
+from pdserve.engine import capacity
+from pdserve.engine.comm import CPU_COMMS
 from pdserve.engine.launcher import LaunchConfig
+from pdserve.model.config import ModelConfig
+from pdserve.model.presets import glm53_like_config
 
 WARMUP = 3
 CONFIGS = [  # name, W, C_d, index mode, comm, replicated q
@@ -54,7 +54,6 @@ CONFIGS = [  # name, W, C_d, index mode, comm, replicated q
     ("DCP=2 split a2a", 2, 2, "split", "a2a", False),
 ]
 HEADLINE = "DCP=2 copy a2a"  # the article's default: copied index, all-to-all merge
-
 
 
 def free_port() -> int:
@@ -72,13 +71,31 @@ def fill_random_cache(inst: DecodeInstance, pages: list[list[int]], n: int) -> N
         inst.load(p, kv, index)
 
 
-def measure(model: str, name, tp, dcp, index_mode, comm, rq, contexts: list[int], batches: list[int], steps: int,
-            cpu_comm: str) -> dict:
+def measure(
+    model: str,
+    name,
+    tp,
+    dcp,
+    index_mode,
+    comm,
+    rq,
+    contexts: list[int],
+    batches: list[int],
+    steps: int,
+    cpu_comm: str,
+) -> dict:
     page, context = 64, max(contexts)
     per_request = context + steps + WARMUP + 1
     slots = -(-per_request // page) * page * max(batches)
-    worker = DecodeWorkerConfig(model, num_slots=slots, dcp_size=dcp, index_mode=index_mode, comm=comm, replicate_q=rq,
-                                cpu_comm=cpu_comm)
+    worker = DecodeWorkerConfig(
+        model,
+        num_slots=slots,
+        dcp_size=dcp,
+        index_mode=index_mode,
+        comm=comm,
+        replicate_q=rq,
+        cpu_comm=cpu_comm,
+    )
     with DecodeInstance(worker, LaunchConfig(tp, free_port(), threads_per_rank=1), page_size=page) as inst:
         out = {"cache_bytes_per_rank": inst.rank_infos[0]["cache_bytes"], "slots": slots}
         pages = [inst.allocator.allocate(per_request) for _ in range(max(batches))]
@@ -91,7 +108,9 @@ def measure(model: str, name, tp, dcp, index_mode, comm, rq, contexts: list[int]
                     inst.step([7] * b, pages[:b], [ctx + 1 + i] * b)
                     times.append(time.perf_counter() - t0)
                 out[key(ctx, b)] = 1000 * statistics.median(times[WARMUP:])
-        print(f"{name:24s} " + "  ".join(f"{k}: {out[k]:7.2f} ms" for k in out if k.endswith("_ms")), flush=True)
+        print(
+            f"{name:24s} " + "  ".join(f"{k}: {out[k]:7.2f} ms" for k in out if k.endswith("_ms")), flush=True
+        )
         return out
 
 
@@ -103,17 +122,28 @@ def capacity_table(model: str, budget: int) -> list[dict]:
     """(a): per model config, C_d and index mode, the tokens the allocator fits in `budget` bytes per
     rank (whole pages), the pool's real bytes, and its factor over C_d = 1 next to the formula's."""
     rows = []
-    cases = [("small (float32)", ModelConfig.from_pretrained(model), "auto", torch.float32),
-             ("GLM-5.3-like (fp8)", ModelConfig.from_dict(glm53_like_config()), "fp8_e4m3", torch.bfloat16)]
+    cases = [
+        ("small (float32)", ModelConfig.from_pretrained(model), "auto", torch.float32),
+        ("GLM-5.3-like (fp8)", ModelConfig.from_dict(glm53_like_config()), "fp8_e4m3", torch.bfloat16),
+    ]
     for label, cfg, kvd, dtype in cases:
         base = capacity.tokens_for_budget(cfg, budget, 1, "copy", 64, kvd, dtype)
         for dcp in (1, 2, 4):
             for index in ("copy", "split"):
                 tokens = capacity.tokens_for_budget(cfg, budget, dcp, index, 64, kvd, dtype)
                 pool = capacity.pool_for_budget(cfg, budget, dcp, index, 64, dtype, kvd, device="meta")
-                rows.append({"model": label, "dcp_size": dcp, "index": index, "tokens": tokens,
-                             "pool_bytes_per_rank": pool.nbytes, "budget_bytes": budget,
-                             "factor": tokens / base, "formula": capacity.capacity_factor(cfg, dcp, index, kvd, dtype)})
+                rows.append(
+                    {
+                        "model": label,
+                        "dcp_size": dcp,
+                        "index": index,
+                        "tokens": tokens,
+                        "pool_bytes_per_rank": pool.nbytes,
+                        "budget_bytes": budget,
+                        "factor": tokens / base,
+                        "formula": capacity.capacity_factor(cfg, dcp, index, kvd, dtype),
+                    }
+                )
     return rows
 
 
@@ -129,17 +159,32 @@ def plot(results: dict, contexts: list[int], batches: list[int], cap_rows: list[
     width = 0.8 / len(combos)
     for i, (ctx, bs) in enumerate(combos):
         base = results[names[0]][key(ctx, bs)]
-        a.bar([x + i * width for x in range(len(names))], [results[n][key(ctx, bs)] / base for n in names],
-              width, label=f"{ctx // 1024}k ctx, batch {bs}")
+        a.bar(
+            [x + i * width for x in range(len(names))],
+            [results[n][key(ctx, bs)] / base for n in names],
+            width,
+            label=f"{ctx // 1024}k ctx, batch {bs}",
+        )
     a.axhline(1.15, ls="--", c="r", label="1.15 target")
-    a.set_xticks([x + width * (len(combos) - 1) / 2 for x in range(len(names))], names, rotation=20, ha="right", fontsize=8)
+    a.set_xticks(
+        [x + width * (len(combos) - 1) / 2 for x in range(len(names))],
+        names,
+        rotation=20,
+        ha="right",
+        fontsize=8,
+    )
     a.set_ylabel("step time / TP=2 step time")
     a.set_title("decode step time, W = 2 (same attention work per rank)")
     a.legend(fontsize=7)
     for label in dict.fromkeys(r["model"] for r in cap_rows):
         for index, style in (("copy", "-o"), ("split", "--s")):
             rows = [r for r in cap_rows if r["model"] == label and r["index"] == index]
-            b.plot([r["dcp_size"] for r in rows], [r["factor"] for r in rows], style, label=f"{label}, {index} (allocator)")
+            b.plot(
+                [r["dcp_size"] for r in rows],
+                [r["factor"] for r in rows],
+                style,
+                label=f"{label}, {index} (allocator)",
+            )
             b.plot([r["dcp_size"] for r in rows], [r["formula"] for r in rows], "k:", lw=0.8)
     b.set_xlabel("C_d")
     b.set_ylabel("tokens held / tokens at C_d = 1")
@@ -150,13 +195,31 @@ def plot(results: dict, contexts: list[int], batches: list[int], cap_rows: list[
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--contexts", default="8192,32768", help="cached tokens per request, comma-separated (default 8192,32768)")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--contexts",
+        default="8192,32768",
+        help="cached tokens per request, comma-separated (default 8192,32768)",
+    )
     ap.add_argument("--batches", default="1,16", help="decode batch sizes, comma-separated (default 1,16)")
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps per configuration (default 20)")
-    ap.add_argument("--rounds", type=int, default=2, help="measure every configuration this many times, keep the best (default 2)")
-    ap.add_argument("--cpu-comm", default="shm", choices=CPU_COMMS, help="collectives between the ranks (default shm)")
-    ap.add_argument("--budget", default=256 << 20, type=int, help="KV bytes per rank for the capacity table (default 256 MiB)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="measure every configuration this many times, keep the best (default 2)",
+    )
+    ap.add_argument(
+        "--cpu-comm", default="shm", choices=CPU_COMMS, help="collectives between the ranks (default shm)"
+    )
+    ap.add_argument(
+        "--budget",
+        default=256 << 20,
+        type=int,
+        help="KV bytes per rank for the capacity table (default 256 MiB)",
+    )
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the built-in small model)")
     ap.add_argument("--out", default="bench/results", help="output directory for decode_dcp.json/.png")
     args = ap.parse_args()
@@ -167,8 +230,10 @@ def main() -> None:
     cap_rows = capacity_table(model, args.budget)
     print(f"(a) capacity on {args.budget} bytes per rank: factor over C_d = 1, allocator vs formula")
     for r in cap_rows:
-        print(f"  {r['model']:20s} C_d={r['dcp_size']} {r['index']:5s} tokens {r['tokens']:9d}  "
-              f"pool {r['pool_bytes_per_rank']:10d} B  factor {r['factor']:.3f}  formula {r['formula']:.3f}")
+        print(
+            f"  {r['model']:20s} C_d={r['dcp_size']} {r['index']:5s} tokens {r['tokens']:9d}  "
+            f"pool {r['pool_bytes_per_rank']:10d} B  factor {r['factor']:.3f}  formula {r['formula']:.3f}"
+        )
     cap_error = max(abs(r["factor"] / r["formula"] - 1) for r in cap_rows)
     print(f"  largest allocator/formula difference: {100 * cap_error:.2f}%\n")
 
@@ -186,19 +251,45 @@ def main() -> None:
     for name, r in ratios.items():
         print(f"  {name:24s} " + "  ".join(f"{k}: {v:.3f}" for k, v in r.items()))
     long = max(contexts)
-    headline = {f"dcp2_copy_a2a_over_tp2_ctx{long}_batch{b}": ratios[HEADLINE][f"ctx{long}_batch{b}"] for b in batches}
-    headline["worst_dcp2_over_tp2_ctx{}".format(long)] = max(v for n, r in ratios.items() if n != CONFIGS[0][0]
-                                                            for k, v in r.items() if k.startswith(f"ctx{long}_"))
+    headline = {
+        f"dcp2_copy_a2a_over_tp2_ctx{long}_batch{b}": ratios[HEADLINE][f"ctx{long}_batch{b}"] for b in batches
+    }
+    headline["worst_dcp2_over_tp2_ctx{}".format(long)] = max(
+        v
+        for n, r in ratios.items()
+        if n != CONFIGS[0][0]
+        for k, v in r.items()
+        if k.startswith(f"ctx{long}_")
+    )
     headline["capacity_allocator_vs_formula_max_rel_diff"] = cap_error
     print("\nheadline:", json.dumps(headline, indent=1))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "decode_dcp.json").write_text(json.dumps({
-        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads_per_rank": 1,
-                    "cpu_comm": args.cpu_comm, "date": datetime.datetime.now().isoformat(timespec="seconds")},
-        "config": {"contexts": contexts, "batches": batches, "steps": args.steps, "rounds": args.rounds, "model": model},
-        "capacity": cap_rows, "results": results, "ratios_over_tp2": ratios, "headline": headline,
-    }, indent=1))
+    (out / "decode_dcp.json").write_text(
+        json.dumps(
+            {
+                "machine": {
+                    "platform": platform.platform(),
+                    "torch": torch.__version__,
+                    "threads_per_rank": 1,
+                    "cpu_comm": args.cpu_comm,
+                    "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                },
+                "config": {
+                    "contexts": contexts,
+                    "batches": batches,
+                    "steps": args.steps,
+                    "rounds": args.rounds,
+                    "model": model,
+                },
+                "capacity": cap_rows,
+                "results": results,
+                "ratios_over_tp2": ratios,
+                "headline": headline,
+            },
+            indent=1,
+        )
+    )
     plot(results, contexts, batches, cap_rows, out / "decode_dcp.png")
     print(f"\nwrote {out / 'decode_dcp.json'} and {out / 'decode_dcp.png'}")
 

@@ -67,16 +67,21 @@ def ours_engine(model, kv_tokens: int):
 
 def ours_prefill(model_dir: str, length: int) -> dict:
     import torch
+
     from pdserve.engine.request import SamplingParams
     from pdserve.model.weights import load_model
 
     model = load_model(model_dir, torch.float32)
-    ours_engine(model, 512).generate([prompt_ids(300, 1, model.config.vocab_size)], SamplingParams(max_tokens=2))
+    ours_engine(model, 512).generate(
+        [prompt_ids(300, 1, model.config.vocab_size)], SamplingParams(max_tokens=2)
+    )
     ids = prompt_ids(length, length, model.config.vocab_size)
     reset_peak()
     base = rss_kb()
     engine = ours_engine(model, length + 16)  # the KV pool counts as prefill memory
-    return timed_prefill(lambda: engine.generate([ids], SamplingParams(max_tokens=1, ignore_eos=True)), length, base)
+    return timed_prefill(
+        lambda: engine.generate([ids], SamplingParams(max_tokens=1, ignore_eos=True)), length, base
+    )
 
 
 def timed_prefill(fn, length: int, base_kb: int) -> dict:
@@ -87,7 +92,13 @@ def timed_prefill(fn, length: int, base_kb: int) -> dict:
         fn()
         times.append(time.perf_counter() - t0)
     dt = min(times)
-    return {"seconds": dt, "all_seconds": times, "tokens_per_s": length / dt, "peak_mb": peak_growth_mb(base_kb), "base_rss_mb": base_kb / 1024}
+    return {
+        "seconds": dt,
+        "all_seconds": times,
+        "tokens_per_s": length / dt,
+        "peak_mb": peak_growth_mb(base_kb),
+        "base_rss_mb": base_kb / 1024,
+    }
 
 
 def hf_model(model_dir: str):
@@ -111,13 +122,17 @@ def hf_prefill(model_dir: str, length: int) -> dict:
 
 def ours_decode(model_dir: str, batch: int, context: int, steps: int) -> dict:
     import torch
+
     from pdserve.engine.request import SamplingParams
     from pdserve.model.weights import load_model
 
     model = load_model(model_dir, torch.float32)
     engine = ours_engine(model, batch * (context + steps + WARMUP_STEPS + 16))
     params = SamplingParams(max_tokens=steps + WARMUP_STEPS + 1, ignore_eos=True)
-    reqs = [engine.add_request(prompt_ids(context, 100 + i, model.config.vocab_size), params) for i in range(batch)]
+    reqs = [
+        engine.add_request(prompt_ids(context, 100 + i, model.config.vocab_size), params)
+        for i in range(batch)
+    ]
     while len(engine.scheduler.running) < batch or any(len(r.output_ids) < 1 for r in reqs):
         engine.step()
     for _ in range(WARMUP_STEPS):
@@ -133,8 +148,13 @@ def ours_decode(model_dir: str, batch: int, context: int, steps: int) -> dict:
 
 def decode_result(step_s: list[float], batch: int) -> dict:
     dt, median = sum(step_s), sorted(step_s)[len(step_s) // 2]
-    return {"seconds": dt, "tokens_per_s": batch * len(step_s) / dt, "ms_per_step": 1000 * dt / len(step_s),
-            "ms_per_step_median": 1000 * median, "tokens_per_s_from_median": batch / median}
+    return {
+        "seconds": dt,
+        "tokens_per_s": batch * len(step_s) / dt,
+        "ms_per_step": 1000 * dt / len(step_s),
+        "ms_per_step_median": 1000 * median,
+        "tokens_per_s_from_median": batch / median,
+    }
 
 
 def hf_decode(model_dir: str, batch: int, context: int, steps: int) -> dict:
@@ -161,12 +181,18 @@ def hf_decode(model_dir: str, batch: int, context: int, steps: int) -> dict:
     return decode_result(step_s, batch)
 
 
-TASKS = {("ours", "prefill"): ours_prefill, ("transformers", "prefill"): hf_prefill,
-         ("ours", "decode"): ours_decode, ("transformers", "decode"): hf_decode}
+TASKS = {
+    ("ours", "prefill"): ours_prefill,
+    ("transformers", "prefill"): hf_prefill,
+    ("ours", "decode"): ours_decode,
+    ("transformers", "decode"): hf_decode,
+}
 
 
 def is_oom(text: str) -> bool:
-    return any(s in text.lower() for s in ("can't allocate", "cannot allocate", "out of memory", "memoryerror"))
+    return any(
+        s in text.lower() for s in ("can't allocate", "cannot allocate", "out of memory", "memoryerror")
+    )
 
 
 def worker(spec: dict) -> None:
@@ -191,12 +217,14 @@ def run_worker(engine: str, kind: str, args: list, a: argparse.Namespace) -> dic
     label = f"{engine} {kind} {args[1:]}"
     print(f"  running {label} ...", file=sys.stderr, flush=True)
     try:
-        p = subprocess.run([sys.executable, __file__, "--worker", spec], capture_output=True, text=True, timeout=a.timeout)
+        p = subprocess.run(
+            [sys.executable, __file__, "--worker", spec], capture_output=True, text=True, timeout=a.timeout
+        )
     except subprocess.TimeoutExpired:
         return {"error": "timeout"}
     for line in p.stdout.splitlines():
         if line.startswith(MARK):
-            return json.loads(line[len(MARK):])
+            return json.loads(line[len(MARK) :])
     tail = p.stderr.strip().splitlines()[-3:]
     oom = p.returncode == -9 or is_oom(" ".join(tail))
     print(f"  {label} failed (rc {p.returncode}): {' | '.join(tail)}", file=sys.stderr)
@@ -210,7 +238,9 @@ def measure(a: argparse.Namespace, model_dir: str) -> dict:
         for n in a.lengths:
             res["prefill"][e][str(n)] = run_worker(e, "prefill", [model_dir, n], a)
         for b in a.decode_batches:
-            res["decode"][e][str(b)] = run_worker(e, "decode", [model_dir, b, a.decode_context, a.decode_steps], a)
+            res["decode"][e][str(b)] = run_worker(
+                e, "decode", [model_dir, b, a.decode_context, a.decode_steps], a
+            )
     return res
 
 
@@ -234,14 +264,23 @@ def fmt(r: dict, field: str) -> str:
 
 def table(res: dict) -> str:
     rows = [("metric", "ours", "transformers", "ours/transformers")]
-    specs = [("prefill", "tokens_per_s", "prefill tok/s @{}"), ("prefill", "peak_mb", "prefill peak MB @{}"),
-             ("decode", "tokens_per_s", "decode tok/s batch {}")]
+    specs = [
+        ("prefill", "tokens_per_s", "prefill tok/s @{}"),
+        ("prefill", "peak_mb", "prefill peak MB @{}"),
+        ("decode", "tokens_per_s", "decode tok/s batch {}"),
+    ]
     for kind, field, name in specs:
         for key, r_ours in res[kind]["ours"].items():
             r_hf = res[kind].get("transformers", {}).get(key, {})
             ratio = r_ours.get(field, 0) / r_hf[field] if r_hf.get(field) and r_ours.get(field) else None
-            rows.append((name.format(key), fmt(r_ours, field), fmt(r_hf, field) if r_hf else "-",
-                         f"{ratio:.2f}x" if ratio else "-"))
+            rows.append(
+                (
+                    name.format(key),
+                    fmt(r_ours, field),
+                    fmt(r_hf, field) if r_hf else "-",
+                    f"{ratio:.2f}x" if ratio else "-",
+                )
+            )
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
 
@@ -261,10 +300,21 @@ def plot(res: dict, path: Path, context: int) -> None:
                 ax.plot(*zip(*pts), "o-", color=f"C{i}", label=e)
             for n, r in res["prefill"][e].items():
                 if "error" in r:
-                    ax.annotate(fmt(r, field), (int(n), 0.02), xycoords=("data", "axes fraction"), color=f"C{i}", ha="center")
+                    ax.annotate(
+                        fmt(r, field),
+                        (int(n), 0.02),
+                        xycoords=("data", "axes fraction"),
+                        color=f"C{i}",
+                        ha="center",
+                    )
         batches = list(res["decode"][e])
-        ax2.bar([j + 0.38 * i for j in range(len(batches))], [res["decode"][e][b].get("tokens_per_s", 0) for b in batches],
-                0.38, color=f"C{i}", label=e)
+        ax2.bar(
+            [j + 0.38 * i for j in range(len(batches))],
+            [res["decode"][e][b].get("tokens_per_s", 0) for b in batches],
+            0.38,
+            color=f"C{i}",
+            label=e,
+        )
     ax2.set_xticks([j + 0.19 for j in range(len(batches))], [f"batch {b}" for b in batches])
     ours = [(int(n), r["peak_mb"]) for n, r in res["prefill"]["ours"].items() if "peak_mb" in r]
     if ours:
@@ -272,9 +322,21 @@ def plot(res: dict, path: Path, context: int) -> None:
         xs = [n for n, _ in ours]
         ax3.plot(xs, [m0 * n / n0 for n in xs], "k--", lw=1, label="linear reference")
     lengths = sorted({int(n) for r in res["prefill"].values() for n in r})
-    ax1.set(xscale="log", title="Prefill throughput (1 request)", xlabel="prompt tokens", ylabel="tokens/s", ylim=(0, None))
+    ax1.set(
+        xscale="log",
+        title="Prefill throughput (1 request)",
+        xlabel="prompt tokens",
+        ylabel="tokens/s",
+        ylim=(0, None),
+    )
     ax2.set(title=f"Decode throughput ({context}-token context)", ylabel="tokens/s")
-    ax3.set(xscale="log", yscale="log", title="Prefill peak RSS growth over loaded model", xlabel="prompt tokens", ylabel="MB")
+    ax3.set(
+        xscale="log",
+        yscale="log",
+        title="Prefill peak RSS growth over loaded model",
+        xlabel="prompt tokens",
+        ylabel="MB",
+    )
     for ax in (ax1, ax2, ax3):
         ax.grid(alpha=0.3)
         ax.legend()
@@ -289,16 +351,55 @@ def plot(res: dict, path: Path, context: int) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", type=ints, default=[1024, 4096, 16384], help="prefill prompt lengths, comma-separated (default 1024,4096,16384)")
-    p.add_argument("--decode-batches", type=ints, default=[1, 8], help="decode batch sizes, comma-separated (default 1,8)")
-    p.add_argument("--decode-context", type=int, default=1024, help="prompt tokens per request before decode (default 1024)")
-    p.add_argument("--decode-steps", type=int, default=32, help="timed decode steps, one token per request each (default 32)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--lengths",
+        type=ints,
+        default=[1024, 4096, 16384],
+        help="prefill prompt lengths, comma-separated (default 1024,4096,16384)",
+    )
+    p.add_argument(
+        "--decode-batches",
+        type=ints,
+        default=[1, 8],
+        help="decode batch sizes, comma-separated (default 1,8)",
+    )
+    p.add_argument(
+        "--decode-context",
+        type=int,
+        default=1024,
+        help="prompt tokens per request before decode (default 1024)",
+    )
+    p.add_argument(
+        "--decode-steps",
+        type=int,
+        default=32,
+        help="timed decode steps, one token per request each (default 32)",
+    )
     p.add_argument("--skip-transformers", action="store_true", help="measure only our engine")
-    p.add_argument("--model", type=str, default=None, help="checkpoint directory (default: the built-in small glm_moe_dsa model)")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="output folder for engine.json and engine.png (default bench/results)")
-    p.add_argument("--timeout", type=float, default=600, help="seconds allowed per measurement subprocess (default 600)")
-    p.add_argument("--repeats", type=int, default=2, help="prefill runs per length, best taken (stops after 60 s; default 2)")
+    p.add_argument(
+        "--model",
+        type=str,
+        default=None,
+        help="checkpoint directory (default: the built-in small glm_moe_dsa model)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path(__file__).parent / "results",
+        help="output folder for engine.json and engine.png (default bench/results)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=600, help="seconds allowed per measurement subprocess (default 600)"
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="prefill runs per length, best taken (stops after 60 s; default 2)",
+    )
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -312,10 +413,22 @@ def main(argv=None) -> None:
 
     model_dir = str(Path(a.model) if a.model else ensure_builtin_model())
     res = measure(a, model_dir)
-    machine = {"cpu_count": os.cpu_count(), "torch_threads": 2, "platform": platform.platform(), "python": platform.python_version(),
-               "torch": version("torch"), "transformers": version("transformers"), "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    machine = {
+        "cpu_count": os.cpu_count(),
+        "torch_threads": 2,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": version("torch"),
+        "transformers": version("transformers"),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k != "worker"}
-    doc = {"machine": machine, "config": dict(config, model=model_dir, warmup_steps=WARMUP_STEPS, mem_cap_bytes=MEM_CAP), **res, "ratios": ratios(res, a)}
+    doc = {
+        "machine": machine,
+        "config": dict(config, model=model_dir, warmup_steps=WARMUP_STEPS, mem_cap_bytes=MEM_CAP),
+        **res,
+        "ratios": ratios(res, a),
+    }
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "engine.json").write_text(json.dumps(doc, indent=2) + "\n")
     plot(res, a.out / "engine.png", a.decode_context)

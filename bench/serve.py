@@ -72,7 +72,9 @@ def hf_worker(spec: dict) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).eval()
     prompts, max_tokens = spec["prompts"], spec["max_tokens"]
-    gen = dict(do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=0, eos_token_id=0)
+    gen = dict(
+        do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=0, eos_token_id=0
+    )
 
     def run(batch: list[list[int]]) -> tuple[float, list[float], list[list[int]]]:
         width = max(map(len, batch))  # left padding: every row ends at the same position
@@ -98,10 +100,18 @@ def hf_worker(spec: dict) -> dict:
     else:
         t0, times, ids_out = run(prompts)
         wall = time.perf_counter() - t0
-        res = summary(len(prompts), len(prompts) * len(ids_out[0]), wall, [times[0] - t0],
-                      [b - a for a, b in zip(times, times[1:])], [times[-1] - t0])
+        res = summary(
+            len(prompts),
+            len(prompts) * len(ids_out[0]),
+            wall,
+            [times[0] - t0],
+            [b - a for a, b in zip(times, times[1:])],
+            [times[-1] - t0],
+        )
         res["padded_width"] = max(map(len, prompts))
-        res["step_ms"] = [1000 * (b - a) for a, b in zip([t0, *times], times)]  # the first: prefill + 1st token
+        res["step_ms"] = [
+            1000 * (b - a) for a, b in zip([t0, *times], times)
+        ]  # the first: prefill + 1st token
     cpu = resource.getrusage(resource.RUSAGE_SELF)
     res["process_cpu_s"] = cpu.ru_utime + cpu.ru_stime  # over wall_s x 2 threads: how much CPU it got
     return {**res, "token_ids": ids_out}
@@ -125,27 +135,39 @@ def run_hf(mode: str, prompts: list[list[int]], a: argparse.Namespace, model_dir
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:  # too long for argv
         f.write(spec)
     try:
-        p = subprocess.run([sys.executable, __file__, "--worker", f.name], capture_output=True, text=True, timeout=a.timeout)
+        p = subprocess.run(
+            [sys.executable, __file__, "--worker", f.name], capture_output=True, text=True, timeout=a.timeout
+        )
     except subprocess.TimeoutExpired:
         return {"error": "timeout"}
     finally:
         os.unlink(f.name)
     for line in p.stdout.splitlines():
         if line.startswith(MARK):
-            return json.loads(line[len(MARK):])
+            return json.loads(line[len(MARK) :])
     tail = p.stderr.strip().splitlines()[-3:]
     print(f"  transformers {mode} failed (rc {p.returncode}): {' | '.join(tail)}", file=sys.stderr)
-    return {"error": "out of memory" if p.returncode == -9 else f"exit {p.returncode}: {tail[-1] if tail else ''}"}
+    return {
+        "error": "out of memory" if p.returncode == -9 else f"exit {p.returncode}: {tail[-1] if tail else ''}"
+    }
 
 
 # ---------------------------------------------------------------- report
 def agreement(a_ids: list, b_ids: list) -> dict:
     """Requests whose greedy outputs are identical, and the mean common-prefix length."""
     pairs = {i: (x, y) for i, (x, y) in enumerate(zip(a_ids, b_ids)) if x is not None and y is not None}
-    prefix = {i: next((k for k, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y))) for i, (x, y) in pairs.items()}
-    return {"compared": len(pairs), "identical": sum(x == y for x, y in pairs.values()),
-            "mean_common_prefix": sum(prefix.values()) / len(prefix) if prefix else None,
-            "differing": [{"prompt": i, "first_difference_at": prefix[i]} for i, (x, y) in pairs.items() if x != y]}
+    prefix = {
+        i: next((k for k, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+        for i, (x, y) in pairs.items()
+    }
+    return {
+        "compared": len(pairs),
+        "identical": sum(x == y for x, y in pairs.values()),
+        "mean_common_prefix": sum(prefix.values()) / len(prefix) if prefix else None,
+        "differing": [
+            {"prompt": i, "first_difference_at": prefix[i]} for i, (x, y) in pairs.items() if x != y
+        ],
+    }
 
 
 def ratios(stack: dict, hf: dict, conc: list[int]) -> dict:
@@ -155,16 +177,22 @@ def ratios(stack: dict, hf: dict, conc: list[int]) -> dict:
     for c in conc:
         s = stack.get(str(c), {})
         if get(s, "output_tokens_per_s") and get(b1, "output_tokens_per_s"):
-            out[f"stack_c{c}_over_hf_batch1_output_tokens_per_s"] = s["output_tokens_per_s"] / b1["output_tokens_per_s"]
+            out[f"stack_c{c}_over_hf_batch1_output_tokens_per_s"] = (
+                s["output_tokens_per_s"] / b1["output_tokens_per_s"]
+            )
     c_hi = str(max(conc))
     if get(stack.get(c_hi, {}), "output_tokens_per_s") and get(bb, "output_tokens_per_s"):
-        out[f"stack_c{c_hi}_over_hf_padded_batch_output_tokens_per_s"] = stack[c_hi]["output_tokens_per_s"] / bb["output_tokens_per_s"]
+        out[f"stack_c{c_hi}_over_hf_padded_batch_output_tokens_per_s"] = (
+            stack[c_hi]["output_tokens_per_s"] / bb["output_tokens_per_s"]
+        )
     s1 = stack.get(str(min(conc)), {})
     for k in ("ttft_p50_ms", "itl_p50_ms"):
         if get(s1, k) and get(b1, k):
             out[f"stack_c{min(conc)}_over_hf_batch1_{k}"] = s1[k] / b1[k]
     if get(stack.get(c_hi, {}), "requests_per_s") and get(s1, "requests_per_s"):
-        out[f"stack_requests_per_s_c{c_hi}_over_c{min(conc)}"] = stack[c_hi]["requests_per_s"] / s1["requests_per_s"]
+        out[f"stack_requests_per_s_c{c_hi}_over_c{min(conc)}"] = (
+            stack[c_hi]["requests_per_s"] / s1["requests_per_s"]
+        )
     return out
 
 
@@ -173,10 +201,36 @@ def fmt(v, nd=1) -> str:
 
 
 def table(stack: dict, hf: dict) -> str:
-    cols = ("requests_per_s", "output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p50_ms")
-    rows = [("run", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "e2e p50 ms", "errors")]
+    cols = (
+        "requests_per_s",
+        "output_tokens_per_s",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "itl_p50_ms",
+        "itl_p99_ms",
+        "e2e_p50_ms",
+    )
+    rows = [
+        (
+            "run",
+            "req/s",
+            "out tok/s",
+            "TTFT p50 ms",
+            "TTFT p99 ms",
+            "ITL p50 ms",
+            "ITL p99 ms",
+            "e2e p50 ms",
+            "errors",
+        )
+    ]
     for c, r in stack.items():
-        rows.append((f"stack c={c}", *(fmt(r.get(k), 2 if k == "requests_per_s" else 1) for k in cols), str(len(r.get("errors", [])))))
+        rows.append(
+            (
+                f"stack c={c}",
+                *(fmt(r.get(k), 2 if k == "requests_per_s" else 1) for k in cols),
+                str(len(r.get("errors", []))),
+            )
+        )
     for name, label in (("batch1", "transformers batch 1"), ("batch", "transformers padded batch")):
         r = hf.get(name)
         if r is None:
@@ -186,7 +240,9 @@ def table(stack: dict, hf: dict) -> str:
         else:
             rows.append((label, *(fmt(r.get(k), 2 if k == "requests_per_s" else 1) for k in cols), "0"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows)
+    return "\n".join(
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows
+    )
 
 
 def plot(stack: dict, hf: dict, path: Path, title: str) -> None:
@@ -197,24 +253,51 @@ def plot(stack: dict, hf: dict, path: Path, title: str) -> None:
 
     conc = [int(c) for c, r in stack.items() if "output_tokens_per_s" in r]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
-    refs = [(k, lab, ls) for k, lab, ls in (("batch1", "transformers batch 1", "--"), ("batch", "transformers padded batch", ":"))
-            if "output_tokens_per_s" in hf.get(k, {})]
+    refs = [
+        (k, lab, ls)
+        for k, lab, ls in (
+            ("batch1", "transformers batch 1", "--"),
+            ("batch", "transformers padded batch", ":"),
+        )
+        if "output_tokens_per_s" in hf.get(k, {})
+    ]
     ax = axes[0]
-    ax.plot(conc, [stack[str(c)]["output_tokens_per_s"] for c in conc], "o-", color="C0", label="pdserve up: output tok/s")
+    ax.plot(
+        conc,
+        [stack[str(c)]["output_tokens_per_s"] for c in conc],
+        "o-",
+        color="C0",
+        label="pdserve up: output tok/s",
+    )
     for k, lab, ls in refs:
         ax.axhline(hf[k]["output_tokens_per_s"], color="C1", ls=ls, label=lab)
     ax2 = ax.twinx()
-    ax2.plot(conc, [stack[str(c)]["requests_per_s"] for c in conc], "s-", color="C2", alpha=0.6, label="pdserve up: requests/s")
+    ax2.plot(
+        conc,
+        [stack[str(c)]["requests_per_s"] for c in conc],
+        "s-",
+        color="C2",
+        alpha=0.6,
+        label="pdserve up: requests/s",
+    )
     ax2.set_ylabel("requests/s", color="C2")
     ax2.set_ylim(0, None)
     ax.set(title="Throughput vs concurrency", ylabel="output tokens/s", ylim=(0, None))
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
     ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper left")
-    for ax, metric, name in ((axes[1], "ttft", "Time to first token"), (axes[2], "itl", "Inter-token latency")):
+    for ax, metric, name in (
+        (axes[1], "ttft", "Time to first token"),
+        (axes[2], "itl", "Inter-token latency"),
+    ):
         for q, mk in (("p50", "o-"), ("p99", "^--")):
-            ax.plot(conc, [stack[str(c)][f"{metric}_{q}_ms"] for c in conc], mk, color="C0" if q == "p50" else "C3",
-                    label=f"pdserve up {q}")
+            ax.plot(
+                conc,
+                [stack[str(c)][f"{metric}_{q}_ms"] for c in conc],
+                mk,
+                color="C0" if q == "p50" else "C3",
+                label=f"pdserve up {q}",
+            )
         for k, lab, ls in refs:
             for q, col in (("p50", "C1"), ("p99", "C4")):
                 if k == "batch" and metric == "ttft" and q == "p99":
@@ -236,26 +319,69 @@ def plot(stack: dict, hf: dict, path: Path, title: str) -> None:
 # ---------------------------------------------------------------- main
 def parse_args(argv=None) -> argparse.Namespace:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--concurrency", type=ints, default=[1, 8, 32], help="concurrent client requests, comma-separated (default 1,8,32)")
-    p.add_argument("--prompts", type=int, default=32, help="number of prompts; every concurrency level sends each once (default 32)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--concurrency",
+        type=ints,
+        default=[1, 8, 32],
+        help="concurrent client requests, comma-separated (default 1,8,32)",
+    )
+    p.add_argument(
+        "--prompts",
+        type=int,
+        default=32,
+        help="number of prompts; every concurrency level sends each once (default 32)",
+    )
     p.add_argument("--min-len", type=int, default=16, help="shortest prompt in tokens (default 16)")
     p.add_argument("--max-len", type=int, default=512, help="longest prompt in tokens (default 512)")
-    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request, EOS ignored (default 64)")
+    p.add_argument(
+        "--max-tokens", type=int, default=64, help="output tokens per request, EOS ignored (default 64)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt lengths and token ids (default 0)")
-    p.add_argument("--warmup", type=int, default=4, help="untimed requests sent to the stack before measuring (default 4)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=4,
+        help="untimed requests sent to the stack before measuring (default 4)",
+    )
     p.add_argument("--prefill-cp", type=int, default=2, help="pdserve up --prefill-cp (default 2)")
     p.add_argument("--decode-tp", type=int, default=2, help="pdserve up --decode-tp (default 2)")
     p.add_argument("--decode-dcp", type=int, default=2, help="pdserve up --decode-dcp (default 2)")
-    p.add_argument("--dcp-index", default="copy", choices=("copy", "split"), help="pdserve up --dcp-index (default copy)")
-    p.add_argument("--transfer", default="tcp", choices=("tcp", "nixl"), help="pdserve up --transfer (default tcp)")
+    p.add_argument(
+        "--dcp-index", default="copy", choices=("copy", "split"), help="pdserve up --dcp-index (default copy)"
+    )
+    p.add_argument(
+        "--transfer", default="tcp", choices=("tcp", "nixl"), help="pdserve up --transfer (default tcp)"
+    )
     p.add_argument("--port", type=int, default=0, help="router port (default 0: a free one)")
     p.add_argument("--skip-transformers", action="store_true", help="measure only the stack")
     p.add_argument("--skip-stack", action="store_true", help="measure only transformers")
-    p.add_argument("--model", type=str, default=None, help="checkpoint directory (default: the built-in small glm_moe_dsa model)")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="output folder for serve.json and serve.png (default bench/results)")
-    p.add_argument("--timeout", type=float, default=600, help="seconds allowed per request and per transformers subprocess (default 600)")
-    p.add_argument("--ready-timeout", type=float, default=300, help="seconds the stack gets to print its ready line (default 300)")
+    p.add_argument(
+        "--model",
+        type=str,
+        default=None,
+        help="checkpoint directory (default: the built-in small glm_moe_dsa model)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path(__file__).parent / "results",
+        help="output folder for serve.json and serve.png (default bench/results)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=600,
+        help="seconds allowed per request and per transformers subprocess (default 600)",
+    )
+    p.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=300,
+        help="seconds the stack gets to print its ready line (default 300)",
+    )
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -271,9 +397,16 @@ def main(argv=None) -> None:
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     prompts = make_prompts(a.prompts, a.min_len, a.max_len, vocab, a.seed)
     t_start = time.perf_counter()
-    machine = {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-               "torch": version("torch"), "transformers": version("transformers"), "httpx": version("httpx"),
-               "date": datetime.datetime.now().isoformat(timespec="seconds"), "loadavg_at_start": os.getloadavg()}
+    machine = {
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": version("torch"),
+        "transformers": version("transformers"),
+        "httpx": version("httpx"),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "loadavg_at_start": os.getloadavg(),
+    }
 
     stack_res, stack_info = {}, {}
     if not a.skip_stack:
@@ -286,8 +419,13 @@ def main(argv=None) -> None:
             stack_res = asyncio.run(run_stack(sp.url, sp.model, prompts, a))
         finally:
             rc = sp.stop()
-        stack_info = {"command": " ".join(["pdserve", *sp.cmd[3:]]), "startup_s": startup, "stop_returncode": rc,
-                      "log_dir": log_dir, "launcher_output": sp.lines}
+        stack_info = {
+            "command": " ".join(["pdserve", *sp.cmd[3:]]),
+            "startup_s": startup,
+            "stop_returncode": rc,
+            "log_dir": log_dir,
+            "launcher_output": sp.lines,
+        }
         print(f"  stack stopped (rc {rc}); logs in {log_dir}", file=sys.stderr, flush=True)
 
     hf_res = {}
@@ -303,25 +441,47 @@ def main(argv=None) -> None:
 
     rat = ratios(stack_res, hf_res, a.concurrency) if stack_res else {}
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k != "worker"}
-    doc = {"machine": machine,
-           "config": dict(config, model=model_dir, prompt_lengths=[len(p) for p in prompts], hf_torch_threads=2,
-                          stack_torch_threads_per_rank=1, mem_cap_bytes=MEM_CAP),
-           "stack": stack_info, "measurements": {"stack": stack_res, "transformers": hf_res},
-           "greedy_agreement": agree, "ratios": rat, "total_s": time.perf_counter() - t_start}
+    doc = {
+        "machine": machine,
+        "config": dict(
+            config,
+            model=model_dir,
+            prompt_lengths=[len(p) for p in prompts],
+            hf_torch_threads=2,
+            stack_torch_threads_per_rank=1,
+            mem_cap_bytes=MEM_CAP,
+        ),
+        "stack": stack_info,
+        "measurements": {"stack": stack_res, "transformers": hf_res},
+        "greedy_agreement": agree,
+        "ratios": rat,
+        "total_s": time.perf_counter() - t_start,
+    }
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "serve.json").write_text(json.dumps(doc, indent=1) + "\n")
-    title = (f"pdserve up --prefill-cp {a.prefill_cp} --decode-tp {a.decode_tp} --decode-dcp {a.decode_dcp} "
-             f"(small model, {a.prompts} prompts of {a.min_len}-{a.max_len} tokens, {a.max_tokens} output tokens each) "
-             f"vs transformers generate")
+    title = (
+        f"pdserve up --prefill-cp {a.prefill_cp} --decode-tp {a.decode_tp} --decode-dcp {a.decode_dcp} "
+        f"(small model, {a.prompts} prompts of {a.min_len}-{a.max_len} tokens, {a.max_tokens} output tokens each) "
+        f"vs transformers generate"
+    )
     if stack_res:
         plot(stack_res, hf_res, a.out / "serve.png", title)
     print(table(stack_res, hf_res))
     for name, r in rat.items():
         print(f"{name}: {r:.2f}")
     for name, r in agree.items():
-        diff = ", ".join(f"prompt {d['prompt']} ({len(prompts[d['prompt']])} tokens) from token {d['first_difference_at']}" for d in r["differing"])
-        print(f"greedy agreement {name}: {r['identical']}/{r['compared']} identical" + (f"; differ: {diff}" if diff else ""))
-    print(f"total {doc['total_s']:.0f} s; wrote {a.out / 'serve.json'}" + (f" and {a.out / 'serve.png'}" if stack_res else ""))
+        diff = ", ".join(
+            f"prompt {d['prompt']} ({len(prompts[d['prompt']])} tokens) from token {d['first_difference_at']}"
+            for d in r["differing"]
+        )
+        print(
+            f"greedy agreement {name}: {r['identical']}/{r['compared']} identical"
+            + (f"; differ: {diff}" if diff else "")
+        )
+    print(
+        f"total {doc['total_s']:.0f} s; wrote {a.out / 'serve.json'}"
+        + (f" and {a.out / 'serve.png'}" if stack_res else "")
+    )
 
 
 if __name__ == "__main__":

@@ -37,13 +37,23 @@ def pct(xs: list[float], q: float) -> float | None:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-def summary(n_requests: int, tokens: int, wall: float, ttft: list[float], itl: list[float], e2e: list[float]) -> dict:
-    return {"requests": n_requests, "output_tokens": tokens, "wall_s": wall,
-            "requests_per_s": n_requests / wall, "output_tokens_per_s": tokens / wall,
-            "ttft_p50_ms": 1000 * pct(ttft, 50), "ttft_p99_ms": 1000 * pct(ttft, 99),
-            "itl_p50_ms": 1000 * pct(itl, 50) if itl else None, "itl_p99_ms": 1000 * pct(itl, 99) if itl else None,
-            "itl_mean_ms": 1000 * sum(itl) / len(itl) if itl else None,
-            "e2e_p50_ms": 1000 * pct(e2e, 50), "e2e_p99_ms": 1000 * pct(e2e, 99)}
+def summary(
+    n_requests: int, tokens: int, wall: float, ttft: list[float], itl: list[float], e2e: list[float]
+) -> dict:
+    return {
+        "requests": n_requests,
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "requests_per_s": n_requests / wall,
+        "output_tokens_per_s": tokens / wall,
+        "ttft_p50_ms": 1000 * pct(ttft, 50),
+        "ttft_p99_ms": 1000 * pct(ttft, 99),
+        "itl_p50_ms": 1000 * pct(itl, 50) if itl else None,
+        "itl_p99_ms": 1000 * pct(itl, 99) if itl else None,
+        "itl_mean_ms": 1000 * sum(itl) / len(itl) if itl else None,
+        "e2e_p50_ms": 1000 * pct(e2e, 50),
+        "e2e_p99_ms": 1000 * pct(e2e, 99),
+    }
 
 
 # ---------------------------------------------------------------- transformers worker (subprocess)
@@ -61,10 +71,30 @@ class StackProcess:
 
     def __init__(self, a: argparse.Namespace, model_dir: str, log_dir: str):
         self.port = a.port or free_port()
-        self.cmd = [sys.executable, "-m", "pdserve.cli", "up", "--model", model_dir, "--prefill-cp", str(a.prefill_cp),
-                    "--decode-tp", str(a.decode_tp), "--decode-dcp", str(a.decode_dcp), "--dcp-index", a.dcp_index,
-                    "--transfer", a.transfer, "--port", str(self.port), "--log-dir", log_dir,
-                    "--ready-timeout", str(a.ready_timeout)]
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "up",
+            "--model",
+            model_dir,
+            "--prefill-cp",
+            str(a.prefill_cp),
+            "--decode-tp",
+            str(a.decode_tp),
+            "--decode-dcp",
+            str(a.decode_dcp),
+            "--dcp-index",
+            a.dcp_index,
+            "--transfer",
+            a.transfer,
+            "--port",
+            str(self.port),
+            "--log-dir",
+            log_dir,
+            "--ready-timeout",
+            str(a.ready_timeout),
+        ]
         self.lines: list[str] = []
         self.url: str | None = None
         self.model: str | None = None
@@ -72,8 +102,14 @@ class StackProcess:
 
     def start(self, timeout: float) -> float:
         t0 = time.perf_counter()
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     cwd=Path(__file__).resolve().parents[1], start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=Path(__file__).resolve().parents[1],
+            start_new_session=True,
+        )
         ready = threading.Event()
 
         def read():
@@ -104,8 +140,16 @@ class StackProcess:
 
 
 async def one_request(client, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     times, ids, chunks, multi = [], [], 0, 0
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
@@ -131,17 +175,27 @@ async def one_request(client, url: str, model: str, prompt: list[int], max_token
     end = time.perf_counter()
     if not times:
         return {"error": "no token streamed"}
-    return {"ttft": times[0] - t0, "itl": [b - a for a, b in zip(times, times[1:])], "e2e": end - t0,
-            "token_ids": ids, "chunks": chunks, "multi_token_chunks": multi, "prompt_tokens": len(prompt)}
+    return {
+        "ttft": times[0] - t0,
+        "itl": [b - a for a, b in zip(times, times[1:])],
+        "e2e": end - t0,
+        "token_ids": ids,
+        "chunks": chunks,
+        "multi_token_chunks": multi,
+        "prompt_tokens": len(prompt),
+    }
 
 
-async def run_level(url: str, model: str, prompts: list[list[int]], concurrency: int, a: argparse.Namespace) -> dict:
+async def run_level(
+    url: str, model: str, prompts: list[list[int]], concurrency: int, a: argparse.Namespace
+) -> dict:
     import httpx
 
     queue = list(enumerate(prompts))
     results: list[dict | None] = [None] * len(prompts)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(a.timeout, connect=30), limits=limits) as client:
+
         async def task():
             while queue:
                 i, p = queue.pop(0)
@@ -154,15 +208,38 @@ async def run_level(url: str, model: str, prompts: list[list[int]], concurrency:
         await asyncio.gather(*(task() for _ in range(min(concurrency, len(prompts)))))
         wall = time.perf_counter() - t0
     ok = [r for r in results if "error" not in r]
-    res = summary(len(ok), sum(len(r["token_ids"]) for r in ok), wall, [r["ttft"] for r in ok],
-                  [g for r in ok for g in r["itl"]], [r["e2e"] for r in ok]) if ok else {"wall_s": wall}
+    res = (
+        summary(
+            len(ok),
+            sum(len(r["token_ids"]) for r in ok),
+            wall,
+            [r["ttft"] for r in ok],
+            [g for r in ok for g in r["itl"]],
+            [r["e2e"] for r in ok],
+        )
+        if ok
+        else {"wall_s": wall}
+    )
     res["concurrency"] = concurrency
     res["errors"] = [f"prompt {i}: {r['error']}" for i, r in enumerate(results) if "error" in r]
     res["multi_token_chunks"] = sum(r["multi_token_chunks"] for r in ok)
     res["short_outputs"] = sum(len(r["token_ids"]) != a.max_tokens for r in ok)
-    res["per_request"] = [{"prompt_tokens": len(p), **({"error": r["error"]} if "error" in r else
-                           {"ttft_ms": 1000 * r["ttft"], "e2e_ms": 1000 * r["e2e"], "output_tokens": len(r["token_ids"]),
-                            "chunks": r["chunks"]})} for p, r in zip(prompts, results)]
+    res["per_request"] = [
+        {
+            "prompt_tokens": len(p),
+            **(
+                {"error": r["error"]}
+                if "error" in r
+                else {
+                    "ttft_ms": 1000 * r["ttft"],
+                    "e2e_ms": 1000 * r["e2e"],
+                    "output_tokens": len(r["token_ids"]),
+                    "chunks": r["chunks"],
+                }
+            ),
+        }
+        for p, r in zip(prompts, results)
+    ]
     res["token_ids"] = [r.get("token_ids") for r in results]
     return res
 

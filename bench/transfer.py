@@ -57,8 +57,14 @@ def _child(conn, max_bytes: int) -> None:
     pull = ctx.socket(zmq.PULL)
     zport = pull.bind_to_random_port("tcp://127.0.0.1")
     srv = socket.create_server(("127.0.0.1", 0))
-    conn.send({"md": agent.get_agent_metadata(), "addr": buf.data_ptr(), "zmq": f"tcp://127.0.0.1:{zport}",
-               "tcp": srv.getsockname()[1]})
+    conn.send(
+        {
+            "md": agent.get_agent_metadata(),
+            "addr": buf.data_ptr(),
+            "zmq": f"tcp://127.0.0.1:{zport}",
+            "tcp": srv.getsockname()[1],
+        }
+    )
     view = memoryview(buf.numpy())
     while True:
         cmd = conn.recv()
@@ -71,7 +77,9 @@ def _child(conn, max_bytes: int) -> None:
         elif cmd[0] == "zmq":
             conn.send("ready")
             header, payload = pull.recv_multipart(copy=False)
-            buf[: len(payload.buffer)].copy_(torch.frombuffer(payload.buffer, dtype=torch.uint8))  # store it, as tcp.py does
+            buf[: len(payload.buffer)].copy_(
+                torch.frombuffer(payload.buffer, dtype=torch.uint8)
+            )  # store it, as tcp.py does
             conn.send(time.perf_counter())
         elif cmd[0] == "tcp":
             conn.send("ready")
@@ -107,7 +115,12 @@ def transports(sizes_mb: list[int], repeats: int) -> dict:
     ctx = zmq.Context()
     push = ctx.socket(zmq.PUSH)
     push.connect(info["zmq"])
-    out: dict[str, dict[int, float]] = {"nixl": {}, "zmq (tcp backend transport)": {}, "tcp socket": {}, "memcpy": {}}
+    out: dict[str, dict[int, float]] = {
+        "nixl": {},
+        "zmq (tcp backend transport)": {},
+        "tcp socket": {},
+        "memcpy": {},
+    }
     for mb in sizes_mb:
         n = mb * MB
         best = {k: float("inf") for k in out}
@@ -116,8 +129,13 @@ def transports(sizes_mb: list[int], repeats: int) -> dict:
             tag = f"w{mb}-{i}".encode()
             parent.send(("nixl", tag))
             parent.recv()
-            h = agent.initialize_xfer("WRITE", agent.get_xfer_descs([(src.data_ptr(), n, 0)], "DRAM"),
-                                      agent.get_xfer_descs([(info["addr"], n, 0)], "DRAM"), peer, tag)
+            h = agent.initialize_xfer(
+                "WRITE",
+                agent.get_xfer_descs([(src.data_ptr(), n, 0)], "DRAM"),
+                agent.get_xfer_descs([(info["addr"], n, 0)], "DRAM"),
+                peer,
+                tag,
+            )
             t0 = time.perf_counter()
             state = agent.transfer(h)
             while state == "PROC":
@@ -178,8 +196,11 @@ def pack_cost(model: str, tokens: int, repeats: int) -> dict:
             pack_rows(pool, "kv", layer, runs, staging[layer])
         best = min(best, time.perf_counter() - t0)
     nbytes = staging.numel() * staging.element_size()
-    print(f"pack: {nbytes / MB:.1f} MB of one decode rank's rows in {1000 * best:.1f} ms "
-          f"({nbytes / best / 1e9:.2f} GB/s)", flush=True)
+    print(
+        f"pack: {nbytes / MB:.1f} MB of one decode rank's rows in {1000 * best:.1f} ms "
+        f"({nbytes / best / 1e9:.2f} GB/s)",
+        flush=True,
+    )
     return {"bytes": nbytes, "seconds": best, "GBps": nbytes / best / 1e9}
 
 
@@ -203,8 +224,10 @@ def handoff(model: str, transfer: str, tokens: int, repeats: int) -> dict:
     slots = -(-tokens // page) * page
     pw = PrefillWorkerConfig(model, slots, transfer=transfer)
     dw = DecodeWorkerConfig(model, slots, dcp_size=2, transfer=transfer)
-    with PrefillInstance(pw, LaunchConfig(2, _free_port()), page_size=page, chunk_size=4096) as pre, \
-            DecodeInstance(dw, LaunchConfig(2, _free_port()), page_size=page) as dec:
+    with (
+        PrefillInstance(pw, LaunchConfig(2, _free_port()), page_size=page, chunk_size=4096) as pre,
+        DecodeInstance(dw, LaunchConfig(2, _free_port()), page_size=page) as dec,
+    ):
         ids = [(7 * i) % 500 + 4 for i in range(tokens)]
         t0 = time.perf_counter()
         result = pre.prefill("bench", ids, SamplingParams())
@@ -235,16 +258,29 @@ def handoff(model: str, transfer: str, tokens: int, repeats: int) -> dict:
                 cpu[name] += cpu_seconds(pid) - before
             dec.forget(room, True)
             dec.allocator.free(pages)
-            nbytes = sum(t.rows * (cfg.kv_entry_dim if t.kind == "kv" else cfg.index_head_dim) * 4 for t in plan)
+            nbytes = sum(
+                t.rows * (cfg.kv_entry_dim if t.kind == "kv" else cfg.index_head_dim) * 4 for t in plan
+            )
         pre.release("bench")
     total = sum(cpu.values())
     by_process = {name: round(1000 * c / repeats, 1) for name, c in cpu.items()}
-    print(f"hand-off {transfer:5s}: {tokens} tokens, {nbytes / MB:.1f} MB in {1000 * best:.1f} ms "
-          f"({nbytes / best / 1e9:.2f} GB/s; the prefill itself took {prefill_s:.1f} s)\n"
-          f"    CPU per hand-off {1000 * total / repeats:.0f} ms, {total / wall:.2f} cores busy; ms by process: "
-          f"{by_process}", flush=True)
-    return {"tokens": tokens, "bytes": nbytes, "seconds": best, "GBps": nbytes / best / 1e9, "prefill_s": prefill_s,
-            "cpu_s_per_handoff": total / repeats, "cores_busy": total / wall, "cpu_ms_per_handoff_by_process": by_process}
+    print(
+        f"hand-off {transfer:5s}: {tokens} tokens, {nbytes / MB:.1f} MB in {1000 * best:.1f} ms "
+        f"({nbytes / best / 1e9:.2f} GB/s; the prefill itself took {prefill_s:.1f} s)\n"
+        f"    CPU per hand-off {1000 * total / repeats:.0f} ms, {total / wall:.2f} cores busy; ms by process: "
+        f"{by_process}",
+        flush=True,
+    )
+    return {
+        "tokens": tokens,
+        "bytes": nbytes,
+        "seconds": best,
+        "GBps": nbytes / best / 1e9,
+        "prefill_s": prefill_s,
+        "cpu_s_per_handoff": total / repeats,
+        "cores_busy": total / wall,
+        "cpu_ms_per_handoff_by_process": by_process,
+    }
 
 
 def _free_port() -> int:
@@ -284,13 +320,27 @@ def plot(res: dict, out: Path) -> None:
 def main() -> None:
     from pdserve.cli import ensure_builtin_model
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="1,16,64,256", help="payload sizes in MB, comma-separated (64 is required)")
-    ap.add_argument("--tokens", type=int, default=16384, help="prompt tokens of the whole hand-off (default 16384)")
-    ap.add_argument("--transfers", default="nixl,tcp", help="hand-off data paths to measure (default nixl,tcp)")
-    ap.add_argument("--repeats", type=int, default=3, help="timed repeats per measurement, best kept (default 3)")
-    ap.add_argument("--handoff-repeats", type=int, default=10,
-                    help="hand-offs per data path: the best time is kept, CPU time is averaged (default 10)")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--sizes", default="1,16,64,256", help="payload sizes in MB, comma-separated (64 is required)"
+    )
+    ap.add_argument(
+        "--tokens", type=int, default=16384, help="prompt tokens of the whole hand-off (default 16384)"
+    )
+    ap.add_argument(
+        "--transfers", default="nixl,tcp", help="hand-off data paths to measure (default nixl,tcp)"
+    )
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="timed repeats per measurement, best kept (default 3)"
+    )
+    ap.add_argument(
+        "--handoff-repeats",
+        type=int,
+        default=10,
+        help="hand-offs per data path: the best time is kept, CPU time is averaged (default 10)",
+    )
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the built-in small model)")
     ap.add_argument("--out", default="bench/results", help="output directory for transfer.json/.png")
     args = ap.parse_args()
@@ -299,8 +349,13 @@ def main() -> None:
     if 64 not in sizes:
         ap.error("--sizes must include 64 (the claim is stated at 64 MB)")
     model = args.model or str(ensure_builtin_model())
-    res = {"transports_GBps": transports(sizes, args.repeats), "pack": pack_cost(model, args.tokens, args.repeats),
-           "handoff": {t: handoff(model, t, args.tokens, args.handoff_repeats) for t in args.transfers.split(",")}}
+    res = {
+        "transports_GBps": transports(sizes, args.repeats),
+        "pack": pack_cost(model, args.tokens, args.repeats),
+        "handoff": {
+            t: handoff(model, t, args.tokens, args.handoff_repeats) for t in args.transfers.split(",")
+        },
+    }
     nixl64 = res["transports_GBps"]["nixl"][64]
     ratios = {"nixl_over_tcp_socket_64MB": nixl64 / res["transports_GBps"]["tcp socket"][64]}
     for t, h in res["handoff"].items():
@@ -308,14 +363,30 @@ def main() -> None:
     print("\nratios:", json.dumps(ratios, indent=1))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "transfer.json").write_text(json.dumps({
-        "machine": {"platform": platform.platform(), "torch": torch.__version__, "cpus": os.cpu_count(),
-                    "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES"), "UCX_TLS": os.environ.get("UCX_TLS"),
-                    "date": datetime.datetime.now().isoformat(timespec="seconds")},
-        "config": {"sizes_mb": sizes, "tokens": args.tokens, "repeats": args.repeats,
-                   "handoff_repeats": args.handoff_repeats, "model": model},
-        **res, "ratios": ratios,
-    }, indent=1))
+    (out / "transfer.json").write_text(
+        json.dumps(
+            {
+                "machine": {
+                    "platform": platform.platform(),
+                    "torch": torch.__version__,
+                    "cpus": os.cpu_count(),
+                    "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES"),
+                    "UCX_TLS": os.environ.get("UCX_TLS"),
+                    "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                },
+                "config": {
+                    "sizes_mb": sizes,
+                    "tokens": args.tokens,
+                    "repeats": args.repeats,
+                    "handoff_repeats": args.handoff_repeats,
+                    "model": model,
+                },
+                **res,
+                "ratios": ratios,
+            },
+            indent=1,
+        )
+    )
     plot(res, out / "transfer.png")
     print(f"\nwrote {out / 'transfer.json'} and {out / 'transfer.png'}")
 

@@ -35,8 +35,22 @@ class ModelDType(str, Enum):
     float64 = "float64"
 
 
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30,
-          "t": 2**40, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 2**10,
+    "kib": 2**10,
+    "m": 2**20,
+    "mib": 2**20,
+    "g": 2**30,
+    "gib": 2**30,
+    "t": 2**40,
+    "tib": 2**40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
 
 
 def _fail(msg: str) -> None:
@@ -47,8 +61,13 @@ def _fail(msg: str) -> None:
 @admin_app.callback()
 def admin(
     ctx: typer.Context,
-    router: Optional[str] = typer.Option(None, help="Base URL of a running router, e.g. http://127.0.0.1:8000; the commands then use its /admin API."),
-    token: Optional[str] = typer.Option(None, help="The router's admin token (default: the PDSERVE_ADMIN_TOKEN environment variable)."),
+    router: Optional[str] = typer.Option(
+        None,
+        help="Base URL of a running router, e.g. http://127.0.0.1:8000; the commands then use its /admin API.",
+    ),
+    token: Optional[str] = typer.Option(
+        None, help="The router's admin token (default: the PDSERVE_ADMIN_TOKEN environment variable)."
+    ),
 ) -> None:
     """Operator tools: a deployment's sizing (capacity --config) and a running router's topology."""
     token = token or os.environ.get("PDSERVE_ADMIN_TOKEN")
@@ -82,8 +101,9 @@ def _load_config(path: Path):
     return ModelConfig.from_dict(json.loads(file.read_text()))
 
 
-def capacity_report(cfg, kv_cache_dtype: str, dtype: str, dcp_sizes: list[int], page_size: int,
-                    kv_memory: int | None) -> dict:
+def capacity_report(
+    cfg, kv_cache_dtype: str, dtype: str, dcp_sizes: list[int], page_size: int, kv_memory: int | None
+) -> dict:
     """Everything `capacity` prints, as one JSON-able dict (rows per C_d, one entry per index mode)."""
     from .engine import capacity as cap
 
@@ -91,16 +111,26 @@ def capacity_report(cfg, kv_cache_dtype: str, dtype: str, dcp_sizes: list[int], 
     for c in dcp_sizes:
         row: dict = {"dcp_size": c}
         for mode in cap.INDEX_MODES:
-            entry = {"bytes_per_token": cap.bytes_per_token_per_rank(cfg, c, mode, kv_cache_dtype, dtype),
-                     "factor": cap.capacity_factor(cfg, c, mode, kv_cache_dtype, dtype)}
+            entry = {
+                "bytes_per_token": cap.bytes_per_token_per_rank(cfg, c, mode, kv_cache_dtype, dtype),
+                "factor": cap.capacity_factor(cfg, c, mode, kv_cache_dtype, dtype),
+            }
             if kv_memory is not None:
-                entry["tokens"] = cap.tokens_for_budget(cfg, kv_memory, c, mode, page_size, kv_cache_dtype, dtype)
+                entry["tokens"] = cap.tokens_for_budget(
+                    cfg, kv_memory, c, mode, page_size, kv_cache_dtype, dtype
+                )
             row[mode] = entry
         rows.append(row)
-    return {"model_type": cfg.model_type, "kv_cache_dtype": kv_cache_dtype, "dtype": dtype,
-            "entry_bytes": cap.entry_bytes(cfg, kv_cache_dtype, dtype),
-            "index_bytes": cap.index_bytes(cfg, kv_cache_dtype, dtype),
-            "page_size": page_size, "kv_memory": kv_memory, "rows": rows}
+    return {
+        "model_type": cfg.model_type,
+        "kv_cache_dtype": kv_cache_dtype,
+        "dtype": dtype,
+        "entry_bytes": cap.entry_bytes(cfg, kv_cache_dtype, dtype),
+        "index_bytes": cap.index_bytes(cfg, kv_cache_dtype, dtype),
+        "page_size": page_size,
+        "kv_memory": kv_memory,
+        "rows": rows,
+    }
 
 
 def _table(report: dict) -> str:
@@ -116,8 +146,10 @@ def _table(report: dict) -> str:
         lines.append(cells)
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     body = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines]
-    intro = (f"{report['model_type']}, kv cache {report['kv_cache_dtype']} (model dtype {report['dtype']}): "
-             f"E = {report['entry_bytes']:,} bytes/token, I = {report['index_bytes']:,} bytes/token")
+    intro = (
+        f"{report['model_type']}, kv cache {report['kv_cache_dtype']} (model dtype {report['dtype']}): "
+        f"E = {report['entry_bytes']:,} bytes/token, I = {report['index_bytes']:,} bytes/token"
+    )
     if budget:
         intro += f"\nper-rank KV budget {report['kv_memory']:,} bytes, pages of {report['page_size']} slots"
     return "\n".join([intro, *body])
@@ -126,20 +158,42 @@ def _table(report: dict) -> str:
 @admin_app.command()
 def capacity(
     ctx: typer.Context,
-    config: Optional[Path] = typer.Option(None, "--config", help="A model's config.json, or a checkpoint directory containing one (offline sizing; without it, --router's live capacity)."),
-    kv_cache_dtype: KVCacheDType = typer.Option(KVCacheDType.auto, help="KV cache storage: auto (the model dtype) or fp8_e4m3 (1 byte per value, index keys with a float32 scale)."),
-    dtype: ModelDType = typer.Option(ModelDType.bfloat16, help="Model dtype; sets the cache's bytes per value when --kv-cache-dtype is auto."),
-    dcp_sizes: str = typer.Option("1,2,4,8", help="Comma-separated decode context-parallel sizes C_d to tabulate."),
-    kv_memory: Optional[str] = typer.Option(None, help="Per-rank KV cache budget, e.g. 80GiB, 512MiB or plain bytes; adds the tokens each index mode holds."),
-    page_size: int = typer.Option(64, min=1, help="Slots per page; must be a multiple of every C_d (pages are C_d-wide)."),
-    gpu_memory: Optional[str] = typer.Option(None, help="Memory of one GPU, e.g. 141GiB: adds, per C_d, the fewest decode ranks whose weights (in --dtype) fit one GPU each and the KV tokens per instance in what is left."),
+    config: Optional[Path] = typer.Option(
+        None,
+        "--config",
+        help="A model's config.json, or a checkpoint directory containing one (offline sizing; without it, --router's live capacity).",
+    ),
+    kv_cache_dtype: KVCacheDType = typer.Option(
+        KVCacheDType.auto,
+        help="KV cache storage: auto (the model dtype) or fp8_e4m3 (1 byte per value, index keys with a float32 scale).",
+    ),
+    dtype: ModelDType = typer.Option(
+        ModelDType.bfloat16,
+        help="Model dtype; sets the cache's bytes per value when --kv-cache-dtype is auto.",
+    ),
+    dcp_sizes: str = typer.Option(
+        "1,2,4,8", help="Comma-separated decode context-parallel sizes C_d to tabulate."
+    ),
+    kv_memory: Optional[str] = typer.Option(
+        None,
+        help="Per-rank KV cache budget, e.g. 80GiB, 512MiB or plain bytes; adds the tokens each index mode holds.",
+    ),
+    page_size: int = typer.Option(
+        64, min=1, help="Slots per page; must be a multiple of every C_d (pages are C_d-wide)."
+    ),
+    gpu_memory: Optional[str] = typer.Option(
+        None,
+        help="Memory of one GPU, e.g. 141GiB: adds, per C_d, the fewest decode ranks whose weights (in --dtype) fit one GPU each and the KV tokens per instance in what is left.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
 ):
     """Bytes per token per decode rank and the capacity factor over plain TP, copied vs split index;
     with --router instead of --config, the live KV tokens free/total of every instance."""
     if config is None:
         if not ctx.obj or not ctx.obj["router"]:
-            _fail("give --config (offline sizing) or `pdserve admin --router URL capacity` (a running router)")
+            _fail(
+                "give --config (offline sizing) or `pdserve admin --router URL capacity` (a running router)"
+            )
         _router_call(ctx, "GET", "/admin/capacity", None, as_json)
         return
     try:
@@ -154,8 +208,18 @@ def capacity(
             from .engine.weight_plan import gpu_plan, param_bytes
 
             gpu = parse_bytes(gpu_memory)
-            report["gpu"] = {"gpu_memory": gpu, "rows": gpu_plan(cfg, param_bytes(cfg, dtype.value), gpu, sizes,
-                                                                 page_size, kv_cache_dtype.value, dtype.value)}
+            report["gpu"] = {
+                "gpu_memory": gpu,
+                "rows": gpu_plan(
+                    cfg,
+                    param_bytes(cfg, dtype.value),
+                    gpu,
+                    sizes,
+                    page_size,
+                    kv_cache_dtype.value,
+                    dtype.value,
+                ),
+            }
     except ValueError as e:  # ConfigError and json.JSONDecodeError are ValueErrors too
         _fail(str(e))
     if as_json:
@@ -169,6 +233,7 @@ def capacity(
 
 
 # --- a running router's /admin API ----------------------------------------------------------------
+
 
 def _router_call(ctx: typer.Context, method: str, path: str, body: dict | None, as_json: bool) -> None:
     import httpx
@@ -198,14 +263,31 @@ def topology_table(rows: list[dict]) -> str:
     head = ["instance", "role", "ranks", "sizes", "index", "kv free/total", "in-flight", "health"]
     lines = [head]
     for r in rows:
-        sizes = (f"CP={r.get('cp_size')}" if r["role"] == "prefill"
-                 else f"TP={r.get('tp_size')} DCP={r.get('dcp_size')}")
+        sizes = (
+            f"CP={r.get('cp_size')}"
+            if r["role"] == "prefill"
+            else f"TP={r.get('tp_size')} DCP={r.get('dcp_size')}"
+        )
         kv = "-" if r.get("total_tokens") is None else f"{r.get('free_tokens'):,}/{r['total_tokens']:,}"
-        health = "draining" if r["draining"] else "healthy" if r["healthy"] else f"unhealthy: {r.get('error')}"
-        lines.append([r["url"], r["role"], str(r.get("ranks", "-")), sizes, r.get("index_mode") or "-", kv,
-                      str(r["in_flight"]), health])
+        health = (
+            "draining" if r["draining"] else "healthy" if r["healthy"] else f"unhealthy: {r.get('error')}"
+        )
+        lines.append(
+            [
+                r["url"],
+                r["role"],
+                str(r.get("ranks", "-")),
+                sizes,
+                r.get("index_mode") or "-",
+                kv,
+                str(r["in_flight"]),
+                health,
+            ]
+        )
     widths = [max(len(line[i]) for line in lines) for i in range(len(head) - 1)]
-    return "\n".join("  ".join([*(c.ljust(w) for c, w in zip(line, widths)), line[-1]]).rstrip() for line in lines)
+    return "\n".join(
+        "  ".join([*(c.ljust(w) for c, w in zip(line, widths)), line[-1]]).rstrip() for line in lines
+    )
 
 
 _JSON_HELP = "Print the router's JSON answer instead of the table."
@@ -235,6 +317,7 @@ def add(
 
 def _instance_command(name: str, summary: str, url_help: str) -> None:
     """`pdserve admin NAME URL [--json]`: POST /admin/NAME {"url": URL}."""
+
     def command(
         ctx: typer.Context,
         url: str = typer.Argument(..., help=url_help),
@@ -246,8 +329,16 @@ def _instance_command(name: str, summary: str, url_help: str) -> None:
     admin_app.command(name)(command)
 
 
-_instance_command("remove", "Forget an instance: no new requests go to it; running ones finish.",
-                  "The base URL of the instance to forget.")
-_instance_command("drain", "Send no new requests to an instance; its running ones finish (undo with undrain).",
-                  "The base URL of the instance to drain.")
-_instance_command("undrain", "Let a drained instance take new requests again.", "The base URL of a drained instance.")
+_instance_command(
+    "remove",
+    "Forget an instance: no new requests go to it; running ones finish.",
+    "The base URL of the instance to forget.",
+)
+_instance_command(
+    "drain",
+    "Send no new requests to an instance; its running ones finish (undo with undrain).",
+    "The base URL of the instance to drain.",
+)
+_instance_command(
+    "undrain", "Let a drained instance take new requests again.", "The base URL of a drained instance."
+)

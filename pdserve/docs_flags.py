@@ -30,10 +30,23 @@ def help_text(argv: list[str]) -> str:
 
     from .cli import app
 
-    result = CliRunner().invoke(app, [*argv, "--help"], prog_name="pdserve", terminal_width=WIDTH,
-                                env={"COLUMNS": str(WIDTH), "LINES": "50", "TERM": "dumb", "NO_COLOR": "1",
-                                     "FORCE_COLOR": None, "TTY_COMPATIBLE": None, "TTY_INTERACTIVE": None,
-                                     "COLORTERM": None, "CLICOLOR_FORCE": None})
+    result = CliRunner().invoke(
+        app,
+        [*argv, "--help"],
+        prog_name="pdserve",
+        terminal_width=WIDTH,
+        env={
+            "COLUMNS": str(WIDTH),
+            "LINES": "50",
+            "TERM": "dumb",
+            "NO_COLOR": "1",
+            "FORCE_COLOR": None,
+            "TTY_COMPATIBLE": None,
+            "TTY_INTERACTIVE": None,
+            "COLORTERM": None,
+            "CLICOLOR_FORCE": None,
+        },
+    )
     if result.exit_code != 0:
         raise RuntimeError(f"pdserve {' '.join(argv)} --help failed:\n{result.output}")
     lines = [line.rstrip() for line in result.output.splitlines()]
@@ -45,9 +58,13 @@ def help_text(argv: list[str]) -> str:
 
 
 def render() -> str:
-    parts = ["# Flag reference", "",
-             "Generated from the CLI by `python -m pdserve.docs_flags` (do not edit by hand; a test fails",
-             "when this file is stale). Every flag has a default that works on a laptop CPU.", ""]
+    parts = [
+        "# Flag reference",
+        "",
+        "Generated from the CLI by `python -m pdserve.docs_flags` (do not edit by hand; a test fails",
+        "when this file is stale). Every flag has a default that works on a laptop CPU.",
+        "",
+    ]
     parts += [f"- [`{title}`](#{title.replace(' ', '-')})" for title, _ in COMMANDS] + [""]
     for title, argv in COMMANDS:
         parts += [f"## {title}", "", "```text", help_text(argv), "```", ""]

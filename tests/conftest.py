@@ -51,8 +51,8 @@ def save_pretrained_checkpoint(arch: str, out_dir, seed: int = 1):
     """A tiny checkpoint written by transformers itself from a randomly initialised model."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pdserve.model.presets import hf_config
     from pdserve.model.bpe_builder import write_tokenizer_files
+    from pdserve.model.presets import hf_config
 
     d = {k: v for k, v in hf_config(arch, "tiny").items() if k not in ("architectures", "model_type")}
     config = AutoConfig.for_model(arch, **d)
@@ -88,5 +88,7 @@ def heads12_checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt12")
     heads = {"num_attention_heads": 12, "num_key_value_heads": 12}
     extra = {"glm_moe_dsa": {"index_n_heads": 1}}
-    return {arch: make_model(root / arch, arch, "tiny", seed=3, config_overrides={**heads, **extra.get(arch, {})})
-            for arch in ARCHS}
+    return {
+        arch: make_model(root / arch, arch, "tiny", seed=3, config_overrides={**heads, **extra.get(arch, {})})
+        for arch in ARCHS
+    }

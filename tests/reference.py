@@ -23,4 +23,6 @@ def reference_prefill(engine: LLMEngine, ids: list[int]):
 
 def assert_close(a: torch.Tensor, b: torch.Tensor, what: str, tol: float = 1e-8) -> None:
     err = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
-    assert a.shape == b.shape and err <= tol, f"{what}: shape {tuple(a.shape)} vs {tuple(b.shape)}, max abs {err}"
+    assert a.shape == b.shape and err <= tol, (
+        f"{what}: shape {tuple(a.shape)} vs {tuple(b.shape)}, max abs {err}"
+    )

@@ -35,9 +35,24 @@ def start_server(role: str, model, *args: str, max_kv_tokens: int = 2048) -> tup
     """Starts `pdserve ROLE` on free ports and polls /health (deadline 120 s); returns (process, url)."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", role, "--model", str(model), "--port", str(port),
-         "--dist-port", str(free_port()), "--max-kv-tokens", str(max_kv_tokens), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            role,
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--dist-port",
+            str(free_port()),
+            "--max-kv-tokens",
+            str(max_kv_tokens),
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -52,4 +67,3 @@ def start_server(role: str, model, *args: str, max_kv_tokens: int = 2048) -> tup
         time.sleep(0.2)
     proc.kill()
     raise AssertionError(f"{role} server not healthy within 120 s")
-

@@ -29,8 +29,24 @@ def cli(*args: str, env: dict | None = None):
 @pytest.mark.parametrize("release", list(RELEASES))
 def test_release_config_passes_check_config(release):
     d = str(CONFIGS / release)
-    r = cli("decode", "--model", d, "--tp-size", "16", "--dcp-size", "8", "--dtype", "bfloat16",
-            "--kv-cache-dtype", "fp8_e4m3", "--kv-memory", "40GiB", "--gpu-memory", "141GiB", "--check-config")
+    r = cli(
+        "decode",
+        "--model",
+        d,
+        "--tp-size",
+        "16",
+        "--dcp-size",
+        "8",
+        "--dtype",
+        "bfloat16",
+        "--kv-cache-dtype",
+        "fp8_e4m3",
+        "--kv-memory",
+        "40GiB",
+        "--gpu-memory",
+        "141GiB",
+        "--check-config",
+    )
     assert r.exit_code == 0, r.output
     plan = json.loads(r.stdout)["plan"]
     mcfg = ModelConfig.from_pretrained(d)
@@ -44,12 +60,16 @@ def test_release_config_passes_check_config(release):
     assert cli("up", "--model", d, "--decode-tp", "8", "--decode-dcp", "4", "--check-config").exit_code == 0
 
 
-@pytest.mark.parametrize("release,method", [("glm5_compressed_tensors", "compressed-tensors"), ("deepseek_v32_quark", "quark")])
+@pytest.mark.parametrize(
+    "release,method", [("glm5_compressed_tensors", "compressed-tensors"), ("deepseek_v32_quark", "quark")]
+)
 def test_unsupported_release_quantization_is_one_line(release, method):
     r = cli("decode", "--model", str(CONFIGS / release), "--check-config")
     assert r.exit_code == 2 and r.stdout == ""
-    assert r.stderr.strip().splitlines() == [f"error: unsupported quantization method '{method}' in config.json "
-                                             "(supported: fp8 with e4m3 block scales, or an unquantized checkpoint)"]
+    assert r.stderr.strip().splitlines() == [
+        f"error: unsupported quantization method '{method}' in config.json "
+        "(supported: fp8 with e4m3 block scales, or an unquantized checkpoint)"
+    ]
 
 
 def test_check_config_never_builds_the_builtin_model(tmp_path):
@@ -61,8 +81,17 @@ def test_check_config_never_builds_the_builtin_model(tmp_path):
 
 
 def test_admin_capacity_sizes_glm5_on_h200():
-    r = cli("admin", "capacity", "--config", str(CONFIGS / "glm5"), "--kv-cache-dtype", "fp8_e4m3",
-            "--gpu-memory", "141GiB", "--json")
+    r = cli(
+        "admin",
+        "capacity",
+        "--config",
+        str(CONFIGS / "glm5"),
+        "--kv-cache-dtype",
+        "fp8_e4m3",
+        "--gpu-memory",
+        "141GiB",
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     report = json.loads(r.stdout)
     # the article's numbers (GLM-5.3, fp8 cache): E = 78 x 576, I = 21 x 132, factors 1.89 / 3.41 / 5.69
@@ -100,13 +129,25 @@ def test_every_release_tensor_name_is_mapped(release):
     specs = tensor_specs(raw)
     names = list(specs) + [n + "_scale_inv" for n, s in specs.items() if quantizable(n, s.shape)]
     mtp = f"model.layers.{cfg.num_layers}"
-    names += [f"{mtp}.{k}" for k in ("eh_proj.weight", "eh_proj.weight_scale_inv", "enorm.weight", "hnorm.weight",
-                                    "shared_head.norm.weight", "shared_head.head.weight", "embed_tokens.weight",
-                                    "self_attn.kv_b_proj.weight", "mlp.experts.255.down_proj.weight")]
+    names += [
+        f"{mtp}.{k}"
+        for k in (
+            "eh_proj.weight",
+            "eh_proj.weight_scale_inv",
+            "enorm.weight",
+            "hnorm.weight",
+            "shared_head.norm.weight",
+            "shared_head.head.weight",
+            "embed_tokens.weight",
+            "self_attn.kv_b_proj.weight",
+            "mlp.experts.255.down_proj.weight",
+        )
+    ]
     if release == "deepseek_v3":  # the public excerpt of the released index
-        names += list(json.loads((CONFIGS / release / "model.safetensors.index.excerpt.json").read_text())["weight_map"])
+        names += list(
+            json.loads((CONFIGS / release / "model.safetensors.index.excerpt.json").read_text())["weight_map"]
+        )
     counts = check_tensor_names(cfg, names)
     assert counts["mtp"] == 9 and counts["load"] == len(specs) + (5 if release == "deepseek_v3" else 0)
     with pytest.raises(WeightError, match=r"model\.layers\.0\.self_attn\.q_c_proj\.weight"):
         check_tensor_names(cfg, ["model.layers.0.self_attn.q_c_proj.weight"])
-

@@ -17,7 +17,9 @@ from pdserve.model.tokenizer import Tokenizer
 
 
 def pdserve(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pdserve.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_make_model_then_generate_json_matches_engine(tmp_path):
@@ -25,8 +27,17 @@ def test_make_model_then_generate_json_matches_engine(tmp_path):
     proc = pdserve("make-model", str(out), "--arch", "deepseek_v32", "--size", "tiny", "--seed", "3")
     assert proc.returncode == 0, proc.stderr
     assert (out / "config.json").is_file()
-    proc = pdserve("generate", "--model", str(out), "--prompt", "hello world", "--max-new-tokens", "12",
-                   "--ignore-eos", "--json")
+    proc = pdserve(
+        "generate",
+        "--model",
+        str(out),
+        "--prompt",
+        "hello world",
+        "--max-new-tokens",
+        "12",
+        "--ignore-eos",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     tok = Tokenizer.from_pretrained(out)
@@ -38,18 +49,38 @@ def test_make_model_then_generate_json_matches_engine(tmp_path):
 
 def test_generate_token_ids_sampling_is_reproducible_with_a_seed(tiny_checkpoints):
     path = str(tiny_checkpoints[("glm_moe_dsa", "make-model")])
-    args = ("generate", "--model", path, "--token-ids", "5,6,7", "--max-new-tokens", "10", "--temperature", "1.5",
-            "--top-k", "50", "--top-p", "0.9", "--seed", "11", "--ignore-eos", "--json")
+    args = (
+        "generate",
+        "--model",
+        path,
+        "--token-ids",
+        "5,6,7",
+        "--max-new-tokens",
+        "10",
+        "--temperature",
+        "1.5",
+        "--top-k",
+        "50",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "11",
+        "--ignore-eos",
+        "--json",
+    )
     a, b = pdserve(*args), pdserve(*args)
     assert a.returncode == 0, a.stderr
     assert json.loads(a.stdout) == json.loads(b.stdout)
 
 
-@pytest.mark.parametrize("args,message", [
-    (("--prompt", "x", "--token-ids", "1"), "exactly one of"),
-    (("--token-ids", "1,a"), "comma-separated integers"),
-    (("--token-ids", "1", "--top-p", "0"), "top_p"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("--prompt", "x", "--token-ids", "1"), "exactly one of"),
+        (("--token-ids", "1,a"), "comma-separated integers"),
+        (("--token-ids", "1", "--top-p", "0"), "top_p"),
+    ],
+)
 def test_generate_bad_input_is_a_clear_error(tiny_checkpoints, args, message):
     proc = pdserve("generate", "--model", str(tiny_checkpoints[("glm_moe_dsa", "make-model")]), *args)
     assert proc.returncode == 2
@@ -70,6 +101,16 @@ def test_every_flag_of_every_command_has_help():
 def test_help_lists_the_generate_flags():
     proc = pdserve("generate", "--help")
     assert proc.returncode == 0
-    for flag in ("--model", "--prompt", "--token-ids", "--max-new-tokens", "--temperature", "--top-p", "--top-k",
-                 "--seed", "--dtype", "--json"):
+    for flag in (
+        "--model",
+        "--prompt",
+        "--token-ids",
+        "--max-new-tokens",
+        "--temperature",
+        "--top-p",
+        "--top-k",
+        "--seed",
+        "--dtype",
+        "--json",
+    ):
         assert flag in proc.stdout, flag

@@ -45,7 +45,9 @@ class DCPGroup:
 class DCPBackend:
     def __init__(self, cfg: ModelConfig, pool, dcp: DCPGroup, index_mode: str, comm: str, replicate_q: bool):
         if index_mode not in INDEX_MODES or comm not in COMM_MODES:
-            raise ValueError(f"index mode {index_mode!r} / comm {comm!r} (allowed: {INDEX_MODES}, {COMM_MODES})")
+            raise ValueError(
+                f"index mode {index_mode!r} / comm {comm!r} (allowed: {INDEX_MODES}, {COMM_MODES})"
+            )
         self.cfg, self.pool, self.dcp = cfg, pool, dcp
         self.index_mode, self.comm, self.replicate_q = index_mode, comm, replicate_q
         self.empty_selections = 0  # (request, layer) pairs where this rank selected no token
@@ -74,7 +76,9 @@ class DCPBackend:
         self.selections: dict[int, torch.Tensor] = {}  # indexer layer -> [B, k]: this step's (for checks)
 
     # ---- the AttentionBackend method ------------------------------------------------------
-    def attention(self, layer: int, q: torch.Tensor, kv: torch.Tensor, index: IndexerInputs | None, scale: float) -> torch.Tensor:
+    def attention(
+        self, layer: int, q: torch.Tensor, kv: torch.Tensor, index: IndexerInputs | None, scale: float
+    ) -> torch.Tensor:
         self._store(layer, kv, index)
         q_group = q if (self.replicate_q or self.dcp.size == 1) else self._gather_heads(q)  # [B, Hg, D]
         keys, valid = self._keys(layer, index)
@@ -100,7 +104,11 @@ class DCPBackend:
         if not self.cfg.is_sparse:
             return self.pool.read_kv(layer, self._own_rows), self._own_valid
         if index is not None:
-            self._selection = self._select_copy(layer, index) if self.index_mode == "copy" else self._select_split(layer, index)
+            self._selection = (
+                self._select_copy(layer, index)
+                if self.index_mode == "copy"
+                else self._select_split(layer, index)
+            )
             self.selections[layer] = self._selection
         sel = self._selection  # [B, k] global positions, -1 padded; shared layers reuse it
         mine = (sel >= 0) & (sel % self.dcp.size == self.dcp.rank)
@@ -132,7 +140,9 @@ class DCPBackend:
         all padding when the rank owns no position yet (scores [B, 0])."""
         B = scores.shape[0]
         if scores.shape[1] == 0:
-            return torch.full((B, k), float("-inf"), dtype=scores.dtype), torch.full((B, k), -1, dtype=torch.int64)
+            return torch.full((B, k), float("-inf"), dtype=scores.dtype), torch.full(
+                (B, k), -1, dtype=torch.int64
+            )
         local = topk_earliest(scores, self._own_valid, k)  # [B, k] indices into own tokens
         ok, at = local >= 0, local.clamp(min=0)
         cand_score = torch.where(ok, scores.gather(1, at), torch.full_like(scores[:, :1], float("-inf")))
@@ -162,4 +172,3 @@ class DCPBackend:
         scaled = out.to(lse.dtype) * weight.unsqueeze(-1)
         send = scaled.view(B, C, Hg // C, c).permute(1, 0, 2, 3)  # [C, B, Hl, c]: part j for group rank j
         return self.dcp.comm.reduce_scatter(send)  # the sum of every rank's part of my slice
-

@@ -30,12 +30,21 @@ class DecodeEngine:
     def _local_prefill(self) -> LLMEngine:
         if self._local is None:  # built on first use: only the direct-load path needs it
             w = self.instance.worker
-            self._local = LLMEngine.from_pretrained(w.model_dir, w.dtype, float32_islands=w.float32_islands,
-                                                    max_kv_tokens=self.instance.allocator.num_pages * self.instance.allocator.page_size)
+            self._local = LLMEngine.from_pretrained(
+                w.model_dir,
+                w.dtype,
+                float32_islands=w.float32_islands,
+                max_kv_tokens=self.instance.allocator.num_pages * self.instance.allocator.page_size,
+            )
         return self._local
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, request_id: str | None = None,
-               cache: tuple[torch.Tensor, dict[int, torch.Tensor], int] | None = None) -> DecodeRequest:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache: tuple[torch.Tensor, dict[int, torch.Tensor], int] | None = None,
+    ) -> DecodeRequest:
         """Accepts a request; `cache` = (latent [L, P, D], index keys, first token) or None to prefill locally."""
         params = params or SamplingParams()
         req = DecodeRequest(len(prompt_ids), params)
@@ -50,8 +59,9 @@ class DecodeEngine:
         self.scheduler.submit(req)
         return req
 
-    def submit_remote(self, prompt_len: int, params: SamplingParams | None = None,
-                      request_id: str | None = None) -> DecodeRequest:
+    def submit_remote(
+        self, prompt_len: int, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> DecodeRequest:
         """Accepts a request whose cache a KV hand-off will deliver: once admitted it waits in
         waiting_for_kv until `kv_ready()` (after a verified transfer) or `abort()`."""
         req = DecodeRequest(prompt_len, params or SamplingParams())
@@ -100,8 +110,12 @@ class DecodeEngine:
         return self._sample(batch, logits)
 
     def _forward(self, batch: list[DecodeRequest]) -> torch.Tensor:
-        return self.instance.step([r.output_ids[-1] for r in batch], [r.pages for r in batch],
-                                  [r.num_tokens for r in batch], tuple(r.request_id for r in batch))
+        return self.instance.step(
+            [r.output_ids[-1] for r in batch],
+            [r.pages for r in batch],
+            [r.num_tokens for r in batch],
+            tuple(r.request_id for r in batch),
+        )
 
     def _decode_one_by_one(self, batch: list[DecodeRequest]) -> list[tuple[DecodeRequest, int | None]]:
         """A batched step failed and the rank group is still usable: each request runs alone, and
@@ -119,7 +133,9 @@ class DecodeEngine:
             events += self._sample([req], logits)
         return events
 
-    def _sample(self, batch: list[DecodeRequest], logits: torch.Tensor) -> list[tuple[DecodeRequest, int | None]]:
+    def _sample(
+        self, batch: list[DecodeRequest], logits: torch.Tensor
+    ) -> list[tuple[DecodeRequest, int | None]]:
         """One token per request, sampled row by row so that a failure fails only its own request."""
         events, ok, tokens = [], [], []
         for i, req in enumerate(batch):

@@ -40,7 +40,15 @@ from pydantic import Field
 
 from ..engine import capacity
 from ..engine.http_edge import REQUEST_ID, StrictModel, install_edge
-from ..engine.request import MAX_OUTPUT_TOKENS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOP_K, SEED_LIMIT, Overloaded, SamplingParams
+from ..engine.request import (
+    MAX_OUTPUT_TOKENS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+    SEED_LIMIT,
+    Overloaded,
+    SamplingParams,
+)
 from ..engine.watchdog import add_health_route
 from .server import Unavailable
 
@@ -72,13 +80,20 @@ def create_app(cfg, instance, engine_loop, dead_rank, drain=None) -> FastAPI:
     app = FastAPI(title="pdserve decode instance")
     mcfg, alloc = instance.model_config, instance.allocator
     static = {  # fixed for the life of the instance
-        "total_tokens": alloc.num_pages * alloc.page_size, "page_size": alloc.page_size,
-        "bytes_per_token_per_rank": capacity.bytes_per_token_per_rank(mcfg, cfg.dcp_size, cfg.dcp_index,
-                                                                      cfg.kv_cache_dtype, cfg.dtype),
-        "index_mode": cfg.dcp_index, "tp_size": cfg.tp_size, "dcp_size": cfg.dcp_size,
-        "kv_cache_dtype": cfg.kv_cache_dtype, "dtype": cfg.dtype,
-        "ranks": [{"rank": i, "pid": r["pid"], "cache_bytes": r["cache_bytes"]}
-                  for i, r in enumerate(instance.rank_infos)],
+        "total_tokens": alloc.num_pages * alloc.page_size,
+        "page_size": alloc.page_size,
+        "bytes_per_token_per_rank": capacity.bytes_per_token_per_rank(
+            mcfg, cfg.dcp_size, cfg.dcp_index, cfg.kv_cache_dtype, cfg.dtype
+        ),
+        "index_mode": cfg.dcp_index,
+        "tp_size": cfg.tp_size,
+        "dcp_size": cfg.dcp_size,
+        "kv_cache_dtype": cfg.kv_cache_dtype,
+        "dtype": cfg.dtype,
+        "ranks": [
+            {"rank": i, "pid": r["pid"], "cache_bytes": r["cache_bytes"]}
+            for i, r in enumerate(instance.rank_infos)
+        ],
     }
 
     install_edge(app, token=getattr(cfg, "internal_token", None))
@@ -99,8 +114,13 @@ def create_app(cfg, instance, engine_loop, dead_rank, drain=None) -> FastAPI:
         params = _sampling_params(body, mcfg.vocab_size)
         request_id = body.request_id or f"gen-{uuid.uuid4().hex}"
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        accepted = engine_loop.submit(body.token_ids, params, request_id,
-                                      lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev), body.bootstrap)
+        accepted = engine_loop.submit(
+            body.token_ids,
+            params,
+            request_id,
+            lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+            body.bootstrap,
+        )
         try:
             await asyncio.wrap_future(accepted)
         except ValueError as e:  # the scheduler's verdict, e.g. more KV slots than the instance holds
@@ -114,8 +134,9 @@ def create_app(cfg, instance, engine_loop, dead_rank, drain=None) -> FastAPI:
         # also catches a client that left during the local prefill, or before its stream started
         watcher = asyncio.create_task(_abort_on_disconnect(request, request_id, engine_loop))
         if body.stream:
-            return StreamingResponse(_stream(request_id, events, engine_loop, watcher),
-                                     media_type="application/x-ndjson")
+            return StreamingResponse(
+                _stream(request_id, events, engine_loop, watcher), media_type="application/x-ndjson"
+            )
         return await _collect(request_id, events, watcher)
 
     @app.post("/v1/abort")
@@ -131,9 +152,15 @@ def _sampling_params(body: GenerateBody, vocab: int) -> SamplingParams:
     if any(not 0 <= t < vocab for t in body.stop_token_ids):
         raise HTTPException(400, f"stop_token_ids must be in [0, {vocab})")
     try:
-        return SamplingParams(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
-                              top_k=body.top_k, seed=body.seed, stop_token_ids=tuple(body.stop_token_ids),
-                              ignore_eos=body.ignore_eos)
+        return SamplingParams(
+            max_tokens=body.max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            seed=body.seed,
+            stop_token_ids=tuple(body.stop_token_ids),
+            ignore_eos=body.ignore_eos,
+        )
     except ValueError as e:
         raise HTTPException(400, str(e)) from None
 

@@ -12,9 +12,9 @@ import torch
 from ..engine.launcher import LaunchConfig, RankGroup
 from ..engine.page_allocator import PageAllocator
 from ..model.config import ModelConfig
+from ..transfer.frames import new_ticket
 from ..transfer.messages import DecodeReservation, Fingerprint, model_hash
 from ..transfer.plan import DecodeSide, PrefillSide, Transfer, plan_transfer
-from ..transfer.frames import new_ticket
 from ..transfer.room import ANY_SRC, RoomSlots
 from ..transfer.tcp import ExpectCmd, ForgetCmd, ListenerStatusCmd, StageCmd, TransferStatusCmd
 from .rank_worker import DecodeRankWorker, DecodeWorkerConfig, DumpCmd, LoadCmd, ReconfigureCmd, StepCmd
@@ -28,12 +28,16 @@ class DecodeInstance:
             raise ValueError(f"--dcp-size {worker.dcp_size} must divide --tp-size {launch.world_size}")
         self.model_config = ModelConfig.from_pretrained(worker.model_dir)
         if self.model_config.num_heads % launch.world_size:
-            raise ValueError(f"{self.model_config.num_heads} heads cannot be split over --tp-size {launch.world_size}")
+            raise ValueError(
+                f"{self.model_config.num_heads} heads cannot be split over --tp-size {launch.world_size}"
+            )
         self.worker, self.launch = worker, launch
         self.allocator = PageAllocator(worker.num_slots // page_size, page_size)
         self.ranks = RankGroup(DecodeRankWorker, worker, launch)
         self.rank_infos: list[dict] = []
-        self._last_plan: tuple[tuple, list[Transfer]] | None = None  # reservation, expect_totals, handoff_bytes share it
+        self._last_plan: tuple[tuple, list[Transfer]] | None = (
+            None  # reservation, expect_totals, handoff_bytes share it
+        )
 
     def start(self) -> "DecodeInstance":
         self.rank_infos = self.ranks.start()
@@ -55,11 +59,18 @@ class DecodeInstance:
         """Stores a prompt's cache ([L, P, c + rope] and index keys) in the pages reserved for it."""
         self.ranks.call(LoadCmd(self.slots(pages, kv.shape[1]), kv, index))
 
-    def step(self, token_ids: list[int], pages: list[list[int]], lengths: list[int],
-             request_ids: tuple[str, ...] = ()) -> torch.Tensor:
+    def step(
+        self,
+        token_ids: list[int],
+        pages: list[list[int]],
+        lengths: list[int],
+        request_ids: tuple[str, ...] = (),
+    ) -> torch.Tensor:
         """One decode step over requests with these pages and context lengths; returns logits [B, vocab].
         CommandFailed when a rank raised (the group stays usable); RankError when the group broke."""
-        return self.ranks.call(StepCmd(token_ids, pages, lengths, self.allocator.page_size, tuple(request_ids)))[0]
+        return self.ranks.call(
+            StepCmd(token_ids, pages, lengths, self.allocator.page_size, tuple(request_ids))
+        )[0]
 
     def dump(self, slots: list[int]) -> list[dict]:
         return self.ranks.call(DumpCmd(slots))
@@ -82,11 +93,19 @@ class DecodeInstance:
 
     def fingerprint(self) -> Fingerprint:
         w, cfg = self.worker, self.model_config
-        return Fingerprint(model_hash(w.model_dir), w.kv_cache_dtype, w.dtype, self.allocator.page_size,
-                           cfg.num_layers, w.dcp_size, self.index_mode)
+        return Fingerprint(
+            model_hash(w.model_dir),
+            w.kv_cache_dtype,
+            w.dtype,
+            self.allocator.page_size,
+            cfg.num_layers,
+            w.dcp_size,
+            self.index_mode,
+        )
 
-    def reservation(self, room: str, pages: list[int], generation: int = 0,
-                    prompt_len: int | None = None) -> DecodeReservation:
+    def reservation(
+        self, room: str, pages: list[int], generation: int = 0, prompt_len: int | None = None
+    ) -> DecodeReservation:
         """A new ticket for the room, and every rank staged for it (StageCmd): each rank's endpoint,
         NIXL's with a receive region sized for the rows it stores of a prompt_len-token prompt
         (default: every reserved slot). RuntimeError, with nothing left staged, when a rank cannot."""
@@ -102,12 +121,22 @@ class DecodeInstance:
         if errors:
             self.forget(room, quiesced=True)  # nothing was sent for this ticket
             raise RuntimeError("; ".join(errors))
-        return DecodeReservation(room, self.fingerprint(), generation, self.launch.world_size, self.worker.dcp_size,
-                                 self.allocator.page_size, tuple(pages),
-                                 {rank: r["endpoint"] for rank, r in enumerate(replies)}, ticket)
+        return DecodeReservation(
+            room,
+            self.fingerprint(),
+            generation,
+            self.launch.world_size,
+            self.worker.dcp_size,
+            self.allocator.page_size,
+            tuple(pages),
+            {rank: r["endpoint"] for rank, r in enumerate(replies)},
+            ticket,
+        )
 
     def decode_side(self, pages: list[int]) -> DecodeSide:
-        return DecodeSide(self.launch.world_size, self.worker.dcp_size, self.index_mode, self.allocator.page_size, pages)
+        return DecodeSide(
+            self.launch.world_size, self.worker.dcp_size, self.index_mode, self.allocator.page_size, pages
+        )
 
     def room_slots(self, pages: list[int]) -> RoomSlots:
         """The pool rows the room owns on each rank: receivers refuse rows anywhere else (transfer/room.py)."""
@@ -143,7 +172,10 @@ class DecodeInstance:
     def handoff_bytes(self, pages: list[int], prompt_len: int) -> int:
         """Payload bytes a hand-off of a prompt_len-token prompt into these pages carries (rows travel
         in the model dtype, whatever the cache stores)."""
-        cfg, itemsize = self.model_config, torch.empty(0, dtype=getattr(torch, self.worker.dtype)).element_size()
+        cfg, itemsize = (
+            self.model_config,
+            torch.empty(0, dtype=getattr(torch, self.worker.dtype)).element_size(),
+        )
         width = {"kv": cfg.kv_entry_dim, "index": cfg.index_head_dim}
         return sum(t.rows * width[t.kind] * itemsize for t in self._any_prefill_plan(pages, prompt_len))
 
@@ -153,8 +185,11 @@ class DecodeInstance:
     def listener_problem(self) -> str | None:
         """Why a rank's data-path receiver thread cannot receive (dead or wedged), or None. A rank
         call: only from the thread that owns the ranks (RemoteRooms caches it for /health)."""
-        problems = [f"decode rank {rank}: {s['problem']}" for rank, s in enumerate(self.ranks.call(ListenerStatusCmd()))
-                    if s.get("problem")]
+        problems = [
+            f"decode rank {rank}: {s['problem']}"
+            for rank, s in enumerate(self.ranks.call(ListenerStatusCmd()))
+            if s.get("problem")
+        ]
         return "; ".join(problems) or None
 
     def forget(self, room: str, quiesced: bool = False) -> float:

@@ -39,8 +39,12 @@ class DecodeWorkerConfig:
     cpu_comm: str = "auto"  # collectives between the ranks: shared memory or gloo (engine/comm.py)
     transfer: str = "tcp"  # KV hand-off data path: "tcp" | "nixl"
     data_host: str = "127.0.0.1"  # address the TCP receivers bind and advertise to prefill ranks
-    transfer_quarantine_s: float = 60.0  # NIXL: a failed room's pages stay unused this long (senders may write)
-    frame_key: bytes = field(default=DEV_FRAME_KEY, repr=False)  # data frames must be signed with it (frames.py)
+    transfer_quarantine_s: float = (
+        60.0  # NIXL: a failed room's pages stay unused this long (senders may write)
+    )
+    frame_key: bytes = field(
+        default=DEV_FRAME_KEY, repr=False
+    )  # data frames must be signed with it (frames.py)
 
     def __post_init__(self):
         check_transfer(self.transfer)
@@ -75,7 +79,10 @@ class StepCmd:
         out = []
         for pages, n in zip(self.pages, self.lengths):
             pos = torch.arange(n)
-            out.append(torch.tensor(pages, dtype=torch.int64)[pos // self.page_size] * self.page_size + pos % self.page_size)
+            out.append(
+                torch.tensor(pages, dtype=torch.int64)[pos // self.page_size] * self.page_size
+                + pos % self.page_size
+            )
         return out
 
 
@@ -108,24 +115,46 @@ class DecodeRankWorker:
             pg = dist.new_group(members) if cfg.dcp_size > 1 else None
             if rank in members:
                 group = pg
-        self.dcp = DCPGroup(rank % cfg.dcp_size, cfg.dcp_size, make_comm(cfg.cpu_comm, rank % cfg.dcp_size, cfg.dcp_size, group))
+        self.dcp = DCPGroup(
+            rank % cfg.dcp_size,
+            cfg.dcp_size,
+            make_comm(cfg.cpu_comm, rank % cfg.dcp_size, cfg.dcp_size, group),
+        )
         self._build(cfg.index_mode, cfg.comm)
         # KV hand-off data path (transfer/tcp.py or nixl.py): stores arriving rows into the current pool
-        self.receiver = make_receiver(cfg.transfer, rank, lambda: self.pool, cfg.data_host, cfg.transfer_quarantine_s,
-                                      cfg.frame_key, cfg.num_slots)
+        self.receiver = make_receiver(
+            cfg.transfer,
+            rank,
+            lambda: self.pool,
+            cfg.data_host,
+            cfg.transfer_quarantine_s,
+            cfg.frame_key,
+            cfg.num_slots,
+        )
 
     def _build(self, index_mode: str, comm: str) -> None:
         cfg = self.cfg = replace(self.cfg, index_mode=index_mode, comm=comm)
         rows = cfg.num_slots // cfg.dcp_size
-        self.pool = KVPool(self.mcfg, rows, self.dtype, kv_cache_dtype=cfg.kv_cache_dtype,
-                           index_slots=cfg.num_slots if index_mode == "copy" else rows)
+        self.pool = KVPool(
+            self.mcfg,
+            rows,
+            self.dtype,
+            kv_cache_dtype=cfg.kv_cache_dtype,
+            index_slots=cfg.num_slots if index_mode == "copy" else rows,
+        )
         self.backend = DCPBackend(self.mcfg, self.pool, self.dcp, index_mode, comm, cfg.replicate_q)
 
     def info(self) -> dict:
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        return {"rank": self.rank, "pid": os.getpid(), "cache_bytes": self.pool.nbytes, "weight_bytes": weights,
-                "empty_selections": self.backend.empty_selections, "index_mode": self.cfg.index_mode,
-                "data_endpoint": self.receiver.endpoint if hasattr(self, "receiver") else None}
+        return {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "cache_bytes": self.pool.nbytes,
+            "weight_bytes": weights,
+            "empty_selections": self.backend.empty_selections,
+            "index_mode": self.cfg.index_mode,
+            "data_endpoint": self.receiver.endpoint if hasattr(self, "receiver") else None,
+        }
 
     def handle(self, cmd):
         if isinstance(cmd, StepCmd):
@@ -164,7 +193,9 @@ class DecodeRankWorker:
     def step(self, cmd: StepCmd):
         self.backend.begin(DecodeBatch(cmd.slots()))
         positions = torch.tensor(cmd.lengths, dtype=torch.int64) - 1
-        hidden = self.model(torch.tensor(cmd.token_ids, dtype=torch.int64), positions, self.backend)  # [B, hidden]
+        hidden = self.model(
+            torch.tensor(cmd.token_ids, dtype=torch.int64), positions, self.backend
+        )  # [B, hidden]
         if self.rank == self.world - 1:  # after every collective: the other ranks still answer
             check_fault(cmd.request_ids)
         return self.model.compute_logits(hidden) if self.rank == 0 else None
@@ -176,5 +207,8 @@ class DecodeRankWorker:
         index = {}
         for layer in self.pool.index_row:
             index[layer] = self.pool.read_index(layer, slots if self.cfg.index_mode == "copy" else rows)
-        return {"slots": slots[own].tolist(), "kv": {l: self.pool.read_kv(l, rows) for l in self.pool.layers},
-                "index": index}
+        return {
+            "slots": slots[own].tolist(),
+            "kv": {l: self.pool.read_kv(l, rows) for l in self.pool.layers},
+            "index": index,
+        }

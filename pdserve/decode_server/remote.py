@@ -61,9 +61,16 @@ class _Room:
 
 
 class RemoteRooms:
-    def __init__(self, engine: DecodeEngine, emit: Emit, transfer_timeout_s: float = 30.0,
-                 heartbeat_timeout_s: float = 5.0, frame_key: bytes = DEV_FRAME_KEY, max_clients: int = MAX_CLIENTS,
-                 client_idle_s: float = CLIENT_IDLE_S):
+    def __init__(
+        self,
+        engine: DecodeEngine,
+        emit: Emit,
+        transfer_timeout_s: float = 30.0,
+        heartbeat_timeout_s: float = 5.0,
+        frame_key: bytes = DEV_FRAME_KEY,
+        max_clients: int = MAX_CLIENTS,
+        client_idle_s: float = CLIENT_IDLE_S,
+    ):
         self.engine, self.emit, self.transfer_timeout_s = engine, emit, transfer_timeout_s
         self.heartbeat_timeout_s, self.frame_key = heartbeat_timeout_s, frame_key
         self.max_clients, self.client_idle_s = max_clients, client_idle_s
@@ -74,10 +81,19 @@ class RemoteRooms:
         self.listener_error: str | None = None  # a rank's receiver thread is dead or wedged (for /health)
         self._next_check = 0.0
         self.completed = self.failed = 0
-        self.bytes_received, self.transfer_seconds = 0, 0.0  # over completed hand-offs (reservation -> verified)
+        self.bytes_received, self.transfer_seconds = (
+            0,
+            0.0,
+        )  # over completed hand-offs (reservation -> verified)
 
-    def submit(self, room: str, prompt_len: int, params: SamplingParams, bootstrap: str,
-               timeout_s: float | None = None) -> None:
+    def submit(
+        self,
+        room: str,
+        prompt_len: int,
+        params: SamplingParams,
+        bootstrap: str,
+        timeout_s: float | None = None,
+    ) -> None:
         """Queues the request; ValueError when it can never fit (nothing is kept then)."""
         if room in self.rooms:
             raise ValueError(f"room {room!r} is already in use")
@@ -159,9 +175,13 @@ class RemoteRooms:
         done = poll_room(self.engine, client, room, r.deadline, r.timeout_s)
         if done is not None:
             self._complete(room, r, done)
-        elif room not in client.outcomes and (silent := client.silent_for(r.bootstrap, r.sent)) > self.heartbeat_timeout_s:
-            raise HandoffFailure(f"the prefill instance at {r.bootstrap} stopped answering (no heartbeat for "
-                                 f"{silent:.1f} s)")
+        elif (
+            room not in client.outcomes
+            and (silent := client.silent_for(r.bootstrap, r.sent)) > self.heartbeat_timeout_s
+        ):
+            raise HandoffFailure(
+                f"the prefill instance at {r.bootstrap} stopped answering (no heartbeat for {silent:.1f} s)"
+            )
 
     def _complete(self, room: str, r: _Room, done: TransferDone) -> None:
         verify_done(self.engine, r.reservation, done)

@@ -63,8 +63,10 @@ class DecodeScheduler:
 
     def check_fits(self, req: DecodeRequest) -> None:
         if req.num_slots_needed > self.capacity_tokens:
-            raise ValueError(f"request needs {req.num_slots_needed} KV slots (prompt {req.prompt_len} + max_tokens "
-                             f"{req.params.max_tokens}); this instance holds {self.capacity_tokens}")
+            raise ValueError(
+                f"request needs {req.num_slots_needed} KV slots (prompt {req.prompt_len} + max_tokens "
+                f"{req.params.max_tokens}); this instance holds {self.capacity_tokens}"
+            )
 
     def submit(self, req: DecodeRequest) -> None:
         self.check_fits(req)

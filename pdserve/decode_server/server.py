@@ -22,20 +22,20 @@ from dataclasses import dataclass, field
 import uvicorn
 
 from ..engine import capacity
-from ..engine.drain import Drain, DrainingServer, install_exit_signals
 from ..engine.auth import require_token
+from ..engine.comm import CPU_COMMS
+from ..engine.drain import Drain, DrainingServer, install_exit_signals
 from ..engine.launcher import LaunchConfig
 from ..engine.request import Overloaded, SamplingParams
 from ..engine.watchdog import start_watchdog, stop_instance
 from ..model.config import ModelConfig
-from .dcp_backend import COMM_MODES
-from .engine import DecodeEngine
-from ..engine.comm import CPU_COMMS
 from ..transfer.backends import check_transfer
 from ..transfer.frames import DEV_FRAME_KEY, cluster_frame_key
+from .dcp_backend import COMM_MODES
+from .engine import DecodeEngine
 from .instance import DecodeInstance
-from .remote import RemoteRooms
 from .rank_worker import DecodeWorkerConfig
+from .remote import RemoteRooms
 
 DEFAULT_MAX_KV_TOKENS = 65536
 IDLE_WAIT_S = 0.1  # how long an idle engine thread blocks on the command queue before re-checking stop
@@ -67,7 +67,9 @@ class DecodeServerConfig:
     transfer: str = "tcp"  # KV hand-off data path: tcp | nixl
     heartbeat_timeout_s: float = 5.0  # a hand-off fails once its prefill instance is silent this long
     data_host: str = "127.0.0.1"  # where the ranks' TCP receivers listen (reachable by the prefill ranks)
-    transfer_quarantine_s: float = 60.0  # NIXL: pages of a hand-off that failed mid-send stay unused this long
+    transfer_quarantine_s: float = (
+        60.0  # NIXL: pages of a hand-off that failed mid-send stay unused this long
+    )
     max_queue: int = 256  # accepted requests waiting for pages beyond this many get 429
 
     def __post_init__(self):
@@ -79,7 +81,9 @@ class DecodeServerConfig:
         if self.dcp_comm not in COMM_MODES:
             raise ValueError(f"--dcp-comm must be one of {', '.join(COMM_MODES)}, got {self.dcp_comm!r}")
         if self.page_size < 1 or self.page_size % self.dcp_size:  # pages are C_d-wide (invariant 4)
-            raise ValueError(f"--page-size {self.page_size} must be a positive multiple of --dcp-size {self.dcp_size}")
+            raise ValueError(
+                f"--page-size {self.page_size} must be a positive multiple of --dcp-size {self.dcp_size}"
+            )
         if (self.kv_memory is None) == (self.max_kv_tokens is None):
             raise ValueError("give exactly one of --kv-memory or --max-kv-tokens")
         if (self.kv_memory or 1) < 1 or (self.max_kv_tokens or 1) < 1:
@@ -91,39 +95,66 @@ class DecodeServerConfig:
         if self.cpu_comm not in CPU_COMMS:
             raise ValueError(f"--cpu-comm must be one of {', '.join(CPU_COMMS)}, got {self.cpu_comm!r}")
         if self.transfer_timeout_s <= 0 or self.heartbeat_timeout_s <= 0 or self.transfer_quarantine_s <= 0:
-            raise ValueError("--transfer-timeout, --heartbeat-timeout and --transfer-quarantine must be positive")
+            raise ValueError(
+                "--transfer-timeout, --heartbeat-timeout and --transfer-quarantine must be positive"
+            )
         check_transfer(self.transfer)
         if self.shutdown_grace_s < 0:
             raise ValueError(f"--shutdown-grace must be >= 0, got {self.shutdown_grace_s}")
         if self.data_host in ("0.0.0.0", "::", "*", ""):
-            raise ValueError(f"--data-host {self.data_host!r} is a wildcard: give an address the prefill ranks can "
-                             "connect to (on Kubernetes, the pod IP)")
+            raise ValueError(
+                f"--data-host {self.data_host!r} is a wildcard: give an address the prefill ranks can "
+                "connect to (on Kubernetes, the pod IP)"
+            )
 
     def num_slots(self) -> int:
         """Global KV slots of the instance: whole pages that fit the per-rank budget, or max_kv_tokens rounded up."""
         if self.kv_memory is None:
             return -(-self.max_kv_tokens // self.page_size) * self.page_size
         mcfg = ModelConfig.from_pretrained(self.model)
-        slots = capacity.tokens_for_budget(mcfg, self.kv_memory, self.dcp_size, self.dcp_index, self.page_size,
-                                           self.kv_cache_dtype, self.dtype)
+        slots = capacity.tokens_for_budget(
+            mcfg,
+            self.kv_memory,
+            self.dcp_size,
+            self.dcp_index,
+            self.page_size,
+            self.kv_cache_dtype,
+            self.dtype,
+        )
         if slots == 0:
-            page = capacity.page_bytes_per_rank(mcfg, self.dcp_size, self.dcp_index, self.page_size,
-                                                self.kv_cache_dtype, self.dtype)
-            raise ValueError(f"--kv-memory {self.kv_memory} bytes holds no page ({page} bytes per page per rank)")
+            page = capacity.page_bytes_per_rank(
+                mcfg, self.dcp_size, self.dcp_index, self.page_size, self.kv_cache_dtype, self.dtype
+            )
+            raise ValueError(
+                f"--kv-memory {self.kv_memory} bytes holds no page ({page} bytes per page per rank)"
+            )
         return slots
 
     def validate_model(self) -> None:
         """Checks that need the checkpoint's config (a clear error before any rank starts)."""
         heads = ModelConfig.from_pretrained(self.model).num_heads
         if heads % self.tp_size:
-            raise ValueError(f"the model's {heads} attention heads cannot be split over --tp-size {self.tp_size}")
+            raise ValueError(
+                f"the model's {heads} attention heads cannot be split over --tp-size {self.tp_size}"
+            )
         self.num_slots()
 
     def build_instance(self) -> DecodeInstance:
-        worker = DecodeWorkerConfig(self.model, self.num_slots(), self.dcp_size, self.dcp_index, self.dcp_comm,
-                                    self.replicate_q_proj, self.dtype, self.kv_cache_dtype, cpu_comm=self.cpu_comm,
-                                    transfer=self.transfer, data_host=self.data_host,
-                                    transfer_quarantine_s=self.transfer_quarantine_s, frame_key=cluster_frame_key(self))
+        worker = DecodeWorkerConfig(
+            self.model,
+            self.num_slots(),
+            self.dcp_size,
+            self.dcp_index,
+            self.dcp_comm,
+            self.replicate_q_proj,
+            self.dtype,
+            self.kv_cache_dtype,
+            cpu_comm=self.cpu_comm,
+            transfer=self.transfer,
+            data_host=self.data_host,
+            transfer_quarantine_s=self.transfer_quarantine_s,
+            frame_key=cluster_frame_key(self),
+        )
         launch = LaunchConfig(self.tp_size, self.dist_port, threads_per_rank=self.threads_per_rank)
         return DecodeInstance(worker, launch, page_size=self.page_size)
 
@@ -156,8 +187,15 @@ class _Abort:
 class EngineLoop:
     """The engine thread. submit(), abort() and stop() are thread-safe; the rest runs on the thread."""
 
-    def __init__(self, engine: DecodeEngine, on_fatal: Callable[[str], None], transfer_timeout_s: float = 30.0,
-                 heartbeat_timeout_s: float = 5.0, max_queue: int = 256, frame_key: bytes = DEV_FRAME_KEY):
+    def __init__(
+        self,
+        engine: DecodeEngine,
+        on_fatal: Callable[[str], None],
+        transfer_timeout_s: float = 30.0,
+        heartbeat_timeout_s: float = 5.0,
+        max_queue: int = 256,
+        frame_key: bytes = DEV_FRAME_KEY,
+    ):
         self.engine, self.on_fatal, self.max_queue = engine, on_fatal, max_queue
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.listeners: dict[str, Listener] = {}
@@ -167,8 +205,14 @@ class EngineLoop:
         self._closed, self._lock = False, threading.Lock()  # once closed, no command can be left unanswered
         self.stats = self._snapshot()  # replaced (never mutated) after every iteration: readers need no lock
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, listener: Listener,
-               bootstrap: str | None = None) -> Future:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        listener: Listener,
+        bootstrap: str | None = None,
+    ) -> Future:
         return self._put(_Submit(list(prompt_ids), params, request_id, listener, Future(), bootstrap))
 
     def abort(self, request_id: str) -> Future:
@@ -238,7 +282,9 @@ class EngineLoop:
         elif cmd.request_id in self.listeners:
             cmd.accepted.set_exception(ValueError(f"request id {cmd.request_id!r} is already in use"))
         elif len(self.engine.scheduler.queued) >= self.max_queue:
-            cmd.accepted.set_exception(Overloaded(f"the decode queue is full ({self.max_queue} requests waiting)"))
+            cmd.accepted.set_exception(
+                Overloaded(f"the decode queue is full ({self.max_queue} requests waiting)")
+            )
         elif cmd.bootstrap:
             try:
                 self.remote.submit(cmd.request_id, len(cmd.prompt_ids), cmd.params, cmd.bootstrap)
@@ -293,11 +339,17 @@ class EngineLoop:
 
     def _snapshot(self) -> dict:
         s, alloc = self.engine.scheduler, self.engine.instance.allocator
-        return {"free_tokens": alloc.num_free * alloc.page_size, "held_tokens": alloc.num_held * alloc.page_size,
-                "running": len(s.running),
-                "queued": len(s.queued) + len(s.waiting_for_kv), "transfers_pending": len(self.remote.rooms),
-                "transfers_completed": self.remote.completed, "transfers_failed": self.remote.failed,
-                "transfer_bytes": self.remote.bytes_received, "transfer_seconds": self.remote.transfer_seconds}
+        return {
+            "free_tokens": alloc.num_free * alloc.page_size,
+            "held_tokens": alloc.num_held * alloc.page_size,
+            "running": len(s.running),
+            "queued": len(s.queued) + len(s.waiting_for_kv),
+            "transfers_pending": len(self.remote.rooms),
+            "transfers_completed": self.remote.completed,
+            "transfers_failed": self.remote.failed,
+            "transfer_bytes": self.remote.bytes_received,
+            "transfer_seconds": self.remote.transfer_seconds,
+        }
 
 
 def _refuse(cmd) -> None:
@@ -324,20 +376,34 @@ def serve(cfg: DecodeServerConfig) -> None:
     require_token(cfg.internal_token)
     cfg.validate_model()
     instance = cfg.build_instance()
-    print(f"starting {cfg.tp_size} decode rank(s) (DCP {cfg.dcp_size}) for {cfg.model}", file=sys.stderr, flush=True)
+    print(
+        f"starting {cfg.tp_size} decode rank(s) (DCP {cfg.dcp_size}) for {cfg.model}",
+        file=sys.stderr,
+        flush=True,
+    )
     stop = threading.Event()
     loop: EngineLoop | None = None
     thread: threading.Thread | None = None
     try:
         instance.start()
-        loop = EngineLoop(DecodeEngine(instance, cfg.max_batch), lambda msg: stop_instance(instance, "decode", msg),
-                          cfg.transfer_timeout_s, cfg.heartbeat_timeout_s, cfg.max_queue, cluster_frame_key(cfg))
+        loop = EngineLoop(
+            DecodeEngine(instance, cfg.max_batch),
+            lambda msg: stop_instance(instance, "decode", msg),
+            cfg.transfer_timeout_s,
+            cfg.heartbeat_timeout_s,
+            cfg.max_queue,
+            cluster_frame_key(cfg),
+        )
         thread = threading.Thread(target=loop.run, name="decode-engine", daemon=True)
         thread.start()
         start_watchdog(instance, "decode", stop)
         drain = Drain("decode", cfg.shutdown_grace_s, loop.busy)
-        app = create_app(cfg, instance, loop, lambda: instance.ranks.unhealthy() or loop.remote.unhealthy(), drain)
-        config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5)
+        app = create_app(
+            cfg, instance, loop, lambda: instance.ranks.unhealthy() or loop.remote.unhealthy(), drain
+        )
+        config = uvicorn.Config(
+            app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5
+        )
         DrainingServer(config, drain, on_exit=loop.stop).run()
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not interrupt the shutdown

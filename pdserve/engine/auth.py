@@ -36,12 +36,16 @@ def check_strength(token: str, what: str) -> str:
     """Returns the token, or raises AuthConfigError saying why it is too weak."""
     t = token.strip()
     if len(t) < MIN_TOKEN_CHARS or t.lower() in WEAK or len(set(t)) < 8:
-        raise AuthConfigError(f"{what} is too weak: use at least {MIN_TOKEN_CHARS} random characters "
-                              "(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
+        raise AuthConfigError(
+            f"{what} is too weak: use at least {MIN_TOKEN_CHARS} random characters "
+            "(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)"
+        )
     return t
 
 
-def load_internal_token(flag: str | None = None, file: str | None = None, required: bool = True) -> str | None:
+def load_internal_token(
+    flag: str | None = None, file: str | None = None, required: bool = True
+) -> str | None:
     """--internal-token, else --internal-token-file, else $PDSERVE_INTERNAL_TOKEN; checked for strength."""
     token = flag
     if token is None and file is not None:
@@ -53,8 +57,10 @@ def load_internal_token(flag: str | None = None, file: str | None = None, requir
         token = os.environ.get(INTERNAL_TOKEN_ENV) or None
     if token is None:
         if required:
-            raise AuthConfigError(f"no internal token: set {INTERNAL_TOKEN_ENV} (or --internal-token-file) to the "
-                                  "same secret on the router and every instance (`pdserve up` makes one itself)")
+            raise AuthConfigError(
+                f"no internal token: set {INTERNAL_TOKEN_ENV} (or --internal-token-file) to the "
+                "same secret on the router and every instance (`pdserve up` makes one itself)"
+            )
         return None
     return check_strength(token, "the internal token")
 

@@ -62,23 +62,39 @@ def index_bytes(cfg, kv_cache_dtype: str = "auto", model_dtype: Any = "bfloat16"
     return len(cfg.indexer_layers) * per_key
 
 
-def bytes_per_token_per_rank(cfg, dcp_size: int = 1, index_mode: str = "copy", kv_cache_dtype: str = "auto",
-                             model_dtype: Any = "bfloat16") -> float:
+def bytes_per_token_per_rank(
+    cfg,
+    dcp_size: int = 1,
+    index_mode: str = "copy",
+    kv_cache_dtype: str = "auto",
+    model_dtype: Any = "bfloat16",
+) -> float:
     """Average bytes one decode rank spends per token of the instance."""
     _check_dcp(dcp_size)
     e, i = entry_bytes(cfg, kv_cache_dtype, model_dtype), index_bytes(cfg, kv_cache_dtype, model_dtype)
     return e / dcp_size + i if check_index_mode(index_mode) == "copy" else (e + i) / dcp_size
 
 
-def capacity_factor(cfg, dcp_size: int = 1, index_mode: str = "copy", kv_cache_dtype: str = "auto",
-                    model_dtype: Any = "bfloat16") -> float:
+def capacity_factor(
+    cfg,
+    dcp_size: int = 1,
+    index_mode: str = "copy",
+    kv_cache_dtype: str = "auto",
+    model_dtype: Any = "bfloat16",
+) -> float:
     """Tokens held relative to plain TP (C_d = 1, every rank keeps everything)."""
     whole = entry_bytes(cfg, kv_cache_dtype, model_dtype) + index_bytes(cfg, kv_cache_dtype, model_dtype)
     return whole / bytes_per_token_per_rank(cfg, dcp_size, index_mode, kv_cache_dtype, model_dtype)
 
 
-def page_bytes_per_rank(cfg, dcp_size: int, index_mode: str, page_size: int, kv_cache_dtype: str = "auto",
-                        model_dtype: Any = "bfloat16") -> int:
+def page_bytes_per_rank(
+    cfg,
+    dcp_size: int,
+    index_mode: str,
+    page_size: int,
+    kv_cache_dtype: str = "auto",
+    model_dtype: Any = "bfloat16",
+) -> int:
     """Exact bytes one rank spends on one page: page_size / C_d latent rows, plus page_size index rows
     (copy) or page_size / C_d (split). Pages are C_d-wide and C_d-aligned (invariant 4), so each rank
     gets the same whole number of rows and the budget arithmetic stays in integers."""
@@ -87,19 +103,35 @@ def page_bytes_per_rank(cfg, dcp_size: int, index_mode: str, page_size: int, kv_
         raise ValueError(f"page_size {page_size} must be a positive multiple of dcp_size {dcp_size}")
     rows = page_size // dcp_size
     index_rows = page_size if check_index_mode(index_mode) == "copy" else rows
-    return (rows * entry_bytes(cfg, kv_cache_dtype, model_dtype)
-            + index_rows * index_bytes(cfg, kv_cache_dtype, model_dtype))
+    return rows * entry_bytes(cfg, kv_cache_dtype, model_dtype) + index_rows * index_bytes(
+        cfg, kv_cache_dtype, model_dtype
+    )
 
 
-def tokens_for_budget(cfg, budget_bytes: int, dcp_size: int = 1, index_mode: str = "copy", page_size: int = 64,
-                      kv_cache_dtype: str = "auto", model_dtype: Any = "bfloat16") -> int:
+def tokens_for_budget(
+    cfg,
+    budget_bytes: int,
+    dcp_size: int = 1,
+    index_mode: str = "copy",
+    page_size: int = 64,
+    kv_cache_dtype: str = "auto",
+    model_dtype: Any = "bfloat16",
+) -> int:
     """Token slots a decode instance gets when each rank may spend budget_bytes (whole pages only)."""
     page = page_bytes_per_rank(cfg, dcp_size, index_mode, page_size, kv_cache_dtype, model_dtype)
     return max(int(budget_bytes), 0) // page * page_size
 
 
-def pool_for_budget(cfg, budget_bytes: int, dcp_size: int = 1, index_mode: str = "copy", page_size: int = 64,
-                    dtype=None, kv_cache_dtype: str = "auto", device="cpu"):
+def pool_for_budget(
+    cfg,
+    budget_bytes: int,
+    dcp_size: int = 1,
+    index_mode: str = "copy",
+    page_size: int = 64,
+    dtype=None,
+    kv_cache_dtype: str = "auto",
+    device="cpu",
+):
     """The KVPool one decode rank would allocate for budget_bytes; its nbytes checks the formula.
 
     Latent rows are slots / C_d; index rows are slots (copy) or slots / C_d (split)."""
@@ -110,8 +142,14 @@ def pool_for_budget(cfg, budget_bytes: int, dcp_size: int = 1, index_mode: str =
     dtype = torch.bfloat16 if dtype is None else dtype
     slots = tokens_for_budget(cfg, budget_bytes, dcp_size, index_mode, page_size, kv_cache_dtype, dtype)
     rows = slots // dcp_size
-    return KVPool(cfg, rows, dtype, device=device, kv_cache_dtype=kv_cache_dtype,
-                  index_slots=slots if index_mode == "copy" else rows)
+    return KVPool(
+        cfg,
+        rows,
+        dtype,
+        device=device,
+        kv_cache_dtype=kv_cache_dtype,
+        index_slots=slots if index_mode == "copy" else rows,
+    )
 
 
 def _check_dcp(dcp_size: int) -> None:

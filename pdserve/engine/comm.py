@@ -81,7 +81,9 @@ class ShmComm(GlooComm):
         header = size * _LINE
         total = header + 2 * size * slot_bytes
         name = [f"/dev/shm/pdserve-comm-{uuid.uuid4().hex}" if rank == 0 else None]
-        dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        dist.broadcast_object_list(
+            name, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group
+        )
         if rank == 0:
             with open(name[0], "wb") as f:
                 f.truncate(total)
@@ -119,8 +121,10 @@ class ShmComm(GlooComm):
             if start is None:
                 start = time.monotonic()
             elif spins % 1024 == 0 and time.monotonic() - start > self.timeout_s:
-                raise TimeoutError(f"shared-memory collective {n}: ranks {(flags < n).nonzero().flatten().tolist()} "
-                                   f"did not arrive within {self.timeout_s:.0f} s")
+                raise TimeoutError(
+                    f"shared-memory collective {n}: ranks {(flags < n).nonzero().flatten().tolist()} "
+                    f"did not arrive within {self.timeout_s:.0f} s"
+                )
 
     def _view(self, data: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return data.view(like.dtype).view((self.size,) + tuple(like.shape))

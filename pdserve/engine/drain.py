@@ -51,9 +51,13 @@ class Drain:
         """Blocks until nothing runs (None), or the grace period ended or was cut short (the reason)."""
         while (running := self.busy()) > 0:
             if self._cut.is_set():
-                return f"the {self.role} instance was stopped before its {running} running request(s) finished"
+                return (
+                    f"the {self.role} instance was stopped before its {running} running request(s) finished"
+                )
             if time.monotonic() >= self.deadline:
-                return f"the {self.role} instance shut down: its {self.grace_s:g} s shutdown grace period ended"
+                return (
+                    f"the {self.role} instance shut down: its {self.grace_s:g} s shutdown grace period ended"
+                )
             self._cut.wait(POLL_S)
         return None
 
@@ -71,14 +75,21 @@ class DrainingServer(uvicorn.Server):
         if self.should_exit:  # already stopping: uvicorn's own handling (a second Ctrl-C forces it)
             super().handle_exit(sig, frame)
         elif self.drain.begin():
-            print(f"{signal.Signals(sig).name}: draining the {self.drain.role} instance: no new requests, "
-                  f"{self.drain.busy()} running, grace {self.drain.grace_s:g} s", file=sys.stderr, flush=True)
+            print(
+                f"{signal.Signals(sig).name}: draining the {self.drain.role} instance: no new requests, "
+                f"{self.drain.busy()} running, grace {self.drain.grace_s:g} s",
+                file=sys.stderr,
+                flush=True,
+            )
             threading.Thread(target=self._drain_then_exit, name="drain", daemon=True).start()
 
     def _drain_then_exit(self) -> None:
         reason = self.drain.wait()
-        print(f"drained; stopping the {self.drain.role} instance" if reason is None else f"{reason}; stopping",
-              file=sys.stderr, flush=True)
+        print(
+            f"drained; stopping the {self.drain.role} instance" if reason is None else f"{reason}; stopping",
+            file=sys.stderr,
+            flush=True,
+        )
         try:
             self.on_exit(reason)
         finally:

@@ -51,9 +51,12 @@ def error_type(status: int) -> str:
     return "invalid_request_error" if status < 500 else "server_error"
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, error_type(status), param, code), status_code=status, headers=headers)
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None, headers: dict | None = None
+) -> JSONResponse:
+    return JSONResponse(
+        error_body(message, error_type(status), param, code), status_code=status, headers=headers
+    )
 
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -70,8 +73,12 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 OPEN_PATHS = ("/health", "/live")  # probes: no secret in a kubelet's config
 
 
-def install_edge(app: FastAPI, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, token: str | None = None,
-                 protect: Callable[[str], bool] = lambda path: path not in OPEN_PATHS) -> None:
+def install_edge(
+    app: FastAPI,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    token: str | None = None,
+    protect: Callable[[str], bool] = lambda path: path not in OPEN_PATHS,
+) -> None:
     """Error handlers, the body size limit and, with `token`, bearer authentication of the paths
     `protect` selects (every one but the probes, by default)."""
 
@@ -110,8 +117,12 @@ class RequireBearer:
         if scope["type"] == "http" and self.protect(scope["path"]):
             header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             if not bearer_ok(header, self.token):
-                response = error_response(401, "missing or invalid bearer token", code="invalid_api_key",
-                                          headers={"WWW-Authenticate": "Bearer"})
+                response = error_response(
+                    401,
+                    "missing or invalid bearer token",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
                 return await response(scope, receive, send)
         await self.app(scope, receive, send)
 

@@ -34,9 +34,17 @@ class KVPool:
     WRITE without packing them first (`span`). Index keys stay slot-ordered: a copied index sends
     every slot, which is contiguous that way."""
 
-    def __init__(self, cfg: ModelConfig, num_slots: int, dtype: torch.dtype, device: str | torch.device = "cpu",
-                 layers: list[int] | None = None, kv_cache_dtype: str = "auto", index_slots: int | None = None,
-                 residues: int = 1):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        num_slots: int,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+        layers: list[int] | None = None,
+        kv_cache_dtype: str = "auto",
+        index_slots: int | None = None,
+        residues: int = 1,
+    ):
         if residues < 1:
             raise ValueError(f"residues must be >= 1, got {residues}")
         self.residues, self.block = residues, -(-num_slots // residues)  # block: rows per residue
@@ -49,11 +57,15 @@ class KVPool:
         self.layers = list(range(cfg.num_layers)) if layers is None else list(layers)
         self.kv_row = {layer: i for i, layer in enumerate(self.layers)}
         rows = self.block * residues  # num_slots, rounded up to a multiple of R
-        self.kv = torch.zeros(len(self.layers), rows, cfg.kv_entry_dim, dtype=store, device=device)  # [L, rows, c+rope]
+        self.kv = torch.zeros(
+            len(self.layers), rows, cfg.kv_entry_dim, dtype=store, device=device
+        )  # [L, rows, c+rope]
         indexed = [layer for layer in self.layers if cfg.has_indexer(layer)]
         self.index_row = {layer: i for i, layer in enumerate(indexed)}
         shape = (len(indexed), self.index_slots)
-        self.index_k = torch.zeros(*shape, max(cfg.index_head_dim, 1), dtype=store, device=device)  # [Li, slots, Di]
+        self.index_k = torch.zeros(
+            *shape, max(cfg.index_head_dim, 1), dtype=store, device=device
+        )  # [Li, slots, Di]
         # Per-key dequantization scale; None when keys are stored in the model dtype.
         self.index_scale = torch.ones(shape, dtype=torch.float32, device=device) if self.fp8 else None
 
@@ -113,11 +125,11 @@ class KVPool:
         if self.fp8 or n < 1 or start < 0 or start + (n - 1) * step >= limit:
             return None  # out of range: the caller's packing path raises
         if kind == "index":
-            return self.index_k[self.index_row[layer], start:start + n] if step == 1 or n == 1 else None
+            return self.index_k[self.index_row[layer], start : start + n] if step == 1 or n == 1 else None
         if n > 1 and step != self.residues:
             return None
         row = int(self._kv_rows(torch.tensor([start]))[0])
-        return self.kv[self.kv_row[layer], row:row + n]
+        return self.kv[self.kv_row[layer], row : row + n]
 
     def _kv_rows(self, slots: torch.Tensor | slice) -> torch.Tensor | slice:
         """Storage rows of latent-entry slots (the slots themselves unless residue-major)."""
@@ -143,8 +155,13 @@ def _put(table: torch.Tensor, rows: torch.Tensor | slice, values: torch.Tensor) 
     applies. `rows` may be a slice: a plain copy, the fastest."""
     if isinstance(rows, slice):
         table[rows].copy_(values)
-    elif table.dtype != FP8 and rows.dim() == 1 and rows.dtype == torch.int64 and values.dim() == 2 \
-            and len(values) == len(rows):
+    elif (
+        table.dtype != FP8
+        and rows.dim() == 1
+        and rows.dtype == torch.int64
+        and values.dim() == 2
+        and len(values) == len(rows)
+    ):
         table.index_copy_(0, rows, values)
     else:
         table[rows] = values

@@ -74,7 +74,9 @@ def _die_with_parent() -> None:
         pass
 
 
-def _rank_main(factory: Callable[..., Any], payload: Any, rank: int, cfg: LaunchConfig, conn: Connection) -> None:
+def _rank_main(
+    factory: Callable[..., Any], payload: Any, rank: int, cfg: LaunchConfig, conn: Connection
+) -> None:
     _die_with_parent()
     import torch
     import torch.distributed as dist
@@ -82,8 +84,13 @@ def _rank_main(factory: Callable[..., Any], payload: Any, rank: int, cfg: Launch
     torch.set_num_threads(cfg.threads_per_rank)
     try:
         timeout = timedelta(seconds=cfg.collective_timeout_s)
-        dist.init_process_group(cfg.backend, store=_store(rank, cfg, timeout), rank=rank, world_size=cfg.world_size,
-                                timeout=timeout)
+        dist.init_process_group(
+            cfg.backend,
+            store=_store(rank, cfg, timeout),
+            rank=rank,
+            world_size=cfg.world_size,
+            timeout=timeout,
+        )
         worker = factory(rank, cfg.world_size, payload)
         conn.send(("ready", getattr(worker, "info", lambda: {})()))
     except Exception:
@@ -116,8 +123,14 @@ def _store(rank: int, cfg: LaunchConfig, timeout: timedelta):
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind((cfg.dist_host, cfg.dist_port))
     listener.listen(256)
-    store = dist.TCPStore(cfg.dist_host, cfg.dist_port, cfg.world_size, True, timeout=timeout,
-                          master_listen_fd=listener.fileno())
+    store = dist.TCPStore(
+        cfg.dist_host,
+        cfg.dist_port,
+        cfg.world_size,
+        True,
+        timeout=timeout,
+        master_listen_fd=listener.fileno(),
+    )
     _LISTENERS.append(listener)  # the store serves on this socket: it must stay open as long as the process
     return store
 
@@ -139,8 +152,12 @@ class RankGroup:
         ctx = mp.get_context("spawn")
         for rank in range(self.cfg.world_size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_rank_main, args=(self.factory, self.payload, rank, self.cfg, child),
-                            name=f"pdserve-rank{rank}", daemon=True)
+            p = ctx.Process(
+                target=_rank_main,
+                args=(self.factory, self.payload, rank, self.cfg, child),
+                name=f"pdserve-rank{rank}",
+                daemon=True,
+            )
             p.start()
             child.close()
             self.procs.append(p)
@@ -212,7 +229,9 @@ class RankGroup:
             if dead and pending:
                 raise RankError(dead)
             if pending and time.monotonic() > deadline:
-                why = f" after rank {min(errors)} failed ({_last_line(errors[min(errors)])})" if errors else ""
+                why = (
+                    f" after rank {min(errors)} failed ({_last_line(errors[min(errors)])})" if errors else ""
+                )
                 raise RankError(f"ranks {sorted(pending)} did not finish the command{why}")
         return replies, errors
 

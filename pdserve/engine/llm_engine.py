@@ -53,8 +53,13 @@ class LLMEngine:
         self.sampler = Sampler()
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, dtype: str | torch.dtype = "float32", float32_islands: bool = True,
-                        **kwargs) -> "LLMEngine":
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        dtype: str | torch.dtype = "float32",
+        float32_islands: bool = True,
+        **kwargs,
+    ) -> "LLMEngine":
         return cls(load_model(model_dir, parse_dtype(dtype), float32_islands=float32_islands), **kwargs)
 
     @property
@@ -83,7 +88,9 @@ class LLMEngine:
         done = [i for i, c in enumerate(chunks) if c.start + c.n == c.request.num_tokens]
         if done:
             sampled = self.sampler.sample(
-                logits[done], [chunks[i].request.params for i in done], [chunks[i].request.request_id for i in done]
+                logits[done],
+                [chunks[i].request.params for i in done],
+                [chunks[i].request.request_id for i in done],
             )
             for i, tok in zip(done, sampled):
                 tokens[i] = tok
@@ -91,7 +98,9 @@ class LLMEngine:
             self.sampler.forget(req.request_id)
         return [(c.request, t) for c, t in zip(chunks, tokens) if t is not None]
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None) -> list[list[int]]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[list[int]]:
         """Runs the given prompts together (continuous batching) and returns their output ids."""
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
@@ -103,7 +112,9 @@ class LLMEngine:
         """Logits at every prompt position [T, V] (for checks against a reference); frees its cache."""
         return self._prefill_once(prompt_ids, all_logits=True)[0]
 
-    def prefill_with_cache(self, prompt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+    def prefill_with_cache(
+        self, prompt_ids: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
         """One prompt's last-position logits [V], latent entries [L, n, c + rope] and index keys
         {indexer layer: [n, Di]}: what a decode instance needs to continue it. Frees its pages."""
         logits, slots = self._prefill_once(prompt_ids, all_logits=False)

@@ -38,7 +38,9 @@ def prefill_attention(
     """Returns (out [n, H, c], this layer's top-k selection [n, k] or None for dense models)."""
     if q.shape[0] == 0:  # a context-parallel rank may own no token of a short chunk
         k = cfg.index_topk if cfg.is_sparse else 0
-        return q.new_zeros(0, q.shape[1], cfg.kv_lora_rank), (torch.zeros(0, k, dtype=torch.int64) if k else None)
+        return q.new_zeros(0, q.shape[1], cfg.kv_lora_rank), (
+            torch.zeros(0, k, dtype=torch.int64) if k else None
+        )
     key_pos = torch.arange(keys.shape[0])
     outs, sels = [], []
     step = block_size(cfg, q.shape[1], keys.shape[0], query_block)
@@ -51,7 +53,9 @@ def prefill_attention(
             o, _ = attend(q[b0:b1], keys[:kend], valid, scale, cfg.kv_lora_rank)
         else:
             if index is not None:
-                scores = index_scores(index.q[b0:b1], index.weights[b0:b1], idx_keys[:kend], index.softmax_scale)
+                scores = index_scores(
+                    index.q[b0:b1], index.weights[b0:b1], idx_keys[:kend], index.softmax_scale
+                )
                 sel = topk_earliest(scores, valid, cfg.index_topk)  # [B, k], -1 padded
             else:
                 sel = prev_selection[b0:b1]

@@ -38,7 +38,9 @@ class SamplingParams:
         if not 1 <= self.max_tokens <= MAX_OUTPUT_TOKENS:
             raise ValueError(f"max_tokens must be in [1, {MAX_OUTPUT_TOKENS}], got {self.max_tokens}")
         if not (math.isfinite(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE):
-            raise ValueError(f"temperature must be a finite number in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
+            raise ValueError(
+                f"temperature must be a finite number in [0, {MAX_TEMPERATURE:g}], got {self.temperature}"
+            )
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.top_k <= MAX_TOP_K:

@@ -31,7 +31,13 @@ class Chunk:
 
 
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, eos_ids: tuple[int, ...], prefill_chunk: int = 4096, max_batch: int = 64):
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        eos_ids: tuple[int, ...],
+        prefill_chunk: int = 4096,
+        max_batch: int = 64,
+    ):
         self.allocator, self.eos_ids = allocator, set(eos_ids)
         self.prefill_chunk, self.max_batch = prefill_chunk, max_batch
         self.waiting: deque[Request] = deque()

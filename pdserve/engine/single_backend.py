@@ -56,13 +56,17 @@ class SingleRankBackend:
         if single:
             lens = [batch.seqs[i].ctx_slots.numel() for i in single]
             smax = max(lens)
-            self._dec_slots = torch.zeros(len(single), smax, dtype=torch.int64)  # [B, Smax], padded with slot 0
+            self._dec_slots = torch.zeros(
+                len(single), smax, dtype=torch.int64
+            )  # [B, Smax], padded with slot 0
             for row, i in enumerate(single):
                 self._dec_slots[row, : lens[row]] = batch.seqs[i].ctx_slots
             self._dec_valid = torch.arange(smax)[None, :] < torch.tensor(lens)[:, None]  # [B, Smax]
             self._dec_rows = torch.tensor([batch.seqs[i].offset for i in single])
 
-    def attention(self, layer: int, q: torch.Tensor, kv: torch.Tensor, index: IndexerInputs | None, scale: float) -> torch.Tensor:
+    def attention(
+        self, layer: int, q: torch.Tensor, kv: torch.Tensor, index: IndexerInputs | None, scale: float
+    ) -> torch.Tensor:
         batch = self.batch
         self.pool.write(layer, batch.new_slots, kv, index.k if index is not None else None)
         out = q.new_empty(q.shape[0], q.shape[1], self.cfg.kv_lora_rank)  # [T, H, c]
@@ -74,11 +78,15 @@ class SingleRankBackend:
             out[self._dec_rows] = self._decode(layer, q[self._dec_rows], _rows(index, self._dec_rows), scale)
         return out
 
-    def _prefill_seq(self, layer: int, key: int, s: SeqChunk, q: torch.Tensor, index: IndexerInputs | None, scale: float) -> torch.Tensor:
+    def _prefill_seq(
+        self, layer: int, key: int, s: SeqChunk, q: torch.Tensor, index: IndexerInputs | None, scale: float
+    ) -> torch.Tensor:
         keys = self.pool.read_kv(layer, s.ctx_slots)  # [S, c + rope]
         idx_keys = self.pool.read_index(layer, s.ctx_slots) if index is not None else None  # [S, Di]
         q_pos = torch.arange(s.start, s.start + s.n)
-        out, sel = prefill_attention(self.cfg, keys, idx_keys, q, q_pos, index, self._selection.get(key), scale, self.query_block)
+        out, sel = prefill_attention(
+            self.cfg, keys, idx_keys, q, q_pos, index, self._selection.get(key), scale, self.query_block
+        )
         if index is not None:
             self._selection[key] = sel
         return out

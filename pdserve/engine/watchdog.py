@@ -38,7 +38,9 @@ def watch_ranks(instance, role: str, stop: threading.Event, poll_s: float = POLL
 
 
 def start_watchdog(instance, role: str, stop: threading.Event) -> threading.Thread:
-    thread = threading.Thread(target=watch_ranks, args=(instance, role, stop), name=f"{role}-watchdog", daemon=True)
+    thread = threading.Thread(
+        target=watch_ranks, args=(instance, role, stop), name=f"{role}-watchdog", daemon=True
+    )
     thread.start()
     return thread
 
@@ -55,6 +57,11 @@ def add_health_route(app, dead_rank, draining=None) -> None:
         if dead:
             return JSONResponse({"status": "unhealthy", "error": dead}, status_code=503)
         if draining is not None and draining():
-            return JSONResponse({"status": "draining", "error": "shutting down: running requests are finishing, "
-                                 "new ones are refused"}, status_code=503)
+            return JSONResponse(
+                {
+                    "status": "draining",
+                    "error": "shutting down: running requests are finishing, new ones are refused",
+                },
+                status_code=503,
+            )
         return {"status": "ok"}

@@ -26,6 +26,7 @@ _FFN = re.compile(r"\.mlp\.(gate_proj|up_proj|down_proj|experts\.|shared_experts
 @dataclass(frozen=True)
 class ParamBytes:
     """Bytes of each split class at the run dtype; `q` is the part of `heads` a replicated q projection copies."""
+
     heads: int
     q: int
     ffn: int
@@ -70,8 +71,9 @@ def param_bytes(cfg, dtype) -> ParamBytes:
     return ParamBytes(**sums)
 
 
-def ranks_to_hold(pb: ParamBytes, num_heads: int, gpu_memory: int, multiple_of: int = 1,
-                  replicate_q: bool = False) -> int | None:
+def ranks_to_hold(
+    pb: ParamBytes, num_heads: int, gpu_memory: int, multiple_of: int = 1, replicate_q: bool = False
+) -> int | None:
     """The fewest decode ranks W (a multiple of `multiple_of` that divides the heads) whose weights fit
     in gpu_memory per rank; None if no W does."""
     for w in range(multiple_of, num_heads + 1, multiple_of):
@@ -80,8 +82,9 @@ def ranks_to_hold(pb: ParamBytes, num_heads: int, gpu_memory: int, multiple_of: 
     return None
 
 
-def gpu_plan(cfg, pb: ParamBytes, gpu_memory: int, dcp_sizes: list[int], page_size: int, kv_cache_dtype: str,
-             dtype) -> list[dict]:
+def gpu_plan(
+    cfg, pb: ParamBytes, gpu_memory: int, dcp_sizes: list[int], page_size: int, kv_cache_dtype: str, dtype
+) -> list[dict]:
     """Per C_d: the fewest ranks W that hold the weights, what is left for the KV cache per rank, and
     the KV tokens one decode instance then holds (copied and split index)."""
     rows = []
@@ -93,7 +96,8 @@ def gpu_plan(cfg, pb: ParamBytes, gpu_memory: int, dcp_sizes: list[int], page_si
             budget = gpu_memory - weights
             row.update(weight_bytes_per_rank=weights, kv_bytes_per_rank=budget)
             for mode in capacity.INDEX_MODES:
-                row[f"tokens_{mode}"] = capacity.tokens_for_budget(cfg, budget, c, mode, page_size,
-                                                                   kv_cache_dtype, dtype)
+                row[f"tokens_{mode}"] = capacity.tokens_for_budget(
+                    cfg, budget, c, mode, page_size, kv_cache_dtype, dtype
+                )
         rows.append(row)
     return rows

@@ -20,7 +20,11 @@ from .rope import apply_rope
 class Indexer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+        self.n_heads, self.head_dim, self.rope_dim = (
+            cfg.index_n_heads,
+            cfg.index_head_dim,
+            cfg.qk_rope_head_dim,
+        )
         self.interleave = cfg.indexer_rope_interleave
         self.score_dtype = torch.float32 if cfg.float32_islands else torch.float64
         self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim)
@@ -28,7 +32,9 @@ class Indexer(nn.Module):
         self.k_norm = LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = Linear(cfg.hidden_size, self.n_heads)  # kept in float32, as the reference does
 
-    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> IndexerInputs:
+    def forward(
+        self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> IndexerInputs:
         T = x.shape[0]
         q = self.wq_b(q_resid).view(T, self.n_heads, self.head_dim)
         q_rot, q_pass = torch.split(q, [self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
@@ -56,7 +62,9 @@ class MLAttention(nn.Module):
             self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank, bias=cfg.attention_bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, islands=cfg.float32_islands)
             self.q_b_proj = Linear(cfg.q_lora_rank, self.n_heads * qk)
-        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_lora_rank + self.rope_dim, bias=cfg.attention_bias)
+        self.kv_a_proj_with_mqa = Linear(
+            cfg.hidden_size, cfg.kv_lora_rank + self.rope_dim, bias=cfg.attention_bias
+        )
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, islands=cfg.float32_islands)
         self.kv_b_proj = Linear(cfg.kv_lora_rank, self.n_heads * (self.nope + self.v_dim))
         self.o_proj = Linear(self.n_heads * self.v_dim, cfg.hidden_size, bias=cfg.attention_bias)
@@ -67,16 +75,22 @@ class MLAttention(nn.Module):
 
     def _absorb_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora)
-        return w[:, : self.nope, :], w[self.out_heads, self.nope :, :]  # W_UK [H, nope, c], W_UV [H_out, v, c]
+        return w[:, : self.nope, :], w[
+            self.out_heads, self.nope :, :
+        ]  # W_UK [H, nope, c], W_UV [H_out, v, c]
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend
+    ) -> torch.Tensor:
         T = x.shape[0]
         if hasattr(self, "q_proj"):
             q_resid, q = None, self.q_proj(x)
         else:
             q_resid = self.q_a_layernorm(self.q_a_proj(x))
             q = self.q_b_proj(q_resid)
-        q_nope, q_pe = torch.split(q.view(T, self.n_heads, self.nope + self.rope_dim), [self.nope, self.rope_dim], dim=-1)
+        q_nope, q_pe = torch.split(
+            q.view(T, self.n_heads, self.nope + self.rope_dim), [self.nope, self.rope_dim], dim=-1
+        )
         q_pe = apply_rope(q_pe, cos, sin, self.rope_interleave)
         c_kv, k_pe = torch.split(self.kv_a_proj_with_mqa(x), [self.kv_lora, self.rope_dim], dim=-1)
         kv = torch.cat([self.kv_a_layernorm(c_kv), apply_rope(k_pe, cos, sin, self.rope_interleave)], dim=-1)

@@ -94,16 +94,24 @@ class ModelConfig:
                 f"unsupported model_type {self.model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
         if len(self.mlp_layer_types) != self.num_layers:
-            raise ConfigError(f"mlp_layer_types has {len(self.mlp_layer_types)} entries, expected {self.num_layers}")
+            raise ConfigError(
+                f"mlp_layer_types has {len(self.mlp_layer_types)} entries, expected {self.num_layers}"
+            )
         if self.is_sparse:
             if len(self.indexer_types) != self.num_layers:
-                raise ConfigError(f"indexer_types has {len(self.indexer_types)} entries, expected {self.num_layers}")
+                raise ConfigError(
+                    f"indexer_types has {len(self.indexer_types)} entries, expected {self.num_layers}"
+                )
             if self.indexer_types[0] != "full":
-                raise ConfigError("indexer_types[0] must be 'full': a shared layer reuses an earlier selection")
+                raise ConfigError(
+                    "indexer_types[0] must be 'full': a shared layer reuses an earlier selection"
+                )
             if self.index_head_dim <= self.qk_rope_head_dim:
                 raise ConfigError("index_head_dim must exceed qk_rope_head_dim")
         if self.n_routed_experts and self.n_routed_experts % self.n_group:
-            raise ConfigError(f"n_routed_experts {self.n_routed_experts} is not divisible by n_group {self.n_group}")
+            raise ConfigError(
+                f"n_routed_experts {self.n_routed_experts} is not divisible by n_group {self.n_group}"
+            )
 
     # ---- derived quantities -------------------------------------------------------------
     @property
@@ -129,7 +137,7 @@ class ModelConfig:
     @property
     def softmax_scale(self) -> float:
         """MLA softmax scale with yarn's mscale_all_dim correction (as the reference applies it)."""
-        scale = self.qk_head_dim ** -0.5
+        scale = self.qk_head_dim**-0.5
         if self.rope.rope_type != "default" and self.rope.mscale_all_dim:
             m = yarn_get_mscale(self.rope.factor, self.rope.mscale_all_dim)
             scale = scale * m * m
@@ -145,7 +153,9 @@ class ModelConfig:
             )
         n_layers = _req(d, "num_hidden_layers")
         first_dense = d.get("first_k_dense_replace", 0)
-        mlp_types = d.get("mlp_layer_types") or (["dense"] * min(first_dense, n_layers) + ["sparse"] * max(n_layers - first_dense, 0))
+        mlp_types = d.get("mlp_layer_types") or (
+            ["dense"] * min(first_dense, n_layers) + ["sparse"] * max(n_layers - first_dense, 0)
+        )
         if d.get("n_routed_experts") in (None, 0):
             mlp_types = ["dense"] * n_layers
         sparse = model_type in SPARSE_MODEL_TYPES
@@ -244,7 +254,11 @@ def _indexer_types(d: dict, n_layers: int) -> tuple[str, ...]:
         return tuple(d["indexer_types"])
     pattern = d.get("index_topk_pattern")
     if pattern is not None:
-        return tuple({"F": "full", "S": "shared"}[c] for c in pattern) if isinstance(pattern, str) else tuple(pattern)
+        return (
+            tuple({"F": "full", "S": "shared"}[c] for c in pattern)
+            if isinstance(pattern, str)
+            else tuple(pattern)
+        )
     if d.get("model_type") != "glm_moe_dsa":
         return ("full",) * n_layers
     freq = max(d.get("index_topk_freq", 1), 1)

@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scale: float, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
+def attend(
+    q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scale: float, dv: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of B queries over S keys each.
 
     q [B, H, D]; keys [S, D] (shared by all queries) or [B, S, D] (per query); valid [B, S] bool.

@@ -93,7 +93,9 @@ class TopkRouter(nn.Module):
         group_scores = choice.view(-1, cfg.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
         group_idx = group_scores.topk(cfg.topk_group, dim=-1, sorted=False)[1]
         group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-        expert_mask = group_mask.unsqueeze(-1).expand(-1, cfg.n_group, per_group).reshape(-1, cfg.n_routed_experts)
+        expert_mask = (
+            group_mask.unsqueeze(-1).expand(-1, cfg.n_group, per_group).reshape(-1, cfg.n_routed_experts)
+        )
         choice = choice.masked_fill(~expert_mask.bool(), float("-inf"))
         ids = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
         weights = scores.gather(1, ids)
@@ -136,7 +138,9 @@ class MoE(nn.Module):
         self.gate = TopkRouter(cfg)
         self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.shared_experts = (
-            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+            if cfg.n_shared_experts
+            else None
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -44,20 +44,27 @@ class QuantConfig:
         if method not in SUPPORTED_METHODS:
             raise QuantizationError(
                 f"unsupported quantization method {method!r} in config.json (supported: {', '.join(SUPPORTED_METHODS)}"
-                " with e4m3 block scales, or an unquantized checkpoint)")
+                " with e4m3 block scales, or an unquantized checkpoint)"
+            )
         fmt = q.get("fmt", "e4m3")
         if fmt != "e4m3":
             raise QuantizationError(f"unsupported fp8 format {fmt!r} in config.json (supported: e4m3)")
         block = q.get("weight_block_size")
         if not block or len(block) != 2:
-            raise QuantizationError("fp8 quantization_config without weight_block_size [rows, cols] "
-                                    "(per-tensor fp8 is not supported)")
+            raise QuantizationError(
+                "fp8 quantization_config without weight_block_size [rows, cols] "
+                "(per-tensor fp8 is not supported)"
+            )
         skip = tuple(q.get("modules_to_not_convert") or ())
         return cls(method, (int(block[0]), int(block[1])), skip)
 
     def to_config_dict(self) -> dict:
-        out = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": self.method,
-               "weight_block_size": list(self.block)}
+        out = {
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": self.method,
+            "weight_block_size": list(self.block),
+        }
         if self.modules_to_not_convert:
             out["modules_to_not_convert"] = list(self.modules_to_not_convert)
         return out
@@ -68,7 +75,9 @@ class QuantConfig:
 
 
 # Tensors the releases keep unquantized (names of their modules), whatever their size.
-_NEVER_QUANTIZED = re.compile(r"(norm|embed_tokens|lm_head|\.mlp\.gate\.|indexer\.weights_proj|e_score_correction)")
+_NEVER_QUANTIZED = re.compile(
+    r"(norm|embed_tokens|lm_head|\.mlp\.gate\.|indexer\.weights_proj|e_score_correction)"
+)
 
 
 def quantizable(name: str, shape: tuple[int, ...]) -> bool:
@@ -92,8 +101,9 @@ def quantize_fp8(w: "torch.Tensor", block: tuple[int, int]) -> "tuple[torch.Tens
     return q.view(nr * br, nc * bc)[:rows, :cols].contiguous(), scale
 
 
-def dequantize_fp8(q: "torch.Tensor", scale: "torch.Tensor", block: tuple[int, int],
-                   dtype: "torch.dtype") -> "torch.Tensor":
+def dequantize_fp8(
+    q: "torch.Tensor", scale: "torch.Tensor", block: tuple[int, int], dtype: "torch.dtype"
+) -> "torch.Tensor":
     """fp8 weight [N, K] times its block scale, in float64 when dtype is float64, else float32, then cast.
 
     fp8 has 4 significant bits and the scale 24, so the product is exact in float64 (and in float32
@@ -109,5 +119,7 @@ def dequantize_fp8(q: "torch.Tensor", scale: "torch.Tensor", block: tuple[int, i
 def check_scale(key: str, weight_shape: tuple[int, ...], scale: "torch.Tensor", qcfg: QuantConfig) -> None:
     want = qcfg.scale_shape(tuple(weight_shape))
     if tuple(scale.shape) != want:
-        raise QuantizationError(f"tensor {key} has shape {list(scale.shape)}, expected {list(want)} "
-                                f"(one scale per {qcfg.block[0]}x{qcfg.block[1]} block of a {list(weight_shape)} weight)")
+        raise QuantizationError(
+            f"tensor {key} has shape {list(scale.shape)}, expected {list(want)} "
+            f"(one scale per {qcfg.block[0]}x{qcfg.block[1]} block of a {list(weight_shape)} weight)"
+        )

@@ -156,8 +156,9 @@ def _stored_bytes(name: str, spec: TensorSpec, quant: QuantConfig | None) -> int
     return spec.nbytes // _BYTES_PER_ELEMENT + rows * cols * 4
 
 
-def _plan_shards(specs: dict[str, TensorSpec], max_shard_bytes: int | None,
-                 quant: QuantConfig | None = None) -> list[list[str]]:
+def _plan_shards(
+    specs: dict[str, TensorSpec], max_shard_bytes: int | None, quant: QuantConfig | None = None
+) -> list[list[str]]:
     """Greedy packing in name order; a tensor larger than the limit gets a shard of its own."""
     if max_shard_bytes is None:
         return [list(specs)]
@@ -173,7 +174,9 @@ def _plan_shards(specs: dict[str, TensorSpec], max_shard_bytes: int | None,
     return shards
 
 
-def _stored_tensors(seed: int, name: str, spec: TensorSpec, quant: QuantConfig | None) -> dict[str, torch.Tensor]:
+def _stored_tensors(
+    seed: int, name: str, spec: TensorSpec, quant: QuantConfig | None
+) -> dict[str, torch.Tensor]:
     w = _init_tensor(seed, name, spec)
     if quant is None or not quantizable(name, spec.shape):
         return {name: w}
@@ -185,8 +188,13 @@ def _dump_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _write_weights(tmp: Path, specs: dict[str, TensorSpec], seed: int, max_shard_bytes: int | None,
-                   quant: QuantConfig | None = None) -> None:
+def _write_weights(
+    tmp: Path,
+    specs: dict[str, TensorSpec],
+    seed: int,
+    max_shard_bytes: int | None,
+    quant: QuantConfig | None = None,
+) -> None:
     shards = _plan_shards(specs, max_shard_bytes, quant)
     if max_shard_bytes is None:
         files = ["model.safetensors"]
@@ -200,8 +208,10 @@ def _write_weights(tmp: Path, specs: dict[str, TensorSpec], seed: int, max_shard
         weight_map.update(dict.fromkeys(tensors, fname))
     if max_shard_bytes is not None:
         total = sum(_stored_bytes(n, spec, quant) for n, spec in specs.items())
-        _dump_json(tmp / "model.safetensors.index.json",
-                   {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+        _dump_json(
+            tmp / "model.safetensors.index.json",
+            {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+        )
 
 
 def _generation_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -233,9 +243,16 @@ def _move_into_place(tmp: Path, out: Path) -> None:
         shutil.rmtree(old)
 
 
-def make_model(out_dir: str | Path, arch: str, size: str, seed: int = 0,
-               max_shard_bytes: int | None = None, overwrite: bool = False, quantize: str | None = None,
-               config_overrides: dict[str, Any] | None = None) -> Path:
+def make_model(
+    out_dir: str | Path,
+    arch: str,
+    size: str,
+    seed: int = 0,
+    max_shard_bytes: int | None = None,
+    overwrite: bool = False,
+    quantize: str | None = None,
+    config_overrides: dict[str, Any] | None = None,
+) -> Path:
     """Write a complete random HF checkpoint for ``arch``/``size`` to ``out_dir``; return its path.
 
     quantize: None (float32 weights) or "fp8" (the released block-quantized layout).
@@ -243,7 +260,9 @@ def make_model(out_dir: str | Path, arch: str, size: str, seed: int = 0,
     if max_shard_bytes is not None and max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     if quantize is not None and quantize not in QUANTIZE_METHODS:
-        raise ValueError(f"unknown quantize method {quantize!r}; expected one of {', '.join(QUANTIZE_METHODS)}")
+        raise ValueError(
+            f"unknown quantize method {quantize!r}; expected one of {', '.join(QUANTIZE_METHODS)}"
+        )
     cfg = {**hf_config(arch, size), **(config_overrides or {})}
     quant = QuantConfig("fp8", FP8_BLOCK) if quantize else None
     if quant is not None:

@@ -32,7 +32,9 @@ def inv_freq_and_scale(rope: RopeConfig) -> tuple[torch.Tensor, float]:
         high += 0.001  # avoids a division by zero in the ramp
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
     extrapolation_weight = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (1.0 / pos_freqs) * extrapolation_weight
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (
+        1.0 / pos_freqs
+    ) * extrapolation_weight
     return inv_freq, attention_factor
 
 
@@ -42,7 +44,9 @@ def _mscale(scale: float, mscale: float = 1.0) -> float:
 
 def _correction_range(rope: RopeConfig, dim: int, base: float) -> tuple[float, float]:
     def corr_dim(rotations: float) -> float:
-        return (dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))) / (2 * math.log(base))
+        return (dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+            2 * math.log(base)
+        )
 
     low, high = corr_dim(rope.beta_fast), corr_dim(rope.beta_slow)
     if rope.truncate:

@@ -46,16 +46,18 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     # Same as transformers' override: jinja's built-in tojson HTML-escapes, which templates don't want.
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _compile_template(source: str) -> jinja2.Template:
     # Mirrors transformers' environment so templates from the Hub render identically.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -77,8 +79,13 @@ def _load_chat_template(model_dir: Path, tok_config: dict) -> str | None:
 class Tokenizer:
     """A ``tokenizer.json`` plus the special tokens and chat template of a model directory."""
 
-    def __init__(self, tokenizer: _HFTokenizer, tok_config: dict | None = None,
-                 chat_template: str | None = None, extra_eos_ids: list[int] | None = None):
+    def __init__(
+        self,
+        tokenizer: _HFTokenizer,
+        tok_config: dict | None = None,
+        chat_template: str | None = None,
+        extra_eos_ids: list[int] | None = None,
+    ):
         self._tok = tokenizer
         cfg = tok_config or {}
         self.bos_token = _token_content(cfg.get("bos_token"))
@@ -131,11 +138,14 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
         """Render ``messages`` with the model's chat template (extra kwargs, e.g. tools, pass through)."""
         if not self.chat_template:
-            raise ValueError("this tokenizer has no chat_template (tokenizer_config.json / chat_template.jinja)")
+            raise ValueError(
+                "this tokenizer has no chat_template (tokenizer_config.json / chat_template.jinja)"
+            )
         if self._template is None:
             self._template = _compile_template(self.chat_template)
         return self._template.render(
@@ -183,7 +193,7 @@ class IncrementalDetokenizer:
             return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
-        return full[len(prefix):]
+        return full[len(prefix) :]
 
     def add_tokens(self, token_ids: list[int]) -> str:
         return "".join(self.add_token(t) for t in token_ids)
@@ -193,4 +203,4 @@ class IncrementalDetokenizer:
         prefix = self._decode(self._prefix_offset, self._read_offset)
         full = self._decode(self._prefix_offset)
         self._prefix_offset = self._read_offset = len(self._ids)
-        return full[len(prefix):]
+        return full[len(prefix) :]

@@ -20,7 +20,11 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.self_attn = MLAttention(cfg, layer)
-        self.mlp = MoE(cfg) if cfg.mlp_layer_types[layer] == "sparse" else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = (
+            MoE(cfg)
+            if cfg.mlp_layer_types[layer] == "sparse"
+            else MLP(cfg.hidden_size, cfg.intermediate_size)
+        )
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.float32_islands)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.float32_islands)
 

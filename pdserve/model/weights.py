@@ -93,13 +93,17 @@ class _Filler:
         return bool(m) and n <= int(m.group(1)) < n + self.cfg.num_nextn_predict_layers
 
     def ignorable(self, key: str) -> bool:
-        return key.endswith("rotary_emb.inv_freq") or (key == "lm_head.weight" and self.cfg.tie_word_embeddings)
+        return key.endswith("rotary_emb.inv_freq") or (
+            key == "lm_head.weight" and self.cfg.tie_word_embeddings
+        )
 
     def check_known(self, key: str, where: Path) -> tuple[str, torch.Tensor] | None:
         """The destination of `key`, None for a tensor to skip, or a WeightError for an unknown one."""
         hit = self.target(key)
         if hit is None and not self.ignorable(key):
-            raise WeightError(f"unexpected tensor {key} in {where.name}: not part of a {self.cfg.model_type} model")
+            raise WeightError(
+                f"unexpected tensor {key} in {where.name}: not part of a {self.cfg.model_type} model"
+            )
         return hit
 
     def fill(self, key: str, tensor: torch.Tensor, where: Path) -> None:
@@ -165,7 +169,9 @@ def load_model(
     with torch.no_grad():
         for i, path in enumerate(files, 1):
             if not path.is_file():
-                raise WeightError(f"checkpoint shard {path.name} listed in the index is missing from {model_dir}")
+                raise WeightError(
+                    f"checkpoint shard {path.name} listed in the index is missing from {model_dir}"
+                )
             if progress:
                 progress(f"loading weights: shard {i}/{len(files)} ({path.name})")
             with safe_open(str(path), framework="pt") as f:
@@ -173,8 +179,10 @@ def load_model(
     reader.finish(model_dir)
     filler.check_complete(model_dir)
     if reader.mtp_skipped:
-        (progress or _stderr)(f"skipped {reader.mtp_skipped} tensors of {cfg.num_nextn_predict_layers} "
-                              f"multi-token-prediction layer(s) (layers {cfg.num_layers}+; not served)")
+        (progress or _stderr)(
+            f"skipped {reader.mtp_skipped} tensors of {cfg.num_nextn_predict_layers} "
+            f"multi-token-prediction layer(s) (layers {cfg.num_layers}+; not served)"
+        )
     return model
 
 
@@ -215,14 +223,18 @@ class _Reader:
         tensor = f.get_tensor(key)
         if tensor.dtype not in _FP8_DTYPES:
             if key + SCALE_SUFFIX in keys or key + SCALE_SUFFIX in self.held_scales:
-                raise WeightError(f"tensor {key} is {tensor.dtype} but has a {key}{SCALE_SUFFIX}: "
-                                  "only float8_e4m3fn weights carry block scales")
+                raise WeightError(
+                    f"tensor {key} is {tensor.dtype} but has a {key}{SCALE_SUFFIX}: "
+                    "only float8_e4m3fn weights carry block scales"
+                )
             self.filler.fill(key, tensor, path)
             return
         if self.cfg.quantization is None:
             raise WeightError(f"tensor {key} is {tensor.dtype} but config.json has no quantization_config")
         if tensor.dtype != torch.float8_e4m3fn:
-            raise WeightError(f"tensor {key} is {tensor.dtype}: only float8_e4m3fn block-quantized weights load")
+            raise WeightError(
+                f"tensor {key} is {tensor.dtype}: only float8_e4m3fn block-quantized weights load"
+            )
         scale_key = key + SCALE_SUFFIX
         if scale_key in keys:
             self._fill_fp8(key, tensor, path, f.get_tensor(scale_key))
@@ -243,8 +255,12 @@ class _Reader:
     def finish(self, model_dir: Path) -> None:
         if self.held_weights:
             key = sorted(self.held_weights)[0]
-            raise WeightError(f"missing tensor {key}{SCALE_SUFFIX} in {model_dir}: {key} is float8 and needs "
-                              "its block scales")
+            raise WeightError(
+                f"missing tensor {key}{SCALE_SUFFIX} in {model_dir}: {key} is float8 and needs "
+                "its block scales"
+            )
         if self.held_scales:
             key = sorted(self.held_scales)[0]
-            raise WeightError(f"missing tensor {key[: -len(SCALE_SUFFIX)]} in {model_dir} (its {key} is present)")
+            raise WeightError(
+                f"missing tensor {key[: -len(SCALE_SUFFIX)]} in {model_dir} (its {key} is present)"
+            )

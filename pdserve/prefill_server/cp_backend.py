@@ -30,7 +30,10 @@ from ..model.config import ModelConfig
 
 def layer_owners(num_layers: int, cp_size: int) -> list[int]:
     """Rank that stores each layer in layer-split mode: contiguous, as even as possible."""
-    return [min(r for r in range(cp_size) if layer < (r + 1) * num_layers // cp_size) for layer in range(num_layers)]
+    return [
+        min(r for r in range(cp_size) if layer < (r + 1) * num_layers // cp_size)
+        for layer in range(num_layers)
+    ]
 
 
 @dataclass
@@ -67,7 +70,9 @@ class CPBackend:
         self._pending: dict[int, tuple[torch.Tensor, object]] = {}  # layer -> (buffer, async work)
 
     # ---- the AttentionBackend method ------------------------------------------------------
-    def attention(self, layer: int, q: torch.Tensor, kv: torch.Tensor, index: IndexerInputs | None, scale: float) -> torch.Tensor:
+    def attention(
+        self, layer: int, q: torch.Tensor, kv: torch.Tensor, index: IndexerInputs | None, scale: float
+    ) -> torch.Tensor:
         plan = self.plan
         # Every rank issues the same broadcasts in the same order (the owner is the source):
         # this layer's (unless already started), then the next layer's, to overlap with this one.
@@ -76,8 +81,9 @@ class CPBackend:
         chunk_kv = all_gather_rows(kv, plan.counts)[self._order]  # [c1 - c0, c + rope] in position order
         chunk_idx = all_gather_rows(index.k, plan.counts)[self._order] if index is not None else None
         keys, idx_keys = self._context(layer, chunk_kv, chunk_idx)
-        out, sel = prefill_attention(self.cfg, keys, idx_keys, q, self._my_pos, index, self._selection, scale,
-                                     self.query_block)
+        out, sel = prefill_attention(
+            self.cfg, keys, idx_keys, q, self._my_pos, index, self._selection, scale, self.query_block
+        )
         if index is not None:
             self._selection = sel  # shared layers that follow reuse it
         if layer in self._pending and self.pool.holds(layer):

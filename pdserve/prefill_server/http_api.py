@@ -38,8 +38,14 @@ class PrefillBody(StrictModel):
     handoff: bool = False
 
 
-def create_app(instance, scheduler: PrefillScheduler, dead_rank, bootstrap_timeout_s: float = 30.0,
-               drain=None, token: str | None = None) -> FastAPI:
+def create_app(
+    instance,
+    scheduler: PrefillScheduler,
+    dead_rank,
+    bootstrap_timeout_s: float = 30.0,
+    drain=None,
+    token: str | None = None,
+) -> FastAPI:
     """dead_rank() -> message naming a dead rank, or None; drain: engine.drain.Drain or None;
     token: the internal token every path but /health and /live requires (None: open, tests only)."""
     app = FastAPI(title="pdserve prefill instance")
@@ -60,8 +66,9 @@ def create_app(instance, scheduler: PrefillScheduler, dead_rank, bootstrap_timeo
         if drain and drain.draining:
             raise HTTPException(503, drain.refusal())
         try:
-            params = SamplingParams(max_tokens=1, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                                    seed=body.seed)
+            params = SamplingParams(
+                max_tokens=1, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed
+            )
         except ValueError as e:
             raise HTTPException(400, str(e)) from None
         vocab = instance.model_config.vocab_size
@@ -71,9 +78,14 @@ def create_app(instance, scheduler: PrefillScheduler, dead_rank, bootstrap_timeo
             raise HTTPException(400, "a hand-off needs the room as request_id")
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
-        job = PrefillJob(list(body.token_ids), params, chunk_size=body.chunk_size,
-                         on_done=lambda j: loop.call_soon_threadsafe(_resolve, done, j), handoff=body.handoff,
-                         bootstrap_timeout_s=bootstrap_timeout_s)
+        job = PrefillJob(
+            list(body.token_ids),
+            params,
+            chunk_size=body.chunk_size,
+            on_done=lambda j: loop.call_soon_threadsafe(_resolve, done, j),
+            handoff=body.handoff,
+            bootstrap_timeout_s=bootstrap_timeout_s,
+        )
         if body.request_id:
             job.request_id = body.request_id
         start = time.perf_counter()
@@ -89,9 +101,15 @@ def create_app(instance, scheduler: PrefillScheduler, dead_rank, bootstrap_timeo
             scheduler.abort(job.request_id)
             raise
         if job.error:
-            raise HTTPException(502 if body.handoff else 500, f"prefill of {job.request_id} failed: {job.error}")
-        return {"request_id": job.request_id, "first_token": job.first_token, "prompt_tokens": len(job.token_ids),
-                "seconds": time.perf_counter() - start}
+            raise HTTPException(
+                502 if body.handoff else 500, f"prefill of {job.request_id} failed: {job.error}"
+            )
+        return {
+            "request_id": job.request_id,
+            "first_token": job.first_token,
+            "prompt_tokens": len(job.token_ids),
+            "seconds": time.perf_counter() - start,
+        }
 
     return app
 

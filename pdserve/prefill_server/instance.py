@@ -13,10 +13,10 @@ from ..engine.launcher import LaunchConfig, RankGroup
 from ..engine.page_allocator import PageAllocator
 from ..engine.request import SamplingParams
 from ..model.config import ModelConfig
-from .layouts import check_layout_allowed
 from ..transfer.plan import PrefillSide, Transfer
 from ..transfer.tcp import SendCmd, TransferStatusCmd, merge_checksums
 from .cp_backend import layer_owners
+from .layouts import check_layout_allowed
 from .rank_worker import DumpCacheCmd, PrefillCmd, PrefillRankWorker, PrefillWorkerConfig
 
 
@@ -29,7 +29,9 @@ class PrefillResult:
 
 
 class PrefillInstance:
-    def __init__(self, worker: PrefillWorkerConfig, launch: LaunchConfig, page_size: int = 16, chunk_size: int = 4096):
+    def __init__(
+        self, worker: PrefillWorkerConfig, launch: LaunchConfig, page_size: int = 16, chunk_size: int = 4096
+    ):
         self.model_config = ModelConfig.from_pretrained(worker.model_dir)
         check_layout_allowed(self.model_config.model_type, worker.layout)
         if chunk_size < 1:
@@ -62,14 +64,24 @@ class PrefillInstance:
             "moe_tp": self.worker.moe_tp,
             "chunk_size": self.chunk_size,
             "dtype": self.worker.dtype,
-            "ranks": [{k: r[k] for k in ("rank", "pid", "cache_bytes", "weight_bytes", "layers")} for r in self.rank_infos],
+            "ranks": [
+                {k: r[k] for k in ("rank", "pid", "cache_bytes", "weight_bytes", "layers")}
+                for r in self.rank_infos
+            ],
             "free_tokens": self.allocator.num_free * self.allocator.page_size,
             "total_tokens": self.allocator.num_pages * self.allocator.page_size,
         }
 
-    def prefill(self, request_id: str, token_ids: list[int], params: SamplingParams | None = None,
-                chunk_size: int | None = None, want_logits: bool = False, prefix_of: str | None = None,
-                cached_len: int = 0) -> PrefillResult:
+    def prefill(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams | None = None,
+        chunk_size: int | None = None,
+        want_logits: bool = False,
+        prefix_of: str | None = None,
+        cached_len: int = 0,
+    ) -> PrefillResult:
         """Runs one prompt through every rank; its pages stay held until release(request_id).
 
         prefix_of/cached_len: the first cached_len positions are already cached in the pages of the
@@ -83,8 +95,15 @@ class PrefillInstance:
         pages = self._pages_for(token_ids, prefix_of, cached_len)
         try:
             slots = self.allocator.slots(pages, 0, len(token_ids))
-            cmd = PrefillCmd(request_id, list(token_ids), slots, chunk_size or self.chunk_size,
-                             params or SamplingParams(), cached_len, want_logits)
+            cmd = PrefillCmd(
+                request_id,
+                list(token_ids),
+                slots,
+                chunk_size or self.chunk_size,
+                params or SamplingParams(),
+                cached_len,
+                want_logits,
+            )
             replies = self.ranks.call(cmd)
         except BaseException:
             self.allocator.free(pages)
@@ -122,19 +141,31 @@ class PrefillInstance:
     def prefill_side(self, slots: list[int]) -> PrefillSide:
         """This instance's side of a transfer plan for a prompt stored at these prefill slots."""
         cfg = self.model_config
-        return PrefillSide(self.launch.world_size, self.worker.cache, cfg.num_layers, cfg.indexer_layers, slots)
+        return PrefillSide(
+            self.launch.world_size, self.worker.cache, cfg.num_layers, cfg.indexer_layers, slots
+        )
 
     def layer_owners(self) -> list[int]:
         return layer_owners(self.model_config.num_layers, self.launch.world_size)
 
-    def send(self, request_id: str, room: str, ticket: int, plan: list[Transfer], endpoints: dict[int, str],
-             corrupt: bool = False, send_timeout_ms: int = 10_000) -> dict[int, int]:
+    def send(
+        self,
+        request_id: str,
+        room: str,
+        ticket: int,
+        plan: list[Transfer],
+        endpoints: dict[int, str],
+        corrupt: bool = False,
+        send_timeout_ms: int = 10_000,
+    ) -> dict[int, int]:
         """Every rank sends its share of `plan` from the held request's rows; returns the checksum of
         what went to each decode rank (SendError if a destination accepted nothing for send_timeout_ms).
         The pages stay held: the caller releases them either way."""
         if request_id not in self.held:
             raise KeyError(f"request {request_id} is not held (prefill it first)")
-        return merge_checksums(self.ranks.call(SendCmd(room, ticket, plan, endpoints, corrupt, send_timeout_ms)))
+        return merge_checksums(
+            self.ranks.call(SendCmd(room, ticket, plan, endpoints, corrupt, send_timeout_ms))
+        )
 
     def transfer_status(self) -> list[dict]:
         """Every rank's sender counters (transfer/tcp.py, nixl.py): what a send holds after it returned."""

@@ -26,7 +26,9 @@ LAYOUTS = ("interleave", "zigzag", "contiguous")
 
 # Layouts each model type may be served with; the first is the recommended one.
 ALLOWED_LAYOUTS = {
-    model_type: ("interleave",) if model_type in SPARSE_MODEL_TYPES else ("zigzag", "interleave", "contiguous")
+    model_type: ("interleave",)
+    if model_type in SPARSE_MODEL_TYPES
+    else ("zigzag", "interleave", "contiguous")
     for model_type in SUPPORTED_MODEL_TYPES
 }
 

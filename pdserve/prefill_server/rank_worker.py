@@ -39,7 +39,9 @@ class PrefillWorkerConfig:
     float32_islands: bool = True  # False: true float64 (see ModelConfig)
     transfer: str = "tcp"  # KV hand-off data path: "tcp" | "nixl"
     kv_residues: int = 0  # latent cache residue-major by this many residues (KVPool); 0: the CP size
-    frame_key: bytes = field(default=DEV_FRAME_KEY, repr=False)  # data frames are signed with it (transfer/frames.py)
+    frame_key: bytes = field(
+        default=DEV_FRAME_KEY, repr=False
+    )  # data frames are signed with it (transfer/frames.py)
 
     def __post_init__(self):
         check_transfer(self.transfer)
@@ -80,12 +82,19 @@ class PrefillRankWorker:
         self.pool = KVPool(self.mcfg, cfg.num_slots, dtype, layers=layers, residues=cfg.kv_residues or world)
         self.backend = CPBackend(self.mcfg, self.pool, rank, world, cfg.query_block)
         self.sampler = Sampler()
-        self.sender = make_sender(cfg.transfer, rank, self.pool, cfg.frame_key)  # KV hand-off data path (transfer/tcp.py, nixl.py)
+        self.sender = make_sender(
+            cfg.transfer, rank, self.pool, cfg.frame_key
+        )  # KV hand-off data path (transfer/tcp.py, nixl.py)
 
     def info(self) -> dict:
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        return {"rank": self.rank, "pid": os.getpid(), "cache_bytes": self.pool.nbytes, "weight_bytes": weights,
-                "layers": self.pool.layers}
+        return {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "cache_bytes": self.pool.nbytes,
+            "weight_bytes": weights,
+            "layers": self.pool.layers,
+        }
 
     def handle(self, cmd):
         if isinstance(cmd, PrefillCmd):
@@ -111,7 +120,9 @@ class PrefillRankWorker:
             self.split.counts = plan.counts
             self.backend.begin(plan)
             ids = torch.tensor([cmd.token_ids[p] for p in mine], dtype=torch.int64)
-            hidden = self.model(ids, torch.tensor(mine, dtype=torch.int64), self.backend)  # [len(mine), hidden]
+            hidden = self.model(
+                ids, torch.tensor(mine, dtype=torch.int64), self.backend
+            )  # [len(mine), hidden]
             self.backend.finish()
             if c1 == n and mine and mine[-1] == n - 1:
                 last_hidden = hidden[-1:]

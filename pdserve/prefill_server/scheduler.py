@@ -73,7 +73,9 @@ class PrefillScheduler:
     def submit(self, job: PrefillJob) -> PrefillJob:
         capacity = self.instance.allocator.num_pages * self.instance.allocator.page_size
         if len(job.token_ids) > capacity:
-            raise ValueError(f"prompt of {len(job.token_ids)} tokens exceeds this instance's {capacity} KV slots")
+            raise ValueError(
+                f"prompt of {len(job.token_ids)} tokens exceeds this instance's {capacity} KV slots"
+            )
         if job.handoff and self.bootstrap is None:
             raise ValueError("this prefill instance has no bootstrap side channel for hand-offs")
         with self._cv:

@@ -8,15 +8,15 @@ new requests get 503, running ones get --shutdown-grace seconds), then everythin
 
 from __future__ import annotations
 
-import signal
 import logging
+import signal
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
-from ..engine.drain import Drain, DrainingServer, install_exit_signals
 from ..engine.auth import require_token
+from ..engine.drain import Drain, DrainingServer, install_exit_signals
 from ..engine.launcher import LaunchConfig
 from ..engine.watchdog import start_watchdog
 from ..transfer.backends import check_transfer
@@ -77,11 +77,20 @@ class PrefillServerConfig:
 
     def build_instance(self) -> PrefillInstance:
         num_slots = -(-self.max_kv_tokens // self.page_size) * self.page_size
-        worker = PrefillWorkerConfig(self.model, num_slots, self.dtype, self.cp_layout, self.cache, self.moe_tp,
-                                     transfer=self.transfer, kv_residues=self.kv_residues or self.cp_size,
-                                     frame_key=cluster_frame_key(self))
+        worker = PrefillWorkerConfig(
+            self.model,
+            num_slots,
+            self.dtype,
+            self.cp_layout,
+            self.cache,
+            self.moe_tp,
+            transfer=self.transfer,
+            kv_residues=self.kv_residues or self.cp_size,
+            frame_key=cluster_frame_key(self),
+        )
         launch = LaunchConfig(self.cp_size, self.dist_port, threads_per_rank=self.threads_per_rank)
         return PrefillInstance(worker, launch, page_size=self.page_size, chunk_size=self.chunk_size)
+
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -90,7 +99,9 @@ def _worker_loop(scheduler: PrefillScheduler, stop: threading.Event) -> None:
     while not stop.is_set():
         try:
             ran = scheduler.run_once()
-        except Exception as e:  # a bug must cost the request at hand, never the thread that serves all of them
+        except (
+            Exception
+        ) as e:  # a bug must cost the request at hand, never the thread that serves all of them
             log.exception("prefill worker: unexpected error")
             scheduler.fail_current(f"internal error: {type(e).__name__}: {e}")
             continue
@@ -118,9 +129,17 @@ def serve(cfg: PrefillServerConfig) -> None:
     start_watchdog(instance, "prefill", stop)
     install_exit_signals()  # a signal uvicorn re-raises after it stopped must still run the `finally` below
     drain = Drain("prefill", cfg.shutdown_grace_s, lambda: scheduler.queue_depth)
-    app = create_app(instance, scheduler, lambda: instance.ranks.unhealthy() or bootstrap.unhealthy(),
-                     cfg.bootstrap_timeout_s, drain, cfg.internal_token)
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5)
+    app = create_app(
+        instance,
+        scheduler,
+        lambda: instance.ranks.unhealthy() or bootstrap.unhealthy(),
+        cfg.bootstrap_timeout_s,
+        drain,
+        cfg.internal_token,
+    )
+    config = uvicorn.Config(
+        app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5
+    )
     try:
         DrainingServer(config, drain, on_exit=scheduler.stop).run()
     finally:

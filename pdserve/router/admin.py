@@ -33,12 +33,19 @@ class UrlBody(BaseModel):
 def admin_router(token: str | None) -> APIRouter:
     def authorize(request: Request) -> None:
         if token is None:
-            raise ApiError(404, "the admin API is disabled: start the router with --admin-token or "
-                                "PDSERVE_ADMIN_TOKEN", code="admin_disabled")
+            raise ApiError(
+                404,
+                "the admin API is disabled: start the router with --admin-token or PDSERVE_ADMIN_TOKEN",
+                code="admin_disabled",
+            )
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), token.encode()):
-            raise ApiError(401, "missing or wrong admin token (Authorization: Bearer <token>)",
-                           code="invalid_admin_token", type_="authentication_error")
+            raise ApiError(
+                401,
+                "missing or wrong admin token (Authorization: Bearer <token>)",
+                code="invalid_admin_token",
+                type_="authentication_error",
+            )
 
     router = APIRouter(prefix="/admin", dependencies=[Depends(authorize)])
 

@@ -58,8 +58,15 @@ class RouterState:
         self.tokenizer = Tokenizer.from_pretrained(cfg.model)
         self.pool = Pool(cfg.prefill, cfg.decode, cfg.policy, cfg.max_in_flight)
         self.metrics = Metrics()
-        self.orch = Orchestrator(self.pool, client, self.metrics, cfg.max_attempts, cfg.retry_backoff_s,
-                                 cfg.instance_timeout_s, cfg.max_queue)
+        self.orch = Orchestrator(
+            self.pool,
+            client,
+            self.metrics,
+            cfg.max_attempts,
+            cfg.retry_backoff_s,
+            cfg.instance_timeout_s,
+            cfg.max_queue,
+        )
         self.metrics.queued = lambda: self.orch.queued
         self.limits = PromptLimits(cfg.max_prompt_bytes, cfg.max_prompt_tokens)
 
@@ -97,20 +104,24 @@ def create_app(cfg: RouterConfig) -> FastAPI:
             return {"status": "ok"}
         down = [i.role for i in pool.instances.values() if i.usable]
         missing = [r for r in ("prefill", "decode") if r not in down]
-        return JSONResponse({"status": "unavailable", "error": f"no usable {' or '.join(missing)} instance"},
-                            status_code=503)
+        return JSONResponse(
+            {"status": "unavailable", "error": f"no usable {' or '.join(missing)} instance"}, status_code=503
+        )
 
     @app.get("/v1/models")
     def models():
-        return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": 0,
-                                            "owned_by": "pdserve"}]}
+        return {
+            "object": "list",
+            "data": [{"id": cfg.model_name, "object": "model", "created": 0, "owned_by": "pdserve"}],
+        }
 
     @app.get("/metrics")
     async def metrics(request: Request):
         state = request.app.state.router
         await state.pool.poll_all(state.client)  # per-instance gauges as of now, not of the last tick
-        return PlainTextResponse(state.metrics.render(state.pool.instances.values()),
-                                 media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(
+            state.metrics.render(state.pool.instances.values()), media_type="text/plain; version=0.0.4"
+        )
 
     @app.post("/v1/completions")
     async def completions(body: P.CompletionRequest, request: Request):
@@ -152,8 +163,12 @@ def _add_error_handlers(app: FastAPI, max_body_bytes: int, api_key: str | None) 
 
 def _check_model(cfg: RouterConfig, model: str) -> None:
     if model != cfg.model_name:
-        raise P.ApiError(404, f"the model {model!r} does not exist; this router serves {cfg.model_name!r}",
-                         "model", "model_not_found")
+        raise P.ApiError(
+            404,
+            f"the model {model!r} does not exist; this router serves {cfg.model_name!r}",
+            "model",
+            "model_not_found",
+        )
 
 
 async def _serve(state: RouterState, request: Request, body, prompt: list[int], chat: bool):
@@ -171,9 +186,12 @@ async def _serve(state: RouterState, request: Request, body, prompt: list[int], 
     pieces = _pieces(state, prompt, params, body.stop_list(), deadline)
     if not body.stream:
         return await _until_disconnect(request, _collect(state, rid, chat, body, prompt, pieces))
-    first = await _until_disconnect(request, _first_piece(pieces))  # errors before any token keep their status
-    return StreamingResponse(_sse(state, rid, chat, body, len(prompt), first, pieces),
-                             media_type="text/event-stream")
+    first = await _until_disconnect(
+        request, _first_piece(pieces)
+    )  # errors before any token keep their status
+    return StreamingResponse(
+        _sse(state, rid, chat, body, len(prompt), first, pieces), media_type="text/event-stream"
+    )
 
 
 async def _pieces(state: RouterState, prompt: list[int], params: GenParams, stop: list[str], deadline: float):
@@ -212,10 +230,14 @@ async def _pieces(state: RouterState, prompt: list[int], params: GenParams, stop
         raise P.ApiError(400, str(e)) from None
     except Overloaded as e:
         outcome = "rejected"
-        raise P.ApiError(429, str(e), code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        raise P.ApiError(
+            429, str(e), code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}
+        ) from None
     except DeadlineExceeded as e:
         outcome = "timeout"
-        raise P.ApiError(504, f"{e} ({state.cfg.request_timeout_s:g} s, --request-timeout)", code="timeout") from None
+        raise P.ApiError(
+            504, f"{e} ({state.cfg.request_timeout_s:g} s, --request-timeout)", code="timeout"
+        ) from None
     except RequestFailed as e:
         outcome = "failed"
         raise P.ApiError(502, str(e)) from None
@@ -254,12 +276,15 @@ async def _first_piece(pieces):
 async def _collect(state, rid: str, chat: bool, body, prompt: list[int], pieces) -> dict:
     texts, ids, reason = [], [], None
     async with aclosing(pieces):
-        async for text, new_ids, reason in pieces:
+        async for text, new_ids, reason in pieces:  # noqa: B007 (the last reason is the choice's)
             texts.append(text)
             ids += new_ids
     choice = P.choice(chat, False, "".join(texts), reason, ids if body.return_token_ids else None)
-    return {**P.envelope(rid, state.cfg.model_name, chat, False), "choices": [choice],
-            "usage": P.usage(len(prompt), len(ids))}
+    return {
+        **P.envelope(rid, state.cfg.model_name, chat, False),
+        "choices": [choice],
+        "usage": P.usage(len(prompt), len(ids)),
+    }
 
 
 async def _sse(state, rid: str, chat: bool, body, prompt_len: int, first, pieces):
@@ -270,7 +295,9 @@ async def _sse(state, rid: str, chat: bool, body, prompt_len: int, first, pieces
             while True:
                 text, ids, reason = piece
                 n += len(ids)
-                c = P.choice(chat, True, text, reason, ids if body.return_token_ids else None, first=piece is first)
+                c = P.choice(
+                    chat, True, text, reason, ids if body.return_token_ids else None, first=piece is first
+                )
                 yield _event({**head, "choices": [c]})
                 if reason is not None:
                     break

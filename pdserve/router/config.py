@@ -56,7 +56,15 @@ class RouterConfig:
             raise ValueError("an instance URL is listed twice (each instance has one role)")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
-        if min(self.health_interval_s, self.request_timeout_s, self.instance_timeout_s, self.connect_timeout_s) <= 0:
+        if (
+            min(
+                self.health_interval_s,
+                self.request_timeout_s,
+                self.instance_timeout_s,
+                self.connect_timeout_s,
+            )
+            <= 0
+        ):
             raise ValueError("health interval and timeouts must be > 0")
         for name in ("max_body_bytes", "max_prompt_bytes", "max_prompt_tokens", "max_in_flight", "max_queue"):
             if getattr(self, name) < 1:

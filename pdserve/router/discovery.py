@@ -74,6 +74,7 @@ def in_cluster_api() -> str:
 @dataclass(frozen=True)
 class PodTarget:
     """What one pod contributes to the pool: None from `target` when it must not be in it."""
+
     role: str
     url: str
 
@@ -84,7 +85,9 @@ def target(pod: dict) -> PodTarget | None:
     ip = status.get("podIP")
     if role not in ROLES or not ip or meta.get("deletionTimestamp"):
         return None
-    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+    ready = any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
+    )
     if not ready:
         return None
     try:
@@ -99,8 +102,14 @@ def target(pod: dict) -> PodTarget | None:
 class K8sDiscovery:
     """Keeps the pool's discovered instances equal to the selector's Ready pods."""
 
-    def __init__(self, pool: Pool, selector: str, namespace: str | None = None, api_url: str | None = None,
-                 on_added=None):
+    def __init__(
+        self,
+        pool: Pool,
+        selector: str,
+        namespace: str | None = None,
+        api_url: str | None = None,
+        on_added=None,
+    ):
         self.pool, self.selector = pool, parse_selector(selector)
         self.namespace = namespace or default_namespace()
         self.api_url = (api_url or in_cluster_api()).rstrip("/")
@@ -141,8 +150,11 @@ class K8sDiscovery:
 
     def sync(self, pods: list[dict]) -> None:
         """After a (re)list: drop what is gone, then apply every listed pod."""
-        listed = {(p.get("metadata") or {}).get("uid") or
-                  f"{p['metadata'].get('namespace')}/{p['metadata'].get('name')}" for p in pods}
+        listed = {
+            (p.get("metadata") or {}).get("uid")
+            or f"{p['metadata'].get('namespace')}/{p['metadata'].get('name')}"
+            for p in pods
+        }
         for key in [k for k in self.owned if k not in listed]:
             self._forget(key)
         for pod in pods:
@@ -156,8 +168,12 @@ class K8sDiscovery:
             headers["Authorization"] = f"Bearer {token_file.read_text().strip()}"
         if self.api_url.startswith("https://") and ca_file.is_file():
             verify = str(ca_file)
-        return httpx.AsyncClient(base_url=self.api_url, headers=headers, verify=verify,
-                                 timeout=httpx.Timeout(30.0, read=WATCH_TIMEOUT_S + 30))
+        return httpx.AsyncClient(
+            base_url=self.api_url,
+            headers=headers,
+            verify=verify,
+            timeout=httpx.Timeout(30.0, read=WATCH_TIMEOUT_S + 30),
+        )
 
     @property
     def _path(self) -> str:
@@ -172,8 +188,12 @@ class K8sDiscovery:
             self.sync(body.get("items") or [])
             version = (body.get("metadata") or {}).get("resourceVersion")
             while True:
-                params = {"labelSelector": self.selector, "watch": "true", "allowWatchBookmarks": "true",
-                          "timeoutSeconds": str(WATCH_TIMEOUT_S)}
+                params = {
+                    "labelSelector": self.selector,
+                    "watch": "true",
+                    "allowWatchBookmarks": "true",
+                    "timeoutSeconds": str(WATCH_TIMEOUT_S),
+                }
                 if version:
                     params["resourceVersion"] = version
                 async with client.stream("GET", self._path, params=params) as stream:

@@ -29,9 +29,7 @@ import httpx
 
 from ..engine.auth import INTERNAL_TOKEN_ENV, new_token
 from .config import ADMIN_TOKEN_ENV
-
 from .supervise import RESTART_POLICIES, Supervisor
-
 
 STOP_MARGIN_S = 15.0  # past the instances' grace period: time to stop their ranks before SIGKILL
 POLL_S = 0.5  # how often the launcher looks at its children
@@ -57,7 +55,9 @@ class StackConfig:
     ready_timeout_s: float = 600.0
     restart: str = "on-failure"  # a dead instance: on-failure (start it again) | never (stop the stack)
     shutdown_grace_s: float = 30.0  # each instance's --shutdown-grace
-    internal_token: str = field(default_factory=new_token, repr=False)  # one per stack, in the children's environment
+    internal_token: str = field(
+        default_factory=new_token, repr=False
+    )  # one per stack, in the children's environment
 
     def __post_init__(self):
         if self.restart not in RESTART_POLICIES:
@@ -91,10 +91,14 @@ def _die_with_launcher() -> None:
 def _popen(args: list[str], log: Path, mode: str, env: dict[str, str]) -> subprocess.Popen:
     """A child; secrets travel in `env`, never on its command line (visible in ps)."""
     with log.open(mode) as out:
-        return subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], stdout=out, stderr=subprocess.STDOUT,
-                                env=env,
-                                start_new_session=True,  # Ctrl-C reaches the launcher only; it stops the rest
-                                preexec_fn=_die_with_launcher)
+        return subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cli", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # Ctrl-C reaches the launcher only; it stops the rest
+            preexec_fn=_die_with_launcher,
+        )
 
 
 def free_port() -> int:
@@ -127,16 +131,36 @@ class Stack:
         child.proc = _popen(child.args(), child.log, "a", self.env)
 
     def start_instances(self) -> tuple[list[Child], list[Child]]:
-        prefill = [self._start_instance(f"prefill-{i}", self._prefill_args) for i in range(self.cfg.prefill_instances)]
-        decode = [self._start_instance(f"decode-{i}", self._decode_args) for i in range(self.cfg.decode_instances)]
+        prefill = [
+            self._start_instance(f"prefill-{i}", self._prefill_args)
+            for i in range(self.cfg.prefill_instances)
+        ]
+        decode = [
+            self._start_instance(f"decode-{i}", self._decode_args) for i in range(self.cfg.decode_instances)
+        ]
         return prefill, decode
 
     def _start_instance(self, name: str, role_args: Callable[[], list[str]]) -> Child:
         c, port = self.cfg, free_port()
         kv = ["--max-kv-tokens", str(c.max_kv_tokens)] if c.max_kv_tokens else []
-        return self._spawn(name, lambda: [*role_args(), "--model", c.model, "--port", str(port), "--dist-port",
-                                          str(free_port()), "--transfer", c.transfer, "--shutdown-grace",
-                                          f"{c.shutdown_grace_s:g}", *kv], port)
+        return self._spawn(
+            name,
+            lambda: [
+                *role_args(),
+                "--model",
+                c.model,
+                "--port",
+                str(port),
+                "--dist-port",
+                str(free_port()),
+                "--transfer",
+                c.transfer,
+                "--shutdown-grace",
+                f"{c.shutdown_grace_s:g}",
+                *kv,
+            ],
+            port,
+        )
 
     def _prefill_args(self) -> list[str]:
         # residues = C_d: each decode rank's rows are contiguous in the prefill cache
@@ -145,14 +169,36 @@ class Stack:
     def _decode_args(self) -> list[str]:
         c = self.cfg
         page = 64 if 64 % c.decode_dcp == 0 else 64 * c.decode_dcp
-        return ["decode", "--tp-size", str(c.decode_tp), "--dcp-size", str(c.decode_dcp), "--dcp-index", c.dcp_index,
-                "--page-size", str(page)]
+        return [
+            "decode",
+            "--tp-size",
+            str(c.decode_tp),
+            "--dcp-size",
+            str(c.decode_dcp),
+            "--dcp-index",
+            c.dcp_index,
+            "--page-size",
+            str(page),
+        ]
 
     def start_router(self, prefill: list[Child], decode: list[Child]) -> Child:
         c = self.cfg
-        args = ["router", "--model", c.model, "--host", c.host, "--port", str(c.port), "--policy", c.policy,
-                "--health-interval", str(ROUTER_HEALTH_INTERVAL_S)]
-        args += [a for p in prefill for a in ("--prefill", p.url)] + [a for d in decode for a in ("--decode", d.url)]
+        args = [
+            "router",
+            "--model",
+            c.model,
+            "--host",
+            c.host,
+            "--port",
+            str(c.port),
+            "--policy",
+            c.policy,
+            "--health-interval",
+            str(ROUTER_HEALTH_INTERVAL_S),
+        ]
+        args += [a for p in prefill for a in ("--prefill", p.url)] + [
+            a for d in decode for a in ("--decode", d.url)
+        ]
         child = self._spawn("router", lambda: args, c.port)
         child.url = f"http://{'127.0.0.1' if c.host in ('0.0.0.0', '::') else c.host}:{c.port}"
         return child
@@ -169,8 +215,10 @@ class Stack:
                 except httpx.HTTPError:
                     pass
             if pending and time.monotonic() > deadline:
-                raise RuntimeError(f"not ready within {self.cfg.ready_timeout_s:.0f} s: "
-                                   f"{', '.join(c.name for c in pending)} (logs in {self.log_dir})")
+                raise RuntimeError(
+                    f"not ready within {self.cfg.ready_timeout_s:.0f} s: "
+                    f"{', '.join(c.name for c in pending)} (logs in {self.log_dir})"
+                )
             time.sleep(0.3)
 
     def check_alive(self, child: Child) -> None:
@@ -223,14 +271,18 @@ def up(cfg: StackConfig, echo=print) -> int:
         model = httpx.get(f"{router.url}/v1/models", timeout=5).json()["data"][0]["id"]
         echo(f"router: {router.url} (pid {router.proc.pid}, log {router.log})")
         echo(f"ready: {router.url}/v1  (model {model!r}; Ctrl-C stops everything)")
-        echo(f"example:\n  curl {router.url}/v1/completions -H 'Content-Type: application/json' "
-             f"-d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'")
+        echo(
+            f"example:\n  curl {router.url}/v1/completions -H 'Content-Type: application/json' "
+            f'-d \'{{"model": "{model}", "prompt": "Hello", "max_tokens": 16}}\''
+        )
         supervisor = Supervisor(stack, router, prefill + decode, cfg.restart, echo)
         while True:
             supervisor.tick()
             time.sleep(POLL_S)
     except (KeyboardInterrupt, _Stop):
-        echo(f"stopping (the instances drain for up to {cfg.shutdown_grace_s:g} s; Ctrl-C again cuts that short)")
+        echo(
+            f"stopping (the instances drain for up to {cfg.shutdown_grace_s:g} s; Ctrl-C again cuts that short)"
+        )
         return 0
     except RuntimeError as e:
         echo(f"error: {e}")

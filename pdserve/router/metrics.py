@@ -35,21 +35,32 @@ class Histogram:
         for bound, n in zip(self.buckets, self.counts):
             cumulative += n
             lines.append(f'{self.name}_bucket{{le="{_num(bound)}"}} {cumulative}')
-        lines += [f'{self.name}_bucket{{le="+Inf"}} {self.count}', f"{self.name}_sum {_num(self.sum)}",
-                  f"{self.name}_count {self.count}"]
+        lines += [
+            f'{self.name}_bucket{{le="+Inf"}} {self.count}',
+            f"{self.name}_sum {_num(self.sum)}",
+            f"{self.name}_count {self.count}",
+        ]
         return lines
 
 
 class Metrics:
     def __init__(self):
-        self.ttft = Histogram("pdserve_router_time_to_first_token_seconds",
-                              "Seconds from a request's arrival to its first generated token.")
-        self.itl = Histogram("pdserve_router_inter_token_latency_seconds",
-                             "Seconds between consecutive generated tokens of one request.")
-        self.e2e = Histogram("pdserve_router_e2e_latency_seconds",
-                             "Seconds from a request's arrival to its last token or error.")
-        self.prefill = Histogram("pdserve_router_prefill_seconds",
-                                 "Seconds from sending a prefill request to its answer (the KV cache shipped).")
+        self.ttft = Histogram(
+            "pdserve_router_time_to_first_token_seconds",
+            "Seconds from a request's arrival to its first generated token.",
+        )
+        self.itl = Histogram(
+            "pdserve_router_inter_token_latency_seconds",
+            "Seconds between consecutive generated tokens of one request.",
+        )
+        self.e2e = Histogram(
+            "pdserve_router_e2e_latency_seconds",
+            "Seconds from a request's arrival to its last token or error.",
+        )
+        self.prefill = Histogram(
+            "pdserve_router_prefill_seconds",
+            "Seconds from sending a prefill request to its answer (the KV cache shipped).",
+        )
         self.requests = {o: 0 for o in OUTCOMES}
         self.retries = {"prefill": 0, "decode": 0}
         self.rejections = {r: 0 for r in REJECTIONS}
@@ -72,44 +83,93 @@ class Metrics:
         lines: list[str] = []
         for h in (self.ttft, self.itl, self.e2e, self.prefill):
             lines += h.render()
-        lines += ["# HELP pdserve_router_requests_total Requests by outcome.",
-                  "# TYPE pdserve_router_requests_total counter"]
+        lines += [
+            "# HELP pdserve_router_requests_total Requests by outcome.",
+            "# TYPE pdserve_router_requests_total counter",
+        ]
         lines += [f'pdserve_router_requests_total{{outcome="{o}"}} {n}' for o, n in self.requests.items()]
-        lines += ["# HELP pdserve_router_retries_total Failed tries that were retried, by the role that failed.",
-                  "# TYPE pdserve_router_retries_total counter"]
+        lines += [
+            "# HELP pdserve_router_retries_total Failed tries that were retried, by the role that failed.",
+            "# TYPE pdserve_router_retries_total counter",
+        ]
         lines += [f'pdserve_router_retries_total{{role="{r}"}} {n}' for r, n in self.retries.items()]
-        lines += ["# HELP pdserve_router_rejected_total Requests refused with 429, by reason.",
-                  "# TYPE pdserve_router_rejected_total counter"]
+        lines += [
+            "# HELP pdserve_router_rejected_total Requests refused with 429, by reason.",
+            "# TYPE pdserve_router_rejected_total counter",
+        ]
         lines += [f'pdserve_router_rejected_total{{reason="{r}"}} {n}' for r, n in self.rejections.items()]
-        lines += ["# HELP pdserve_router_queued_requests Requests waiting for an instance with room.",
-                  "# TYPE pdserve_router_queued_requests gauge", f"pdserve_router_queued_requests {self.queued()}"]
-        lines += ["# HELP pdserve_router_generated_tokens_total Tokens streamed to clients.",
-                  "# TYPE pdserve_router_generated_tokens_total counter",
-                  f"pdserve_router_generated_tokens_total {self.tokens}"]
+        lines += [
+            "# HELP pdserve_router_queued_requests Requests waiting for an instance with room.",
+            "# TYPE pdserve_router_queued_requests gauge",
+            f"pdserve_router_queued_requests {self.queued()}",
+        ]
+        lines += [
+            "# HELP pdserve_router_generated_tokens_total Tokens streamed to clients.",
+            "# TYPE pdserve_router_generated_tokens_total counter",
+            f"pdserve_router_generated_tokens_total {self.tokens}",
+        ]
         lines += _instance_gauges(list(instances))
         return "\n".join(lines) + "\n"
 
 
 def _instance_gauges(instances) -> list[str]:
     gauges = (
-        ("pdserve_instance_healthy", "1 if the instance's last health check passed.", lambda i: int(i.healthy)),
-        ("pdserve_instance_draining", "1 while the instance takes no new requests.", lambda i: int(i.draining)),
-        ("pdserve_instance_in_flight", "Requests this router has running on the instance.", lambda i: i.in_flight),
-        ("pdserve_instance_served", "Requests that finished on the instance (a counter; resets if re-added).",
-         lambda i: i.served),
-        ("pdserve_instance_queue_depth", "Requests waiting in the instance (prefill queue; decode queued).",
-         lambda i: i.info.get("queue_depth" if i.role == "prefill" else "queued")),
-        ("pdserve_instance_kv_free_tokens", "Free KV cache tokens at the last poll.",
-         lambda i: i.info.get("free_tokens")),
-        ("pdserve_instance_kv_total_tokens", "KV cache capacity in tokens.", lambda i: i.info.get("total_tokens")),
-        ("pdserve_instance_transfers_completed", "KV hand-offs the decode instance completed (its own count).",
-         lambda i: i.info.get("transfers_completed")),
-        ("pdserve_instance_transfers_failed", "KV hand-offs the decode instance failed (its own count).",
-         lambda i: i.info.get("transfers_failed")),
-        ("pdserve_instance_transfer_bytes", "KV cache bytes the decode instance received by completed hand-offs.",
-         lambda i: i.info.get("transfer_bytes")),
-        ("pdserve_instance_transfer_seconds", "Seconds from page reservation to verified cache, summed over the "
-         "decode instance's completed hand-offs.", lambda i: i.info.get("transfer_seconds")),
+        (
+            "pdserve_instance_healthy",
+            "1 if the instance's last health check passed.",
+            lambda i: int(i.healthy),
+        ),
+        (
+            "pdserve_instance_draining",
+            "1 while the instance takes no new requests.",
+            lambda i: int(i.draining),
+        ),
+        (
+            "pdserve_instance_in_flight",
+            "Requests this router has running on the instance.",
+            lambda i: i.in_flight,
+        ),
+        (
+            "pdserve_instance_served",
+            "Requests that finished on the instance (a counter; resets if re-added).",
+            lambda i: i.served,
+        ),
+        (
+            "pdserve_instance_queue_depth",
+            "Requests waiting in the instance (prefill queue; decode queued).",
+            lambda i: i.info.get("queue_depth" if i.role == "prefill" else "queued"),
+        ),
+        (
+            "pdserve_instance_kv_free_tokens",
+            "Free KV cache tokens at the last poll.",
+            lambda i: i.info.get("free_tokens"),
+        ),
+        (
+            "pdserve_instance_kv_total_tokens",
+            "KV cache capacity in tokens.",
+            lambda i: i.info.get("total_tokens"),
+        ),
+        (
+            "pdserve_instance_transfers_completed",
+            "KV hand-offs the decode instance completed (its own count).",
+            lambda i: i.info.get("transfers_completed"),
+        ),
+        (
+            "pdserve_instance_transfers_failed",
+            "KV hand-offs the decode instance failed (its own count).",
+            lambda i: i.info.get("transfers_failed"),
+        ),
+        (
+            "pdserve_instance_transfer_bytes",
+            "KV cache bytes the decode instance received by completed hand-offs.",
+            lambda i: i.info.get("transfer_bytes"),
+        ),
+        (
+            "pdserve_instance_transfer_seconds",
+            "Seconds from page reservation to verified cache, summed over the "
+            "decode instance's completed hand-offs.",
+            lambda i: i.info.get("transfer_seconds"),
+        ),
     )
     lines = []
     for name, help_, value in gauges:

@@ -63,8 +63,16 @@ class TryFailed(Exception):
 
 
 class Orchestrator:
-    def __init__(self, pool: Pool, client: httpx.AsyncClient, metrics: Metrics, max_attempts: int,
-                 backoff_s: float, timeout_s: float, max_queue: int = 1 << 30):
+    def __init__(
+        self,
+        pool: Pool,
+        client: httpx.AsyncClient,
+        metrics: Metrics,
+        max_attempts: int,
+        backoff_s: float,
+        timeout_s: float,
+        max_queue: int = 1 << 30,
+    ):
         self.pool, self.client, self.metrics = pool, client, metrics
         self.max_attempts, self.backoff_s, self.timeout_s = max_attempts, backoff_s, timeout_s
         self.max_queue, self.queued = max_queue, 0
@@ -119,8 +127,9 @@ class Orchestrator:
                     if not queued:
                         if self.queued >= self.max_queue:
                             self.metrics.rejected("router_queue_full")
-                            raise Overloaded(f"the router's queue is full ({self.max_queue} requests wait for "
-                                             "an instance)") from None
+                            raise Overloaded(
+                                f"the router's queue is full ({self.max_queue} requests wait for an instance)"
+                            ) from None
                         queued, self.queued = True, self.queued + 1
                     if _left(deadline) <= 0:
                         raise DeadlineExceeded("no instance had room before the request's deadline") from None
@@ -129,14 +138,17 @@ class Orchestrator:
             if queued:
                 self.queued -= 1
 
-    async def _try(self, prefill: Instance, decode: Instance, prompt: list[int], params: GenParams,
-                   deadline: float):
+    async def _try(
+        self, prefill: Instance, decode: Instance, prompt: list[int], params: GenParams, deadline: float
+    ):
         room = f"room-{uuid.uuid4().hex}"
         events: asyncio.Queue = asyncio.Queue()
         prefill.in_flight += 1
         decode.in_flight += 1
         p_task = self._guarded(prefill, events, self._prefill(prefill, room, prompt, params, events))
-        d_task = self._guarded(decode, events, self._decode(decode, prefill.bootstrap, room, prompt, params, events))
+        d_task = self._guarded(
+            decode, events, self._decode(decode, prefill.bootstrap, room, prompt, params, events)
+        )
         finished = False
         try:
             while True:
@@ -163,10 +175,18 @@ class Orchestrator:
                 self._detach(self._abort(decode, room))
             p_task.cancel()  # after a finish the prefill already answered or is about to: nothing is lost
 
-    async def _prefill(self, inst: Instance, room: str, prompt: list[int], params: GenParams,
-                       events: asyncio.Queue) -> None:
-        body = {"token_ids": prompt, "request_id": room, "handoff": True, "temperature": params.temperature,
-                "top_p": params.top_p, "top_k": params.top_k, "seed": params.seed}
+    async def _prefill(
+        self, inst: Instance, room: str, prompt: list[int], params: GenParams, events: asyncio.Queue
+    ) -> None:
+        body = {
+            "token_ids": prompt,
+            "request_id": room,
+            "handoff": True,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k,
+            "seed": params.seed,
+        }
         start = time.perf_counter()
         try:
             r = await self.client.post(f"{inst.url}/v1/prefill", json=body, timeout=self.timeout_s)
@@ -178,14 +198,31 @@ class Orchestrator:
             return
         self.metrics.observe_prefill(time.perf_counter() - start)
 
-    async def _decode(self, inst: Instance, bootstrap: str, room: str, prompt: list[int], params: GenParams,
-                      events: asyncio.Queue) -> None:
-        body = {"token_ids": prompt, "max_tokens": params.max_tokens, "temperature": params.temperature,
-                "top_p": params.top_p, "top_k": params.top_k, "seed": params.seed, "ignore_eos": params.ignore_eos,
-                "stream": True, "request_id": room, "bootstrap": bootstrap}
+    async def _decode(
+        self,
+        inst: Instance,
+        bootstrap: str,
+        room: str,
+        prompt: list[int],
+        params: GenParams,
+        events: asyncio.Queue,
+    ) -> None:
+        body = {
+            "token_ids": prompt,
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k,
+            "seed": params.seed,
+            "ignore_eos": params.ignore_eos,
+            "stream": True,
+            "request_id": room,
+            "bootstrap": bootstrap,
+        }
         try:
-            async with self.client.stream("POST", f"{inst.url}/v1/generate", json=body,
-                                          timeout=self.timeout_s) as r:
+            async with self.client.stream(
+                "POST", f"{inst.url}/v1/generate", json=body, timeout=self.timeout_s
+            ) as r:
                 if r.status_code == 429:
                     await r.aread()
                     events.put_nowait(("failed", TryFailed(inst, _error_text(r), overloaded=True)))
@@ -216,11 +253,13 @@ class Orchestrator:
 
     def _guarded(self, inst: Instance, events: asyncio.Queue, coro) -> asyncio.Task:
         """Runs one half; any exception it lets out (a bug, a malformed answer) fails the try."""
+
         async def run():
             try:
                 await coro
             except Exception as e:
                 events.put_nowait(("failed", TryFailed(inst, f"unexpected {type(e).__name__}: {e}")))
+
         return asyncio.create_task(run())
 
     async def _abort(self, inst: Instance, room: str) -> None:

@@ -65,22 +65,39 @@ class Instance:
     def summary(self) -> dict:
         """One topology row (the admin API's and `pdserve admin topology`'s)."""
         i = self.info
-        row = {"url": self.url, "role": self.role, "healthy": self.healthy, "draining": self.draining,
-               "error": self.error, "in_flight": self.in_flight, "served": self.served,
-               "ranks": len(i.get("ranks", [])), "free_tokens": i.get("free_tokens"),
-               "total_tokens": i.get("total_tokens")}
+        row = {
+            "url": self.url,
+            "role": self.role,
+            "healthy": self.healthy,
+            "draining": self.draining,
+            "error": self.error,
+            "in_flight": self.in_flight,
+            "served": self.served,
+            "ranks": len(i.get("ranks", [])),
+            "free_tokens": i.get("free_tokens"),
+            "total_tokens": i.get("total_tokens"),
+        }
         if self.role == "prefill":
-            row.update(cp_size=i.get("cp_size"), queue_depth=i.get("queue_depth"), bootstrap=i.get("bootstrap"))
+            row.update(
+                cp_size=i.get("cp_size"), queue_depth=i.get("queue_depth"), bootstrap=i.get("bootstrap")
+            )
         else:
-            row.update(tp_size=i.get("tp_size"), dcp_size=i.get("dcp_size"), index_mode=i.get("index_mode"),
-                       running=i.get("running"), queued=i.get("queued"))
+            row.update(
+                tp_size=i.get("tp_size"),
+                dcp_size=i.get("dcp_size"),
+                index_mode=i.get("index_mode"),
+                running=i.get("running"),
+                queued=i.get("queued"),
+            )
         return row
 
 
 class Pool:
     """All instances of both roles, the selection policy, and the health loop."""
 
-    def __init__(self, prefill: tuple[str, ...], decode: tuple[str, ...], policy: str, max_in_flight: int = 1 << 30):
+    def __init__(
+        self, prefill: tuple[str, ...], decode: tuple[str, ...], policy: str, max_in_flight: int = 1 << 30
+    ):
         self.instances: dict[str, Instance] = {}
         self.policy, self.max_in_flight = policy, max_in_flight
         self._room: asyncio.Event | None = None  # set (and replaced) whenever a request leaves an instance
@@ -126,7 +143,9 @@ class Pool:
             return min(fresh, key=Instance.load)
         return fresh[next(self._turn[role]) % len(fresh)]
 
-    def candidates(self, role: str, need_tokens: int, avoid: set[str] = frozenset(), admit: bool = True) -> list[Instance]:
+    def candidates(
+        self, role: str, need_tokens: int, avoid: set[str] = frozenset(), admit: bool = True
+    ) -> list[Instance]:
         """The instances `pick` chooses from; raises NoInstance or TooLong, and with `admit` Saturated
         when all of them are full. Does not advance round robin."""
         usable = [i for i in self.of(role) if i.usable and (role == "decode" or i.bootstrap)]

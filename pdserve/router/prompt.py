@@ -55,18 +55,22 @@ def flatten_messages(messages: list[dict]) -> list[dict]:
     for i, m in enumerate(messages):
         role = m.get("role")
         if role not in ROLES:
-            raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}", f"messages[{i}].role")
+            raise ApiError(
+                400, f"messages[{i}].role must be one of {', '.join(ROLES)}", f"messages[{i}].role"
+            )
         content = m.get("content")
         if isinstance(content, list):  # content parts: only text is understood
             if not all(isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in content):
-                raise ApiError(400, f"messages[{i}].content parts must be objects with a text",
-                               f"messages[{i}].content")
+                raise ApiError(
+                    400, f"messages[{i}].content parts must be objects with a text", f"messages[{i}].content"
+                )
             content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
         elif content is None:
             content = ""
         elif not isinstance(content, str):
-            raise ApiError(400, f"messages[{i}].content must be a string or a list of parts",
-                           f"messages[{i}].content")
+            raise ApiError(
+                400, f"messages[{i}].content must be a string or a list of parts", f"messages[{i}].content"
+            )
         entry = {"role": role, "content": content}
         if isinstance(m.get("name"), str):
             entry["name"] = m["name"][:256]
@@ -76,16 +80,24 @@ def flatten_messages(messages: list[dict]) -> list[dict]:
 
 def _check_bytes(n: int, limits: PromptLimits) -> None:
     if n > limits.max_prompt_bytes:
-        raise ApiError(400, f"the prompt is {n} bytes, more than this server accepts ({limits.max_prompt_bytes})",
-                       "prompt", "context_length_exceeded")
+        raise ApiError(
+            400,
+            f"the prompt is {n} bytes, more than this server accepts ({limits.max_prompt_bytes})",
+            "prompt",
+            "context_length_exceeded",
+        )
 
 
 def _check_ids(ids: list[int], vocab: int, limits: PromptLimits) -> list[int]:
     if not ids:
         raise ApiError(400, "the prompt is empty", "prompt")
     if len(ids) > limits.max_prompt_tokens:
-        raise ApiError(400, f"the prompt is {len(ids)} tokens, more than this server accepts "
-                            f"({limits.max_prompt_tokens})", "prompt", "context_length_exceeded")
+        raise ApiError(
+            400,
+            f"the prompt is {len(ids)} tokens, more than this server accepts ({limits.max_prompt_tokens})",
+            "prompt",
+            "context_length_exceeded",
+        )
     if any(not 0 <= t < vocab for t in ids):
         raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
     return ids

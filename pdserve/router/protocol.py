@@ -26,16 +26,26 @@ MAX_N = 128
 class ApiError(Exception):
     """Becomes {"error": {"message", "type", "param", "code"}} with this HTTP status."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type_ or error_type(status)
         self.headers = headers
 
     def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.type, self.param, self.code), status_code=self.status,
-                            headers=self.headers)
+        return JSONResponse(
+            error_body(self.message, self.type, self.param, self.code),
+            status_code=self.status,
+            headers=self.headers,
+        )
 
 
 class StreamOptions(StrictModel):
@@ -105,8 +115,14 @@ def check_sampling(req: _Common, default_max_tokens: int) -> dict:
         raise ApiError(400, "logprobs are not supported", "logprobs")
     if getattr(req, "echo", False):
         raise ApiError(400, "echo is not supported", "echo")
-    return {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
-            "seed": req.seed, "ignore_eos": req.ignore_eos}
+    return {
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "seed": req.seed,
+        "ignore_eos": req.ignore_eos,
+    }
 
 
 def _check_stop(stops: list[str]) -> None:
@@ -118,18 +134,31 @@ def _check_stop(stops: list[str]) -> None:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def envelope(request_id: str, model: str, chat: bool, chunk: bool) -> dict:
     obj = "chat.completion" if chat else "text_completion"
-    return {"id": request_id, "object": obj + ".chunk" if chat and chunk else obj, "created": int(time.time()),
-            "model": model}
+    return {
+        "id": request_id,
+        "object": obj + ".chunk" if chat and chunk else obj,
+        "created": int(time.time()),
+        "model": model,
+    }
 
 
-def choice(chat: bool, chunk: bool, text: str, finish_reason: str | None, token_ids: list[int] | None,
-           first: bool = False) -> dict:
+def choice(
+    chat: bool,
+    chunk: bool,
+    text: str,
+    finish_reason: str | None,
+    token_ids: list[int] | None,
+    first: bool = False,
+) -> dict:
     c: dict = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
     if not chat:
         c["text"] = text

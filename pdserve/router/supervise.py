@@ -24,7 +24,9 @@ RESTART_POLICIES = ("on-failure", "never")
 class Backoff:
     initial_s: float = 1.0
     max_s: float = 30.0
-    stable_s: float = 60.0  # healthy this long since its last (re)start: the next failure waits initial_s again
+    stable_s: float = (
+        60.0  # healthy this long since its last (re)start: the next failure waits initial_s again
+    )
     next_s: float = 1.0
 
     def delay(self, healthy_for_s: float) -> float:
@@ -38,6 +40,7 @@ class Backoff:
 @dataclass
 class _Watch:
     """The launcher's bookkeeping of one instance child."""
+
     backoff: Backoff = field(default_factory=Backoff)
     healthy_at: float | None = None  # when it last became healthy; None while (re)starting
     restart_at: float | None = None  # set once its exit was seen: when it is started again
@@ -65,8 +68,9 @@ class Supervisor:
         """One look at every child; raises RuntimeError when the stack must stop."""
         code = self.router.proc.poll()
         if code is not None:
-            raise RuntimeError(f"the router exited with {describe_exit(code)} (log {self.router.log}); "
-                               "stopping the stack")
+            raise RuntimeError(
+                f"the router exited with {describe_exit(code)} (log {self.router.log}); stopping the stack"
+            )
         now = time.monotonic()
         for child, watch in self.watches.values():
             if self.restart == "never":
@@ -84,14 +88,19 @@ class Supervisor:
             healthy_for = now - watch.healthy_at if watch.healthy_at is not None else 0.0
             wait = watch.backoff.delay(healthy_for)
             watch.restart_at, watch.healthy_at = now + wait, None
-            self.echo(f"{child.name} exited with {describe_exit(code)} (log {child.log}); "
-                      f"restarting it on {child.url} in {wait:g} s")
+            self.echo(
+                f"{child.name} exited with {describe_exit(code)} (log {child.log}); "
+                f"restarting it on {child.url} in {wait:g} s"
+            )
         elif now >= watch.restart_at:
             watch.restarts += 1
             watch.restart_at = None
-            self.stack.respawn(child, f"restart {watch.restarts} of {child.name} after it exited with "
-                                      f"{describe_exit(code)}")
-            self.echo(f"{child.name}: restarted (pid {child.proc.pid}, restart {watch.restarts}, log {child.log})")
+            self.stack.respawn(
+                child, f"restart {watch.restarts} of {child.name} after it exited with {describe_exit(code)}"
+            )
+            self.echo(
+                f"{child.name}: restarted (pid {child.proc.pid}, restart {watch.restarts}, log {child.log})"
+            )
 
 
 def _healthy(url: str) -> bool:

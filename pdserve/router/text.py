@@ -36,10 +36,10 @@ class TextStream:
         hit = min(((text.find(s), s) for s in self._stop if s in text), default=None)
         if hit is not None:
             self.stopped, self._pending = True, ""
-            return text[:hit[0]]
+            return text[: hit[0]]
         keep = 0 if final else _held_suffix(text, self._stop)
-        self._pending = text[len(text) - keep:] if keep else ""
-        return text[:len(text) - keep]
+        self._pending = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep]
 
 
 def _held_suffix(text: str, stops: list[str]) -> int:

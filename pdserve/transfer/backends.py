@@ -14,8 +14,15 @@ def check_transfer(transfer: str) -> None:
         raise ValueError(f"transfer must be one of {', '.join(TRANSFERS)}, got {transfer!r}")
 
 
-def make_receiver(transfer: str, rank: int, pool, host: str = "127.0.0.1", quarantine_s: float = 60.0,
-                  key: bytes = DEV_FRAME_KEY, slots: int | None = None):
+def make_receiver(
+    transfer: str,
+    rank: int,
+    pool,
+    host: str = "127.0.0.1",
+    quarantine_s: float = 60.0,
+    key: bytes = DEV_FRAME_KEY,
+    slots: int | None = None,
+):
     """A decode rank's receiver; pool() returns the rank's current KVPool. host: the address a TCP
     receiver binds and advertises (NIXL's addressing is UCX's: UCX_NET_DEVICES). quarantine_s: how
     long NIXL keeps what a failed room's senders may still WRITE into out of use. key: the cluster

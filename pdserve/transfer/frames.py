@@ -26,13 +26,17 @@ import msgpack
 
 from ..engine.auth import MAC_BYTES, frame_key, sign, verify
 
-DEV_FRAME_KEY = frame_key("pdserve-development-only-frame-key")  # tests and --dev runs; serve() passes the real one
+DEV_FRAME_KEY = frame_key(
+    "pdserve-development-only-frame-key"
+)  # tests and --dev runs; serve() passes the real one
 TICKET_BYTES = 16
 
 D2P, P2D = b"pdserve side-channel decode->prefill", b"pdserve side-channel prefill->decode"
 DATA, NOTIF = b"pdserve kv data frame", b"pdserve nixl notification"
 
-SIDE_MAX_BYTES = 4 << 20  # the largest side-channel frame (a reservation of thousands of pages, NIXL endpoints)
+SIDE_MAX_BYTES = (
+    4 << 20
+)  # the largest side-channel frame (a reservation of thousands of pages, NIXL endpoints)
 HEADER_MAX_BYTES = 1 << 20  # the largest data-frame header or notification (run lists)
 WEDGED_S = 30.0  # a listener loop that has not come round for this long is reported wedged
 
@@ -44,8 +48,16 @@ def new_ticket() -> bytes:
 
 def unpack(data: bytes, max_bytes: int):
     """msgpack with every length bounded by max_bytes (raises on anything malformed)."""
-    return msgpack.unpackb(data, raw=False, strict_map_key=False, max_bin_len=max_bytes, max_str_len=max_bytes,
-                           max_array_len=max_bytes, max_map_len=max_bytes, max_ext_len=0)
+    return msgpack.unpackb(
+        data,
+        raw=False,
+        strict_map_key=False,
+        max_bin_len=max_bytes,
+        max_str_len=max_bytes,
+        max_array_len=max_bytes,
+        max_map_len=max_bytes,
+        max_ext_len=0,
+    )
 
 
 def seal_data(key: bytes, header: bytes, payload_len: int) -> bytes:
@@ -87,11 +99,18 @@ class Liveness:
         if not self.thread.is_alive():
             return f"the {self.name} thread is dead"
         stalled = time.monotonic() - self.last
-        return f"the {self.name} thread is wedged ({stalled:.0f} s without a turn)" if stalled > WEDGED_S else None
+        return (
+            f"the {self.name} thread is wedged ({stalled:.0f} s without a turn)"
+            if stalled > WEDGED_S
+            else None
+        )
 
     def status(self) -> dict:
-        return {"alive": self.thread is not None and self.thread.is_alive(), "problem": self.problem(),
-                "crashes": self.crashes}
+        return {
+            "alive": self.thread is not None and self.thread.is_alive(),
+            "problem": self.problem(),
+            "crashes": self.crashes,
+        }
 
 
 def cluster_frame_key(cfg) -> bytes:

@@ -56,13 +56,23 @@ def prefill_fingerprint(prefill: PrefillInstance, reservation: DecodeReservation
     """What the prefill side asserts: its model, dtype and layer count; the layout fields it
     will pack for are the reservation's (the prefill packs for any layout)."""
     fp = reservation.fingerprint
-    return dataclasses.replace(fp, model_hash=model_hash(prefill.worker.model_dir), model_dtype=prefill.worker.dtype,
-                               num_layers=prefill.model_config.num_layers)
+    return dataclasses.replace(
+        fp,
+        model_hash=model_hash(prefill.worker.model_dir),
+        model_dtype=prefill.worker.dtype,
+        num_layers=prefill.model_config.num_layers,
+    )
 
 
-def hand_off(prefill: PrefillInstance, decode: DecodeEngine, prompt_ids: list[int],
-             params: SamplingParams | None = None, room: str | None = None, timeout_s: float = 30.0,
-             hooks: HandoffHooks | None = None) -> DecodeRequest:
+def hand_off(
+    prefill: PrefillInstance,
+    decode: DecodeEngine,
+    prompt_ids: list[int],
+    params: SamplingParams | None = None,
+    room: str | None = None,
+    timeout_s: float = 30.0,
+    hooks: HandoffHooks | None = None,
+) -> DecodeRequest:
     """Prefills `prompt_ids` on `prefill` and delivers the cache to `decode`; returns the decode
     request, now running (or already finished when its first token ends it)."""
     room = room or f"room-{next(_rooms)}"
@@ -100,14 +110,19 @@ class HandoffFailure(Exception):
 def _transfer(prefill, decode, prompt_ids, params, reservation, state, hooks, timeout_s) -> TransferDone:
     room = reservation.room
     result = prefill.prefill(room, list(prompt_ids), params or SamplingParams())
-    plan = plan_transfer(prefill.prefill_side(result.slots), decode.instance.decode_side(list(reservation.pages)),
-                         len(prompt_ids))
+    plan = plan_transfer(
+        prefill.prefill_side(result.slots),
+        decode.instance.decode_side(list(reservation.pages)),
+        len(prompt_ids),
+    )
     decode.instance.expect(room, reservation.ticket, plan, list(reservation.pages))
     state.advance(KVPoll.Transferring)
     checksums = {}
     if not hooks.skip_send:
         try:
-            checksums = prefill.send(room, room, reservation.ticket, plan, reservation.endpoints, corrupt=hooks.corrupt)
+            checksums = prefill.send(
+                room, room, reservation.ticket, plan, reservation.endpoints, corrupt=hooks.corrupt
+            )
         except SendError:
             raise  # every rank returned: what it posted is done or cancelled
         except Exception as e:
@@ -147,12 +162,19 @@ def verify_done(decode: DecodeEngine, reservation: DecodeReservation, done: Tran
     status = decode.instance.transfer_status(reservation.room)
     for rank, s in enumerate(status):
         if s["checksum"] != done.checksums.get(rank, 0):
-            raise HandoffFailure(f"checksum mismatch on decode rank {rank}: received {s['checksum']:#010x}, "
-                        f"sender sent {done.checksums.get(rank, 0):#010x}")
+            raise HandoffFailure(
+                f"checksum mismatch on decode rank {rank}: received {s['checksum']:#010x}, "
+                f"sender sent {done.checksums.get(rank, 0):#010x}"
+            )
 
 
-def _release(prefill: PrefillInstance, decode: DecodeEngine, room: str, abort_decode: bool = True,
-             quiesced: bool = True) -> None:
+def _release(
+    prefill: PrefillInstance,
+    decode: DecodeEngine,
+    room: str,
+    abort_decode: bool = True,
+    quiesced: bool = True,
+) -> None:
     """Both sides drop the room; on failure the decode request is aborted (its pages freed, or held
     while senders may still write into them)."""
     hold_s = 0.0

@@ -82,8 +82,13 @@ class _End:
 
 
 class LoopbackReceiver(_End):
-    def __init__(self, bus: LoopbackBus, reservation: DecodeReservation, transfer_timeout_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        bus: LoopbackBus,
+        reservation: DecodeReservation,
+        transfer_timeout_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.bus, self.reservation, self.clock = bus, reservation, clock
         self.s = TransferState(reservation.room)
         self.ticket = bus.open(reservation).ticket
@@ -120,8 +125,9 @@ class LoopbackReceiver(_End):
             sums.setdefault(dst, RoomChecksum()).update(0, layer, kind, payload)
         got = {dst: c.value() for dst, c in sums.items()}
         if got != r.done.checksums:
-            return self._fail(f"checksum mismatch for room {self.s.room}: received {got}, "
-                              f"sender sent {r.done.checksums}")
+            return self._fail(
+                f"checksum mismatch for room {self.s.room}: received {got}, sender sent {r.done.checksums}"
+            )
         if self.s.state is KVPoll.WaitingForInput:
             self.s.advance(KVPoll.Transferring)  # an empty transfer still passes through Transferring
         self.frames, self.first_token = list(r.frames), r.done.first_token
@@ -133,8 +139,14 @@ class LoopbackReceiver(_End):
 
 
 class LoopbackSender(_End):
-    def __init__(self, bus: LoopbackBus, room: str, fingerprint: Fingerprint, bootstrap_timeout_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        bus: LoopbackBus,
+        room: str,
+        fingerprint: Fingerprint,
+        bootstrap_timeout_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.bus, self.fingerprint, self.clock = bus, fingerprint, clock
         self.s = TransferState(room)
         self.deadline = clock() + bootstrap_timeout_s
@@ -181,7 +193,9 @@ class LoopbackSender(_End):
         """Posts the aux data last; False (and Failed) when the room is gone or was reused."""
         if self.s.done:
             return False
-        done = TransferDone(self.s.room, first_token, {d: c.value() for d, c in self.sums.items()}, self.fingerprint)
+        done = TransferDone(
+            self.s.room, first_token, {d: c.value() for d, c in self.sums.items()}, self.fingerprint
+        )
         if not self.bus.complete(self.s.room, self.ticket, done):
             self.s.fail("room closed by decode before completion")
             return False

@@ -79,7 +79,9 @@ class Fingerprint:
         for f in dataclasses.fields(self):
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
             if mine != theirs:
-                raise IncompatiblePeer(f"incompatible peer: {f.name} differs (this side {mine!r}, peer {theirs!r})")
+                raise IncompatiblePeer(
+                    f"incompatible peer: {f.name} differs (this side {mine!r}, peer {theirs!r})"
+                )
 
 
 def model_hash(model_dir: str | Path) -> str:
@@ -130,7 +132,7 @@ class TransferFailed:
 
     def __post_init__(self):
         if isinstance(self.reason, str) and len(self.reason) > MAX_REASON:
-            object.__setattr__(self, "reason", self.reason[:MAX_REASON - 3] + "...")
+            object.__setattr__(self, "reason", self.reason[: MAX_REASON - 3] + "...")
 
 
 @message("heartbeat")
@@ -181,6 +183,7 @@ def _int(lo: int = -INT64, hi: int = INT64) -> Callable:
         if type(v) is not int or not lo <= v < hi:
             _fail(f"{name}: expected an integer in [{lo}, {hi}), got {type(v).__name__}")
         return v
+
     return check
 
 
@@ -189,6 +192,7 @@ def _str(max_len: int) -> Callable:
         if type(v) is not str or len(v) > max_len:
             _fail(f"{name}: expected a string of at most {max_len} characters")
         return v
+
     return check
 
 
@@ -197,6 +201,7 @@ def _bytes(size: int) -> Callable:
         if type(v) is not bytes or len(v) != size:
             _fail(f"{name}: expected {size} bytes")
         return v
+
     return check
 
 
@@ -219,6 +224,7 @@ def _rank_map(value: Callable) -> Callable:
             _fail(f"{name}: expected a map of at most {MAX_RANKS} ranks")
         rank = _int(0, MAX_RANKS)
         return {rank(k, name): value(x, name) for k, x in v.items()}
+
     return check
 
 
@@ -227,18 +233,37 @@ def _nested(cls) -> Callable:
         if type(v) is not dict or v.get(_TAG) != cls.TAG:
             _fail(f"{name}: expected a {cls.TAG} message")
         return _build(cls, v)
+
     return check
 
 
 _SCHEMA: dict[type, dict[str, Callable]] = {
-    Fingerprint: {"model_hash": _str(256), "kv_cache_dtype": _str(64), "model_dtype": _str(64),
-                  "page_size": _int(1, 1 << 20), "num_layers": _int(1, 1 << 16), "dcp_size": _int(1, MAX_RANKS),
-                  "index_mode": _str(64)},
-    DecodeReservation: {"room": _str(MAX_ROOM), "fingerprint": _nested(Fingerprint), "generation": _int(),
-                        "tp_size": _int(1, MAX_RANKS), "dcp_size": _int(1, MAX_RANKS), "page_size": _int(1, 1 << 20),
-                        "pages": _pages, "endpoints": _rank_map(_str(MAX_ENDPOINT)), "ticket": _bytes(TICKET_BYTES)},
-    TransferDone: {"room": _str(MAX_ROOM), "first_token": _int(0, 1 << 32), "checksums": _rank_map(_int(0, 1 << 32)),
-                   "fingerprint": _nested(Fingerprint)},
+    Fingerprint: {
+        "model_hash": _str(256),
+        "kv_cache_dtype": _str(64),
+        "model_dtype": _str(64),
+        "page_size": _int(1, 1 << 20),
+        "num_layers": _int(1, 1 << 16),
+        "dcp_size": _int(1, MAX_RANKS),
+        "index_mode": _str(64),
+    },
+    DecodeReservation: {
+        "room": _str(MAX_ROOM),
+        "fingerprint": _nested(Fingerprint),
+        "generation": _int(),
+        "tp_size": _int(1, MAX_RANKS),
+        "dcp_size": _int(1, MAX_RANKS),
+        "page_size": _int(1, 1 << 20),
+        "pages": _pages,
+        "endpoints": _rank_map(_str(MAX_ENDPOINT)),
+        "ticket": _bytes(TICKET_BYTES),
+    },
+    TransferDone: {
+        "room": _str(MAX_ROOM),
+        "first_token": _int(0, 1 << 32),
+        "checksums": _rank_map(_int(0, 1 << 32)),
+        "fingerprint": _nested(Fingerprint),
+    },
     TransferFailed: {"room": _str(MAX_ROOM), "reason": _str(MAX_REASON)},
     Heartbeat: {"sender": _str(MAX_NAME), "generation": _int(), "time_s": _float},
     Hello: {"nonce": _bytes(16)},
@@ -254,8 +279,11 @@ def _build(cls, obj: dict) -> Any:
         _fail(f"{cls.TAG}: field names must be strings")
     if names - set(schema):
         _fail(f"{cls.TAG}: unknown fields {sorted(names - set(schema))}")
-    required = {f.name for f in dataclasses.fields(cls)
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    required = {
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    }
     if required - names:
         _fail(f"{cls.TAG}: missing fields {sorted(required - names)}")
     return cls(**{k: schema[k](obj[k], f"{cls.TAG}.{k}") for k in names})

@@ -119,28 +119,46 @@ def _rows_named(h: dict) -> int:
 class NixlReceiver:
     """One per decode rank: its agent, its receive arena and the thread that stores notified chunks."""
 
-    def __init__(self, rank: int, pool, staging_bytes: int = 256 << 20, name: str | None = None,
-                 quarantine_s: float = QUARANTINE_S, direct: bool = True, key: bytes = DEV_FRAME_KEY):
-        self.rank, self.pool, self.quarantine_s = rank, pool, quarantine_s  # pool(): the rank's current KVPool
+    def __init__(
+        self,
+        rank: int,
+        pool,
+        staging_bytes: int = 256 << 20,
+        name: str | None = None,
+        quarantine_s: float = QUARANTINE_S,
+        direct: bool = True,
+        key: bytes = DEV_FRAME_KEY,
+    ):
+        self.rank, self.pool, self.quarantine_s = (
+            rank,
+            pool,
+            quarantine_s,
+        )  # pool(): the rank's current KVPool
         self.key = key  # notifications must carry a valid tag under it
         self.direct = direct  # land WRITEs in the pool when it stores the dtype that travels (not fp8)
         self.pool_regs: list = []
         self.pool_key: tuple | None = None  # the registered pool's tensors (address, bytes)
         self.name, self.generation = name or agent_name("decode", rank), time.time_ns()
         self.agent = make_agent(self.name)
-        self.buf = torch.empty(staging_bytes, dtype=torch.uint8)  # never zeroed: regions are written before read
+        self.buf = torch.empty(
+            staging_bytes, dtype=torch.uint8
+        )  # never zeroed: regions are written before read
         self.reg = self.agent.register_memory(self.buf)
         self.metadata = self.agent.get_agent_metadata()
         self.arena = Arena(staging_bytes)
         self.endpoint = f"nixl:{self.name}"  # what info() shows; each room's endpoint comes from StageCmd
         self.lock = threading.Lock()
         self.rooms: dict[str, _Room] = {}
-        self.quarantine: dict[int, tuple[str, _Room]] = {}  # ticket -> forgotten room whose region may be written
+        self.quarantine: dict[
+            int, tuple[str, _Room]
+        ] = {}  # ticket -> forgotten room whose region may be written
         self.dropped = 0  # notifications for rooms not open (late or stale): ignored by design
         self.unauthenticated = self.bad_frames = 0  # no valid tag / authentic but not the protocol's header
         self._stop = threading.Event()
         self.live = Liveness(f"NIXL notification receiver of rank {rank}")
-        self.thread = self.live.thread = threading.Thread(target=self._loop, name=f"kv-nixl-recv-{rank}", daemon=True)
+        self.thread = self.live.thread = threading.Thread(
+            target=self._loop, name=f"kv-nixl-recv-{rank}", daemon=True
+        )
         self.thread.start()
         atexit.register(self.close)  # stop polling before the interpreter tears the agent down
 
@@ -171,9 +189,12 @@ class NixlReceiver:
             return {"endpoint": ep.encode(), "error": None}
         got = self.arena.alloc(size)
         if got is None:
-            return {"endpoint": None, "error": f"receive staging full: room {cmd.room} needs {size} bytes, "
-                                              f"{self.arena.size - self.arena.used} of {self.arena.size} free "
-                                              f"({len(self.quarantine)} regions quarantined)"}
+            return {
+                "endpoint": None,
+                "error": f"receive staging full: room {cmd.room} needs {size} bytes, "
+                f"{self.arena.size - self.arena.used} of {self.arena.size} free "
+                f"({len(self.quarantine)} regions quarantined)",
+            }
         start, length = got
         self.rooms[cmd.room] = _Room(cmd.ticket, {}, start=start, length=length, size=size)
         ep = NixlEndpoint(self.name, self.generation, self.metadata, self.buf.data_ptr() + start, size)
@@ -206,7 +227,9 @@ class NixlReceiver:
             r.expected, r.expecting, r.slots = expected, True, cmd.slots
             return
         self._drop(cmd.room, quiesced=False)
-        self.rooms[cmd.room] = _Room(cmd.ticket, expected, cmd.slots, expecting=True)  # no region: nothing can land for it
+        self.rooms[cmd.room] = _Room(
+            cmd.ticket, expected, cmd.slots, expecting=True
+        )  # no region: nothing can land for it
 
     def _drop(self, room: str, quiesced: bool) -> dict:
         """Forgets the room; {"hold_s": how long its pool pages must stay unused} -- non-zero for a
@@ -224,10 +247,16 @@ class NixlReceiver:
 
     def _status(self, room: str) -> dict:
         r = self.rooms.get(room)
-        base = {"open_rooms": len(self.rooms), "dropped": self.dropped, "unauthenticated": self.unauthenticated,
-                "bad_frames": self.bad_frames, "staging_bytes": self.arena.used,
-                "quarantined": len(self.quarantine), "registered_regions": 1 if self.reg is not None else 0,
-                "registered_pool": len(self.pool_regs)}
+        base = {
+            "open_rooms": len(self.rooms),
+            "dropped": self.dropped,
+            "unauthenticated": self.unauthenticated,
+            "bad_frames": self.bad_frames,
+            "staging_bytes": self.arena.used,
+            "quarantined": len(self.quarantine),
+            "registered_regions": 1 if self.reg is not None else 0,
+            "registered_pool": len(self.pool_regs),
+        }
         return {**base, **(r.status() if r else {"known": False})}
 
     def _loop(self) -> None:
@@ -288,20 +317,30 @@ class NixlReceiver:
         if r.direct:
             return self._landed(r, h)
         offset, nbytes = h["offset"], h["nbytes"]
-        if not (isinstance(offset, int) and isinstance(nbytes, int) and 0 <= offset and offset + nbytes <= r.size):
+        if not (
+            isinstance(offset, int) and isinstance(nbytes, int) and 0 <= offset and offset + nbytes <= r.size
+        ):
             raise ValueError(f"chunk [{offset}, +{nbytes}) outside the room's region of {r.size} bytes")
         start, pos, pool = r.start + offset, 0, self.pool()
         for layer, kind, width, runs in h["items"]:
-            item = {"src_rank": h["src_rank"], "dtype": h["dtype"], "layer": layer, "kind": kind, "width": width,
-                    "runs": runs}
+            item = {
+                "src_rank": h["src_rank"],
+                "dtype": h["dtype"],
+                "layer": layer,
+                "kind": kind,
+                "width": width,
+                "runs": runs,
+            }
             dtype = DTYPES[h["dtype"]]
             n = sum(length for _, length in runs) * width * dtype.itemsize
             if pos + n > nbytes:
                 raise ValueError(f"items need more than the chunk's {nbytes} bytes")
             if (start + pos) % dtype.itemsize:
-                raise ValueError(f"item at region offset {offset + pos} is not aligned to its dtype {h['dtype']}")
+                raise ValueError(
+                    f"item at region offset {offset + pos} is not aligned to its dtype {h['dtype']}"
+                )
             rows = frame_rows(pool, r, item, n)
-            data = self.buf[start + pos:start + pos + n].view(dtype).view(rows, width)
+            data = self.buf[start + pos : start + pos + n].view(dtype).view(rows, width)
             store_rows(pool, r, item, data)  # straight from the region, checksummed after the store
             pos += n
         if pos != nbytes:
@@ -312,8 +351,14 @@ class NixlReceiver:
         counts and checksums the rows where they landed (nothing to copy)."""
         pool = self.pool()
         for layer, kind, width, runs in h["items"]:
-            item = {"src_rank": h["src_rank"], "dtype": h["dtype"], "layer": layer, "kind": kind, "width": width,
-                    "runs": runs}
+            item = {
+                "src_rank": h["src_rank"],
+                "dtype": h["dtype"],
+                "layer": layer,
+                "kind": kind,
+                "width": width,
+                "runs": runs,
+            }
             if DTYPES.get(h["dtype"]) != pool.dtype:
                 raise ValueError(f"rows of dtype {h['dtype']} for a pool of {pool.dtype}")
             frame_rows(pool, r, item, sum(n for _, n in runs) * width * pool.dtype.itemsize)

@@ -15,7 +15,9 @@ ALIGN = 64  # region starts: any dtype view of a chunk is aligned
 
 def make_agent(name: str):
     """A NIXL agent with the UCX backend and no progress thread (its owner polls)."""
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")  # loopback like the TCP path; multi-node deployments set it
+    os.environ.setdefault(
+        "UCX_NET_DEVICES", "lo"
+    )  # loopback like the TCP path; multi-node deployments set it
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     try:
         import nixl._api as api  # the meta package `nixl`
@@ -69,7 +71,7 @@ class Arena:
         n = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
         for i, (start, length) in enumerate(self.free):
             if length >= n:
-                self.free[i:i + 1] = [(start + n, length - n)] if length > n else []
+                self.free[i : i + 1] = [(start + n, length - n)] if length > n else []
                 return start, n
         return None
 

@@ -56,10 +56,15 @@ class _PoolLayout:
 
     def __init__(self, fields: list, row_bytes: dict[str, int]):
         kv_addr, kv_rows, kv_rb, kv_layers, ix_addr, ix_rows, ix_rb, ix_layers = fields
-        self.sides = {"kv": (kv_addr, kv_rows, kv_rb, dict(kv_layers)), "index": (ix_addr, ix_rows, ix_rb, dict(ix_layers))}
+        self.sides = {
+            "kv": (kv_addr, kv_rows, kv_rb, dict(kv_layers)),
+            "index": (ix_addr, ix_rows, ix_rb, dict(ix_layers)),
+        }
         for kind, (_, _, rb, _) in self.sides.items():
             if rb != row_bytes[kind] and self.sides[kind][3]:
-                raise ValueError(f"its pool's {kind} rows are {rb} bytes, ours {row_bytes[kind]} (layout mismatch?)")
+                raise ValueError(
+                    f"its pool's {kind} rows are {rb} bytes, ours {row_bytes[kind]} (layout mismatch?)"
+                )
 
     def addr(self, kind: str, layer: int, row: int, n: int) -> int:
         base, rows, rb, layers = self.sides[kind]
@@ -84,8 +89,15 @@ def slice_runs(runs: tuple[Run, ...], start: int, n: int) -> list[Run]:
 class NixlSender:
     """One per prefill rank: WRITEs its share of a plan, from its pool or packed into staging."""
 
-    def __init__(self, rank: int, pool, staging_bytes: int = 64 << 20, name: str | None = None,
-                 chunk_bytes: int = CHUNK_BYTES, key: bytes = DEV_FRAME_KEY):
+    def __init__(
+        self,
+        rank: int,
+        pool,
+        staging_bytes: int = 64 << 20,
+        name: str | None = None,
+        chunk_bytes: int = CHUNK_BYTES,
+        key: bytes = DEV_FRAME_KEY,
+    ):
         self.rank, self.pool, self.chunk_bytes = rank, pool, min(chunk_bytes, staging_bytes)
         self.key = key  # notifications carry an HMAC trailer under it (frames.seal_notif)
         self.name = name or agent_name("prefill", rank)
@@ -93,7 +105,9 @@ class NixlSender:
         self.staging = torch.empty(staging_bytes, dtype=torch.uint8)
         self.reg = self.agent.register_memory(self.staging)
         # The pool too, so rows that lie contiguously in it (KVPool.span) are WRITTEN without packing.
-        self.pool_regs = [] if pool.fp8 else [self.agent.register_memory(t) for t in (pool.kv, pool.index_k) if t.numel()]
+        self.pool_regs = (
+            [] if pool.fp8 else [self.agent.register_memory(t) for t in (pool.kv, pool.index_k) if t.numel()]
+        )
         self.peers: dict[str, int] = {}  # decode agent -> generation whose metadata is loaded
         self.handles = 0  # xfer handles not yet released
         self.stuck: list = []  # handles NIXL could not release (never expected; shown by status)
@@ -102,10 +116,18 @@ class NixlSender:
         self.bytes_direct = self.bytes_packed = 0  # sent straight from the pool / packed into staging first
 
     def status(self) -> dict:
-        return {"open_rooms": 0, "xfer_handles": self.handles, "stuck": len(self.stuck),
-                "staging_bytes": self.staging_used, "registered_regions": 1 if self.reg is not None else 0,
-                "registered_pool": len(self.pool_regs), "peers": len(self.peers), "reloads": self.reloads,
-                "bytes_direct": self.bytes_direct, "bytes_packed": self.bytes_packed}
+        return {
+            "open_rooms": 0,
+            "xfer_handles": self.handles,
+            "stuck": len(self.stuck),
+            "staging_bytes": self.staging_used,
+            "registered_regions": 1 if self.reg is not None else 0,
+            "registered_pool": len(self.pool_regs),
+            "peers": len(self.peers),
+            "reloads": self.reloads,
+            "bytes_direct": self.bytes_direct,
+            "bytes_packed": self.bytes_packed,
+        }
 
     def _row_bytes(self, kind: str) -> int:
         return (self.pool.kv if kind == "kv" else self.pool.index_k).shape[-1] * self.pool.dtype.itemsize
@@ -118,7 +140,9 @@ class NixlSender:
         sums: dict[int, RoomChecksum] = {}
         corrupt = [cmd.corrupt]
         dsts = sorted({t.dst_rank for t in mine})
-        dsts = dsts[self.rank % len(dsts):] + dsts[:self.rank % len(dsts)] if dsts else []  # ranks start apart
+        dsts = (
+            dsts[self.rank % len(dsts) :] + dsts[: self.rank % len(dsts)] if dsts else []
+        )  # ranks start apart
         try:
             for dst in dsts:
                 err = self._send_to(cmd, dst, [t for t in mine if t.dst_rank == dst], sums, corrupt)
@@ -128,14 +152,18 @@ class NixlSender:
             self.staging_used = 0
         return {"sums": {dst: dict(c.streams) for dst, c in sums.items()}, "error": None}
 
-    def _send_to(self, cmd: SendCmd, dst: int, transfers: list[Transfer], sums: dict, corrupt: list) -> str | None:
+    def _send_to(
+        self, cmd: SendCmd, dst: int, transfers: list[Transfer], sums: dict, corrupt: list
+    ) -> str | None:
         try:
             ep = NixlEndpoint.decode(cmd.endpoints[dst])
         except Exception as e:
             return f"bad endpoint: {type(e).__name__}: {e}"
         if err := self._load_peer(ep):
             return err
-        offset = sum(t.rows * self._row_bytes(t.kind) for t in cmd.plan if t.dst_rank == dst and t.src_rank < self.rank)
+        offset = sum(
+            t.rows * self._row_bytes(t.kind) for t in cmd.plan if t.dst_rank == dst and t.src_rank < self.rank
+        )
         need = sum(t.rows * self._row_bytes(t.kind) for t in transfers)
         if ep.pool is None and offset + need > ep.size:
             return f"its region of {ep.size} bytes cannot take {need} bytes at offset {offset} (layout mismatch?)"
@@ -159,10 +187,16 @@ class NixlSender:
                     remote = [] if dest else None
                     continue
                 runs = slice_runs(t.runs, done, n)
-                direct = not corrupt[0] and (len(runs) == 1 or n * rb >= len(runs) * DIRECT_RUN_BYTES)  # long runs
-                views = [self.pool.span(t.kind, t.layer, r.src, r.length, r.step) for r in runs] if direct else None
+                direct = not corrupt[0] and (
+                    len(runs) == 1 or n * rb >= len(runs) * DIRECT_RUN_BYTES
+                )  # long runs
+                views = (
+                    [self.pool.span(t.kind, t.layer, r.src, r.length, r.step) for r in runs]
+                    if direct
+                    else None
+                )
                 if views is None or any(v is None for v in views):  # pack into staging
-                    rows = self.staging[spos:spos + n * rb].view(self.pool.dtype).view(n, -1)
+                    rows = self.staging[spos : spos + n * rb].view(self.pool.dtype).view(n, -1)
                     pack_rows(self.pool, t.kind, t.layer, runs, rows)
                     views, spos = [rows], spos + n * rb
                     self.bytes_packed += n * rb
@@ -212,22 +246,46 @@ class NixlSender:
         except Exception:
             pass  # not loaded (or already gone): nothing to release
 
-    def _write(self, cmd: SendCmd, ep: NixlEndpoint, offset: int, nbytes: int, items: list,
-               pieces: list, remote: list | None = None) -> str | None:
+    def _write(
+        self,
+        cmd: SendCmd,
+        ep: NixlEndpoint,
+        offset: int,
+        nbytes: int,
+        items: list,
+        pieces: list,
+        remote: list | None = None,
+    ) -> str | None:
         """One WRITE of the local pieces (staging or pool, nbytes in all) to the region's bytes
         [offset, offset + nbytes) -- or, with `remote`, to those pieces of the decode pool -- its
         header as notification; waits."""
-        notif = seal_notif(self.key, msgpack.packb({"room": cmd.room, "ticket": cmd.ticket, "src_rank": self.rank,
-                                                    "offset": offset, "nbytes": nbytes, "dtype": str(self.pool.dtype),
-                                                    "items": items}))
+        notif = seal_notif(
+            self.key,
+            msgpack.packb(
+                {
+                    "room": cmd.room,
+                    "ticket": cmd.ticket,
+                    "src_rank": self.rank,
+                    "offset": offset,
+                    "nbytes": nbytes,
+                    "dtype": str(self.pool.dtype),
+                    "items": items,
+                }
+            ),
+        )
         deadline = time.monotonic() + cmd.send_timeout_ms / 1000
         h, err = None, None
         try:
             if remote is None:
                 remote = [[ep.addr + offset, nbytes]]  # the region: contiguous
             src, dst = _pair(pieces, remote)
-            h = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(src, "DRAM"),
-                                           self.agent.get_xfer_descs(dst, "DRAM"), ep.agent, notif)
+            h = self.agent.initialize_xfer(
+                "WRITE",
+                self.agent.get_xfer_descs(src, "DRAM"),
+                self.agent.get_xfer_descs(dst, "DRAM"),
+                ep.agent,
+                notif,
+            )
             self.handles += 1
             state = self.agent.transfer(h)
             while state == "PROC":

@@ -45,7 +45,10 @@ INDEX_MODES = ("copy", "split")
 def layer_owners(num_layers: int, cp_size: int) -> list[int]:
     """Prefill rank that stores each layer in layer-split mode: contiguous blocks, as even as possible.
     Same rule as `pdserve.prefill_server.cp_backend.layer_owners`."""
-    return [min(r for r in range(cp_size) if layer < (r + 1) * num_layers // cp_size) for layer in range(num_layers)]
+    return [
+        min(r for r in range(cp_size) if layer < (r + 1) * num_layers // cp_size)
+        for layer in range(num_layers)
+    ]
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,9 @@ class PrefillSide:
             raise ValueError(f"unknown prefill cache mode {self.cache!r} (allowed: {CACHE_MODES})")
         bad = [i for i in self.indexer_layers if not 0 <= i < self.num_layers]
         if bad or len(set(self.indexer_layers)) != len(self.indexer_layers):
-            raise ValueError(f"indexer_layers {self.indexer_layers} must be distinct layers in [0, {self.num_layers})")
+            raise ValueError(
+                f"indexer_layers {self.indexer_layers} must be distinct layers in [0, {self.num_layers})"
+            )
 
     def holds(self, rank: int, layer: int) -> bool:
         return self.cache == "full" or layer_owners(self.num_layers, self.cp_size)[layer] == rank
@@ -86,7 +91,9 @@ class DecodeSide:
         if self.index_mode not in INDEX_MODES:
             raise ValueError(f"unknown index mode {self.index_mode!r} (allowed: {INDEX_MODES})")
         if self.page_size < 1 or self.page_size % self.dcp_size:
-            raise ValueError(f"page_size {self.page_size} must be a positive multiple of dcp_size {self.dcp_size}")
+            raise ValueError(
+                f"page_size {self.page_size} must be a positive multiple of dcp_size {self.dcp_size}"
+            )
 
 
 @dataclass(frozen=True)
@@ -131,12 +138,17 @@ def plan_transfer(prefill: PrefillSide, decode: DecodeSide, prompt_len: int) -> 
                 pairs[layer, dst] = kinds
     rows = {pair: sum(r.length for rs in kinds.values() for r in rs) for pair, kinds in pairs.items()}
     senders = _senders(prefill, rows)
-    plan = [Transfer(senders[layer, dst], dst, layer, kind, runs)
-            for (layer, dst), kinds in pairs.items() for kind, runs in kinds.items()]
+    plan = [
+        Transfer(senders[layer, dst], dst, layer, kind, runs)
+        for (layer, dst), kinds in pairs.items()
+        for kind, runs in kinds.items()
+    ]
     return sorted(plan, key=lambda t: (t.src_rank, t.dst_rank, t.layer, t.kind))
 
 
-def bytes_per_pair(plan: list[Transfer], kv_row_bytes: int, index_row_bytes: int) -> dict[tuple[int, int], int]:
+def bytes_per_pair(
+    plan: list[Transfer], kv_row_bytes: int, index_row_bytes: int
+) -> dict[tuple[int, int], int]:
     """Bytes each prefill rank ships to each decode rank: {(src_rank, dst_rank): bytes}."""
     row_bytes = {"kv": kv_row_bytes, "index": index_row_bytes}
     out: dict[tuple[int, int], int] = {}
@@ -161,8 +173,10 @@ def _check_room(prefill: PrefillSide, decode: DecodeSide, n: int) -> None:
         raise ValueError(f"prefill side gives {len(prefill.slots)} slots for a {n}-token prompt")
     need = -(-n // decode.page_size)
     if len(decode.pages) < need:
-        raise ValueError(f"decode side gives {len(decode.pages)} pages of {decode.page_size} slots "
-                         f"for a {n}-token prompt (needs {need})")
+        raise ValueError(
+            f"decode side gives {len(decode.pages)} pages of {decode.page_size} slots "
+            f"for a {n}-token prompt (needs {need})"
+        )
     slots, pages = prefill.slots[:n], decode.pages[:need]
     if min(slots, default=0) < 0 or len(set(slots)) != n:
         raise ValueError("prefill slots of the prompt must be distinct and >= 0")

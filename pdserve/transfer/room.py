@@ -45,7 +45,11 @@ class RoomSlots:
             return
         per = self.rows_per_page.get(kind, 0)
         first, last = dst // per if per else -1, (dst + n - 1) // per if per else -1
-        if per < 1 or last - first >= len(self.pages) or any(p not in self.pages for p in range(first, last + 1)):
+        if (
+            per < 1
+            or last - first >= len(self.pages)
+            or any(p not in self.pages for p in range(first, last + 1))
+        ):
             raise ValueError(f"{kind} rows [{dst}, +{n}) are not the room's (another request's slots)")
 
 
@@ -54,8 +58,14 @@ def _is_int(v, lo: int, hi: int) -> bool:
 
 
 def _runs(v) -> list:
-    if type(v) is not list or len(v) > MAX_RUNS or not all(
-            type(r) is list and len(r) == 2 and _is_int(r[0], 0, MAX_ROW) and _is_int(r[1], 0, MAX_ROW) for r in v):
+    if (
+        type(v) is not list
+        or len(v) > MAX_RUNS
+        or not all(
+            type(r) is list and len(r) == 2 and _is_int(r[0], 0, MAX_ROW) and _is_int(r[1], 0, MAX_ROW)
+            for r in v
+        )
+    ):
         raise ValueError("runs: expected a list of [row, length] pairs")
     return v
 
@@ -76,8 +86,12 @@ def check_header(h) -> dict:
     _common(h)
     if set(h) != {"room", "ticket", "src_rank", "layer", "kind", "runs", "dtype", "width", "seq"}:
         raise ValueError("the header's fields are not the protocol's")
-    if not (_is_int(h["layer"], 0, 1 << 16) and h["kind"] in KINDS and _is_int(h["width"], 1, 1 << 24)
-            and _is_int(h["seq"], 0, 1 << 62)):
+    if not (
+        _is_int(h["layer"], 0, 1 << 16)
+        and h["kind"] in KINDS
+        and _is_int(h["width"], 1, 1 << 24)
+        and _is_int(h["seq"], 0, 1 << 62)
+    ):
         raise ValueError("layer, kind, width or seq out of range")
     _runs(h["runs"])
     return h
@@ -89,12 +103,21 @@ def check_notif(h) -> dict:
     _common(h)
     if set(h) != {"room", "ticket", "src_rank", "offset", "nbytes", "dtype", "items"}:
         raise ValueError("the notification's fields are not the protocol's")
-    if not (_is_int(h["offset"], 0, MAX_ROW) and _is_int(h["nbytes"], 0, MAX_ROW) and type(h["items"]) is list
-            and len(h["items"]) <= MAX_RUNS):
+    if not (
+        _is_int(h["offset"], 0, MAX_ROW)
+        and _is_int(h["nbytes"], 0, MAX_ROW)
+        and type(h["items"]) is list
+        and len(h["items"]) <= MAX_RUNS
+    ):
         raise ValueError("offset, nbytes or items out of range")
     for item in h["items"]:
-        if not (type(item) is list and len(item) == 4 and _is_int(item[0], 0, 1 << 16) and item[1] in KINDS
-                and _is_int(item[2], 1, 1 << 24)):
+        if not (
+            type(item) is list
+            and len(item) == 4
+            and _is_int(item[0], 0, 1 << 16)
+            and item[1] in KINDS
+            and _is_int(item[2], 1, 1 << 24)
+        ):
             raise ValueError("an item is not [layer, kind, width, runs]")
         _runs(item[3])
     return h
@@ -117,8 +140,14 @@ class RoomRows:
 
     def status(self) -> dict:
         rows, expected = sum(self.received.values()), sum(self.expected.values())
-        return {"known": True, "rows": rows, "expected": expected, "complete": rows == expected,
-                "checksum": self.checksum.value(), "error": self.error}
+        return {
+            "known": True,
+            "rows": rows,
+            "expected": expected,
+            "complete": rows == expected,
+            "checksum": self.checksum.value(),
+            "error": self.error,
+        }
 
 
 def _count_key(r: RoomRows, src: int) -> int:
@@ -139,7 +168,9 @@ def frame_rows(pool, r: RoomRows, h: dict, nbytes: int) -> int:
     if not ok:
         raise ValueError(f"this rank stores no {h['kind']} for layer {layer}")
     if h["width"] != width or h["dtype"] not in DTYPES:
-        raise ValueError(f"layout mismatch: got width {h['width']} dtype {h['dtype']}, rank stores width {width}")
+        raise ValueError(
+            f"layout mismatch: got width {h['width']} dtype {h['dtype']}, rank stores width {width}"
+        )
     if r.slots is None:
         raise ValueError("the room has no reserved slots on this rank")
     rows = 0
@@ -179,10 +210,12 @@ def store_rows(pool, r: RoomRows, h: dict, data: torch.Tensor) -> None:
     """Writes a checked frame's rows `data` [rows, width] into the pool, counts them, and only THEN
     checksums `data`: bytes that change under the store make the checksum disagree with the sender's."""
     write = pool.write_kv if h["kind"] == "kv" else pool.write_index
-    if len(h["runs"]) <= SLICE_RUNS:  # a few long runs (the usual case): slice copies, ~2x index_copy_'s speed
+    if (
+        len(h["runs"]) <= SLICE_RUNS
+    ):  # a few long runs (the usual case): slice copies, ~2x index_copy_'s speed
         pos = 0
         for dst, n in h["runs"]:
-            write(h["layer"], slice(dst, dst + n), data[pos:pos + n])
+            write(h["layer"], slice(dst, dst + n), data[pos : pos + n])
             pos += n
     else:
         write(h["layer"], run_rows([d for d, _ in h["runs"]], [n for _, n in h["runs"]]), data)
@@ -195,5 +228,3 @@ def count_rows(r: RoomRows, h: dict, parts: list[torch.Tensor]) -> None:
     for rows in parts:
         r.received[key] = r.received.get(key, 0) + len(rows)
         r.checksum.update(h["src_rank"], h["layer"], h["kind"], rows)
-
-

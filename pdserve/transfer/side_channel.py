@@ -40,10 +40,19 @@ import time
 
 import zmq
 
-from .frames import D2P, DEV_FRAME_KEY, P2D, SIDE_MAX_BYTES, Liveness
-from .messages import (DecodeReservation, Heartbeat, Hello, ProtocolError, TransferDone, TransferFailed, Welcome,
-                       decode, encode)
 from ..engine.auth import sign, verify
+from .frames import D2P, DEV_FRAME_KEY, P2D, SIDE_MAX_BYTES, Liveness
+from .messages import (
+    DecodeReservation,
+    Heartbeat,
+    Hello,
+    ProtocolError,
+    TransferDone,
+    TransferFailed,
+    Welcome,
+    decode,
+    encode,
+)
 
 MAX_RESERVATIONS = 4096
 MAX_PEERS = 1024
@@ -58,7 +67,9 @@ class BootstrapTimeout(TimeoutError):
 class _Endpoint:
     """One side-channel socket: frames out are sealed under `send_label`, frames in must verify under `recv_label`."""
 
-    def __init__(self, kind: int, key: bytes, send_label: bytes, recv_label: bytes, ctx: zmq.Context | None = None):
+    def __init__(
+        self, kind: int, key: bytes, send_label: bytes, recv_label: bytes, ctx: zmq.Context | None = None
+    ):
         self.own_ctx = ctx is None
         self.ctx = ctx or zmq.Context()
         self.sock = self.ctx.socket(kind)
@@ -108,8 +119,12 @@ class _Endpoint:
 class BootstrapServer(_Endpoint):
     """Prefill side: collects reservations (they may come before the prompt), answers per room."""
 
-    def __init__(self, host: str = "127.0.0.1", key: bytes = DEV_FRAME_KEY,
-                 reservation_ttl_s: float = RESERVATION_TTL_S):
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        key: bytes = DEV_FRAME_KEY,
+        reservation_ttl_s: float = RESERVATION_TTL_S,
+    ):
         super().__init__(zmq.ROUTER, key, P2D, D2P)
         self.endpoint = f"tcp://{host}:{self.sock.bind_to_random_port(f'tcp://{host}')}"
         self.reservation_ttl_s = reservation_ttl_s
@@ -118,7 +133,9 @@ class BootstrapServer(_Endpoint):
         self.aborted: dict[str, str] = {}  # room -> decode's reason
         self.reserved_at: dict[str, float] = {}
         self.claimed: set[str] = set()  # rooms a request is being served for: never expired
-        self.refused = 0  # a second reservation of a room, an abort from a peer that did not reserve it, overflow
+        self.refused = (
+            0  # a second reservation of a room, an abort from a peer that did not reserve it, overflow
+        )
         self.expired = 0
         self._next_expiry = 0.0
 
@@ -178,7 +195,9 @@ class BootstrapServer(_Endpoint):
         while room not in self.reservations:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise BootstrapTimeout(f"bootstrap timeout: no decode reservation for room {room} within {timeout_s} s")
+                raise BootstrapTimeout(
+                    f"bootstrap timeout: no decode reservation for room {room} within {timeout_s} s"
+                )
             self.drain(int(min(left, 0.05) * 1000) + 1)
         return self.reservations[room]
 
@@ -211,8 +230,12 @@ class BootstrapService(BootstrapServer):
     that thread is busy. The room tables are plain dicts read without the lock (single operations
     on them are atomic in CPython); the thread changes them under `lock`."""
 
-    def __init__(self, host: str = "127.0.0.1", key: bytes = DEV_FRAME_KEY,
-                 reservation_ttl_s: float = RESERVATION_TTL_S):
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        key: bytes = DEV_FRAME_KEY,
+        reservation_ttl_s: float = RESERVATION_TTL_S,
+    ):
         super().__init__(host, key, reservation_ttl_s)
         self.lock = threading.Lock()
         self.generation = time.time_ns()
@@ -307,7 +330,9 @@ class DecodeClient(_Endpoint):
         if self.ready:
             return self._post(msg)
         if isinstance(msg, TransferFailed) and any(getattr(m, "room", None) == msg.room for m in self.held):
-            self.held = [m for m in self.held if getattr(m, "room", None) != msg.room]  # never sent: nothing to abort
+            self.held = [
+                m for m in self.held if getattr(m, "room", None) != msg.room
+            ]  # never sent: nothing to abort
             return
         if len(self.held) < MAX_HELD:
             self.held.append(msg)

@@ -40,7 +40,16 @@ import zmq
 from .base import RoomChecksum
 from .frames import DEV_FRAME_KEY, HEADER_MAX_BYTES, Liveness, data_ok, seal_data, unpack
 from .plan import Transfer
-from .room import SLICE_RUNS, RoomRows, RoomSlots, check_header, frame_rows, payload_rows, run_rows, store_rows
+from .room import (
+    SLICE_RUNS,
+    RoomRows,
+    RoomSlots,
+    check_header,
+    frame_rows,
+    payload_rows,
+    run_rows,
+    store_rows,
+)
 
 
 @dataclass(frozen=True)
@@ -105,11 +114,18 @@ def pack_rows(pool, kind: str, layer: int, runs, out: torch.Tensor) -> None:
     """Reads the source rows of `runs` (plan Runs, rows in run order) into `out` [rows, width]:
     strided slice copies for a few runs, one gather for many."""
     if len(runs) > SLICE_RUNS:
-        pool.read_into(kind, layer, run_rows([r.src for r in runs], [r.length for r in runs], [r.step for r in runs]), out)
+        pool.read_into(
+            kind,
+            layer,
+            run_rows([r.src for r in runs], [r.length for r in runs], [r.step for r in runs]),
+            out,
+        )
         return
     pos = 0
     for r in runs:
-        pool.read_into(kind, layer, slice(r.src, r.src + (r.length - 1) * r.step + 1, r.step), out[pos:pos + r.length])
+        pool.read_into(
+            kind, layer, slice(r.src, r.src + (r.length - 1) * r.step + 1, r.step), out[pos : pos + r.length]
+        )
         pos += r.length
 
 
@@ -124,13 +140,25 @@ def max_frame_bytes(pool, slots: int | None = None) -> int:
 class TcpReceiver:
     """One per decode rank: a PULL socket on 127.0.0.1 (ephemeral port) and the thread that drains it."""
 
-    def __init__(self, rank: int, pool: Callable[[], object], host: str = "127.0.0.1", key: bytes = DEV_FRAME_KEY,
-                 slots: int | None = None):
-        self.rank, self.pool, self.key = rank, pool, key  # pool(): the rank's current KVPool (reconfigure replaces it)
+    def __init__(
+        self,
+        rank: int,
+        pool: Callable[[], object],
+        host: str = "127.0.0.1",
+        key: bytes = DEV_FRAME_KEY,
+        slots: int | None = None,
+    ):
+        self.rank, self.pool, self.key = (
+            rank,
+            pool,
+            key,
+        )  # pool(): the rank's current KVPool (reconfigure replaces it)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes(pool(), slots))  # a larger frame disconnects its sender
+        self.sock.setsockopt(
+            zmq.MAXMSGSIZE, max_frame_bytes(pool(), slots)
+        )  # a larger frame disconnects its sender
         port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
         self.lock = threading.Lock()
@@ -140,7 +168,9 @@ class TcpReceiver:
         self.bad_frames = 0  # authentic frames whose header is not the protocol's
         self._stop = threading.Event()
         self.live = Liveness(f"KV receiver of rank {rank}")
-        self.thread = self.live.thread = threading.Thread(target=self._loop, name=f"kv-recv-{rank}", daemon=True)
+        self.thread = self.live.thread = threading.Thread(
+            target=self._loop, name=f"kv-recv-{rank}", daemon=True
+        )
         self.thread.start()
 
     def handle(self, cmd):
@@ -161,8 +191,12 @@ class TcpReceiver:
 
     def _status(self, room: str) -> dict:
         r = self.rooms.get(room)
-        base = {"open_rooms": len(self.rooms), "dropped": self.dropped, "unauthenticated": self.unauthenticated,
-                "bad_frames": self.bad_frames}
+        base = {
+            "open_rooms": len(self.rooms),
+            "dropped": self.dropped,
+            "unauthenticated": self.unauthenticated,
+            "bad_frames": self.bad_frames,
+        }
         return {**base, **(r.status() if r else {"known": False})}
 
     def _loop(self) -> None:
@@ -178,8 +212,11 @@ class TcpReceiver:
 
     def _take(self, parts: list[bytes]) -> None:
         """One received message: authenticated, decoded, checked, stored -- or counted and dropped."""
-        if len(parts) != 3 or len(parts[0]) > HEADER_MAX_BYTES or \
-                not data_ok(self.key, parts[0], len(parts[1]), parts[2]):
+        if (
+            len(parts) != 3
+            or len(parts[0]) > HEADER_MAX_BYTES
+            or not data_ok(self.key, parts[0], len(parts[1]), parts[2])
+        ):
             with self.lock:
                 self.unauthenticated += 1
             return
@@ -244,8 +281,13 @@ class TcpSender:
                 payload[0] ^= 0x01  # after checksumming: as if flipped in flight
                 corrupt = False
             endpoint = cmd.endpoints[t.dst_rank]
-            if not endpoint.startswith("tcp://"):  # e.g. a NIXL decode instance: a clear error, not a ZMQError
-                return {"sums": {}, "error": f"decode rank {t.dst_rank} offers a non-tcp endpoint {endpoint[:12]!r}..."}
+            if not endpoint.startswith(
+                "tcp://"
+            ):  # e.g. a NIXL decode instance: a clear error, not a ZMQError
+                return {
+                    "sums": {},
+                    "error": f"decode rank {t.dst_rank} offers a non-tcp endpoint {endpoint[:12]!r}...",
+                }
             try:
                 packed = msgpack.packb(header)
                 tag = seal_data(self.key, packed, len(payload))
@@ -262,12 +304,23 @@ class TcpSender:
         """(header, payload, the payload's [rows, width] view): the rows in run order."""
         width = (self.pool.kv if t.kind == "kv" else self.pool.index_k).shape[-1]
         payload = bytearray(t.rows * width * self.pool.dtype.itemsize)
-        rows = torch.frombuffer(payload, dtype=torch.uint8).view(self.pool.dtype).view(t.rows, width) \
-            if payload else torch.empty(0, width, dtype=self.pool.dtype)
+        rows = (
+            torch.frombuffer(payload, dtype=torch.uint8).view(self.pool.dtype).view(t.rows, width)
+            if payload
+            else torch.empty(0, width, dtype=self.pool.dtype)
+        )
         pack_rows(self.pool, t.kind, t.layer, t.runs, rows)
-        header = {"room": cmd.room, "ticket": cmd.ticket, "src_rank": self.rank, "layer": t.layer, "kind": t.kind,
-                  "runs": [[r.dst, r.length] for r in t.runs], "dtype": str(rows.dtype), "width": rows.shape[1],
-                  "seq": seq.get(t.dst_rank, 0)}
+        header = {
+            "room": cmd.room,
+            "ticket": cmd.ticket,
+            "src_rank": self.rank,
+            "layer": t.layer,
+            "kind": t.kind,
+            "runs": [[r.dst, r.length] for r in t.runs],
+            "dtype": str(rows.dtype),
+            "width": rows.shape[1],
+            "seq": seq.get(t.dst_rank, 0),
+        }
         seq[t.dst_rank] = seq.get(t.dst_rank, 0) + 1
         return header, payload, rows
 

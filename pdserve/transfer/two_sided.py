@@ -25,13 +25,20 @@ from .plan import DecodeSide, plan_transfer
 from .side_channel import BootstrapServer, BootstrapTimeout, DecodeClient
 
 
-def decode_reserve(engine: DecodeEngine, client: DecodeClient, room: str, prompt_len: int,
-                   params: SamplingParams | None = None) -> tuple[DecodeRequest, DecodeReservation]:
+def decode_reserve(
+    engine: DecodeEngine,
+    client: DecodeClient,
+    room: str,
+    prompt_len: int,
+    params: SamplingParams | None = None,
+) -> tuple[DecodeRequest, DecodeReservation]:
     req = engine.submit_remote(prompt_len, params, request_id=room)
     engine.admit()
     if req.state != "waiting_for_kv":
         engine.abort(room)
-        raise TransferError(TransferFailed(room, "the decode instance has no free pages for this request now"))
+        raise TransferError(
+            TransferFailed(room, "the decode instance has no free pages for this request now")
+        )
     try:
         reservation = engine.instance.reservation(room, req.pages, prompt_len=prompt_len)
     except RuntimeError as e:  # a rank could not stage the room (e.g. NIXL receive staging full)
@@ -42,9 +49,15 @@ def decode_reserve(engine: DecodeEngine, client: DecodeClient, room: str, prompt
     return req, reservation
 
 
-def prefill_serve(prefill: PrefillInstance, server: BootstrapServer, room: str, prompt_ids: list[int],
-                  params: SamplingParams | None = None, bootstrap_timeout_s: float = 30.0,
-                  hooks: HandoffHooks | None = None) -> TransferDone | TransferFailed:
+def prefill_serve(
+    prefill: PrefillInstance,
+    server: BootstrapServer,
+    room: str,
+    prompt_ids: list[int],
+    params: SamplingParams | None = None,
+    bootstrap_timeout_s: float = 30.0,
+    hooks: HandoffHooks | None = None,
+) -> TransferDone | TransferFailed:
     """The prefill side of one room. Returns the outcome it sent to the decode side."""
     try:
         reservation = server.wait_reservation(room, bootstrap_timeout_s)
@@ -54,9 +67,14 @@ def prefill_serve(prefill: PrefillInstance, server: BootstrapServer, room: str, 
     return serve_reserved(prefill, server, reservation, prompt_ids, params, hooks)
 
 
-def serve_reserved(prefill: PrefillInstance, server: BootstrapServer, reservation: DecodeReservation,
-                   prompt_ids: list[int], params: SamplingParams | None = None,
-                   hooks: HandoffHooks | None = None) -> TransferDone | TransferFailed:
+def serve_reserved(
+    prefill: PrefillInstance,
+    server: BootstrapServer,
+    reservation: DecodeReservation,
+    prompt_ids: list[int],
+    params: SamplingParams | None = None,
+    hooks: HandoffHooks | None = None,
+) -> TransferDone | TransferFailed:
     """A room whose reservation arrived: fingerprint, prefill, send, outcome LAST; pages released."""
     hooks, room = hooks or HandoffHooks(), reservation.room
     server.claim(room)  # the reservation stays until reply() forgets it (no expiry mid-hand-off)
@@ -67,11 +85,17 @@ def serve_reserved(prefill: PrefillInstance, server: BootstrapServer, reservatio
         server.drain()
         if room in server.aborted:
             raise HandoffFailure(f"aborted by decode: {server.aborted[room]}")
-        decode_side = DecodeSide(reservation.tp_size, reservation.dcp_size, fp.index_mode, reservation.page_size,
-                                 reservation.pages)
+        decode_side = DecodeSide(
+            reservation.tp_size, reservation.dcp_size, fp.index_mode, reservation.page_size, reservation.pages
+        )
         plan = plan_transfer(prefill.prefill_side(result.slots), decode_side, len(prompt_ids))
-        sums = {} if hooks.skip_send else prefill.send(room, room, reservation.ticket, plan, reservation.endpoints,
-                                                       corrupt=hooks.corrupt)
+        sums = (
+            {}
+            if hooks.skip_send
+            else prefill.send(
+                room, room, reservation.ticket, plan, reservation.endpoints, corrupt=hooks.corrupt
+            )
+        )
         msg: TransferDone | TransferFailed = TransferDone(room, result.token, sums, fp)
     except Exception as e:
         msg = TransferFailed(room, e.reason if isinstance(e, HandoffFailure) else f"{type(e).__name__}: {e}")
@@ -81,8 +105,9 @@ def serve_reserved(prefill: PrefillInstance, server: BootstrapServer, reservatio
     return msg
 
 
-def decode_finish(engine: DecodeEngine, client: DecodeClient, reservation: DecodeReservation,
-                  timeout_s: float = 30.0) -> DecodeRequest:
+def decode_finish(
+    engine: DecodeEngine, client: DecodeClient, reservation: DecodeReservation, timeout_s: float = 30.0
+) -> DecodeRequest:
     """Waits for the prefill's outcome and every row; the request runs, or everything is released."""
     room = reservation.room
     try:
@@ -103,8 +128,9 @@ def _wait(engine: DecodeEngine, client: DecodeClient, room: str, timeout_s: floa
     return done
 
 
-def poll_room(engine: DecodeEngine, client: DecodeClient, room: str, deadline: float,
-              timeout_s: float) -> TransferDone | None:
+def poll_room(
+    engine: DecodeEngine, client: DecodeClient, room: str, deadline: float, timeout_s: float
+) -> TransferDone | None:
     """One non-blocking look at a room: its TransferDone once the outcome AND every row are in,
     None while in flight; HandoffFailure for a failed prefill, a rank's error or the deadline.
     The ranks are asked only once the outcome came (or at the deadline): the prefill answers
@@ -128,8 +154,9 @@ def poll_room(engine: DecodeEngine, client: DecodeClient, room: str, deadline: f
     return None
 
 
-def _release(engine: DecodeEngine, client: DecodeClient, room: str, abort: bool = True,
-             quiesced: bool = True) -> None:
+def _release(
+    engine: DecodeEngine, client: DecodeClient, room: str, abort: bool = True, quiesced: bool = True
+) -> None:
     """quiesced: the prefill answered, so it sent everything it will (it answers after its ranks returned)."""
     hold_s = engine.instance.forget(room, quiesced)
     client.forget(room)

@@ -37,12 +37,13 @@ def expected(tiny_checkpoints):
     its prompt cache, all from the single-rank engine in true float64."""
     out = {}
     for arch in ("glm_moe_dsa", "deepseek_v3"):
-        engine = LLMEngine.from_pretrained(tiny_checkpoints[(arch, "make-model")], "float64", float32_islands=False,
-                                           max_kv_tokens=1024)
+        engine = LLMEngine.from_pretrained(
+            tiny_checkpoints[(arch, "make-model")], "float64", float32_islands=False, max_kv_tokens=1024
+        )
         per = []
         for ids in prompts():
             tokens = engine.generate([ids], SamplingParams(max_tokens=TOKENS, ignore_eos=True))[0]
-            logits = engine.prefill_logits(ids + tokens[:-1])[len(ids):]  # decode step i sees token i
+            logits = engine.prefill_logits(ids + tokens[:-1])[len(ids) :]  # decode step i sees token i
             per.append((ids, tokens, logits, reference_prefill(engine, ids)[1]))
         out[arch] = per
     return out
@@ -66,15 +67,21 @@ def decode_all(inst: DecodeInstance, cases) -> tuple[list[list[int]], list[torch
             seqs[i].append(int(row.argmax()))
     for p in pages:
         inst.allocator.free(p)
-    return [s[len(c[0]):] for s, c in zip(seqs, cases)], [torch.stack(x) for x in all_logits]
+    return [s[len(c[0]) :] for s, c in zip(seqs, cases)], [torch.stack(x) for x in all_logits]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,dcp,replicate_q", CASES)
 def test_decode_instance_matches_single_rank(tiny_checkpoints, expected, tp, dcp, replicate_q):
     arch = "glm_moe_dsa"
-    worker = DecodeWorkerConfig(str(tiny_checkpoints[(arch, "make-model")]), num_slots=1024, dcp_size=dcp,
-                                replicate_q=replicate_q, dtype="float64", float32_islands=False)
+    worker = DecodeWorkerConfig(
+        str(tiny_checkpoints[(arch, "make-model")]),
+        num_slots=1024,
+        dcp_size=dcp,
+        replicate_q=replicate_q,
+        dtype="float64",
+        float32_islands=False,
+    )
     with DecodeInstance(worker, LaunchConfig(tp, free_port()), page_size=4) as inst:
         for index_mode in ("copy", "split"):
             for comm in ("a2a", "ag_rs"):
@@ -94,8 +101,14 @@ def test_decode_instance_matches_single_rank(tiny_checkpoints, expected, tp, dcp
 @pytest.mark.parametrize("tp,dcp,cpu_comm", [(2, 2, "gloo"), (4, 2, "shm")])
 def test_dense_model_decode_matches_single_rank(tiny_checkpoints, expected, tp, dcp, cpu_comm):
     """Also covers both collective backends (the sparse sweep above uses the default, shared memory)."""
-    worker = DecodeWorkerConfig(str(tiny_checkpoints[("deepseek_v3", "make-model")]), num_slots=1024, dcp_size=dcp,
-                                dtype="float64", float32_islands=False, cpu_comm=cpu_comm)
+    worker = DecodeWorkerConfig(
+        str(tiny_checkpoints[("deepseek_v3", "make-model")]),
+        num_slots=1024,
+        dcp_size=dcp,
+        dtype="float64",
+        float32_islands=False,
+        cpu_comm=cpu_comm,
+    )
     with DecodeInstance(worker, LaunchConfig(tp, free_port()), page_size=4) as inst:
         tokens, logits = decode_all(inst, expected["deepseek_v3"])
         for (ids, want_tokens, want_logits, _), got_t, got_l in zip(expected["deepseek_v3"], tokens, logits):

@@ -45,16 +45,18 @@ def test_lifecycle_admission_stop_and_abort_without_torch():
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoints):
     path = str(tiny_checkpoints[("glm_moe_dsa", "make-model")])
-    worker = DecodeWorkerConfig(path, num_slots=512, dcp_size=2, index_mode="split", dtype="float64",
-                                float32_islands=False)
+    worker = DecodeWorkerConfig(
+        path, num_slots=512, dcp_size=2, index_mode="split", dtype="float64", float32_islands=False
+    )
     with DecodeInstance(worker, LaunchConfig(2, free_port()), page_size=4) as inst:
         yield DecodeEngine(inst, max_batch=16)
 
 
 @pytest.mark.slow
 def test_continuous_batching_matches_single_rank_generate(tiny_checkpoints, engine):
-    single = LLMEngine.from_pretrained(tiny_checkpoints[("glm_moe_dsa", "make-model")], "float64",
-                                       float32_islands=False, max_kv_tokens=512)
+    single = LLMEngine.from_pretrained(
+        tiny_checkpoints[("glm_moe_dsa", "make-model")], "float64", float32_islands=False, max_kv_tokens=512
+    )
     prompts = [[5 + i] * (3 + 7 * i) for i in range(5)]
     params = [SamplingParams(max_tokens=4 + 3 * i, ignore_eos=True) for i in range(5)]
     want = [single.generate([p], [sp])[0] for p, sp in zip(prompts, params)]
@@ -92,7 +94,9 @@ def test_fp8_cache_decodes_with_one_byte_entries(tiny_checkpoints):
     from pdserve.engine.capacity import bytes_per_token_per_rank
 
     path = str(tiny_checkpoints[("glm_moe_dsa", "make-model")])
-    worker = DecodeWorkerConfig(path, num_slots=256, dcp_size=2, index_mode="split", kv_cache_dtype="fp8_e4m3")
+    worker = DecodeWorkerConfig(
+        path, num_slots=256, dcp_size=2, index_mode="split", kv_cache_dtype="fp8_e4m3"
+    )
     with DecodeInstance(worker, LaunchConfig(2, free_port()), page_size=4) as inst:
         cfg = inst.model_config
         per_token = bytes_per_token_per_rank(cfg, 2, "split", "fp8_e4m3", "float32")

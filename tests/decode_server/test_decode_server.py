@@ -15,7 +15,6 @@ import subprocess
 import sys
 import time
 
-import httpx
 import pytest
 
 from pdserve.engine import capacity
@@ -28,8 +27,12 @@ MAX_KV_TOKENS = 4096  # room for a long request, so the disconnect test can only
 
 
 def pdserve_decode(model, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pdserve.cli", "decode", "--model", str(model), *args],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "decode", "--model", str(model), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def wait_all_free(url: str, timeout_s: float = 15) -> dict:
@@ -59,7 +62,12 @@ def check_capacity(url: str, glm) -> dict:
     assert cap["total_tokens"] == cap["free_tokens"] == MAX_KV_TOKENS and cap["running"] == cap["queued"] == 0
     want = capacity.bytes_per_token_per_rank(ModelConfig.from_pretrained(glm), 2, "split", "auto", "float32")
     assert cap["bytes_per_token_per_rank"] == want
-    assert (cap["index_mode"], cap["tp_size"], cap["dcp_size"], cap["kv_cache_dtype"]) == ("split", 2, 2, "auto")
+    assert (cap["index_mode"], cap["tp_size"], cap["dcp_size"], cap["kv_cache_dtype"]) == (
+        "split",
+        2,
+        2,
+        "auto",
+    )
     assert len(cap["ranks"]) == 2 and all(r["cache_bytes"] == want * MAX_KV_TOKENS for r in cap["ranks"])
     return cap
 
@@ -71,7 +79,9 @@ def check_generate(url: str, glm) -> None:
     r = http.post(f"{url}/v1/generate", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["token_ids"] == want and r.json()["finish_reason"] == "length"
-    with http.stream("POST", f"{url}/v1/generate", json={**body, "stream": True, "request_id": "s1"}, timeout=60) as r:
+    with http.stream(
+        "POST", f"{url}/v1/generate", json={**body, "stream": True, "request_id": "s1"}, timeout=60
+    ) as r:
         lines = [json.loads(line) for line in r.iter_lines() if line]
     assert [x["token"] for x in lines[:-1]] == want
     assert lines[-1] == {"finish_reason": "length", "request_id": "s1"}
@@ -110,8 +120,19 @@ def sigterm_mid_stream(proc: subprocess.Popen, url: str) -> None:
 
 @pytest.mark.slow
 def test_decode_server_serves_streams_frees_and_stops_on_sigterm(glm):
-    proc, url = start_server("decode", glm, "--tp-size", "2", "--dcp-size", "2", "--dcp-index", "split",
-                             "--shutdown-grace", "1", max_kv_tokens=MAX_KV_TOKENS)
+    proc, url = start_server(
+        "decode",
+        glm,
+        "--tp-size",
+        "2",
+        "--dcp-size",
+        "2",
+        "--dcp-index",
+        "split",
+        "--shutdown-grace",
+        "1",
+        max_kv_tokens=MAX_KV_TOKENS,
+    )
     rank_pids = []
     try:
         rank_pids = [r["pid"] for r in check_capacity(url, glm)["ranks"]]
@@ -143,19 +164,34 @@ def test_killing_a_rank_stops_the_instance_naming_it(glm):
 
 
 def test_check_config_reports_the_capacity_formulas_slots(glm):
-    proc = pdserve_decode(glm, "--tp-size", "2", "--dcp-size", "2", "--dcp-index", "split", "--kv-memory", "64MiB",
-                          "--check-config")
+    proc = pdserve_decode(
+        glm,
+        "--tp-size",
+        "2",
+        "--dcp-size",
+        "2",
+        "--dcp-index",
+        "split",
+        "--kv-memory",
+        "64MiB",
+        "--check-config",
+    )
     assert proc.returncode == 0, proc.stderr
     cfg = json.loads(proc.stdout)
-    want = capacity.tokens_for_budget(ModelConfig.from_pretrained(glm), 64 * 2**20, 2, "split", 64, "auto", "float32")
+    want = capacity.tokens_for_budget(
+        ModelConfig.from_pretrained(glm), 64 * 2**20, 2, "split", 64, "auto", "float32"
+    )
     assert cfg["num_slots"] == want > 0 and cfg["kv_memory"] == 64 * 2**20 and cfg["max_kv_tokens"] is None
 
 
-@pytest.mark.parametrize("args,message", [
-    (("--tp-size", "3"), "4 attention heads cannot be split over --tp-size 3"),
-    (("--tp-size", "2", "--dcp-size", "3"), "--dcp-size 3 must divide --tp-size 2"),
-    (("--kv-memory", "1GiB", "--max-kv-tokens", "64"), "not both"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("--tp-size", "3"), "4 attention heads cannot be split over --tp-size 3"),
+        (("--tp-size", "2", "--dcp-size", "3"), "--dcp-size 3 must divide --tp-size 2"),
+        (("--kv-memory", "1GiB", "--max-kv-tokens", "64"), "not both"),
+    ],
+)
 def test_bad_decode_config_is_a_clear_startup_error(glm, args, message):
     proc = pdserve_decode(glm, *args, "--check-config")
     assert proc.returncode == 2

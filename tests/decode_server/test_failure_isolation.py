@@ -62,7 +62,7 @@ def test_one_token_prompt_alone_decodes_exactly(path, single, monkeypatch, c):
     try:
         ids = [77]
         want = single.generate([ids], SamplingParams(max_tokens=TOKENS, ignore_eos=True))[0]
-        want_logits = single.prefill_logits(ids + want[:-1])[len(ids):]
+        want_logits = single.prefill_logits(ids + want[:-1])[len(ids) :]
         for index_mode in ("copy", "split"):
             inst.reconfigure(index_mode, "a2a" if index_mode == "copy" else "ag_rs")
             logits, kv, index = single.prefill_with_cache(ids)
@@ -75,7 +75,7 @@ def test_one_token_prompt_alone_decodes_exactly(path, single, monkeypatch, c):
                 got.append(row)
                 seq.append(int(row.argmax()))
             inst.allocator.free(pages)
-            assert seq[len(ids):] == want, f"C_d={c} {index_mode}"
+            assert seq[len(ids) :] == want, f"C_d={c} {index_mode}"
             assert_close(torch.stack(got), want_logits, f"C_d={c} {index_mode} logits")
             assert inst.ranks.unhealthy() is None
         # and through the engine, still alone: the request finishes, the instance stays healthy
@@ -100,11 +100,14 @@ def run_loop(engine: DecodeEngine, requests: dict[str, list[int]]) -> dict[str, 
             events[rid].append(ev)
             if ev[0] in ("finish", "error"):
                 ended[rid].set_result(None)
+
         return on
 
     try:
         for rid, ids in requests.items():
-            loop.submit(ids, SamplingParams(max_tokens=TOKENS, ignore_eos=True), rid, listener(rid)).result(60)
+            loop.submit(ids, SamplingParams(max_tokens=TOKENS, ignore_eos=True), rid, listener(rid)).result(
+                60
+            )
         for f in ended.values():
             f.result(120)
     finally:
@@ -116,7 +119,12 @@ def run_loop(engine: DecodeEngine, requests: dict[str, list[int]]) -> dict[str, 
 def test_injected_fault_fails_only_its_request(path, single, monkeypatch):
     engine = start_decode(path, 4, 2, monkeypatch)
     try:
-        prompts = {"short": [5], "mid": list(range(10, 19)), FAULTY: list(range(30, 50)), "long": list(range(60, 90))}
+        prompts = {
+            "short": [5],
+            "mid": list(range(10, 19)),
+            FAULTY: list(range(30, 50)),
+            "long": list(range(60, 90)),
+        }
         events = run_loop(engine, prompts)
         assert events[FAULTY][-1][0] == "error" and "injected fault" in events[FAULTY][-1][1], events[FAULTY]
         for rid, ids in prompts.items():
@@ -145,7 +153,11 @@ def test_prefill_job_failure_stays_its_own(path, single, monkeypatch):
         while good.state not in ("done", "failed"):
             sched.run_once(0.05)
             assert time.monotonic() < deadline
-        assert bad.state == "failed" and "CommandFailed" in bad.error and "injected fault" in bad.error, bad.error
-        assert good.state == "done" and good.first_token == int(single.prefill_logits([7, 8, 9, 10])[-1].argmax())
+        assert bad.state == "failed" and "CommandFailed" in bad.error and "injected fault" in bad.error, (
+            bad.error
+        )
+        assert good.state == "done" and good.first_token == int(
+            single.prefill_logits([7, 8, 9, 10])[-1].argmax()
+        )
         assert inst.ranks.unhealthy() is None and not inst.held
         assert inst.allocator.num_free == inst.allocator.num_pages

@@ -22,7 +22,9 @@ def kustomize(path: str) -> list[dict]:
     """`kubectl kustomize deploy/PATH` as a list of resources (fails the test if it does not build)."""
     kubectl = shutil.which("kubectl")
     assert kubectl, "kubectl is needed to build the kustomize output"
-    out = subprocess.run([kubectl, "kustomize", str(DEPLOY / path)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [kubectl, "kustomize", str(DEPLOY / path)], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, f"kubectl kustomize {path} failed:\n{out.stderr}"
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
@@ -50,7 +52,10 @@ def k8s_commands(resources: list[dict], model: str) -> list[tuple[str, list[str]
                     env[e["name"]] = e["value"]
             env["MODEL"] = model if "MODEL" in env else None
             args = list(c.get("command", [])) + list(c.get("args", []))
-            args = [re.sub(r"\$\((\w+)\)", lambda m: _lookup(env, m.group(1), c["name"]), a) for a in args]
+            args = [
+                re.sub(r"\$\((\w+)\)", lambda m, env=env, c=c: _lookup(env, m.group(1), c["name"]), a)
+                for a in args
+            ]
             out.append((f"{r['metadata']['name']}/{c['name']}", args))
     return out
 
@@ -66,7 +71,9 @@ def compose_commands(model: str) -> list[tuple[str, list[str]]]:
     for path in (COMPOSE, COMPOSE_GPU):
         for name, svc in yaml.safe_load(path.read_text())["services"].items():
             if "command" in svc and "prometheus" not in str(svc.get("image", "")):
-                out.append((f"{path.name}:{name}", [model if a == MODEL_IN_IMAGE else a for a in svc["command"]]))
+                out.append(
+                    (f"{path.name}:{name}", [model if a == MODEL_IN_IMAGE else a for a in svc["command"]])
+                )
     return out
 
 
@@ -78,5 +85,7 @@ def checkov() -> str:
         return env
     version = re.search(r"^CHECKOV_VERSION\s*:?=\s*(\S+)", (ROOT / "Makefile").read_text(), re.M).group(1)
     path = Path.home() / ".cache" / "pdserve" / f"checkov-{version}" / "bin" / "checkov"
-    assert path.is_file(), f"checkov {version} is not installed: run `make scan-tools` (or set PDSERVE_CHECKOV)"
+    assert path.is_file(), (
+        f"checkov {version} is not installed: run `make scan-tools` (or set PDSERVE_CHECKOV)"
+    )
     return str(path)

@@ -78,7 +78,11 @@ def test_a_broken_command_is_rejected(model, token):
 
 def test_the_mounted_token_file_is_read(model, token, tmp_path):
     """The manifests' --internal-token-file is read even by --check-config: a weak or missing one fails."""
-    prefill = next(args for where, args in all_commands(model) if args[0] == "prefill" and "--internal-token-file" in args)
+    prefill = next(
+        args
+        for where, args in all_commands(model)
+        if args[0] == "prefill" and "--internal-token-file" in args
+    )
     assert check(prefill, token).exit_code == 0
     (tmp_path / "weak").write_text("change" + "-me")
     assert check(prefill, tmp_path / "weak").exit_code != 0

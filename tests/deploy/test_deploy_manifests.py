@@ -17,12 +17,27 @@ def test_kustomize_output_is_valid_kubernetes(path):
     resources = kustomize(path)
     for r in resources:
         kubernetes_validate.validate(r, K8S_VERSION, strict=True)  # raises ValidationError naming the field
-    kinds = sorted(f"{r['kind']}/{r['metadata']['name'].rsplit('-', 1)[0] if r['kind'] in ('ConfigMap', 'Secret') else r['metadata']['name']}" for r in resources)
-    assert kinds == ["ConfigMap/pdserve-config", "Deployment/pdserve-decode", "Deployment/pdserve-prefill",
-                     "Deployment/pdserve-router", "NetworkPolicy/pdserve-decode", "NetworkPolicy/pdserve-default-deny",
-                     "NetworkPolicy/pdserve-prefill", "NetworkPolicy/pdserve-router", "Role/pdserve-pod-reader",
-                     "RoleBinding/pdserve-router-pod-reader", "Service/pdserve-router", "ServiceAccount/pdserve-router"]
-    deployments = {r["metadata"]["name"]: r["spec"]["template"] for r in resources if r["kind"] == "Deployment"}
+    kinds = sorted(
+        f"{r['kind']}/{r['metadata']['name'].rsplit('-', 1)[0] if r['kind'] in ('ConfigMap', 'Secret') else r['metadata']['name']}"
+        for r in resources
+    )
+    assert kinds == [
+        "ConfigMap/pdserve-config",
+        "Deployment/pdserve-decode",
+        "Deployment/pdserve-prefill",
+        "Deployment/pdserve-router",
+        "NetworkPolicy/pdserve-decode",
+        "NetworkPolicy/pdserve-default-deny",
+        "NetworkPolicy/pdserve-prefill",
+        "NetworkPolicy/pdserve-router",
+        "Role/pdserve-pod-reader",
+        "RoleBinding/pdserve-router-pod-reader",
+        "Service/pdserve-router",
+        "ServiceAccount/pdserve-router",
+    ]
+    deployments = {
+        r["metadata"]["name"]: r["spec"]["template"] for r in resources if r["kind"] == "Deployment"
+    }
     for name, tpl in deployments.items():
         c = tpl["spec"]["containers"][0]
         assert c["readinessProbe"]["httpGet"]["path"] == "/health", name
@@ -77,13 +92,18 @@ def test_compose_files():
 def test_dockerfile_copies_only_what_dockerignore_keeps():
     """Every COPY source exists and is not excluded by .dockerignore; the image runs as non-root."""
     text = (DEPLOY / "docker" / "Dockerfile").read_text()
-    ignored = [line.strip().rstrip("/") for line in (DEPLOY.parent / ".dockerignore").read_text().splitlines()
-               if line.strip() and not line.startswith("#")]
+    ignored = [
+        line.strip().rstrip("/")
+        for line in (DEPLOY.parent / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     sources = [src for line in text.splitlines() if line.startswith("COPY ") for src in line.split()[1:-1]]
     assert sources and "pdserve" in sources
     for src in sources:
         assert (DEPLOY.parent / src).exists(), src
-        assert not any(src == pat or src.startswith(pat + "/") for pat in ignored), f"{src} is in .dockerignore"
+        assert not any(src == pat or src.startswith(pat + "/") for pat in ignored), (
+            f"{src} is in .dockerignore"
+        )
     user = [line for line in text.splitlines() if line.startswith("USER ")]
     assert user and user[-1].split()[1] not in ("root", "0")
     assert "torch==${TORCH_VERSION}" in text and "ARG TORCH_VERSION=2.13.0" in text

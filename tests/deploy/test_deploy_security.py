@@ -13,16 +13,26 @@ import yaml
 from tests.deploy.helpers import COMPOSE, COMPOSE_GPU, DEPLOY, KUSTOMIZATIONS, kustomize
 
 TOKEN_FILE = "/var/run/secrets/pdserve/internal-token"
-HARDENED = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
-WRITABLE = {"router": {"/models", "/tmp", "/home/pdserve"},
-            "prefill": {"/models", "/tmp", "/home/pdserve", "/dev/shm"}}
+HARDENED = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "runAsNonRoot": True,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+WRITABLE = {
+    "router": {"/models", "/tmp", "/home/pdserve"},
+    "prefill": {"/models", "/tmp", "/home/pdserve", "/dev/shm"},
+}
 WRITABLE["decode"] = WRITABLE["prefill"]
 
 
 def _pods(path: str) -> dict[str, dict]:
-    return {r["metadata"]["name"].removeprefix("pdserve-"): r["spec"]["template"]
-            for r in kustomize(path) if r["kind"] == "Deployment"}
+    return {
+        r["metadata"]["name"].removeprefix("pdserve-"): r["spec"]["template"]
+        for r in kustomize(path)
+        if r["kind"] == "Deployment"
+    }
 
 
 @pytest.mark.parametrize("path", KUSTOMIZATIONS)
@@ -36,10 +46,14 @@ def test_pods_are_hardened(path):
         for c in spec["initContainers"] + spec["containers"]:
             assert c["securityContext"] == HARDENED, (role, c["name"])
             res = c["resources"]
-            assert res["requests"]["cpu"] and res["requests"]["memory"] and res["limits"]["memory"], (role, c["name"])
+            assert res["requests"]["cpu"] and res["requests"]["memory"] and res["limits"]["memory"], (
+                role,
+                c["name"],
+            )
             mounts = {m["mountPath"]: volumes[m["name"]] for m in c["volumeMounts"]}
-            assert {p for p, v in mounts.items() if "emptyDir" in v} >= (WRITABLE[role] if c in spec["containers"]
-                                                                          else {"/models", "/tmp", "/home/pdserve"})
+            assert {p for p, v in mounts.items() if "emptyDir" in v} >= (
+                WRITABLE[role] if c in spec["containers"] else {"/models", "/tmp", "/home/pdserve"}
+            )
         main = spec["containers"][0]
         args = main["args"]
         assert args[args.index("--internal-token-file") + 1] == TOKEN_FILE, role
@@ -89,9 +103,13 @@ def reaches(policies: list[dict], src: dict | None, dst: dict, port: int) -> boo
         return True
     for spec in selecting:
         for rule in spec.get("ingress", []):
-            peer = "from" not in rule or any(src is not None and "podSelector" in f and _selects(f["podSelector"], src)
-                                             for f in rule["from"])
-            ports = "ports" not in rule or any(p["port"] <= port <= p.get("endPort", p["port"]) for p in rule["ports"])
+            peer = "from" not in rule or any(
+                src is not None and "podSelector" in f and _selects(f["podSelector"], src)
+                for f in rule["from"]
+            )
+            ports = "ports" not in rule or any(
+                p["port"] <= port <= p.get("endPort", p["port"]) for p in rule["ports"]
+            )
             if peer and ports:
                 return True
     return False
@@ -123,13 +141,21 @@ def test_compose_publishes_only_the_router():
     assert published == {"router", "prometheus"} and base["prometheus"]["profiles"] == ["monitoring"]
     for name in published:
         for spec in base[name]["ports"]:
-            host, _, _ = re.sub(r"\$\{PDSERVE_BIND:-([^}]+)\}", r"\1", spec).rpartition(":")[0].rpartition(":")
+            host, _, _ = (
+                re.sub(r"\$\{PDSERVE_BIND:-([^}]+)\}", r"\1", spec).rpartition(":")[0].rpartition(":")
+            )
             assert host == "127.0.0.1" and spec.startswith("${PDSERVE_BIND:-"), spec
     for name in ("model", "router", "prefill", "decode"):
         svc = base[name]
-        assert svc["read_only"] and svc["cap_drop"] == ["ALL"] and "no-new-privileges:true" in svc["security_opt"]
+        assert (
+            svc["read_only"]
+            and svc["cap_drop"] == ["ALL"]
+            and "no-new-privileges:true" in svc["security_opt"]
+        )
         assert svc["mem_limit"] and {t.split(":")[0] for t in svc["tmpfs"]} == {"/tmp", "/home/pdserve"}, name
     for name in ("router", "prefill", "decode"):
-        assert base[name]["environment"]["PDSERVE_INTERNAL_TOKEN"].startswith("${PDSERVE_INTERNAL_TOKEN:?"), name
+        assert base[name]["environment"]["PDSERVE_INTERNAL_TOKEN"].startswith("${PDSERVE_INTERNAL_TOKEN:?"), (
+            name
+        )
     assert "PDSERVE_ADMIN_TOKEN" not in base["prefill"]["environment"]
     assert gpu["prefill"]["mem_limit"] and gpu["decode"]["mem_limit"]

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import httpx
-
 from tests.deploy.helpers import kustomize
 from tests.router.helpers import start_servers, stop_all
 from tests.servers import http

@@ -60,14 +60,19 @@ def test_pool_for_budget_agrees_with_the_formula(glm53, index_mode, dcp):
     pool = cap.pool_for_budget(glm53, budget, dcp, index_mode, page, torch.bfloat16, "fp8_e4m3")
     tokens = pool.num_slots * dcp  # latent rows per rank x ranks
     assert pool.nbytes <= budget
-    assert tokens == cap.tokens_for_budget(glm53, budget, dcp, index_mode, page, "fp8_e4m3") and tokens % page == 0
+    assert (
+        tokens == cap.tokens_for_budget(glm53, budget, dcp, index_mode, page, "fp8_e4m3")
+        and tokens % page == 0
+    )
     assert pool.index_slots == (tokens if index_mode == "copy" else tokens // dcp)
     ideal = budget / cap.bytes_per_token_per_rank(glm53, dcp, index_mode, "fp8_e4m3")
     assert 0.98 * ideal <= tokens <= ideal
 
 
 def pdserve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pdserve.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +83,19 @@ def glm53_config_file(tmp_path_factory):
 
 
 def test_admin_capacity_json(glm53_config_file):
-    proc = pdserve("admin", "capacity", "--config", str(glm53_config_file), "--kv-cache-dtype", "fp8_e4m3",
-                   "--kv-memory", "64MiB", "--page-size", "16", "--json")
+    proc = pdserve(
+        "admin",
+        "capacity",
+        "--config",
+        str(glm53_config_file),
+        "--kv-cache-dtype",
+        "fp8_e4m3",
+        "--kv-memory",
+        "64MiB",
+        "--page-size",
+        "16",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert (report["entry_bytes"], report["index_bytes"]) == (44_928, 2_772)
@@ -87,13 +103,22 @@ def test_admin_capacity_json(glm53_config_file):
     assert sorted(rows) == [1, 2, 4, 8]
     assert [round(rows[c]["copy"]["factor"], 2) for c in (2, 4, 8)] == [1.89, 3.41, 5.69]
     assert [round(rows[c]["split"]["factor"], 2) for c in (2, 4, 8)] == [2.0, 4.0, 8.0]
-    assert rows[8]["split"]["tokens"] == cap.tokens_for_budget(ModelConfig.from_dict(glm53_dict()), 2**26, 8,
-                                                               "split", 16, "fp8_e4m3")
+    assert rows[8]["split"]["tokens"] == cap.tokens_for_budget(
+        ModelConfig.from_dict(glm53_dict()), 2**26, 8, "split", 16, "fp8_e4m3"
+    )
 
 
 def test_admin_capacity_table_accepts_a_checkpoint_directory(glm53_config_file):
-    proc = pdserve("admin", "capacity", "--config", str(glm53_config_file.parent), "--kv-cache-dtype", "fp8_e4m3",
-                   "--dcp-sizes", "2,4,8")
+    proc = pdserve(
+        "admin",
+        "capacity",
+        "--config",
+        str(glm53_config_file.parent),
+        "--kv-cache-dtype",
+        "fp8_e4m3",
+        "--dcp-sizes",
+        "2,4,8",
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert "E = 44,928" in lines[0] and "I = 2,772" in lines[0]
@@ -103,11 +128,14 @@ def test_admin_capacity_table_accepts_a_checkpoint_directory(glm53_config_file):
     assert "tokens" not in proc.stdout  # only with --kv-memory
 
 
-@pytest.mark.parametrize("args,message", [
-    (("--kv-memory", "12 parsecs"), "byte count"),
-    (("--dcp-sizes", "2,x"), "--dcp-sizes"),
-    (("--page-size", "12"), "not a multiple of C_d 8"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("--kv-memory", "12 parsecs"), "byte count"),
+        (("--dcp-sizes", "2,x"), "--dcp-sizes"),
+        (("--page-size", "12"), "not a multiple of C_d 8"),
+    ],
+)
 def test_admin_capacity_bad_input_is_a_clear_error(glm53_config_file, args, message):
     proc = pdserve("admin", "capacity", "--config", str(glm53_config_file), *args)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
@@ -118,8 +146,13 @@ def test_parse_bytes_and_every_admin_flag_has_help():
 
     from pdserve.admin_cli import admin_app, parse_bytes
 
-    assert [parse_bytes(s) for s in ("80GiB", "512MiB", "1048576", "1.5k", "2GB")] == \
-        [80 * 2**30, 512 * 2**20, 2**20, 1536, 2 * 10**9]
+    assert [parse_bytes(s) for s in ("80GiB", "512MiB", "1048576", "1.5k", "2GB")] == [
+        80 * 2**30,
+        512 * 2**20,
+        2**20,
+        1536,
+        2 * 10**9,
+    ]
     group = typer.main.get_command(admin_app)
     assert group.help
     for name, command in group.commands.items():

@@ -22,7 +22,9 @@ from tests.reference import free_port
 
 
 def _data(rank: int, call: int, shape) -> torch.Tensor:
-    return torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1000 * call + rank))
+    return torch.randn(
+        *shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1000 * call + rank)
+    )
 
 
 def _check(shm, gloo, rank, size, call, shape) -> None:
@@ -35,7 +37,9 @@ def _check(shm, gloo, rank, size, call, shape) -> None:
     assert torch.allclose(got, want, rtol=0, atol=1e-12)
     assert torch.equal(gloo.all_gather(got), got.expand((size,) + shape)), "ranks disagree on the sum"
     assert torch.equal(shm.all_to_all(send), gloo.all_to_all(send))
-    assert torch.equal(shm.all_to_all(send), torch.stack([_data(r, call + 1, (size,) + shape)[rank] for r in range(size)]))
+    assert torch.equal(
+        shm.all_to_all(send), torch.stack([_data(r, call + 1, (size,) + shape)[rank] for r in range(size)])
+    )
     assert torch.allclose(shm.reduce_scatter(send), gloo.reduce_scatter(send), rtol=0, atol=1e-12)
 
 
@@ -45,7 +49,11 @@ def _worker(rank: int, port: int, results) -> None:
     try:
         sub = dist.new_group([0, 1])
         world = (ShmComm(rank, 3), GlooComm(rank, 3), 3)
-        tiny = (ShmComm(rank, 3, slot_bytes=256), GlooComm(rank, 3), 3)  # [4, 5] float64 = 160 B; [2, 40] does not fit
+        tiny = (
+            ShmComm(rank, 3, slot_bytes=256),
+            GlooComm(rank, 3),
+            3,
+        )  # [4, 5] float64 = 160 B; [2, 40] does not fit
         comms = [world, tiny]
         if rank < 2:
             comms.append((ShmComm(rank, 2, sub), GlooComm(rank, 2, sub), 2))

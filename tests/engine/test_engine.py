@@ -41,7 +41,11 @@ def test_held_pages_come_back_only_after_their_hold():
     with pytest.raises(OutOfPages):
         a.allocate(17)
     time.sleep(0.35)
-    assert a.num_held == 0 and a.num_free == 3 and set(a.allocate(48)) == set(held) | ({0, 1, 2, 3} - set(held) - set(kept))
+    assert (
+        a.num_held == 0
+        and a.num_free == 3
+        and set(a.allocate(48)) == set(held) | ({0, 1, 2, 3} - set(held) - set(kept))
+    )
     a.check_integrity()
 
 
@@ -78,10 +82,22 @@ def test_scheduler_rejects_a_request_larger_than_the_cache():
 
 
 def test_sampling_params_are_validated():
-    for bad in (dict(max_tokens=0), dict(max_tokens=2**40), dict(temperature=-1), dict(temperature=float("nan")),
-                dict(temperature=float("inf")), dict(top_p=0), dict(top_p=float("nan")), dict(top_k=-2),
-                dict(top_k=2**70), dict(seed=2**64), dict(seed=2**63), dict(seed=-1), dict(seed=-(2**70)),
-                dict(stop_token_ids=tuple(range(65)))):
+    for bad in (
+        dict(max_tokens=0),
+        dict(max_tokens=2**40),
+        dict(temperature=-1),
+        dict(temperature=float("nan")),
+        dict(temperature=float("inf")),
+        dict(top_p=0),
+        dict(top_p=float("nan")),
+        dict(top_k=-2),
+        dict(top_k=2**70),
+        dict(seed=2**64),
+        dict(seed=2**63),
+        dict(seed=-1),
+        dict(seed=-(2**70)),
+        dict(stop_token_ids=tuple(range(65))),
+    ):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
     # the extremes that are allowed are ones the sampler can use (manual_seed takes [0, 2**63))
@@ -117,7 +133,9 @@ def test_sampler_seeded_and_filters():
 
 
 def test_engine_abort_and_bad_input(tiny_checkpoints):
-    engine = LLMEngine.from_pretrained(tiny_checkpoints[("glm_moe_dsa", "make-model")], max_kv_tokens=128, page_size=8)
+    engine = LLMEngine.from_pretrained(
+        tiny_checkpoints[("glm_moe_dsa", "make-model")], max_kv_tokens=128, page_size=8
+    )
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.add_request([1, 10**6])
     r1 = engine.add_request([5] * 30, SamplingParams(max_tokens=40, ignore_eos=True))
@@ -137,12 +155,16 @@ def test_chunked_prefill_equals_one_shot(tiny_checkpoints):
     ids = torch.randint(4, 500, (45,), generator=torch.Generator().manual_seed(3)).tolist()
     p = SamplingParams(max_tokens=8, ignore_eos=True)
     one = LLMEngine.from_pretrained(path, "float64", max_kv_tokens=128).generate([ids], p)
-    chunked = LLMEngine.from_pretrained(path, "float64", max_kv_tokens=128, prefill_chunk=7, query_block=4).generate([ids], p)
+    chunked = LLMEngine.from_pretrained(
+        path, "float64", max_kv_tokens=128, prefill_chunk=7, query_block=4
+    ).generate([ids], p)
     assert one == chunked
 
 
 def test_bfloat16_engine_runs_with_a_bfloat16_cache(tiny_checkpoints):
-    engine = LLMEngine.from_pretrained(tiny_checkpoints[("glm_moe_dsa", "make-model")], "bfloat16", max_kv_tokens=128)
+    engine = LLMEngine.from_pretrained(
+        tiny_checkpoints[("glm_moe_dsa", "make-model")], "bfloat16", max_kv_tokens=128
+    )
     assert engine.pool.kv.dtype == torch.bfloat16
     logits = engine.prefill_logits(list(range(5, 40)))
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()

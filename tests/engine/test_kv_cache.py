@@ -9,7 +9,7 @@ from pdserve.engine.kv_cache import KVPool
 from pdserve.model.config import ModelConfig
 from pdserve.model.presets import hf_config
 
-FP8_REL = 2.0 ** -4  # e4m3: 3 mantissa bits, round to nearest -> relative error <= 1/16
+FP8_REL = 2.0**-4  # e4m3: 3 mantissa bits, round to nearest -> relative error <= 1/16
 
 
 def tiny(arch: str = "glm_moe_dsa", **overrides) -> ModelConfig:
@@ -23,7 +23,11 @@ def test_auto_round_trips_exactly_in_float64():
     slots = torch.tensor([3, 17, 0, 31])
     for layer in range(cfg.num_layers):
         kv = torch.randn(4, cfg.kv_entry_dim, generator=g, dtype=torch.float64)
-        idx = torch.randn(4, cfg.index_head_dim, generator=g, dtype=torch.float64) if cfg.has_indexer(layer) else None
+        idx = (
+            torch.randn(4, cfg.index_head_dim, generator=g, dtype=torch.float64)
+            if cfg.has_indexer(layer)
+            else None
+        )
         pool.write(layer, slots, kv, idx)
         assert torch.equal(pool.read_kv(layer, slots), kv)
         if idx is not None:
@@ -43,7 +47,7 @@ def test_fp8_latent_round_trip_within_fp8_precision(dtype):
     pool.write(1, slots, kv, None)
     out = pool.read_kv(1, slots)
     assert pool.kv.dtype == torch.float8_e4m3fn and out.dtype == dtype
-    assert ((out.double() - kv.double()).abs() / kv.double().abs()).max() <= FP8_REL + 2 ** -8
+    assert ((out.double() - kv.double()).abs() / kv.double().abs()).max() <= FP8_REL + 2**-8
     # Out-of-range values are clamped to the largest finite fp8 value, never inf/NaN.
     pool.write(1, slots[:2], torch.full((2, cfg.kv_entry_dim), 1e4), None)
     assert torch.all(pool.read_kv(1, slots[:2]) == 448)
@@ -62,12 +66,15 @@ def test_fp8_index_keys_of_very_different_magnitudes_keep_relative_precision():
     # Per key, relative to its own largest value: the error a per-token scale promises.
     err = (out - keys).abs().amax(dim=1) / keys.abs().amax(dim=1)
     assert err.max() <= FP8_REL, err
-    assert torch.equal(pool.read_index(0, torch.tensor([1, 2])), torch.zeros(2, cfg.index_head_dim))  # zero keys
+    assert torch.equal(
+        pool.read_index(0, torch.tensor([1, 2])), torch.zeros(2, cfg.index_head_dim)
+    )  # zero keys
 
 
 @pytest.mark.parametrize("arch", ["glm_moe_dsa", "deepseek_v3"])
-@pytest.mark.parametrize("kv_cache_dtype,dtype", [("auto", torch.bfloat16), ("auto", torch.float64),
-                                                  ("fp8_e4m3", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "kv_cache_dtype,dtype", [("auto", torch.bfloat16), ("auto", torch.float64), ("fp8_e4m3", torch.bfloat16)]
+)
 def test_nbytes_per_slot_equals_the_formula(arch, kv_cache_dtype, dtype):
     cfg = tiny(arch)
     pool = KVPool(cfg, 48, dtype, kv_cache_dtype=kv_cache_dtype)
@@ -153,8 +160,12 @@ def test_a_residue_major_pool_stores_the_same_slots(residues):
         out = torch.empty(4, cfg.kv_entry_dim, dtype=torch.float64)
         major.read_into("kv", layer, slice(5, 5 + 4 * residues, residues), out)
         span = major.span("kv", layer, 5, 4, residues)
-        assert torch.equal(span, out) and torch.equal(out, plain.read_kv(layer, torch.arange(5, 5 + 4 * residues, residues)))
+        assert torch.equal(span, out) and torch.equal(
+            out, plain.read_kv(layer, torch.arange(5, 5 + 4 * residues, residues))
+        )
         assert span.is_contiguous() and major.span("kv", layer, 5, 4, 1) is None
     assert plain.span("kv", 0, 5, 4, 1) is not None and plain.span("kv", 0, 5, 4, 2) is None
     assert major.span("index", cfg.indexer_layers[0], 5, 4, 1) is not None  # index keys stay slot-ordered
-    assert major.span("kv", 0, 38, 2, residues) is None and major.span("kv", 0, -1, 1, residues) is None  # out of range
+    assert (
+        major.span("kv", 0, 38, 2, residues) is None and major.span("kv", 0, -1, 1, residues) is None
+    )  # out of range

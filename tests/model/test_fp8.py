@@ -63,12 +63,23 @@ def test_layout_is_the_released_one(fp8_checkpoints):
         assert tuple(f.get_tensor(DENSE_GATE + "_scale_inv").shape) == (2, 1)
         assert f.get_tensor(DENSE_GATE + "_scale_inv").dtype == torch.float32
         assert f.get_tensor("model.layers.1.mlp.experts.3.down_proj.weight").dtype == torch.float8_e4m3fn
-        for plain in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight", "model.layers.1.mlp.gate.weight",
-                      "model.layers.1.self_attn.indexer.weights_proj.weight", "model.layers.1.input_layernorm.weight"):
+        for plain in (
+            "model.embed_tokens.weight",
+            "lm_head.weight",
+            "model.norm.weight",
+            "model.layers.1.mlp.gate.weight",
+            "model.layers.1.self_attn.indexer.weights_proj.weight",
+            "model.layers.1.input_layernorm.weight",
+        ):
             assert f.get_tensor(plain).dtype == torch.float32, plain
             assert plain + "_scale_inv" not in names
     qc = json.loads((fp8_checkpoints["deepseek_v32"] / "config.json").read_text())["quantization_config"]
-    assert qc == {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+    assert qc == {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    }
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -80,7 +91,9 @@ def test_fp8_logits_equal_independently_dequantized(fp8_checkpoints, tmp_path, a
     want = LLMEngine.from_pretrained(oracle, "float64", max_kv_tokens=128).prefill_logits(ids)
     assert (got - want).abs().max().item() <= 1e-8
     # and quantization really happened: the weights differ from the unquantized random ones
-    plain = load_model(make_model(tmp_path / "f32", arch, "tiny", seed=3, config_overrides=WIDE), torch.float64)
+    plain = load_model(
+        make_model(tmp_path / "f32", arch, "tiny", seed=3, config_overrides=WIDE), torch.float64
+    )
     fp8 = load_model(src, torch.float64)
     w32, w8 = (m.model.layers[0].mlp.gate_proj.weight for m in (plain, fp8))
     assert 0 < (w32 - w8).abs().max().item() < 0.1 * w32.abs().max().item()
@@ -97,8 +110,10 @@ def test_scale_in_another_shard_than_its_weight(fp8_checkpoints, tmp_path):
     first, second = dict(list(scales.items())[::2]), dict(list(scales.items())[1::2])
     save_file({**weights, **first}, dst / "model-00001-of-00002.safetensors")
     save_file(second, dst / "model-00002-of-00002.safetensors")
-    weight_map = {**dict.fromkeys([*weights, *first], "model-00001-of-00002.safetensors"),
-                  **dict.fromkeys(second, "model-00002-of-00002.safetensors")}
+    weight_map = {
+        **dict.fromkeys([*weights, *first], "model-00001-of-00002.safetensors"),
+        **dict.fromkeys(second, "model-00002-of-00002.safetensors"),
+    }
     (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     a, b = load_model(src, torch.float64), load_model(dst, torch.float64, progress=lambda m: None)
     for (na, pa), (nb, pb) in zip(a.state_dict().items(), b.state_dict().items()):
@@ -124,7 +139,9 @@ def test_scale_of_wrong_shape_is_named(fp8_checkpoints, tmp_path):
     path = shutil.copytree(fp8_checkpoints["deepseek_v3"], tmp_path / "c")
     name = DENSE_GATE + "_scale_inv"
     _edit(path, lambda t: t.__setitem__(name, torch.ones(1, 1)))
-    with pytest.raises(WeightError, match=name.replace(".", r"\.") + r" has shape \[1, 1\], expected \[2, 1\]"):
+    with pytest.raises(
+        WeightError, match=name.replace(".", r"\.") + r" has shape \[1, 1\], expected \[2, 1\]"
+    ):
         load_model(path)
 
 
@@ -186,7 +203,9 @@ def test_mtp_layers_are_skipped_with_one_line(fp8_checkpoints, tmp_path):
     messages = []
     a, b = load_model(src, torch.float64), load_model(path, torch.float64, progress=messages.append)
     mtp = [m for m in messages if "multi-token-prediction" in m]
-    assert mtp == ["skipped 72 tensors of 1 multi-token-prediction layer(s) (layers 4+; not served)"], messages
+    assert mtp == ["skipped 72 tensors of 1 multi-token-prediction layer(s) (layers 4+; not served)"], (
+        messages
+    )
     for (na, pa), (nb, pb) in zip(a.state_dict().items(), b.state_dict().items()):
         assert na == nb and torch.equal(pa, pb), na
     # a layer past the declared MTP layers is not recognised, and a missing required tensor still fails
@@ -204,7 +223,9 @@ def test_make_model_cli_quantize_fp8(tmp_path, fp8_checkpoints):
     from pdserve.cli import app
 
     out = tmp_path / "cli"
-    r = CliRunner().invoke(app, ["make-model", str(out), "--arch", "deepseek_v3", "--quantize", "fp8", "--seed", "3"])
+    r = CliRunner().invoke(
+        app, ["make-model", str(out), "--arch", "deepseek_v3", "--quantize", "fp8", "--seed", "3"]
+    )
     assert r.exit_code == 0, r.output
     assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
     with safe_open(str(out / "model.safetensors"), "pt") as f:

@@ -26,7 +26,11 @@ def test_topk_ties_prefer_the_earlier_token():
 def test_topk_matches_naive_rule_on_many_ties():
     g = torch.Generator().manual_seed(0)
     for trial in range(50):
-        B, S, k = 6, int(torch.randint(1, 70, (1,), generator=g)), int(torch.randint(1, 20, (1,), generator=g))
+        B, S, k = (
+            6,
+            int(torch.randint(1, 70, (1,), generator=g)),
+            int(torch.randint(1, 20, (1,), generator=g)),
+        )
         scores = torch.randint(-2, 3, (B, S), generator=g).float().relu()  # many exact zeros, ties everywhere
         valid = torch.rand(B, S, generator=g) < 0.8
         assert torch.equal(topk_earliest(scores, valid, k), naive_topk_earliest(scores, valid, k)), trial
@@ -65,7 +69,9 @@ def test_merge_of_disjoint_parts_is_exact_and_empty_parts_contribute_zero():
     full, full_lse = attend(q, keys, torch.ones(2, 12, dtype=torch.bool), 0.5, 5)
     owner = torch.arange(12) % 4  # slot s lives on rank s % 4; rank 3 also gets an empty part below
     parts = [attend(q, keys, (owner == r).expand(2, 12), 0.5, 5) for r in range(4)]
-    parts.append(attend(q, keys, torch.zeros(2, 12, dtype=torch.bool), 0.5, 5))  # a rank that selected nothing
+    parts.append(
+        attend(q, keys, torch.zeros(2, 12, dtype=torch.bool), 0.5, 5)
+    )  # a rank that selected nothing
     assert torch.isinf(parts[-1][1]).all() and (parts[-1][0] == 0).all()
     out, lse = merge_attention(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
     assert (out - full).abs().max() < 1e-13

@@ -16,8 +16,12 @@ from pdserve.model.random_checkpoint import make_model, num_parameters, tensor_s
 transformers = pytest.importorskip("transformers")
 
 EXPECTED_FILES = {
-    "config.json", "generation_config.json", "model.safetensors",
-    "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json",
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "special_tokens_map.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
 }
 
 

@@ -62,7 +62,7 @@ def test_greedy_continuation_matches_reference_generate(tiny_checkpoints, arch, 
     ref.generation_config.eos_token_id = None  # 32 tokens whatever they are, as ignore_eos does
     with torch.no_grad():
         full = ref.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)
-    want = full[0, len(ids):].tolist()
+    want = full[0, len(ids) :].tolist()
     engine = LLMEngine.from_pretrained(path, "float64", max_kv_tokens=256)
     got = engine.generate([ids], SamplingParams(max_tokens=32, ignore_eos=True))[0]
     assert got == want
@@ -71,7 +71,11 @@ def test_greedy_continuation_matches_reference_generate(tiny_checkpoints, arch, 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_mixed_batch_decodes_like_each_request_alone(tiny_checkpoints, arch):
     path = tiny_checkpoints[(arch, "make-model")]
-    prompts = [prompt(3, 1), prompt(2 * TOPK + 1, 2), prompt(5 * TOPK, 3)]  # below, around and far above top-k
+    prompts = [
+        prompt(3, 1),
+        prompt(2 * TOPK + 1, 2),
+        prompt(5 * TOPK, 3),
+    ]  # below, around and far above top-k
     params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (20, 12, 16)]
     engine = LLMEngine.from_pretrained(path, "float64", max_kv_tokens=512)
     alone = [engine.generate([p], [sp])[0] for p, sp in zip(prompts, params)]

@@ -24,8 +24,7 @@ MESSAGES = [
     {"role": "user", "content": [{"type": "text", "text": "Bye"}]},
 ]
 EXPECTED_CHAT = (
-    "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\nHello.<|endoftext|>\n"
-    "<|user|>\nBye\n<|assistant|>\n"
+    "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\nHello.<|endoftext|>\n<|user|>\nBye\n<|assistant|>\n"
 )
 
 
@@ -88,7 +87,10 @@ def test_matches_transformers(tok, model_dir):
 
 
 def test_chat_template(tok):
-    assert tok.apply_chat_template(MESSAGES[:2], add_generation_prompt=False) == "<|system|>\nBe brief.\n<|user|>\nHi\n"
+    assert (
+        tok.apply_chat_template(MESSAGES[:2], add_generation_prompt=False)
+        == "<|system|>\nBe brief.\n<|user|>\nHi\n"
+    )
     with pytest.raises(jinja2.exceptions.TemplateError, match="unsupported role: tool"):
         tok.apply_chat_template([{"role": "tool", "content": "x"}])
 

@@ -32,7 +32,9 @@ def rewrite_weights(path, edit):
 def cli_error(path) -> str:
     proc = subprocess.run(
         [sys.executable, "-m", "pdserve.cli", "generate", "--model", str(path), "--token-ids", "5,6"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
@@ -83,7 +85,10 @@ def test_sharded_checkpoint_loads_with_progress(tmp_path, tiny_checkpoints):
     b = load_model(single)
     n_shards = len(list(sharded.glob("model-*.safetensors")))
     assert n_shards > 1
-    assert messages == [f"loading weights: shard {i}/{n_shards} ({p.name})" for i, p in enumerate(sorted(sharded.glob("model-*.safetensors")), 1)]
+    assert messages == [
+        f"loading weights: shard {i}/{n_shards} ({p.name})"
+        for i, p in enumerate(sorted(sharded.glob("model-*.safetensors")), 1)
+    ]
     for (na, pa), (nb, pb) in zip(a.state_dict().items(), b.state_dict().items()):
         assert na == nb and torch.equal(pa, pb), na
 

@@ -20,7 +20,8 @@ from pdserve.engine.request import SamplingParams
 from pdserve.prefill_server.instance import PrefillInstance
 from pdserve.prefill_server.layouts import ALLOWED_LAYOUTS
 from pdserve.prefill_server.rank_worker import PrefillWorkerConfig
-from tests.reference import assert_close, free_port, reference_prefill as reference
+from tests.reference import assert_close, free_port
+from tests.reference import reference_prefill as reference
 
 TOPK = 8
 ARCHS = ("glm_moe_dsa", "deepseek_v3")
@@ -71,8 +72,16 @@ def test_prefill_instance_matches_single_rank(tiny_checkpoints, arch, cp, layout
     path = str(tiny_checkpoints[(arch, "make-model")])
     # true float64 on both sides: the reference's float32 islands would round 1e-16 reorderings to 1e-7
     engine = LLMEngine.from_pretrained(path, "float64", float32_islands=False, max_kv_tokens=512)
-    worker = PrefillWorkerConfig(path, num_slots=1024, dtype="float64", layout=layout, cache=cache, moe_tp=moe_tp,
-                                 query_block=16, float32_islands=False)
+    worker = PrefillWorkerConfig(
+        path,
+        num_slots=1024,
+        dtype="float64",
+        layout=layout,
+        cache=cache,
+        moe_tp=moe_tp,
+        query_block=16,
+        float32_islands=False,
+    )
     with PrefillInstance(worker, LaunchConfig(cp, free_port())) as inst:
         lengths = sorted({1, max(cp - 1, 1), cp + 1, TOPK + 1, 257})
         for n, chunk in itertools.product(lengths, (None, 7, 64)):

@@ -21,7 +21,20 @@ SPARSE = ("glm_moe_dsa", "deepseek_v32")
 
 # ---- split_positions --------------------------------------------------------------------------
 
-RANGES = [(0, 0), (7, 7), (0, 1), (0, 3), (2, 5), (0, 16), (3, 19), (5, 6), (10, 17), (0, 37), (13, 50), (1, 101)]
+RANGES = [
+    (0, 0),
+    (7, 7),
+    (0, 1),
+    (0, 3),
+    (2, 5),
+    (0, 16),
+    (3, 19),
+    (5, 6),
+    (10, 17),
+    (0, 37),
+    (13, 50),
+    (1, 101),
+]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -55,10 +68,16 @@ def test_interleave_chunk_not_starting_at_multiple_of_c():
 def test_zigzag_figure():
     assert split_positions("zigzag", 0, 16, 2) == [[0, 1, 2, 3, 12, 13, 14, 15], list(range(4, 12))]
     assert split_positions("zigzag", 0, 16, 4) == [
-        [0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]
+        [0, 1, 14, 15],
+        [2, 3, 12, 13],
+        [4, 5, 10, 11],
+        [6, 7, 8, 9],
+    ]
     # Relative to the chunk: a chunk after a cached prefix is cut the same way, shifted.
-    assert split_positions("zigzag", 100, 116, 2) == [[100, 101, 102, 103, 112, 113, 114, 115],
-                                                      list(range(104, 112))]
+    assert split_positions("zigzag", 100, 116, 2) == [
+        [100, 101, 102, 103, 112, 113, 114, 115],
+        list(range(104, 112)),
+    ]
 
 
 def test_contiguous_pieces():
@@ -106,7 +125,9 @@ def test_zigzag_pairs_exactly_equal_when_2c_divides_n(cp_size, blocks_of, start)
     assert counts == [2 * cp_size * s * s + s + 2 * s * start] * cp_size
 
 
-@pytest.mark.parametrize("n,cp_size", [(1001, 8), (999, 3), (128_003, 8), (130, 4), (100, 8), (17, 4), (9, 4)])
+@pytest.mark.parametrize(
+    "n,cp_size", [(1001, 8), (999, 3), (128_003, 8), (130, 4), (100, 8), (17, 4), (9, 4)]
+)
 def test_zigzag_nearly_equal_otherwise(n, cp_size):
     # Uneven blocks differ by one token; one extra late token costs ~n pairs against ~n^2/(2C) per
     # rank, so the imbalance is below 2C/n = 1/(block size): tiny for real chunk sizes.

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 
-import httpx
 import pytest
 
 from pdserve.engine.llm_engine import LLMEngine
@@ -36,7 +35,9 @@ def test_prefill_server_serves_and_stops_on_sigterm(glm):
         ids = list(range(5, 60))
         r = http.post(f"{url}/v1/prefill", json={"token_ids": ids}, timeout=60)
         assert r.status_code == 200, r.text
-        want = LLMEngine.from_pretrained(glm).generate([ids], SamplingParams(max_tokens=1, ignore_eos=True))[0][0]
+        want = LLMEngine.from_pretrained(glm).generate([ids], SamplingParams(max_tokens=1, ignore_eos=True))[
+            0
+        ][0]
         assert r.json()["first_token"] == want and r.json()["prompt_tokens"] == len(ids)
         bad = http.post(f"{url}/v1/prefill", json={"token_ids": [1, 10**7]})
         assert bad.status_code == 400 and "token ids" in bad.text
@@ -73,7 +74,22 @@ def test_killing_a_rank_stops_the_instance_naming_it(glm):
 
 
 def test_zigzag_for_a_sparse_model_is_a_clear_startup_error(glm):
-    proc = subprocess.run([sys.executable, "-m", "pdserve.cli", "prefill", "--model", str(glm), "--cp-size", "2",
-                           "--cp-layout", "zigzag"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "prefill",
+            "--model",
+            str(glm),
+            "--cp-size",
+            "2",
+            "--cp-layout",
+            "zigzag",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert "zigzag is not supported for glm_moe_dsa" in proc.stderr

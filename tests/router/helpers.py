@@ -53,8 +53,12 @@ def wait_until(predicate, what: str, timeout_s: float = 30.0):
 
 def decode_idle(d_url: str) -> bool:
     cap = http.get(f"{d_url}/capacity").json()
-    return (cap["free_tokens"] == cap["total_tokens"] and cap["running"] == 0 and cap["queued"] == 0
-            and cap["transfers_pending"] == 0)
+    return (
+        cap["free_tokens"] == cap["total_tokens"]
+        and cap["running"] == 0
+        and cap["queued"] == 0
+        and cap["transfers_pending"] == 0
+    )
 
 
 def start_servers(model_dir, specs: list[tuple[str, ...]]) -> list[tuple]:
@@ -81,8 +85,12 @@ def stop_all(procs) -> None:
 def start_router_cli(*args: str) -> tuple[subprocess.Popen, str]:
     """`pdserve router ARGS` on a free port; polls /live (deadline 60 s); returns (process, url)."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "router", "--port", str(port), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.cli", "router", "--port", str(port), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
 
     def live() -> bool:

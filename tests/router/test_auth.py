@@ -24,16 +24,32 @@ from tests.servers import TEST_TOKEN, http
 OPEN = ("/health", "/live")
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong-token-wrong-token-123"},
-                                     {"Authorization": f"Basic {TEST_TOKEN}"}, {"Authorization": TEST_TOKEN}])
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"Authorization": "Bearer wrong-token-wrong-token-123"},
+        {"Authorization": f"Basic {TEST_TOKEN}"},
+        {"Authorization": TEST_TOKEN},
+    ],
+)
 def test_instance_apis_need_the_internal_token(instances, headers):
     p_url, d_url = instances
-    calls = [("GET", f"{p_url}/info", None), ("POST", f"{p_url}/v1/prefill", {"token_ids": [5]}),
-             ("GET", f"{d_url}/capacity", None), ("POST", f"{d_url}/v1/generate", {"token_ids": [5]}),
-             ("POST", f"{d_url}/v1/abort", {"request_id": "x"}), ("GET", f"{d_url}/openapi.json", None)]
+    calls = [
+        ("GET", f"{p_url}/info", None),
+        ("POST", f"{p_url}/v1/prefill", {"token_ids": [5]}),
+        ("GET", f"{d_url}/capacity", None),
+        ("POST", f"{d_url}/v1/generate", {"token_ids": [5]}),
+        ("POST", f"{d_url}/v1/abort", {"request_id": "x"}),
+        ("GET", f"{d_url}/openapi.json", None),
+    ]
     for method, url, body in calls:
         r = httpx.request(method, url, json=body, headers=headers, timeout=10)
-        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", (url, r.status_code, r.text)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", (
+            url,
+            r.status_code,
+            r.text,
+        )
         assert r.json()["error"]["code"] == "invalid_api_key"
     for base in (p_url, d_url):
         for path in OPEN:
@@ -59,14 +75,18 @@ def test_an_unauthenticated_caller_cannot_make_the_decode_send_a_reservation(ins
 def test_router_api_key(model_dir, instances):
     p_url, d_url = instances
     key = "client-api-key-8c1f0e3a77"
-    cfg = RouterConfig(model=str(model_dir), prefill=(p_url,), decode=(d_url,), served_model_name="tiny", api_key=key)
+    cfg = RouterConfig(
+        model=str(model_dir), prefill=(p_url,), decode=(d_url,), served_model_name="tiny", api_key=key
+    )
     body = {"model": "tiny", "prompt": [5, 6], "max_tokens": 2, "temperature": 0}
     with running_router(cfg) as (url, _):
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 401
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200
-        ok = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        ok = httpx.post(
+            f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30
+        )
         assert ok.status_code == 200, ok.text
 
 
@@ -76,12 +96,38 @@ def test_weak_or_missing_secrets_are_startup_errors(model_dir):
             RouterConfig(model=str(model_dir), admin_token=weak)
     env = {k: v for k, v in os.environ.items() if k != "PDSERVE_INTERNAL_TOKEN"}
     for args in (["prefill"], ["decode"], ["router"]):
-        out = subprocess.run([sys.executable, "-m", "pdserve.cli", *args, "--model", str(model_dir)], env=env,
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-m", "pdserve.cli", *args, "--model", str(model_dir)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode != 0 and "no internal token" in out.stderr, (args, out.stderr[-500:])
-    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "prefill", "--model", str(model_dir),
-                          "--internal-token", "change-me"], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "prefill",
+            "--model",
+            str(model_dir),
+            "--internal-token",
+            "change-me",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode != 0 and "internal token is too weak" in out.stderr, out.stderr[-500:]
-    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "decode", "--model", str(model_dir), "--check-config"],
-                         env={**env, "PDSERVE_INTERNAL_TOKEN": TEST_TOKEN}, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and TEST_TOKEN not in out.stdout and '"internal_token": "***"' in out.stdout, out
+    out = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "decode", "--model", str(model_dir), "--check-config"],
+        env={**env, "PDSERVE_INTERNAL_TOKEN": TEST_TOKEN},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and TEST_TOKEN not in out.stdout and '"internal_token": "***"' in out.stdout, (
+        out
+    )

@@ -99,8 +99,15 @@ def test_a_second_sigterm_cuts_a_prefill_drain_short_with_an_error(model_dir):
     proc, url = start_server("prefill", model_dir, "--shutdown-grace", "60", "--bootstrap-timeout", "120")
     try:
         answer: list[httpx.Response] = []
-        waiting = threading.Thread(target=lambda: answer.append(http.post(
-            f"{url}/v1/prefill", json={"token_ids": [5, 6, 7], "request_id": "room-1", "handoff": True}, timeout=120)))
+        waiting = threading.Thread(
+            target=lambda: answer.append(
+                http.post(
+                    f"{url}/v1/prefill",
+                    json={"token_ids": [5, 6, 7], "request_id": "room-1", "handoff": True},
+                    timeout=120,
+                )
+            )
+        )
         waiting.start()  # no decode instance reserves room-1: it waits for its reservation
         wait_until(lambda: http.get(f"{url}/info").json()["queue_depth"] == 1, "the hand-off to be queued")
         proc.send_signal(signal.SIGTERM)
@@ -112,7 +119,9 @@ def test_a_second_sigterm_cuts_a_prefill_drain_short_with_an_error(model_dir):
         proc.send_signal(signal.SIGTERM)
         waiting.join(60)
         detail = message(answer[0])
-        assert answer[0].status_code == 502 and "stopped before its 1 running request(s) finished" in detail, detail
+        assert (
+            answer[0].status_code == 502 and "stopped before its 1 running request(s) finished" in detail
+        ), detail
         assert proc.wait(60) == 0, proc.stderr.read()
         assert time.monotonic() - sent < 60
     finally:

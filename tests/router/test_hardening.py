@@ -9,7 +9,6 @@ the router's OpenAPI schema with zero 5xx.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
@@ -28,16 +27,26 @@ VOCAB_PROBE = 10**9  # an id outside any vocabulary
 @pytest.fixture(scope="module")
 def stack(model_dir, instances):
     p_url, d_url = instances
-    cfg = RouterConfig(model=str(model_dir), prefill=(p_url,), decode=(d_url,), served_model_name="tiny",
-                       health_interval_s=0.5, max_body_bytes=8 << 20, max_prompt_bytes=4 << 20)
+    cfg = RouterConfig(
+        model=str(model_dir),
+        prefill=(p_url,),
+        decode=(d_url,),
+        served_model_name="tiny",
+        health_interval_s=0.5,
+        max_body_bytes=8 << 20,
+        max_prompt_bytes=4 << 20,
+    )
     with running_router(cfg) as (url, app):
         yield {"url": url, "p_url": p_url, "d_url": d_url}
 
 
-def post(url: str, body=None, content: bytes | str | None = None, headers=None, timeout: float = 60) -> httpx.Response:
+def post(
+    url: str, body=None, content: bytes | str | None = None, headers=None, timeout: float = 60
+) -> httpx.Response:
     if content is not None:
-        return http.post(url, content=content, headers=headers or {"content-type": "application/json"},
-                          timeout=timeout)
+        return http.post(
+            url, content=content, headers=headers or {"content-type": "application/json"}, timeout=timeout
+        )
     return http.post(url, json=body, headers=headers, timeout=timeout)
 
 
@@ -64,10 +73,16 @@ def completion(stack, **kw) -> httpx.Response:
 def test_out_of_range_seeds_are_refused_at_every_edge_and_break_nothing(stack):
     for seed in (2**64, 2**63, -(2**70), -1):
         assert_error(completion(stack, temperature=1, seed=seed), 400, "seed")
-        assert_error(post(f"{stack['p_url']}/v1/prefill", {"token_ids": [5, 6], "temperature": 1, "seed": seed}),
-                     400, "seed")
-        assert_error(post(f"{stack['d_url']}/v1/generate", {"token_ids": [5, 6], "temperature": 1, "seed": seed}),
-                     400, "seed")
+        assert_error(
+            post(f"{stack['p_url']}/v1/prefill", {"token_ids": [5, 6], "temperature": 1, "seed": seed}),
+            400,
+            "seed",
+        )
+        assert_error(
+            post(f"{stack['d_url']}/v1/generate", {"token_ids": [5, 6], "temperature": 1, "seed": seed}),
+            400,
+            "seed",
+        )
     all_healthy(stack)
     for _ in range(2):  # the prefill's rank group still serves sampled requests with the largest seed
         r = completion(stack, temperature=1, seed=2**63 - 1)
@@ -88,14 +103,18 @@ def test_non_finite_numbers_are_refused_promptly(stack, field, literal):
 def test_a_large_prompt_is_refused_and_never_blocks_health(stack):
     start = time.monotonic()
     assert_error(completion(stack, prompt="x" * (10 << 20)), 413)  # the body limit (8 MiB here)
-    assert_error(completion(stack, prompt="hello " * 1_000_000), 400, "prompt")  # 6 MB > max_prompt_bytes (4 MiB)
+    assert_error(
+        completion(stack, prompt="hello " * 1_000_000), 400, "prompt"
+    )  # 6 MB > max_prompt_bytes (4 MiB)
     assert time.monotonic() - start < 10
     # under the byte limit, a long prompt is tokenized (off the event loop) and then too long for the decode
     result, latencies = {}, []
 
     def send():
         t0 = time.monotonic()
-        result["r"] = completion(stack, prompt="lorem ipsum dolor sit amet " * 120_000)  # 3.2 MB, ~1.2M tokens
+        result["r"] = completion(
+            stack, prompt="lorem ipsum dolor sit amet " * 120_000
+        )  # 3.2 MB, ~1.2M tokens
         result["s"] = time.monotonic() - t0
 
     sender = threading.Thread(target=send)
@@ -144,7 +163,11 @@ HOSTILE = [  # (path, JSON body or raw text, content type)
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "presence_penalty": 0.5}, None),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "frequency_penalty": 7}, None),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"5": 100}}, None),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "stream_options": {"include_usage": "maybe"}}, None),
+    (
+        "/v1/completions",
+        {"model": "tiny", "prompt": "hi", "stream_options": {"include_usage": "maybe"}},
+        None,
+    ),
     ("/v1/completions", {"model": "other", "prompt": "hi"}, None),
     ("/v1/completions", {"prompt": "hi"}, None),
     ("/v1/completions", [1, 2, 3], None),
@@ -158,11 +181,18 @@ HOSTILE = [  # (path, JSON body or raw text, content type)
     ("/v1/chat/completions", {"model": "tiny", "messages": "hello"}, None),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "hacker", "content": "x"}]}, None),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": {"a": 1}}]}, None),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": [{"text": 5}]}]}, None),
+    (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": [{"text": 5}]}]},
+        None,
+    ),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"content": "no role"}]}, None),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}] * 5000}, None),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                              "max_completion_tokens": 0}, None),
+    (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+        None,
+    ),
 ]
 
 INSTANCE_HOSTILE = [  # (role, path, body)
@@ -195,7 +225,7 @@ def test_hostile_bodies_get_4xx_and_every_server_stays_healthy(stack):
     for role, path, body in INSTANCE_HOSTILE:
         base = stack["p_url"] if role == "p" else stack["d_url"]
         assert_error(post(f"{base}{path}", body, timeout=20))
-    big = b'{"token_ids": [' + b"5," * (9 << 20) + b'5]}'  # 18 MB: over the instances' 16 MiB body limit
+    big = b'{"token_ids": [' + b"5," * (9 << 20) + b"5]}"  # 18 MB: over the instances' 16 MiB body limit
     assert_error(post(f"{stack['d_url']}/v1/generate", content=big), 413)
     all_healthy(stack)
     r = completion(stack, temperature=0)
@@ -215,12 +245,22 @@ def _steer_prompt(body: dict) -> None:
         body["prompt"] = "hi"
     messages = body.get("messages")
     if isinstance(messages, list):
-        body["messages"] = [{**m, "role": "user"} for m in messages[:4] if isinstance(m, dict)] or \
-            [{"role": "user", "content": "hi"}]
+        body["messages"] = [{**m, "role": "user"} for m in messages[:4] if isinstance(m, dict)] or [
+            {"role": "user", "content": "hi"}
+        ]
 
 
-UNSERVED = ("n", "best_of", "logprobs", "echo", "suffix", "logit_bias", "presence_penalty", "frequency_penalty",
-            "repetition_penalty")
+UNSERVED = (
+    "n",
+    "best_of",
+    "logprobs",
+    "echo",
+    "suffix",
+    "logit_bias",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 
 
 def _steer(case, positive: bool) -> None:
@@ -248,12 +288,18 @@ def test_fuzz_router_schema_no_5xx(stack, mode):
     """schemathesis draws bodies from the router's own OpenAPI schema (valid ones, then invalid ones)
     for completions, chat, models and health: no answer may be a 5xx."""
     schema = schemathesis.openapi.from_url(f"{stack['url']}/openapi.json").include(
-        path_regex=r"^/(v1/completions|v1/chat/completions|v1/models|health)$")
+        path_regex=r"^/(v1/completions|v1/chat/completions|v1/models|health)$"
+    )
     seen: dict[int, int] = {}
 
     @given(case=schema.as_strategy(mode))
-    @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck),
-              database=None)
+    @settings(
+        max_examples=150,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+        database=None,
+    )
     def run(case):
         _steer(case, mode == schemathesis.GenerationMode.POSITIVE)
         response = case.call(base_url=stack["url"], timeout=60)

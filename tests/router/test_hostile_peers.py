@@ -23,7 +23,6 @@ from pdserve.router.config import RouterConfig
 from tests.reference import free_port
 from tests.router.helpers import running_router
 
-
 CASES = {  # what the decode stand-in streams (chosen by the prompt's second id) before it stalls
     "not json": ["this is not json"],
     "a list": ["[1, 2, 3]"],
@@ -62,6 +61,7 @@ def _fake_instance(stall_s: float) -> FastAPI:
             for line in CASES[NAMES[body["token_ids"][1]]]:
                 yield line + "\n"
             await asyncio.sleep(stall_s)
+
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
     @app.post("/v1/abort")
@@ -74,8 +74,9 @@ def _fake_instance(stall_s: float) -> FastAPI:
 @contextmanager
 def serving(app: FastAPI):
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error",
-                                           timeout_graceful_shutdown=1))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", timeout_graceful_shutdown=1)
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -91,9 +92,19 @@ def serving(app: FastAPI):
 
 @pytest.fixture(scope="module")
 def router(model_dir):
-    with serving(_fake_instance(stall_s=30)) as fake_decode, serving(_fake_instance(stall_s=30)) as fake_prefill:
-        cfg = RouterConfig(model=str(model_dir), prefill=(fake_prefill,), decode=(fake_decode,),
-                           served_model_name="tiny", health_interval_s=60, max_attempts=1, request_timeout_s=2.0)
+    with (
+        serving(_fake_instance(stall_s=30)) as fake_decode,
+        serving(_fake_instance(stall_s=30)) as fake_prefill,
+    ):
+        cfg = RouterConfig(
+            model=str(model_dir),
+            prefill=(fake_prefill,),
+            decode=(fake_decode,),
+            served_model_name="tiny",
+            health_interval_s=60,
+            max_attempts=1,
+            request_timeout_s=2.0,
+        )
         with running_router(cfg) as (url, _):
             yield url
 

@@ -23,14 +23,33 @@ from tests.servers import AUTH, http
 PER_API = 5000
 VALID = {
     "router": ("/v1/completions", {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}),
-    "chat": ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                                      "max_tokens": 2}),
+    "chat": (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    ),
     "prefill": ("/v1/prefill", {"token_ids": [5, 6, 7], "temperature": 0.5, "seed": 3}),
     "decode": ("/v1/generate", {"token_ids": [5, 6, 7], "max_tokens": 2, "stream": False}),
     "abort": ("/v1/abort", {"request_id": "nothing-here"}),
 }
-ODD = [None, True, -1, 0, 2**64, -(2**70), 1e308, 1.5, "", "x" * 3000, "NaN", [], {}, [1, "a", None], {"a": [1]},
-       "\u0000\ud7ff", 10**40]
+ODD = [
+    None,
+    True,
+    -1,
+    0,
+    2**64,
+    -(2**70),
+    1e308,
+    1.5,
+    "",
+    "x" * 3000,
+    "NaN",
+    [],
+    {},
+    [1, "a", None],
+    {"a": [1]},
+    "\u0000\ud7ff",
+    10**40,
+]
 
 
 def _random_json(rng: random.Random, depth: int = 0):
@@ -79,11 +98,15 @@ def _request(rng: random.Random, path: str, valid: dict) -> dict:
         depth = rng.randrange(100, 3000)
         content = ("[" * depth + "]" * depth).encode()
     elif kind == 4:
-        content = json.dumps(_mutate(rng, valid)).encode().replace(b"0.5", b"NaN").replace(b'"tiny"', b"Infinity")
+        content = (
+            json.dumps(_mutate(rng, valid)).encode().replace(b"0.5", b"NaN").replace(b'"tiny"', b"Infinity")
+        )
     else:
         content = json.dumps(_mutate(rng, valid)).encode()
     if rng.randrange(12) == 0:
-        headers["content-type"] = rng.choice(["text/plain", "application/x-www-form-urlencoded", "", "multipart/form-data"])
+        headers["content-type"] = rng.choice(
+            ["text/plain", "application/x-www-form-urlencoded", "", "multipart/form-data"]
+        )
     method = "POST" if rng.randrange(20) else rng.choice(["GET", "PUT", "DELETE", "PATCH"])
     return {"method": method, "url": path, "content": content, "headers": headers}
 
@@ -93,11 +116,13 @@ async def _fire(base: str, path: str, valid: dict, seed: int, n: int) -> dict[in
     seen: dict[int, int] = {}
     sem = asyncio.Semaphore(16)
     async with httpx.AsyncClient(base_url=base, headers=AUTH, timeout=60) as client:
+
         async def one(req):
             async with sem:
                 r = await client.request(**req)
             seen[r.status_code] = seen.get(r.status_code, 0) + 1
             assert r.status_code < 500, (r.status_code, r.text[:300], req["content"][:300])
+
         await asyncio.gather(*(one(_request(rng, path, valid)) for _ in range(n)))
     return seen
 
@@ -105,19 +130,39 @@ async def _fire(base: str, path: str, valid: dict, seed: int, n: int) -> dict[in
 @pytest.mark.slow
 def test_five_thousand_malformed_requests_per_api(model_dir, instances):
     p_url, d_url = instances
-    cfg = RouterConfig(model=str(model_dir), prefill=(p_url,), decode=(d_url,), served_model_name="tiny",
-                       health_interval_s=0.5, max_body_bytes=1 << 20)
+    cfg = RouterConfig(
+        model=str(model_dir),
+        prefill=(p_url,),
+        decode=(d_url,),
+        served_model_name="tiny",
+        health_interval_s=0.5,
+        max_body_bytes=1 << 20,
+    )
     with running_router(cfg) as (url, _):
         targets = {"router": url, "chat": url, "prefill": p_url, "decode": d_url, "abort": d_url}
         for i, (name, (path, valid)) in enumerate(VALID.items()):
-            n = PER_API if name in ("router", "prefill", "decode") else PER_API // 5  # chat, abort: same edges
+            n = (
+                PER_API if name in ("router", "prefill", "decode") else PER_API // 5
+            )  # chat, abort: same edges
             seen = asyncio.run(_fire(targets[name], path, valid, seed=i, n=n))
             assert sum(seen.values()) >= n and any(400 <= s < 500 for s in seen), (name, seen)
             for base in (url, p_url, d_url):
                 assert http.get(f"{base}/health", timeout=10).status_code == 200, (name, base)
         wait_until(lambda: decode_idle(d_url), "the decode instance to be idle", 60)
         ids = [5, 6, 7, 8]
-        want = LLMEngine.from_pretrained(model_dir).generate([ids], SamplingParams(max_tokens=6, ignore_eos=True))[0]
-        r = http.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 6, "temperature": 0,
-                                                     "ignore_eos": True, "return_token_ids": True}, timeout=60)
+        want = LLMEngine.from_pretrained(model_dir).generate(
+            [ids], SamplingParams(max_tokens=6, ignore_eos=True)
+        )[0]
+        r = http.post(
+            f"{url}/v1/completions",
+            json={
+                "model": "tiny",
+                "prompt": ids,
+                "max_tokens": 6,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            },
+            timeout=60,
+        )
         assert r.json()["choices"][0]["token_ids"] == want

@@ -27,10 +27,20 @@ def pod(name: str, role: str | None, port: int, ready: bool = True, labels: dict
     lab = {"app.kubernetes.io/part-of": "pdserve", **(labels or {})}
     if role:
         lab["pdserve.io/role"] = role
-    return {"metadata": {"name": name, "namespace": NS, "uid": f"uid-{name}", "labels": lab,
-                         "annotations": {"pdserve.io/port": str(port)}},
-            "status": {"podIP": "127.0.0.1", "phase": "Running",
-                       "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+    return {
+        "metadata": {
+            "name": name,
+            "namespace": NS,
+            "uid": f"uid-{name}",
+            "labels": lab,
+            "annotations": {"pdserve.io/port": str(port)},
+        },
+        "status": {
+            "podIP": "127.0.0.1",
+            "phase": "Running",
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
 
 
 class FakeApi:
@@ -60,8 +70,9 @@ class FakeApi:
                     return
                 with api.cond:
                     items = [p for p in api.pods.values() if matches(p, q.get("labelSelector", ""))]
-                    body = json.dumps({"kind": "PodList", "metadata": {"resourceVersion": str(api.version)},
-                                       "items": items}).encode()
+                    body = json.dumps(
+                        {"kind": "PodList", "metadata": {"resourceVersion": str(api.version)}, "items": items}
+                    ).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
@@ -136,8 +147,23 @@ def api():
 
 
 def topology(router_url: str) -> dict | None:
-    out = subprocess.run([sys.executable, "-m", "pdserve.cli", "admin", "--router", router_url, "--token", TOKEN,
-                          "topology", "--json"], capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "admin",
+            "--router",
+            router_url,
+            "--token",
+            TOKEN,
+            "topology",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     if out.returncode != 0:
         return None
     return {row["url"]: row["role"] for row in json.loads(out.stdout)["instances"]}
@@ -165,10 +191,35 @@ def test_router_follows_pods(api, tiny_checkpoints):
     port = free_port()
     router_url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "router", "--model", str(model), "--port", str(port),
-         "--admin-token", TOKEN, "--health-interval", "0.5", "--decode", url["static"],
-         "--discovery", "k8s", "--selector", SELECTOR, "--namespace", NS, "--k8s-api", api.url],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PDSERVE_ADMIN_TOKEN": ""})
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "router",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--admin-token",
+            TOKEN,
+            "--health-interval",
+            "0.5",
+            "--decode",
+            url["static"],
+            "--discovery",
+            "k8s",
+            "--selector",
+            SELECTOR,
+            "--namespace",
+            NS,
+            "--k8s-api",
+            api.url,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PDSERVE_ADMIN_TOKEN": ""},
+    )
     try:
         # the initial list: only the Ready prefill pod (plus the static decode URL)
         topo = wait_topology(router_url, lambda t: url["p0"] in t, "p0 from the first list")

@@ -37,11 +37,25 @@ def _prompts(n: int = 12) -> list[list[int]]:
     return [[rng.randrange(4, 500) for _ in range(length)] for length in rng.sample(range(1, 90), n)]
 
 
-async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], want: list[int], stream: bool,
-               cancel: bool) -> str:
+async def _one(
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompt: list[int],
+    want: list[int],
+    stream: bool,
+    cancel: bool,
+) -> str:
     """Sends one request; returns its outcome ("exact", "error", "cancelled") or raises on a defect."""
-    body = {"model": model, "prompt": prompt, "max_tokens": len(want), "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True, "stream": stream}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": len(want),
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": stream,
+    }
     start = time.monotonic()
     async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=CLIENT_TIMEOUT_S) as r:
         if r.status_code != 200:
@@ -66,7 +80,7 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int
             ids += event["choices"][0].get("token_ids") or []
             if cancel and ids:
                 return "cancelled"  # leaving the block closes the stream: the router aborts both halves
-    assert ids == want[:len(ids)], (prompt, ids, want)  # never a wrong token, even before an error
+    assert ids == want[: len(ids)], (prompt, ids, want)  # never a wrong token, even before an error
     assert time.monotonic() - start < CLIENT_TIMEOUT_S
     if error is not None:
         assert error["message"], error
@@ -79,11 +93,13 @@ async def _load(url: str, model: str, jobs, on_progress) -> list[str]:
     sem = asyncio.Semaphore(CONCURRENCY)
     limits = httpx.Limits(max_connections=CONCURRENCY + 8)
     async with httpx.AsyncClient(limits=limits) as client:
+
         async def run(i, job):
             async with sem:
                 outcome = await _one(client, url, model, *job)
                 on_progress(i)
                 return outcome
+
         return await asyncio.gather(*(run(i, job) for i, job in enumerate(jobs)))
 
 
@@ -105,8 +121,9 @@ def _idle(urls: dict[str, str]) -> bool:
             return False
         if info["free_tokens"] != info["total_tokens"]:
             return False
-        if name.startswith("decode") and (info["running"] or info["queued"] or info["transfers_pending"]
-                                          or info.get("held_tokens")):
+        if name.startswith("decode") and (
+            info["running"] or info["queued"] or info["transfers_pending"] or info.get("held_tokens")
+        ):
             return False
         if name.startswith("prefill") and info["queue_depth"]:
             return False
@@ -119,10 +136,26 @@ def test_load_with_killed_ranks_through_up(model_dir, tmp_path):
     engine = LLMEngine.from_pretrained(model_dir)
     rng = random.Random(11)
     lengths = [rng.randrange(4, 14) for _ in prompts]
-    wants = [engine.generate([p], SamplingParams(max_tokens=n, ignore_eos=True))[0] for p, n in zip(prompts, lengths)]
-    proc, lines, url = launch_up(model_dir, tmp_path, "--prefill-instances", "2", "--prefill-cp", "2",
-                                 "--decode-instances", "2", "--decode-tp", "2", "--decode-dcp", "2",
-                                 "--max-kv-tokens", "4096")
+    wants = [
+        engine.generate([p], SamplingParams(max_tokens=n, ignore_eos=True))[0]
+        for p, n in zip(prompts, lengths)
+    ]
+    proc, lines, url = launch_up(
+        model_dir,
+        tmp_path,
+        "--prefill-instances",
+        "2",
+        "--prefill-cp",
+        "2",
+        "--decode-instances",
+        "2",
+        "--decode-tp",
+        "2",
+        "--decode-dcp",
+        "2",
+        "--max-kv-tokens",
+        "4096",
+    )
     try:
         urls = _instance_urls(lines)
         for pid in re.findall(r"\(pid (\d+),", "".join(lines)):  # secrets travel in the environment only

@@ -23,16 +23,32 @@ TOKENS = 24
 
 
 def _complete(url: str, ids: list[int]) -> httpx.Response:
-    return http.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": TOKENS,
-                                                     "temperature": 0, "ignore_eos": True,
-                                                     "return_token_ids": True}, timeout=120)
+    return http.post(
+        f"{url}/v1/completions",
+        json={
+            "model": "tiny",
+            "prompt": ids,
+            "max_tokens": TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+        timeout=120,
+    )
 
 
 @pytest.mark.slow
 def test_router_admits_a_bounded_number_and_429s_the_rest(model_dir, instances):
     p_url, d_url = instances
-    cfg = RouterConfig(model=str(model_dir), prefill=(p_url,), decode=(d_url,), served_model_name="tiny",
-                       health_interval_s=0.5, max_in_flight=1, max_queue=2)
+    cfg = RouterConfig(
+        model=str(model_dir),
+        prefill=(p_url,),
+        decode=(d_url,),
+        served_model_name="tiny",
+        health_interval_s=0.5,
+        max_in_flight=1,
+        max_queue=2,
+    )
     prompts = [[(7 * i + n) % 400 + 5 for i in range(20 + n)] for n in range(8)]
     engine = LLMEngine.from_pretrained(model_dir)
     with running_router(cfg) as (url, _):
@@ -55,7 +71,7 @@ def test_router_admits_a_bounded_number_and_429s_the_rest(model_dir, instances):
 @pytest.mark.slow
 def test_a_full_decode_instance_answers_429_and_the_router_passes_it_on(model_dir, instances):
     p_url, _ = instances
-    (decode, d_url), = start_servers(model_dir, [("decode", "--max-batch", "1", "--max-queue", "1")])
+    ((decode, d_url),) = start_servers(model_dir, [("decode", "--max-batch", "1", "--max-queue", "1")])
     try:
         body = {"token_ids": [5, 6, 7], "max_tokens": 400, "ignore_eos": True, "stream": True}
         with http.stream("POST", f"{d_url}/v1/generate", json=body, timeout=120) as running:
@@ -64,10 +80,19 @@ def test_a_full_decode_instance_answers_429_and_the_router_passes_it_on(model_di
             with http.stream("POST", f"{d_url}/v1/generate", json=body, timeout=120) as queued:
                 wait_until(lambda: http.get(f"{d_url}/capacity").json()["queued"] == 1, "one queued request")
                 r = http.post(f"{d_url}/v1/generate", json={**body, "stream": False}, timeout=30)
-                assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text  # ... the third is refused
+                assert r.status_code == 429 and r.headers["retry-after"] == "1", (
+                    r.text
+                )  # ... the third is refused
                 assert "queue is full" in r.json()["error"]["message"]
-                cfg = RouterConfig(model=str(model_dir), prefill=(p_url,), decode=(d_url,), served_model_name="tiny",
-                                   health_interval_s=0.5, max_attempts=2, retry_backoff_s=0.05)
+                cfg = RouterConfig(
+                    model=str(model_dir),
+                    prefill=(p_url,),
+                    decode=(d_url,),
+                    served_model_name="tiny",
+                    health_interval_s=0.5,
+                    max_attempts=2,
+                    retry_backoff_s=0.05,
+                )
                 with running_router(cfg) as (url, _):
                     via = _complete(url, [5, 6])
                     assert via.status_code == 429 and via.headers["retry-after"] == "1", via.text

@@ -14,8 +14,11 @@ def pool_of(policy: str, decode_free: dict[str, int], total: int = 1000) -> Pool
     pool = Pool(("http://p1", "http://p2"), tuple(decode_free), policy)
     for inst in pool.instances.values():  # what a successful health poll leaves behind
         inst.healthy = True
-        inst.info = ({"bootstrap": "tcp://h:1", "total_tokens": total, "queue_depth": 0} if inst.role == "prefill"
-                     else {"total_tokens": total, "free_tokens": decode_free[inst.url], "queued": 0})
+        inst.info = (
+            {"bootstrap": "tcp://h:1", "total_tokens": total, "queue_depth": 0}
+            if inst.role == "prefill"
+            else {"total_tokens": total, "free_tokens": decode_free[inst.url], "queued": 0}
+        )
     return pool
 
 
@@ -88,4 +91,4 @@ def test_stop_string_across_tokens_is_cut_and_its_prefix_held_back(tok):
     s = TextStream(tok, stop=["beta gammX"])
     out = feed(s, ids)
     assert not s.stopped and "".join(out) + s.finish() == text
-    assert not "".join(out[:len(tok.encode("alpha beta"))]).endswith("beta")
+    assert not "".join(out[: len(tok.encode("alpha beta"))]).endswith("beta")

@@ -18,13 +18,19 @@ import signal
 import subprocess
 import sys
 
-import httpx
 import openai
 import pytest
 
 from pdserve.model.config import ModelConfig
 from pdserve.router.config import RouterConfig
-from tests.router.helpers import decode_idle, running_router, start_router_cli, start_servers, stop_all, wait_until
+from tests.router.helpers import (
+    decode_idle,
+    running_router,
+    start_router_cli,
+    start_servers,
+    stop_all,
+    wait_until,
+)
 from tests.servers import http
 
 TOKEN = "admin-test-token-a83f61c2d9"
@@ -32,28 +38,62 @@ TOKEN = "admin-test-token-a83f61c2d9"
 
 @pytest.fixture(scope="module")
 def topo(model_dir):
-    servers = start_servers(model_dir, [
-        ("prefill", "--bootstrap-timeout", "5"), ("prefill", "--bootstrap-timeout", "5"),
-        ("decode", "--page-size", "4", "--transfer-timeout", "5"),
-    ])
+    servers = start_servers(
+        model_dir,
+        [
+            ("prefill", "--bootstrap-timeout", "5"),
+            ("prefill", "--bootstrap-timeout", "5"),
+            ("decode", "--page-size", "4", "--transfer-timeout", "5"),
+        ],
+    )
     (_, a), (_, b), (_, d) = servers
     procs = [p for p, _ in servers]
     try:  # health checks every 60 s: only a failed request can tell the router that B died
-        router, url = start_router_cli("--model", str(model_dir), "--served-model-name", "tiny", "--prefill", a,
-                                       "--prefill", b, "--decode", d, "--admin-token", TOKEN,
-                                       "--health-interval", "60")
+        router, url = start_router_cli(
+            "--model",
+            str(model_dir),
+            "--served-model-name",
+            "tiny",
+            "--prefill",
+            a,
+            "--prefill",
+            b,
+            "--decode",
+            d,
+            "--admin-token",
+            TOKEN,
+            "--health-interval",
+            "60",
+        )
         procs.append(router)
         auth = {"Authorization": f"Bearer {TOKEN}"}  # /admin/capacity polls every instance now
-        wait_until(lambda: http.get(f"{url}/admin/capacity", headers=auth, timeout=30).status_code == 200
-                   and http.get(f"{url}/health").status_code == 200, "the router to be ready", 60)
-        yield {"url": url, "a": a, "b": b, "d": d, "procs": dict(zip(("a", "b", "d"), procs)), "model_dir": model_dir}
+        wait_until(
+            lambda: (
+                http.get(f"{url}/admin/capacity", headers=auth, timeout=30).status_code == 200
+                and http.get(f"{url}/health").status_code == 200
+            ),
+            "the router to be ready",
+            60,
+        )
+        yield {
+            "url": url,
+            "a": a,
+            "b": b,
+            "d": d,
+            "procs": dict(zip(("a", "b", "d"), procs)),
+            "model_dir": model_dir,
+        }
     finally:
         stop_all(procs)
 
 
 def admin(topo, *args: str, token: str = TOKEN) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pdserve.cli", "admin", "--router", topo["url"], "--token", token,
-                           *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "admin", "--router", topo["url"], "--token", token, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def served(topo) -> dict[str, int]:
@@ -79,8 +119,13 @@ def test_admin_api_needs_the_token(topo, model_dir):
     assert http.get(f"{url}/admin/topology", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
     bad = admin(topo, "drain", topo["a"], token="wrong")
     assert bad.returncode == 1 and "401" in bad.stderr
-    assert not any(row["draining"] for row in json.loads(admin(topo, "topology", "--json").stdout)["instances"])
-    with running_router(RouterConfig(model=str(model_dir))) as (plain, _):  # no token configured: no admin API
+    assert not any(
+        row["draining"] for row in json.loads(admin(topo, "topology", "--json").stdout)["instances"]
+    )
+    with running_router(RouterConfig(model=str(model_dir))) as (
+        plain,
+        _,
+    ):  # no token configured: no admin API
         r = http.get(f"{plain}/admin/topology", headers={"Authorization": f"Bearer {TOKEN}"})
         assert r.status_code == 404 and "disabled" in r.json()["error"]["message"]
 
@@ -143,13 +188,18 @@ def test_metrics_are_prometheus_text(topo):
     assert metric(text, "pdserve_instance_kv_free_tokens", instance=topo["d"], role="decode") > 0
     assert metric(text, "pdserve_instance_queue_depth", instance=topo["a"], role="prefill") == 0
     assert metric(text, "pdserve_instance_healthy", instance=topo["b"], role="prefill") == 1
-    assert metric(text, "pdserve_instance_transfers_completed", instance=topo["d"], role="decode") >= completed
+    assert (
+        metric(text, "pdserve_instance_transfers_completed", instance=topo["d"], role="decode") >= completed
+    )
     per = metric(text, "pdserve_instance_transfer_bytes", instance=topo["d"], role="decode") / metric(
-        text, "pdserve_instance_transfers_completed", instance=topo["d"], role="decode")
+        text, "pdserve_instance_transfers_completed", instance=topo["d"], role="decode"
+    )
     assert per == handoff_bytes(topo["model_dir"], 3)  # every request here has a 3-token prompt
     assert metric(text, "pdserve_instance_transfer_seconds", instance=topo["d"], role="decode") > 0
     for line in text.splitlines():  # every sample line is NAME{labels} VALUE
-        assert line.startswith("#") or re.fullmatch(r'[a-zA-Z_:][a-zA-Z0-9_:]*(\{[^}]*\})? [-+0-9.eInf]+', line), line
+        assert line.startswith("#") or re.fullmatch(
+            r"[a-zA-Z_:][a-zA-Z0-9_:]*(\{[^}]*\})? [-+0-9.eInf]+", line
+        ), line
 
 
 @pytest.mark.slow
@@ -174,14 +224,22 @@ def test_dead_prefill_instance_costs_a_retry_not_a_failure(topo):
 def test_dead_decode_rank_mid_stream_is_an_error_event_then_503(topo, model_dir):
     client = openai.OpenAI(base_url=f"{topo['url']}/v1", api_key="unused", max_retries=0, timeout=60)
     rank_pid = http.get(f"{topo['d']}/capacity").json()["ranks"][0]["pid"]
-    stream = client.completions.create(model="tiny", prompt=[7, 8, 9], max_tokens=2000, temperature=0, stream=True,
-                                       extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model="tiny",
+        prompt=[7, 8, 9],
+        max_tokens=2000,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     assert next(iter(stream)).choices[0].text is not None  # tokens are flowing
     os.kill(rank_pid, signal.SIGKILL)
     with pytest.raises(openai.APIError, match="decode"):
         for _ in stream:
             pass
-    wait_until(lambda: not served_rows(topo)[topo["d"]]["healthy"], "the decode instance to be marked unhealthy")
+    wait_until(
+        lambda: not served_rows(topo)[topo["d"]]["healthy"], "the decode instance to be marked unhealthy"
+    )
     r = http.post(f"{topo['url']}/v1/completions", json={"model": "tiny", "prompt": [1], "max_tokens": 2})
     assert r.status_code == 503 and "decode" in r.json()["error"]["message"], r.text
     text = http.get(f"{topo['url']}/metrics").text

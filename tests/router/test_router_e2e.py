@@ -32,11 +32,23 @@ ADMIN = "e2e-admin-token-5d1c8f2a9b7e"
 @pytest.fixture(scope="module")
 def stack(model_dir, instances):
     p_url, d_url = instances
-    cfg = RouterConfig(model=str(model_dir), prefill=(p_url,), decode=(d_url,), served_model_name="tiny",
-                       admin_token=ADMIN, health_interval_s=0.5)
+    cfg = RouterConfig(
+        model=str(model_dir),
+        prefill=(p_url,),
+        decode=(d_url,),
+        served_model_name="tiny",
+        admin_token=ADMIN,
+        health_interval_s=0.5,
+    )
     with running_router(cfg) as (url, app):
-        yield {"url": url, "app": app, "p_url": p_url, "d_url": d_url, "model": model_dir,
-               "client": openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)}
+        yield {
+            "url": url,
+            "app": app,
+            "p_url": p_url,
+            "d_url": d_url,
+            "model": model_dir,
+            "client": openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60),
+        }
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +69,9 @@ def complete(client, prompt, stream: bool, **kw) -> tuple[str, list[int], str]:
         assert r.usage.completion_tokens == len(c.model_extra["token_ids"])
         return c.text, c.model_extra["token_ids"], c.finish_reason
     text, ids, reason = "", [], None
-    for chunk in client.completions.create(model="tiny", prompt=prompt, temperature=0, extra_body=extra,
-                                           stream=True, **kw):
+    for chunk in client.completions.create(
+        model="tiny", prompt=prompt, temperature=0, extra_body=extra, stream=True, **kw
+    ):
         c = chunk.choices[0]
         text += c.text
         ids += c.model_extra.get("token_ids") or []
@@ -72,8 +85,12 @@ def test_completion_token_ids_equal_single_rank_engine(stack, engine):
     prompts = [[(11 * i + n) % 500 + 4 for i in range(n)] for n in (1, 5, 64, 300)]
     want = [greedy(engine, ids) for ids in prompts]
     with ThreadPoolExecutor(4) as pool:  # all at once: the router runs them concurrently
-        got = list(pool.map(lambda a: complete(stack["client"], a[1], stream=a[0] % 2 == 1, max_tokens=TOKENS),
-                            enumerate(prompts)))
+        got = list(
+            pool.map(
+                lambda a: complete(stack["client"], a[1], stream=a[0] % 2 == 1, max_tokens=TOKENS),
+                enumerate(prompts),
+            )
+        )
     for (text, ids, reason), w in zip(got, want):
         assert ids == w
         assert reason == "length"
@@ -90,13 +107,26 @@ def test_text_prompt_and_chat_streamed_or_not_agree_with_engine(stack, engine):
     assert complete(client, "hello router", stream=True, max_tokens=TOKENS)[1] == want
     messages = [{"role": "user", "content": "hi there"}]
     chat_want = greedy(engine, tok.encode(tok.apply_chat_template(messages)))
-    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=TOKENS, temperature=0,
-                                       extra_body={"return_token_ids": True, "ignore_eos": True})
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=TOKENS,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     assert r.choices[0].model_extra["token_ids"] == chat_want
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == tok.decode(chat_want)
-    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=TOKENS, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == tok.decode(chat_want)
     assert chunks[-1].usage.completion_tokens == TOKENS and chunks[-1].usage.prompt_tokens > 0
@@ -107,8 +137,10 @@ def test_stop_string_cuts_the_text_and_frees_the_decode(stack, engine):
     tok = Tokenizer.from_pretrained(stack["model"])
     ids = [5, 6, 7, 8]
     full = tok.decode(greedy(engine, ids, 24))
-    cut = next(k for k in range(2, len(full) - 2) if full[k:k + 2].strip() and full.find(full[k:k + 2]) == k)
-    stop = full[cut:cut + 2]
+    cut = next(
+        k for k in range(2, len(full) - 2) if full[k : k + 2].strip() and full.find(full[k : k + 2]) == k
+    )
+    stop = full[cut : cut + 2]
     for stream in (False, True):
         text, got_ids, reason = complete(stack["client"], ids, stream=stream, max_tokens=24, stop=[stop])
         assert reason == "stop" and text == full[:cut], (stream, text, full, stop)
@@ -118,8 +150,14 @@ def test_stop_string_cuts_the_text_and_frees_the_decode(stack, engine):
 
 @pytest.mark.slow
 def test_client_leaving_mid_stream_aborts_the_request(stack):
-    body = {"model": "tiny", "prompt": [9, 10, 11], "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": "tiny",
+        "prompt": [9, 10, 11],
+        "max_tokens": 1000,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with http.stream("POST", f"{stack['url']}/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
@@ -127,8 +165,12 @@ def test_client_leaving_mid_stream_aborts_the_request(stack):
     wait_until(lambda: decode_idle(stack["d_url"]), "the abandoned request to be aborted")
     text = http.get(f"{stack['url']}/metrics").text
     assert 'pdserve_router_requests_total{outcome="aborted"} 1' in text
-    with pytest.raises(httpx.ReadTimeout):  # not streamed: the router notices the closed connection by polling
-        http.post(f"{stack['url']}/v1/completions", json={**body, "max_tokens": 2000, "stream": False}, timeout=1.5)
+    with pytest.raises(
+        httpx.ReadTimeout
+    ):  # not streamed: the router notices the closed connection by polling
+        http.post(
+            f"{stack['url']}/v1/completions", json={**body, "max_tokens": 2000, "stream": False}, timeout=1.5
+        )
     wait_until(lambda: decode_idle(stack["d_url"]), "the abandoned non-streaming request to be aborted")
     text = http.get(f"{stack['url']}/metrics").text
     assert 'pdserve_router_requests_total{outcome="aborted"} 2' in text
@@ -142,7 +184,11 @@ BAD = {
     "top_p 0": ({"model": "tiny", "prompt": "x", "top_p": 0}, 400, "top_p"),
     "top_p 1.5": ({"model": "tiny", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
     "prompt too long": ({"model": "tiny", "prompt": [5] * 3000, "max_tokens": 4}, 400, "prompt"),
-    "prompt + max_tokens too long": ({"model": "tiny", "prompt": [5] * 100, "max_tokens": 5000}, 400, "prompt"),
+    "prompt + max_tokens too long": (
+        {"model": "tiny", "prompt": [5] * 100, "max_tokens": 5000},
+        400,
+        "prompt",
+    ),
     "token id outside vocab": ({"model": "tiny", "prompt": [1, 10**6]}, 400, "prompt"),
     "no prompt": ({"model": "tiny"}, 400, "prompt"),
     "n 2": ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n"),
@@ -164,8 +210,12 @@ def test_bad_input_is_a_4xx_with_openai_error_body(stack, name):
 
 @pytest.mark.slow
 def test_invalid_json_and_openai_client_errors(stack):
-    r = http.post(f"{stack['url']}/v1/completions", content=b'{"model": "tiny", "prompt": ', timeout=30,
-                   headers={"content-type": "application/json"})
+    r = http.post(
+        f"{stack['url']}/v1/completions",
+        content=b'{"model": "tiny", "prompt": ',
+        timeout=30,
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 400 and "invalid JSON" in r.json()["error"]["message"], r.text
     r = http.post(f"{stack['url']}/v1/chat/completions", json={"model": "tiny", "messages": []}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
@@ -180,7 +230,9 @@ def test_invalid_json_and_openai_client_errors(stack):
 
 def test_no_usable_instance_is_503(model_dir):
     dead = "http://127.0.0.1:9"  # the discard port: nothing listens there
-    cfg = RouterConfig(model=str(model_dir), prefill=("http://localhost:9",), decode=(dead,), served_model_name="tiny")
+    cfg = RouterConfig(
+        model=str(model_dir), prefill=("http://localhost:9",), decode=(dead,), served_model_name="tiny"
+    )
     with running_router(cfg) as (url, _):
         assert http.get(f"{url}/live").status_code == 200
         h = http.get(f"{url}/health")
@@ -194,8 +246,10 @@ def test_no_usable_instance_is_503(model_dir):
 
 
 def test_router_app_imports_no_torch():
-    code = ("import json, sys, pdserve.router.app, pdserve.router.admin; "
-            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')))")
+    code = (
+        "import json, sys, pdserve.router.app, pdserve.router.admin; "
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == []

@@ -22,7 +22,6 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
@@ -56,17 +55,45 @@ def run_readme_quickstart(port: int, model: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index,transfer,stop", [("copy", "nixl", "SIGTERM"), ("split", "nixl", "SIGTERM twice"),
-                                                 ("copy", "tcp", "SIGKILL")])
+@pytest.mark.parametrize(
+    "index,transfer,stop",
+    [("copy", "nixl", "SIGTERM"), ("split", "nixl", "SIGTERM twice"), ("copy", "tcp", "SIGKILL")],
+)
 def test_up_serves_and_stops_cleanly(model_dir, tmp_path, index, transfer, stop):
     """stop: how the launcher is stopped. A repeated SIGTERM must not cut its cleanup short; a killed
     launcher takes every process it started with it (they get SIGTERM when it dies)."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "up", "--model", str(model_dir), "--prefill-cp", "2", "--decode-tp", "2",
-         "--decode-dcp", "2", "--dcp-index", index, "--transfer", transfer, "--max-kv-tokens", "1024",
-         "--port", str(port), "--log-dir", str(tmp_path), "--ready-timeout", "120"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "up",
+            "--model",
+            str(model_dir),
+            "--prefill-cp",
+            "2",
+            "--decode-tp",
+            "2",
+            "--decode-dcp",
+            "2",
+            "--dcp-index",
+            index,
+            "--transfer",
+            transfer,
+            "--max-kv-tokens",
+            "1024",
+            "--port",
+            str(port),
+            "--log-dir",
+            str(tmp_path),
+            "--ready-timeout",
+            "120",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
@@ -85,21 +112,43 @@ def test_up_serves_and_stops_cleanly(model_dir, tmp_path, index, transfer, stop)
         pids += [r["pid"] for r in ranks]
         assert len(pids) == 7
         model = re.search(r"\"model\": \"([^\"]+)\"", out).group(1)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
-        r = client.completions.create(model=model, prompt="Hello", max_tokens=4, extra_body={"ignore_eos": True})
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60
+        )
+        r = client.completions.create(
+            model=model, prompt="Hello", max_tokens=4, extra_body={"ignore_eos": True}
+        )
         assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
         engine = LLMEngine.from_pretrained(model_dir)
-        for n in (1, 5, 64, 300):  # greedy through the hand-off into the DCP ranks equals the single-rank engine
+        for n in (
+            1,
+            5,
+            64,
+            300,
+        ):  # greedy through the hand-off into the DCP ranks equals the single-rank engine
             ids = [(13 * i + n) % 500 + 4 for i in range(n)]
             want = engine.generate([ids], SamplingParams(max_tokens=6, ignore_eos=True))[0]
-            r = client.completions.create(model=model, prompt=ids, max_tokens=6, temperature=0,
-                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+            r = client.completions.create(
+                model=model,
+                prompt=ids,
+                max_tokens=6,
+                temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            )
             assert r.choices[0].model_extra["token_ids"] == want, n
-        chat = dict(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0,
-                    extra_body={"ignore_eos": True})
+        chat = dict(
+            model=model,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=5,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         whole = client.chat.completions.create(**chat).choices[0].message.content
-        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**chat, stream=True)
-                           if c.choices)
+        streamed = "".join(
+            c.choices[0].delta.content or ""
+            for c in client.chat.completions.create(**chat, stream=True)
+            if c.choices
+        )
         assert whole and streamed == whole
         if (index, transfer) == ("copy", "tcp"):  # `make serve`: pdserve up's defaults for these two
             flags = make_serve_args()

@@ -16,9 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
-import httpx
 import pytest
 
 from pdserve.router.supervise import Backoff
@@ -31,14 +29,36 @@ def launch_up(model_dir, log_dir, *args: str) -> tuple[subprocess.Popen, list[st
     """Starts `pdserve up` and waits for its "ready:" line; returns (process, output lines so far and to
     come, router URL)."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--model", str(model_dir), "--port", str(port),
-                             "--log-dir", str(log_dir), "--ready-timeout", "120", "--shutdown-grace", "5", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "up",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--log-dir",
+            str(log_dir),
+            "--ready-timeout",
+            "120",
+            "--shutdown-grace",
+            "5",
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
     try:
-        wait_until(lambda: proc.poll() is not None or any(line.startswith("ready: ") for line in lines),
-                   "`pdserve up` to be ready", 150)
+        wait_until(
+            lambda: proc.poll() is not None or any(line.startswith("ready: ") for line in lines),
+            "`pdserve up` to be ready",
+            150,
+        )
         assert proc.poll() is None, "".join(lines)
     except BaseException:
         proc.kill()
@@ -57,9 +77,18 @@ def rank_pids(d_url: str) -> list[int]:
 
 def greedy(router: str) -> list[int]:
     model = http.get(f"{router}/v1/models", timeout=10).json()["data"][0]["id"]
-    r = http.post(f"{router}/v1/completions", timeout=60, json={
-        "model": model, "prompt": list(range(5, 40)), "max_tokens": 6, "temperature": 0, "ignore_eos": True,
-        "return_token_ids": True})
+    r = http.post(
+        f"{router}/v1/completions",
+        timeout=60,
+        json={
+            "model": model,
+            "prompt": list(range(5, 40)),
+            "max_tokens": 6,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["token_ids"]
 
@@ -74,8 +103,18 @@ def assert_all_gone(pids: list[int]) -> None:
 
 @pytest.mark.slow
 def test_up_restarts_a_dead_instance_and_stops_when_the_router_dies(model_dir, tmp_path):
-    proc, lines, router = launch_up(model_dir, tmp_path, "--prefill-cp", "1", "--decode-tp", "2", "--decode-dcp", "2",
-                                    "--max-kv-tokens", "1024")
+    proc, lines, router = launch_up(
+        model_dir,
+        tmp_path,
+        "--prefill-cp",
+        "1",
+        "--decode-tp",
+        "2",
+        "--decode-dcp",
+        "2",
+        "--max-kv-tokens",
+        "1024",
+    )
     try:
         out = "".join(lines)
         d_url = re.search(r"decode-0: (\S+)", out).group(1)
@@ -86,20 +125,26 @@ def test_up_restarts_a_dead_instance_and_stops_when_the_router_dies(model_dir, t
         wait_until(lambda: "decode-0: healthy again" in "".join(lines), "decode-0 to be restarted", 120)
         out = "".join(lines)
         assert proc.poll() is None and pid_alive(router_pid), out
-        assert re.search(rf"decode-0 exited with status 1 \(log \S+decode-0\.log\); restarting it on {d_url} in 1 s",
-                         out), out
+        assert re.search(
+            rf"decode-0 exited with status 1 \(log \S+decode-0\.log\); restarting it on {d_url} in 1 s", out
+        ), out
         assert not set(rank_pids(d_url)) & set(old_ranks) and not any(pid_alive(p) for p in old_ranks)
         wait_until(lambda: router_health(router) == 200, "the router to take the decode instance back")
         assert greedy(router) == before
         log = (tmp_path / "decode-0.log").read_text()  # the crash's log survives the restart
-        crash, marker = log.find("stopping the decode instance"), log.find("===== pdserve up: restart 1 of decode-0")
+        crash, marker = (
+            log.find("stopping the decode instance"),
+            log.find("===== pdserve up: restart 1 of decode-0"),
+        )
         assert 0 <= crash < marker, log
         pids = all_pids("".join(lines), d_url)
         os.kill(router_pid, signal.SIGKILL)
         assert proc.wait(60) == 1
         assert "error: the router exited with signal SIGKILL" in "".join(lines), "".join(lines)
         assert_all_gone(pids)
-        assert "drained; stopping the decode instance" in (tmp_path / "decode-0.log").read_text()  # SIGTERM, not KILL
+        assert (
+            "drained; stopping the decode instance" in (tmp_path / "decode-0.log").read_text()
+        )  # SIGTERM, not KILL
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -58,8 +58,14 @@ class Case:
 
     def only(self, keep: list[int]) -> "Case":
         """The same case with only the requests at these indexes (shrinking a failure)."""
-        return Case(self.number, self.index_mode, self.comm, self.chunk,
-                    tuple(self.lengths[i] for i in keep), tuple(self.max_tokens[i] for i in keep))
+        return Case(
+            self.number,
+            self.index_mode,
+            self.comm,
+            self.chunk,
+            tuple(self.lengths[i] for i in keep),
+            tuple(self.max_tokens[i] for i in keep),
+        )
 
 
 def draw_pair(seed: int, p: int) -> Pair:
@@ -71,9 +77,19 @@ def draw_pair(seed: int, p: int) -> Pair:
     shapes = [s for s in DECODE_SHAPES if s[1] >= 2] if p < len(ARCHS) else DECODE_SHAPES
     w, c = rng.choice(shapes)
     layouts = ALLOWED_LAYOUTS[arch] if cp > 1 else ALLOWED_LAYOUTS[arch][:1]
-    return Pair(arch, rng.choice(("tcp", "nixl")), cp, rng.choice(layouts), rng.choice(("full", "layer-split")),
-                rng.random() < 0.5, w, c, c > 1 and rng.random() < 0.5,
-                "fp8_e4m3" if rng.random() < 0.3 else "auto", c * rng.choice((1, 2, 4)))
+    return Pair(
+        arch,
+        rng.choice(("tcp", "nixl")),
+        cp,
+        rng.choice(layouts),
+        rng.choice(("full", "layer-split")),
+        rng.random() < 0.5,
+        w,
+        c,
+        c > 1 and rng.random() < 0.5,
+        "fp8_e4m3" if rng.random() < 0.3 else "auto",
+        c * rng.choice((1, 2, 4)),
+    )
 
 
 def draw_case(seed: int, k: int, pair: Pair) -> Case:
@@ -86,8 +102,14 @@ def draw_case(seed: int, k: int, pair: Pair) -> Case:
         n = rng.randint(2, 5)
         lengths = [rng.choice(special) if rng.random() < 0.6 else rng.randint(2, 70) for _ in range(n)]
     max_tokens = [rng.choice((1, rng.randint(2, 12), rng.randint(2, 40))) for _ in lengths]
-    return Case(k, rng.choice(("copy", "split")), rng.choice(("a2a", "ag_rs")), rng.choice((4096, 16, 5)),
-                tuple(lengths), tuple(max_tokens))
+    return Case(
+        k,
+        rng.choice(("copy", "split")),
+        rng.choice(("a2a", "ag_rs")),
+        rng.choice((4096, 16, 5)),
+        tuple(lengths),
+        tuple(max_tokens),
+    )
 
 
 def repro_command(seed: int, k: int, keep: list[int] | None = None) -> str:

@@ -36,14 +36,32 @@ class Got:
 class PairRunner:
     def __init__(self, pair: Pair, path: str):
         self.pair, self.path = pair, path
-        pw = PrefillWorkerConfig(path, num_slots=512, dtype=pair.dtype, layout=pair.layout, cache=pair.cache,
-                                 moe_tp=pair.moe_tp, query_block=16, float32_islands=pair.islands,
-                                 transfer=pair.transfer)
-        dw = DecodeWorkerConfig(path, num_slots=SLOTS, dcp_size=pair.c, replicate_q=pair.replicate_q, dtype=pair.dtype,
-                                kv_cache_dtype=pair.kv_cache_dtype, float32_islands=pair.islands,
-                                transfer=pair.transfer, transfer_quarantine_s=1.0)
+        pw = PrefillWorkerConfig(
+            path,
+            num_slots=512,
+            dtype=pair.dtype,
+            layout=pair.layout,
+            cache=pair.cache,
+            moe_tp=pair.moe_tp,
+            query_block=16,
+            float32_islands=pair.islands,
+            transfer=pair.transfer,
+        )
+        dw = DecodeWorkerConfig(
+            path,
+            num_slots=SLOTS,
+            dcp_size=pair.c,
+            replicate_q=pair.replicate_q,
+            dtype=pair.dtype,
+            kv_cache_dtype=pair.kv_cache_dtype,
+            float32_islands=pair.islands,
+            transfer=pair.transfer,
+            transfer_quarantine_s=1.0,
+        )
         self.prefill = PrefillInstance(pw, LaunchConfig(pair.cp, free_port()), page_size=4)
-        self.decode = DecodeEngine(DecodeInstance(dw, LaunchConfig(pair.w, free_port()), page_size=pair.page_size))
+        self.decode = DecodeEngine(
+            DecodeInstance(dw, LaunchConfig(pair.w, free_port()), page_size=pair.page_size)
+        )
         try:
             self.prefill.start()
             self.decode.instance.start()
@@ -87,7 +105,9 @@ class PairRunner:
         every = self.decode.instance.selections()
         for rank, sel in enumerate(every[1:], 1):
             for layer, s in sel.items():
-                assert torch.equal(s, every[0][layer]), f"{tag}: rank {rank} layer {layer} selects differently"
+                assert torch.equal(s, every[0][layer]), (
+                    f"{tag}: rank {rank} layer {layer} selects differently"
+                )
         assert all(s.shape[0] == batch for s in every[0].values())
         return every[0]
 

@@ -35,8 +35,9 @@ class RecordingBackend(SingleRankBackend):
         out = super()._decode(layer, q, index, scale)
         if index is not None and self.cfg.is_sparse:
             self.selections[layer] = self._selection[-1].clone()  # [B, k]
-            scores = index_scores(index.q, index.weights, self.pool.read_index(layer, self._dec_slots),
-                                  index.softmax_scale).masked_fill(~self._dec_valid, float("nan"))
+            scores = index_scores(
+                index.q, index.weights, self.pool.read_index(layer, self._dec_slots), index.softmax_scale
+            ).masked_fill(~self._dec_valid, float("nan"))
             self.zero_ties += _zero_ties(scores, self.cfg.index_topk)
         return out
 
@@ -59,12 +60,16 @@ class Expected:
 
 
 class SingleRank:
-    def __init__(self, path: str, dtype: str = "float64", islands: bool = False, kv_cache_dtype: str = "auto"):
+    def __init__(
+        self, path: str, dtype: str = "float64", islands: bool = False, kv_cache_dtype: str = "auto"
+    ):
         self.prefiller = LLMEngine.from_pretrained(path, dtype, float32_islands=islands, max_kv_tokens=256)
         self.decoder = {}
         for kind in ("auto", "fp8_e4m3"):
             e = LLMEngine(self.prefiller.model, max_kv_tokens=256)
-            e.pool = KVPool(e.config, e.allocator.num_pages * e.allocator.page_size, e.pool.dtype, kv_cache_dtype=kind)
+            e.pool = KVPool(
+                e.config, e.allocator.num_pages * e.allocator.page_size, e.pool.dtype, kv_cache_dtype=kind
+            )
             e.backend = RecordingBackend(e.config, e.pool)
             e.backend.zero_ties = 0
             e.runner = ModelRunner(e.model, e.allocator, e.backend)

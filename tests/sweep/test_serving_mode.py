@@ -21,10 +21,35 @@ pytestmark = pytest.mark.slow
 NEAR_TIE = 1e-5
 TOKENS = 32
 SHAPES = [  # (pair, index mode, merge)
-    (Pair("glm_moe_dsa", "tcp", 2, "interleave", "full", False, 4, 4, False, "auto", 4, "float32", True), "split", "a2a"),
-    (Pair("deepseek_v32", "nixl", 3, "interleave", "layer-split", True, 3, 3, True, "auto", 6, "float32", True),
-     "copy", "ag_rs"),
-    (Pair("deepseek_v3", "tcp", 2, "zigzag", "full", False, 2, 2, True, "auto", 2, "float32", True), "copy", "a2a"),
+    (
+        Pair("glm_moe_dsa", "tcp", 2, "interleave", "full", False, 4, 4, False, "auto", 4, "float32", True),
+        "split",
+        "a2a",
+    ),
+    (
+        Pair(
+            "deepseek_v32",
+            "nixl",
+            3,
+            "interleave",
+            "layer-split",
+            True,
+            3,
+            3,
+            True,
+            "auto",
+            6,
+            "float32",
+            True,
+        ),
+        "copy",
+        "ag_rs",
+    ),
+    (
+        Pair("deepseek_v3", "tcp", 2, "zigzag", "full", False, 2, 2, True, "auto", 2, "float32", True),
+        "copy",
+        "a2a",
+    ),
 ]
 
 
@@ -33,7 +58,9 @@ def first_divergence(got: list[int], want: list[int]) -> int | None:
 
 
 @pytest.mark.parametrize("pair,index_mode,comm", SHAPES, ids=lambda v: v.arch if isinstance(v, Pair) else v)
-def test_float32_islands_tokens_match_or_near_tie(heads12_checkpoints, request, capsys, pair, index_mode, comm):
+def test_float32_islands_tokens_match_or_near_tie(
+    heads12_checkpoints, request, capsys, pair, index_mode, comm
+):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the single-rank engine: tiny tensors, a loaded machine
     path = str(heads12_checkpoints[pair.arch])

@@ -31,7 +31,7 @@ import torch
 
 from pdserve.engine.launcher import RankError
 from tests.reference import assert_close
-from tests.sweep.draw import CASES_PER_PAIR, Case, Pair, draw_case, draw_pair, repro_command
+from tests.sweep.draw import CASES_PER_PAIR, Case, draw_case, draw_pair, repro_command
 from tests.sweep.runner import PairRunner
 from tests.sweep.single_rank import SingleRank
 
@@ -80,7 +80,8 @@ def check_case(runner: PairRunner, oracle: SingleRank, seed: int, case: Case) ->
             for layer in gs:
                 assert torch.equal(gs[layer], ws[layer]), (
                     f"{what} step {step} layer {layer}: {case.index_mode} index selected {gs[layer].tolist()}, "
-                    f"a copied index selects {ws[layer].tolist()}")
+                    f"a copied index selects {ws[layer].tolist()}"
+                )
         assert g.tokens == want.tokens, f"{what}: tokens {g.tokens} != single-rank {want.tokens}"
         if g.logits:
             assert_close(torch.stack(g.logits), want.logits, f"{what}: logits")
@@ -106,8 +107,11 @@ def run_or_shrink(runner: PairRunner, oracle: SingleRank, seed: int, case: Case,
                 break
             except Exception as e2:
                 keep, error = trial, e2
-    pytest.fail(f"sweep case failed: {type(error).__name__}: {error}\n  pair: {runner.pair}\n  case: {case.only(keep)}"
-                f"\n  rerun: {repro_command(seed, case.number, keep)}", pytrace=False)
+    pytest.fail(
+        f"sweep case failed: {type(error).__name__}: {error}\n  pair: {runner.pair}\n  case: {case.only(keep)}"
+        f"\n  rerun: {repro_command(seed, case.number, keep)}",
+        pytrace=False,
+    )
 
 
 def test_sweep_pair(request, heads12_checkpoints, oracles, pair_index, capsys):
@@ -121,7 +125,11 @@ def test_sweep_pair(request, heads12_checkpoints, oracles, pair_index, capsys):
     try:
         for k in numbers:
             case = draw_case(seed, k, pair)
-            keep = [int(i) for i in opt("--requests").split(",")] if opt("--requests") else list(range(len(case.lengths)))
+            keep = (
+                [int(i) for i in opt("--requests").split(",")]
+                if opt("--requests")
+                else list(range(len(case.lengths)))
+            )
             run_or_shrink(runner, oracles(pair.arch), seed, case, keep)
             STATS["cases"] += 1
     finally:
@@ -129,8 +137,10 @@ def test_sweep_pair(request, heads12_checkpoints, oracles, pair_index, capsys):
     STATS["archs"].add(pair.arch)
     STATS["zero_ties"] = sum(oracles(a).zero_ties for a in STATS["archs"])
     with capsys.disabled():
-        print(f"\nsweep pair {pair_index}: {len(numbers)} cases in {time.monotonic() - start:.1f} s, {pair}; "
-              f"so far {STATS['cases']} cases, {STATS['zero_ties']} zero-score ties at the top-k boundary")
+        print(
+            f"\nsweep pair {pair_index}: {len(numbers)} cases in {time.monotonic() - start:.1f} s, {pair}; "
+            f"so far {STATS['cases']} cases, {STATS['zero_ties']} zero-score ties at the top-k boundary"
+        )
 
 
 def test_sweep_saw_zero_score_ties(request):

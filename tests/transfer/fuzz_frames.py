@@ -24,11 +24,31 @@ BOMBS = [
 
 
 def scalar(rng: random.Random):
-    return rng.choice([
-        None, True, False, 0, -1, 1, 2**31, 2**63 - 1, -2**63, 2**64 - 1, rng.randint(-2**40, 2**40),
-        0.5, float("nan"), float("inf"), -float("inf"), "", "x" * rng.randint(0, 300), "\u00e9\u4e2d",
-        b"", rng.randbytes(rng.randint(0, 40)), rng.randbytes(16),
-    ])
+    return rng.choice(
+        [
+            None,
+            True,
+            False,
+            0,
+            -1,
+            1,
+            2**31,
+            2**63 - 1,
+            -(2**63),
+            2**64 - 1,
+            rng.randint(-(2**40), 2**40),
+            0.5,
+            float("nan"),
+            float("inf"),
+            -float("inf"),
+            "",
+            "x" * rng.randint(0, 300),
+            "\u00e9\u4e2d",
+            b"",
+            rng.randbytes(rng.randint(0, 40)),
+            rng.randbytes(16),
+        ]
+    )
 
 
 def obj(rng: random.Random, depth: int = 0):
@@ -41,8 +61,16 @@ def obj(rng: random.Random, depth: int = 0):
 
 
 def key(rng: random.Random):
-    return rng.choice([rng.choice(["room", "ticket", "__type__", "runs", "items", "x"]), rng.randint(-5, 5), None,
-                       b"k", 1.5, True])
+    return rng.choice(
+        [
+            rng.choice(["room", "ticket", "__type__", "runs", "items", "x"]),
+            rng.randint(-5, 5),
+            None,
+            b"k",
+            1.5,
+            True,
+        ]
+    )
 
 
 def protocol_like(rng: random.Random, fields: dict[str, object]) -> dict:
@@ -68,4 +96,4 @@ def body(rng: random.Random, structured) -> bytes:
     if r < 0.22:
         return rng.choice(BOMBS)
     packed = msgpack.packb(structured(rng) if r < 0.8 else obj(rng), use_bin_type=True)
-    return packed[:rng.randint(0, len(packed))] if r > 0.95 else packed
+    return packed[: rng.randint(0, len(packed))] if r > 0.95 else packed

@@ -31,15 +31,30 @@ class Instances:
 
     def get_prefill(self, cp: int, cache: str, transfer: str = "tcp") -> PrefillInstance:
         if (transfer, cp, cache) not in self.prefill:
-            w = PrefillWorkerConfig(self.path, num_slots=512, dtype="float64", cache=cache, query_block=16,
-                                    float32_islands=False, transfer=transfer)
+            w = PrefillWorkerConfig(
+                self.path,
+                num_slots=512,
+                dtype="float64",
+                cache=cache,
+                query_block=16,
+                float32_islands=False,
+                transfer=transfer,
+            )
             self.prefill[transfer, cp, cache] = PrefillInstance(w, LaunchConfig(cp, free_port())).start()
         return self.prefill[transfer, cp, cache]
 
     def get_decode(self, w: int, c: int, index_mode: str, transfer: str = "tcp") -> DecodeEngine:
         if (transfer, w, c) not in self.decode:
-            cfg = DecodeWorkerConfig(self.path, num_slots=256, dcp_size=c, index_mode=index_mode, dtype="float64",
-                                     float32_islands=False, transfer=transfer, transfer_quarantine_s=QUARANTINE_S)
+            cfg = DecodeWorkerConfig(
+                self.path,
+                num_slots=256,
+                dcp_size=c,
+                index_mode=index_mode,
+                dtype="float64",
+                float32_islands=False,
+                transfer=transfer,
+                transfer_quarantine_s=QUARANTINE_S,
+            )
             inst = DecodeInstance(cfg, LaunchConfig(w, free_port()), page_size=4)
             self.decode[transfer, w, c] = DecodeEngine(inst.start())
         engine = self.decode[transfer, w, c]
@@ -69,7 +84,9 @@ def assert_idle(prefill: PrefillInstance, decode: DecodeEngine, wait_s: float = 
     alloc.check_integrity()
     deadline = time.monotonic() + wait_s
     while alloc.num_free != alloc.num_pages:  # pages held after a failure come back after QUARANTINE_S
-        assert time.monotonic() < deadline, f"{alloc.num_held} pages held, {alloc.num_free} of {alloc.num_pages} free"
+        assert time.monotonic() < deadline, (
+            f"{alloc.num_held} pages held, {alloc.num_free} of {alloc.num_pages} free"
+        )
         time.sleep(0.05)
     while True:
         recv, send = decode.instance.transfer_status("none"), prefill.transfer_status()
@@ -97,8 +114,15 @@ def check_handoffs(prefill: PrefillInstance, decode: DecodeEngine, single: LLMEn
         assert_idle(prefill, decode)
 
 
-def check_rows(prefill: PrefillInstance, decode: DecodeEngine, single: LLMEngine, ids: list[int], pages: list[int],
-               prefill_rows: dict, tag: str) -> None:
+def check_rows(
+    prefill: PrefillInstance,
+    decode: DecodeEngine,
+    single: LLMEngine,
+    ids: list[int],
+    pages: list[int],
+    prefill_rows: dict,
+    tag: str,
+) -> None:
     """Every decode rank stores exactly the prefill's rows of its tokens, which match the single-rank engine."""
     _, want_kv, want_index = single.prefill_with_cache(ids)
     inst, n = decode.instance, len(ids)
@@ -134,11 +158,20 @@ def run_mixed_faults(prefill: PrefillInstance, decode: DecodeEngine, cases: int,
     outcomes = {"ok": 0, "checksum mismatch": 0, "transfer timeout": 0, "dropped the room": 0}
     for _ in range(cases):
         kind = rng.choice(list(outcomes))
-        hooks = HandoffHooks(corrupt=kind == "checksum mismatch", skip_send=kind == "transfer timeout",
-                             after_send=decode.instance.forget if kind == "dropped the room" else None)
+        hooks = HandoffHooks(
+            corrupt=kind == "checksum mismatch",
+            skip_send=kind == "transfer timeout",
+            after_send=decode.instance.forget if kind == "dropped the room" else None,
+        )
         try:
-            req = hand_off(prefill, decode, prompt(rng.randint(1, 30)), SamplingParams(max_tokens=1),
-                           timeout_s=0.05 if kind == "transfer timeout" else 10, hooks=hooks)
+            req = hand_off(
+                prefill,
+                decode,
+                prompt(rng.randint(1, 30)),
+                SamplingParams(max_tokens=1),
+                timeout_s=0.05 if kind == "transfer timeout" else 10,
+                hooks=hooks,
+            )
             assert kind == "ok" and req.state == "finished"
         except TransferError as e:
             assert kind in str(e), (kind, str(e))

@@ -42,8 +42,13 @@ def run_batch(remote: RemoteRooms, decode, ports: range, events: list) -> None:
 def test_thousands_of_bogus_bootstrap_endpoints_keep_threads_and_fds_bounded(instances):
     decode = instances.get_decode(1, 1, "copy")
     events: list = []
-    remote = RemoteRooms(decode, lambda room, event: events.append((room, event)), heartbeat_timeout_s=0.001,
-                         max_clients=MAX_CLIENTS, client_idle_s=0.2)
+    remote = RemoteRooms(
+        decode,
+        lambda room, event: events.append((room, event)),
+        heartbeat_timeout_s=0.001,
+        max_clients=MAX_CLIENTS,
+        client_idle_s=0.2,
+    )
     try:
         run_batch(remote, decode, range(1, 1 + BATCH), events)  # warm: the shared context's threads exist
         base_threads, base_py, base_fds = os_threads(), threading.active_count(), fds()
@@ -54,7 +59,9 @@ def test_thousands_of_bogus_bootstrap_endpoints_keep_threads_and_fds_bounded(ins
             assert len(remote.clients) <= MAX_CLIENTS
         assert peak_threads - base_threads <= 2 and threading.active_count() <= base_py + 1
         assert peak_fds - base_fds <= 4 * MAX_CLIENTS, (base_fds, peak_fds)
-        assert len(events) == ENDPOINTS and all(ev[0] == "error" and "stopped answering" in ev[1] for _, ev in events)
+        assert len(events) == ENDPOINTS and all(
+            ev[0] == "error" and "stopped answering" in ev[1] for _, ev in events
+        )
         assert remote.clients_closed >= ENDPOINTS - MAX_CLIENTS
         time.sleep(0.3)
         remote._next_check = 0.0  # the next poll runs the periodic housekeeping now

@@ -15,7 +15,14 @@ from pdserve.model.config import ModelConfig
 from pdserve.transfer.frames import new_ticket
 from pdserve.transfer.plan import DecodeSide, PrefillSide, plan_transfer
 from pdserve.transfer.room import RoomSlots
-from pdserve.transfer.tcp import ExpectCmd, SendCmd, TcpReceiver, TcpSender, TransferStatusCmd, merge_checksums
+from pdserve.transfer.tcp import (
+    ExpectCmd,
+    SendCmd,
+    TcpReceiver,
+    TcpSender,
+    TransferStatusCmd,
+    merge_checksums,
+)
 
 
 def outward_address() -> str:
@@ -36,10 +43,21 @@ def test_receiver_listens_and_advertises_the_data_host(model_path):
     recv, sender = TcpReceiver(0, lambda: dst, host), TcpSender(0, src)
     try:
         assert recv.endpoint.startswith(f"tcp://{host}:")
-        plan = [t for t in plan_transfer(PrefillSide(1, "full", cfg.num_layers, cfg.indexer_layers, range(10, 22)),
-                                         DecodeSide(1, 1, "split", 4, (1, 0, 2)), 12) if t.kind == "kv"]
+        plan = [
+            t
+            for t in plan_transfer(
+                PrefillSide(1, "full", cfg.num_layers, cfg.indexer_layers, range(10, 22)),
+                DecodeSide(1, 1, "split", 4, (1, 0, 2)),
+                12,
+            )
+            if t.kind == "kv"
+        ]
         ticket = new_ticket()
-        recv.handle(ExpectCmd("r", ticket, {0: {0: sum(t.rows for t in plan)}}, RoomSlots.of((1, 0, 2), 4, 1, "split")))
+        recv.handle(
+            ExpectCmd(
+                "r", ticket, {0: {0: sum(t.rows for t in plan)}}, RoomSlots.of((1, 0, 2), 4, 1, "split")
+            )
+        )
         reply = sender.send(SendCmd("r", ticket, plan, {0: recv.endpoint}))
         deadline = time.monotonic() + 5
         while not recv.handle(TransferStatusCmd("r"))["complete"]:

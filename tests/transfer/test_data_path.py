@@ -15,13 +15,21 @@ import torch
 from pdserve.engine.kv_cache import KVPool
 from pdserve.model.config import ModelConfig
 from pdserve.transfer.base import RoomChecksum, row_digest
+from pdserve.transfer.frames import new_ticket
 from pdserve.transfer.nixl import NixlReceiver
 from pdserve.transfer.nixl_send import NixlSender
-from pdserve.transfer.frames import new_ticket
 from pdserve.transfer.plan import DecodeSide, PrefillSide, plan_transfer
 from pdserve.transfer.room import SLICE_RUNS, RoomSlots
-from pdserve.transfer.tcp import ( ExpectCmd, ForgetCmd, SendCmd, StageCmd, TcpReceiver, TcpSender,
-                                  TransferStatusCmd, merge_checksums)
+from pdserve.transfer.tcp import (
+    ExpectCmd,
+    ForgetCmd,
+    SendCmd,
+    StageCmd,
+    TcpReceiver,
+    TcpSender,
+    TransferStatusCmd,
+    merge_checksums,
+)
 
 
 # ---- the checksum ------------------------------------------------------------------------------------
@@ -97,14 +105,27 @@ def test_rows_arrive_exactly_and_the_checksums_agree(model_path, backend, kind, 
         recv = {r: TcpReceiver(r, lambda r=r: dst[r]) for r in ranks}
         sender = TcpSender(0, src)
     else:
-        recv = {r: NixlReceiver(r, lambda r=r: dst[r], staging_bytes=4 << 20, name=f"test-path-d{r}-{kind}{residues}",
-                                direct=backend == "nixl") for r in ranks}
-        sender = NixlSender(0, src, staging_bytes=64 << 10, name=f"test-path-p-{kind}{residues}")  # several chunks
+        recv = {
+            r: NixlReceiver(
+                r,
+                lambda r=r: dst[r],
+                staging_bytes=4 << 20,
+                name=f"test-path-d{r}-{kind}{residues}",
+                direct=backend == "nixl",
+            )
+            for r in ranks
+        }
+        sender = NixlSender(
+            0, src, staging_bytes=64 << 10, name=f"test-path-p-{kind}{residues}"
+        )  # several chunks
     try:
         rows = {r: {} for r in ranks}
         for t in plan:
             rows[t.dst_rank][t.kind] = rows[t.dst_rank].get(t.kind, 0) + t.rows
-        ticket, slots = new_ticket(), RoomSlots.of(decode.pages, decode.page_size, decode.dcp_size, decode.index_mode)
+        ticket, slots = (
+            new_ticket(),
+            RoomSlots.of(decode.pages, decode.page_size, decode.dcp_size, decode.index_mode),
+        )
         endpoints = {r: recv[r].handle(StageCmd("room", ticket, rows))["endpoint"] for r in ranks}
         for r in ranks:
             recv[r].handle(ExpectCmd("room", ticket, {r: {0: sum(rows[r].values())}}, slots))
@@ -123,10 +144,16 @@ def test_rows_arrive_exactly_and_the_checksums_agree(model_path, backend, kind, 
             read_src = src.read_kv if t.kind == "kv" else src.read_index
             for run in t.runs:
                 got = read_dst(t.layer, torch.arange(run.dst, run.dst + run.length))
-                assert torch.equal(got, read_src(t.layer, torch.tensor(list(run.src_rows())))), (t.layer, t.kind, run)
+                assert torch.equal(got, read_src(t.layer, torch.tensor(list(run.src_rows())))), (
+                    t.layer,
+                    t.kind,
+                    run,
+                )
         if backend != "tcp":
-            assert all(recv[r].handle(TransferStatusCmd("x"))["registered_pool"] == (2 if backend == "nixl" else 0)
-                       for r in ranks)
+            assert all(
+                recv[r].handle(TransferStatusCmd("x"))["registered_pool"] == (2 if backend == "nixl" else 0)
+                for r in ranks
+            )
             row_bytes = {"kv": cfg.kv_entry_dim * 8, "index": cfg.index_head_dim * 8}
             sent = {k: sum(t.rows * row_bytes[k] for t in plan if t.kind == k) for k in row_bytes}
             status = sender.status()

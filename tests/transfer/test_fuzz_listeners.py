@@ -17,15 +17,31 @@ import zmq
 
 from pdserve.engine.auth import frame_key, sign
 from pdserve.transfer.frames import D2P, P2D, new_ticket, seal_data, seal_notif
-from pdserve.transfer.messages import DecodeReservation, Fingerprint, ProtocolError, TransferDone, Welcome, decode, encode
+from pdserve.transfer.messages import (
+    DecodeReservation,
+    Fingerprint,
+    ProtocolError,
+    TransferDone,
+    Welcome,
+    decode,
+    encode,
+)
 from pdserve.transfer.nixl import NixlReceiver
 from pdserve.transfer.nixl_agent import make_agent
 from pdserve.transfer.nixl_send import NixlSender
 from pdserve.transfer.plan import DecodeSide, PrefillSide, plan_transfer
 from pdserve.transfer.room import RoomSlots
 from pdserve.transfer.side_channel import BootstrapService, DecodeClient
-from pdserve.transfer.tcp import (ExpectCmd, ForgetCmd, ListenerStatusCmd, SendCmd, StageCmd, TcpReceiver, TcpSender,
-                                  TransferStatusCmd)
+from pdserve.transfer.tcp import (
+    ExpectCmd,
+    ForgetCmd,
+    ListenerStatusCmd,
+    SendCmd,
+    StageCmd,
+    TcpReceiver,
+    TcpSender,
+    TransferStatusCmd,
+)
 from tests.transfer import fuzz_frames as fz
 
 FRAMES = 5000
@@ -99,8 +115,12 @@ def test_side_channel_service_survives_any_frame():
 
 def outcome_like(rng: random.Random) -> dict:
     if rng.random() < 0.3:
-        return {"__type__": "done", **fz.protocol_like(rng, {"room": "ok", "first_token": 1, "checksums": {},
-                                                             "fingerprint": fz.obj(rng)})}
+        return {
+            "__type__": "done",
+            **fz.protocol_like(
+                rng, {"room": "ok", "first_token": 1, "checksums": {}, "fingerprint": fz.obj(rng)}
+            ),
+        }
     return fz.side_message(rng)
 
 
@@ -134,8 +154,11 @@ def test_decode_client_survives_any_frame():
 
 # ---- the data path -------------------------------------------------------------------------------------
 def room_plan(cfg, pages=(2, 0, 1), n: int = 12):
-    plan = plan_transfer(PrefillSide(1, "full", cfg.num_layers, cfg.indexer_layers, range(20, 20 + n)),
-                         DecodeSide(1, 1, "copy", 4, pages), n)
+    plan = plan_transfer(
+        PrefillSide(1, "full", cfg.num_layers, cfg.indexer_layers, range(20, 20 + n)),
+        DecodeSide(1, 1, "copy", 4, pages),
+        n,
+    )
     rows: dict[str, int] = {}
     for t in plan:
         rows[t.kind] = rows.get(t.kind, 0) + t.rows
@@ -143,14 +166,32 @@ def room_plan(cfg, pages=(2, 0, 1), n: int = 12):
 
 
 def header_like(rng: random.Random, room: str, ticket: bytes, width: int, notif: bool) -> dict:
-    runs = [[rng.choice([0, 1, 8, 63, 64, 2**40, -1]), rng.choice([0, 1, 3, 2**40])] for _ in range(rng.randint(0, 3))]
-    common = {"room": room, "ticket": ticket, "src_rank": 0, "dtype": rng.choice(["torch.float64", "torch.int8"])}
+    runs = [
+        [rng.choice([0, 1, 8, 63, 64, 2**40, -1]), rng.choice([0, 1, 3, 2**40])]
+        for _ in range(rng.randint(0, 3))
+    ]
+    common = {
+        "room": room,
+        "ticket": ticket,
+        "src_rank": 0,
+        "dtype": rng.choice(["torch.float64", "torch.int8"]),
+    }
     if notif:
-        fields = {**common, "offset": rng.choice([0, 8, 2**40]), "nbytes": rng.choice([0, 8 * width, 2**40]),
-                  "items": [[0, rng.choice(["kv", "index", "x"]), width, runs]]}
+        fields = {
+            **common,
+            "offset": rng.choice([0, 8, 2**40]),
+            "nbytes": rng.choice([0, 8 * width, 2**40]),
+            "items": [[0, rng.choice(["kv", "index", "x"]), width, runs]],
+        }
     else:
-        fields = {**common, "layer": rng.choice([0, 1, 999]), "kind": rng.choice(["kv", "index", "x"]),
-                  "runs": runs, "width": rng.choice([width, 1]), "seq": 0}
+        fields = {
+            **common,
+            "layer": rng.choice([0, 1, 999]),
+            "kind": rng.choice(["kv", "index", "x"]),
+            "runs": runs,
+            "width": rng.choice([width, 1]),
+            "seq": 0,
+        }
     return fz.protocol_like(rng, fields)
 
 
@@ -162,13 +203,20 @@ def check_delivery(recv, sender, room: str, pages, cfg, src, dst) -> None:
     recv.handle(ExpectCmd(room, ticket, expected, slots))
     reply = sender.send(SendCmd(room, ticket, plan, {0: endpoint}))
     assert reply["error"] is None, reply
-    wait_for(lambda: recv.handle(TransferStatusCmd(room))["complete"], what=str(recv.handle(TransferStatusCmd(room))))
+    wait_for(
+        lambda: recv.handle(TransferStatusCmd(room))["complete"],
+        what=str(recv.handle(TransferStatusCmd(room))),
+    )
     assert recv.handle(TransferStatusCmd(room))["error"] is None
     for t in plan:
-        read_dst, read_src = (dst.read_kv, src.read_kv) if t.kind == "kv" else (dst.read_index, src.read_index)
+        read_dst, read_src = (
+            (dst.read_kv, src.read_kv) if t.kind == "kv" else (dst.read_index, src.read_index)
+        )
         for run in t.runs:
-            assert torch.equal(read_dst(t.layer, torch.arange(run.dst, run.dst + run.length)),
-                               read_src(t.layer, torch.tensor(list(run.src_rows()))))
+            assert torch.equal(
+                read_dst(t.layer, torch.arange(run.dst, run.dst + run.length)),
+                read_src(t.layer, torch.tensor(list(run.src_rows()))),
+            )
     recv.handle(ForgetCmd(room, quiesced=True))
 
 
@@ -190,8 +238,19 @@ def test_tcp_receiver_survives_any_frame(pools):
             r = rng.random()
             tag = seal_data(KEY, header, len(payload)) if r < 0.8 else rng.randbytes(32)
             push.send_multipart([header, payload, tag] if r < 0.95 else [header, tag])
-        last = msgpack.packb({"room": "sentinel", "ticket": ticket, "src_rank": 0, "layer": 0, "kind": "kv",
-                              "runs": [[60, 1]], "dtype": "torch.float64", "width": width, "seq": 0})
+        last = msgpack.packb(
+            {
+                "room": "sentinel",
+                "ticket": ticket,
+                "src_rank": 0,
+                "layer": 0,
+                "kind": "kv",
+                "runs": [[60, 1]],
+                "dtype": "torch.float64",
+                "width": width,
+                "seq": 0,
+            }
+        )
         push.send_multipart([last, bytes(8 * width), seal_data(KEY, last, 8 * width)])
         wait_for(lambda: recv.handle(TransferStatusCmd("sentinel"))["complete"], what="the receiver stopped")
         status = recv.handle(TransferStatusCmd("fuzz"))
@@ -223,14 +282,31 @@ def test_nixl_notification_receiver_survives_any_notification(pools):
         for _ in range(FRAMES):
             header = fz.body(rng, lambda r: header_like(r, "fuzz", ticket, width, notif=True))
             r = rng.random()
-            msg = seal_notif(KEY, header) if r < 0.8 else header + rng.randbytes(32) if r < 0.95 else rng.randbytes(8)
+            msg = (
+                seal_notif(KEY, header)
+                if r < 0.8
+                else header + rng.randbytes(32)
+                if r < 0.95
+                else rng.randbytes(8)
+            )
             fuzzer.send_notif(recv.name, msg)
-        last = msgpack.packb({"room": "sentinel", "ticket": ticket, "src_rank": 0, "offset": 0, "nbytes": 8 * width,
-                              "dtype": "torch.float64", "items": [[0, "kv", width, [[60, 1]]]]})
+        last = msgpack.packb(
+            {
+                "room": "sentinel",
+                "ticket": ticket,
+                "src_rank": 0,
+                "offset": 0,
+                "nbytes": 8 * width,
+                "dtype": "torch.float64",
+                "items": [[0, "kv", width, [[60, 1]]]],
+            }
+        )
         fuzzer.send_notif(recv.name, seal_notif(KEY, last))
         # the fuzzer has no progress thread either: polling its notifications moves its sends along
-        wait_for(lambda: fuzzer.get_new_notifs() is None or recv.handle(TransferStatusCmd("sentinel"))["complete"],
-                 what="the receiver stopped")
+        wait_for(
+            lambda: fuzzer.get_new_notifs() is None or recv.handle(TransferStatusCmd("sentinel"))["complete"],
+            what="the receiver stopped",
+        )
         status = recv.handle(TransferStatusCmd("fuzz"))
         assert status["unauthenticated"] > FRAMES // 10 and status["bad_frames"] > FRAMES // 4, status
         assert recv.live.problem() is None and recv.live.crashes == 0

@@ -31,10 +31,29 @@ TOKENS = 10
 @pytest.fixture(scope="module")
 def stack(tiny_checkpoints):
     glm = tiny_checkpoints[("glm_moe_dsa", "make-model")]
-    prefill, p_url = start_server("prefill", glm, "--cp-size", "2", "--bootstrap-timeout", "3", "--transfer", "nixl")
-    decode, d_url = start_server("decode", glm, "--tp-size", "2", "--dcp-size", "2", "--dcp-index", "split",
-                                 "--page-size", "4", "--transfer-timeout", "4", "--transfer", "nixl",
-                                 "--heartbeat-timeout", "2", "--transfer-quarantine", "2")
+    prefill, p_url = start_server(
+        "prefill", glm, "--cp-size", "2", "--bootstrap-timeout", "3", "--transfer", "nixl"
+    )
+    decode, d_url = start_server(
+        "decode",
+        glm,
+        "--tp-size",
+        "2",
+        "--dcp-size",
+        "2",
+        "--dcp-index",
+        "split",
+        "--page-size",
+        "4",
+        "--transfer-timeout",
+        "4",
+        "--transfer",
+        "nixl",
+        "--heartbeat-timeout",
+        "2",
+        "--transfer-quarantine",
+        "2",
+    )
     try:
         yield glm, p_url, d_url, http.get(f"{p_url}/info").json()["bootstrap"]
     finally:
@@ -44,7 +63,13 @@ def stack(tiny_checkpoints):
 
 
 def generate(d_url: str, bootstrap: str, room: str, ids: list[int], stream: bool = False) -> dict:
-    body = {"token_ids": ids, "max_tokens": TOKENS, "ignore_eos": True, "request_id": room, "bootstrap": bootstrap}
+    body = {
+        "token_ids": ids,
+        "max_tokens": TOKENS,
+        "ignore_eos": True,
+        "request_id": room,
+        "bootstrap": bootstrap,
+    }
     if not stream:
         r = http.post(f"{d_url}/v1/generate", json=body, timeout=60)
         return {"status": r.status_code, **r.json()}
@@ -55,15 +80,21 @@ def generate(d_url: str, bootstrap: str, room: str, ids: list[int], stream: bool
 
 def prefill(p_url: str, room: str, ids: list[int], delay_s: float = 0.0) -> httpx.Response:
     time.sleep(delay_s)
-    return http.post(f"{p_url}/v1/prefill", json={"token_ids": ids, "request_id": room, "handoff": True}, timeout=60)
+    return http.post(
+        f"{p_url}/v1/prefill", json={"token_ids": ids, "request_id": room, "handoff": True}, timeout=60
+    )
 
 
 def assert_idle(p_url: str, d_url: str) -> None:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         cap, info = http.get(f"{d_url}/capacity").json(), http.get(f"{p_url}/info").json()
-        if (cap["free_tokens"] == cap["total_tokens"] and cap["transfers_pending"] == 0 and cap["queued"] == 0
-                and info["queue_depth"] == 0):
+        if (
+            cap["free_tokens"] == cap["total_tokens"]
+            and cap["transfers_pending"] == 0
+            and cap["queued"] == 0
+            and info["queue_depth"] == 0
+        ):
             break
         time.sleep(0.1)
     assert cap["free_tokens"] == cap["total_tokens"] and cap["transfers_pending"] == 0, cap
@@ -76,13 +107,21 @@ def test_handoff_over_http_equals_single_rank(stack):
     glm, p_url, d_url, bootstrap = stack
     engine = LLMEngine.from_pretrained(glm)
     prompts = {f"room-{n}": [(7 * i + n) % 500 + 4 for i in range(n)] for n in (1, 5, 64, 130)}
-    want = {room: engine.generate([ids], SamplingParams(max_tokens=TOKENS, ignore_eos=True))[0]
-            for room, ids in prompts.items()}
-    with ThreadPoolExecutor(8) as pool:  # all rooms at once; the prefill comes first for some, last for others
-        decoded = {room: pool.submit(generate, d_url, bootstrap, room, ids, stream=i % 2 == 1)
-                   for i, (room, ids) in enumerate(prompts.items())}
-        prefilled = {room: pool.submit(prefill, p_url, room, ids, 0.3 * (i % 2))
-                     for i, (room, ids) in enumerate(prompts.items())}
+    want = {
+        room: engine.generate([ids], SamplingParams(max_tokens=TOKENS, ignore_eos=True))[0]
+        for room, ids in prompts.items()
+    }
+    with ThreadPoolExecutor(
+        8
+    ) as pool:  # all rooms at once; the prefill comes first for some, last for others
+        decoded = {
+            room: pool.submit(generate, d_url, bootstrap, room, ids, stream=i % 2 == 1)
+            for i, (room, ids) in enumerate(prompts.items())
+        }
+        prefilled = {
+            room: pool.submit(prefill, p_url, room, ids, 0.3 * (i % 2))
+            for i, (room, ids) in enumerate(prompts.items())
+        }
         for room in prompts:
             got, p = decoded[room].result(), prefilled[room].result()
             assert p.status_code == 200, p.text
@@ -112,7 +151,10 @@ def test_failed_handoffs_release_both_sides(stack):
     assert_idle(p_url, d_url)
     # and both still serve
     ok = ThreadPoolExecutor(2)
-    d, p = ok.submit(generate, d_url, bootstrap, "after", [9, 8, 7]), ok.submit(prefill, p_url, "after", [9, 8, 7])
+    d, p = (
+        ok.submit(generate, d_url, bootstrap, "after", [9, 8, 7]),
+        ok.submit(prefill, p_url, "after", [9, 8, 7]),
+    )
     assert p.result().status_code == 200 and d.result()["finish_reason"] == "length"
     assert_idle(p_url, d_url)
 
@@ -137,7 +179,10 @@ def test_sender_killed_mid_handoff_fails_only_that_request(stack):
         got = pool.submit(generate, d_url, info["bootstrap"], "doomed", ids, True)
         sent = pool.submit(prefill, v_url, "doomed", ids)
         deadline = time.monotonic() + 20
-        while http.get(f"{d_url}/capacity").json()["free_tokens"] == http.get(f"{d_url}/capacity").json()["total_tokens"]:
+        while (
+            http.get(f"{d_url}/capacity").json()["free_tokens"]
+            == http.get(f"{d_url}/capacity").json()["total_tokens"]
+        ):
             assert time.monotonic() < deadline, "the decode instance never reserved the room"
             time.sleep(0.02)
         time.sleep(0.2)  # the prefill is working on the room now
@@ -155,5 +200,8 @@ def test_sender_killed_mid_handoff_fails_only_that_request(stack):
         victim.wait(30)
     assert_idle(p_url, d_url)  # the decode side released everything and still serves with the good prefill
     d = ThreadPoolExecutor(2)
-    ok, p = d.submit(generate, d_url, stack[3], "after-kill", [3, 4, 5]), d.submit(prefill, p_url, "after-kill", [3, 4, 5])
+    ok, p = (
+        d.submit(generate, d_url, stack[3], "after-kill", [3, 4, 5]),
+        d.submit(prefill, p_url, "after-kill", [3, 4, 5]),
+    )
     assert p.result().status_code == 200 and ok.result()["finish_reason"] == "length"

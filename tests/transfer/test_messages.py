@@ -8,14 +8,33 @@ import dataclasses
 import msgpack
 import pytest
 
-from pdserve.transfer.messages import (DecodeReservation, Fingerprint, Heartbeat, IncompatiblePeer, ProtocolError,
-                                       TransferDone, TransferFailed, decode, encode, model_hash)
+from pdserve.transfer.messages import (
+    DecodeReservation,
+    Fingerprint,
+    Heartbeat,
+    IncompatiblePeer,
+    ProtocolError,
+    TransferDone,
+    TransferFailed,
+    decode,
+    encode,
+    model_hash,
+)
 
 FP = Fingerprint("abc123", "auto", "float64", 16, 4, 2, "split")
 MESSAGES = [
     FP,
-    DecodeReservation("room-1", FP, generation=3, tp_size=4, dcp_size=2, page_size=16, pages=(5, 1, 9),
-                      endpoints={0: "tcp://127.0.0.1:5000", 3: "tcp://127.0.0.1:5003"}, ticket=bytes(range(16))),
+    DecodeReservation(
+        "room-1",
+        FP,
+        generation=3,
+        tp_size=4,
+        dcp_size=2,
+        page_size=16,
+        pages=(5, 1, 9),
+        endpoints={0: "tcp://127.0.0.1:5000", 3: "tcp://127.0.0.1:5003"},
+        ticket=bytes(range(16)),
+    ),
     TransferDone("room-1", first_token=42, checksums={0: 123, 1: 2**32 - 1}, fingerprint=FP),
     TransferFailed("room-1", "bootstrap timeout after 5.0 s"),
     Heartbeat("prefill-0", generation=1, time_s=12.5),
@@ -49,7 +68,12 @@ def test_bad_frames_are_protocol_errors():
 
 def test_fingerprint_mismatch_names_the_field():
     FP.check_compatible(FP)
-    changes = [("page_size", 64), ("index_mode", "copy"), ("model_hash", "zzz"), ("kv_cache_dtype", "fp8_e4m3")]
+    changes = [
+        ("page_size", 64),
+        ("index_mode", "copy"),
+        ("model_hash", "zzz"),
+        ("kv_cache_dtype", "fp8_e4m3"),
+    ]
     for name, value in changes:
         other = dataclasses.replace(FP, **{name: value})
         with pytest.raises(IncompatiblePeer, match=name) as e:

@@ -27,17 +27,32 @@ from pdserve.decode_server.instance import DecodeInstance
 from pdserve.decode_server.rank_worker import DecodeWorkerConfig
 from pdserve.engine.launcher import LaunchConfig
 from pdserve.engine.request import SamplingParams
-from pdserve.transfer.handoff import HandoffHooks, TransferError, hand_off
 from pdserve.transfer.frames import new_ticket
+from pdserve.transfer.handoff import HandoffHooks, TransferError, hand_off
 from pdserve.transfer.nixl import NixlReceiver
 from pdserve.transfer.nixl_send import NixlSender
 from pdserve.transfer.plan import DecodeSide, PrefillSide, plan_transfer
 from pdserve.transfer.room import RoomSlots
 from pdserve.transfer.side_channel import BootstrapServer, DecodeClient
-from pdserve.transfer.tcp import ExpectCmd, ForgetCmd, SendCmd, SendError, StageCmd, TransferStatusCmd, merge_checksums
+from pdserve.transfer.tcp import (
+    ExpectCmd,
+    ForgetCmd,
+    SendCmd,
+    SendError,
+    StageCmd,
+    TransferStatusCmd,
+    merge_checksums,
+)
 from pdserve.transfer.two_sided import decode_finish, decode_reserve, prefill_serve
 from tests.reference import free_port
-from tests.transfer.handoff_helpers import MAX_TOKENS, QUARANTINE_S, assert_idle, check_handoffs, prompt, run_mixed_faults
+from tests.transfer.handoff_helpers import (
+    MAX_TOKENS,
+    QUARANTINE_S,
+    assert_idle,
+    check_handoffs,
+    prompt,
+    run_mixed_faults,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -137,17 +152,23 @@ def test_decode_rank_killed_mid_write(pair, model_path):
     killed: the send fails for that room only, its handle is released and the dead peer dropped."""
     prefill, decode = pair
     peers = [s["peers"] for s in prefill.transfer_status()]
-    cfg = DecodeWorkerConfig(model_path, num_slots=1024, dtype="float64", float32_islands=False, transfer="nixl")
+    cfg = DecodeWorkerConfig(
+        model_path, num_slots=1024, dtype="float64", float32_islands=False, transfer="nixl"
+    )
     victim = DecodeEngine(DecodeInstance(cfg, LaunchConfig(1, free_port()), page_size=4).start())
     try:
-        ok = hand_off(prefill, victim, prompt(9), SamplingParams(max_tokens=1))  # the victim is a loaded peer now
+        ok = hand_off(
+            prefill, victim, prompt(9), SamplingParams(max_tokens=1)
+        )  # the victim is a loaded peer now
         assert ok.state == "finished"
         ids = prompt(400)  # big enough that UCX needs the target's help (rendezvous), not an eager send
         req = victim.submit_remote(len(ids), SamplingParams(max_tokens=1), request_id="victim")
         victim.admit()
         reservation = victim.instance.reservation("victim", req.pages, prompt_len=len(ids))
         res = prefill.prefill("victim", ids)
-        plan = plan_transfer(prefill.prefill_side(res.slots), victim.instance.decode_side(req.pages), len(ids))
+        plan = plan_transfer(
+            prefill.prefill_side(res.slots), victim.instance.decode_side(req.pages), len(ids)
+        )
         victim.instance.expect("victim", reservation.ticket, plan, req.pages)
         pid = victim.instance.ranks.pids[0]
         os.kill(pid, signal.SIGSTOP)
@@ -155,8 +176,14 @@ def test_decode_rank_killed_mid_write(pair, model_path):
 
         def send():
             try:
-                outcome["sums"] = prefill.send("victim", "victim", reservation.ticket, plan, reservation.endpoints,
-                                               send_timeout_ms=20_000)
+                outcome["sums"] = prefill.send(
+                    "victim",
+                    "victim",
+                    reservation.ticket,
+                    plan,
+                    reservation.endpoints,
+                    send_timeout_ms=20_000,
+                )
             except SendError as e:
                 outcome["error"] = str(e)
 
@@ -182,8 +209,11 @@ def test_decode_rank_killed_mid_write(pair, model_path):
 # ---- one process, real agents: peer generations, arena exhaustion and quarantine --------------------
 def one_room(cfg, n: int = 12) -> tuple[list, dict, dict]:
     """A plan for n tokens from one prefill rank to one decode rank, its staging rows and expectations."""
-    plan = plan_transfer(PrefillSide(1, "full", cfg.num_layers, cfg.indexer_layers, range(20, 20 + n)),
-                         DecodeSide(1, 1, "copy", 4, (2, 0, 1)), n)
+    plan = plan_transfer(
+        PrefillSide(1, "full", cfg.num_layers, cfg.indexer_layers, range(20, 20 + n)),
+        DecodeSide(1, 1, "copy", 4, (2, 0, 1)),
+        n,
+    )
     rows: dict[str, int] = {}
     for t in plan:
         rows[t.kind] = rows.get(t.kind, 0) + t.rows
@@ -219,14 +249,22 @@ def test_restarted_peer_is_reloaded_and_an_old_generation_refused(pools):
         first.handle(ForgetCmd("a", quiesced=True))
         first.close()
         dst.kv.zero_()
-        second = NixlReceiver(0, lambda: dst, staging_bytes=1 << 20, name="test-decode")  # same name, restarted
+        second = NixlReceiver(
+            0, lambda: dst, staging_bytes=1 << 20, name="test-decode"
+        )  # same name, restarted
         try:
             new = deliver(second, sender, "b", T2, plan, rows, expected)
             assert new["reply"]["error"] is None and sender.status()["reloads"] == 1
-            assert torch.equal(dst.read_kv(0, torch.tensor([8, 9, 10, 11, 0])), src.read_kv(0, torch.arange(20, 25)))
-            reply = sender.send(SendCmd("a", T1, plan, {0: old["endpoint"]}))  # the first incarnation's endpoint
+            assert torch.equal(
+                dst.read_kv(0, torch.tensor([8, 9, 10, 11, 0])), src.read_kv(0, torch.arange(20, 25))
+            )
+            reply = sender.send(
+                SendCmd("a", T1, plan, {0: old["endpoint"]})
+            )  # the first incarnation's endpoint
             assert "stale endpoint" in reply["error"]
-            assert sender.status()["xfer_handles"] == 0 and second.handle(TransferStatusCmd("b"))["dropped"] == 0
+            assert (
+                sender.status()["xfer_handles"] == 0 and second.handle(TransferStatusCmd("b"))["dropped"] == 0
+            )
         finally:
             second.close()
     finally:
@@ -236,8 +274,9 @@ def test_restarted_peer_is_reloaded_and_an_old_generation_refused(pools):
 def test_full_arena_refuses_a_room_until_the_quarantine_passed(pools):
     cfg, src, dst = pools
     plan, rows, expected = one_room(cfg)
-    recv = NixlReceiver(0, lambda: dst, staging_bytes=30_000, name="test-small-arena", quarantine_s=0.3,
-                        direct=False)  # WRITEs into regions (what an fp8 pool gets)
+    recv = NixlReceiver(
+        0, lambda: dst, staging_bytes=30_000, name="test-small-arena", quarantine_s=0.3, direct=False
+    )  # WRITEs into regions (what an fp8 pool gets)
     try:
         assert recv.handle(StageCmd("a", T1, rows))["error"] is None  # 18 kB of 30 kB
         assert "receive staging full" in recv.handle(StageCmd("b", T2, rows))["error"]

@@ -70,7 +70,9 @@ def check_plan(plan, pre: PrefillSide, expected: dict[tuple, int]) -> None:
         # (c) greedy-maximal: a run's first row could not have extended the run before it
         for prev, r in zip(t.runs, t.runs[1:]):
             assert prev.src_rows()[-1] < r.src, t  # ascending source rows
-            joinable = prev.dst + prev.length == r.dst and (prev.length == 1 or prev.src_rows()[-1] + prev.step == r.src)
+            joinable = prev.dst + prev.length == r.dst and (
+                prev.length == 1 or prev.src_rows()[-1] + prev.step == r.src
+            )
             assert not joinable, (prev, r)
         for r in t.runs:
             assert r.step >= 1
@@ -114,11 +116,14 @@ def test_brute_force_cross_product(W, C, page_size, index_mode):
         run_all(W, C, page_size, index_mode, n, seed=f"{W}/{C}/{page_size}/{index_mode}/{n}")
 
 
-@pytest.mark.parametrize("W,C,page_size,index_mode,cp,cache", [
-    (4, 2, 16, "copy", 3, "full"),
-    (3, 3, 48, "split", 2, "layer-split"),
-    (1, 1, 1, "copy", 4, "full"),
-])
+@pytest.mark.parametrize(
+    "W,C,page_size,index_mode,cp,cache",
+    [
+        (4, 2, 16, "copy", 3, "full"),
+        (3, 3, 48, "split", 2, "layer-split"),
+        (1, 1, 1, "copy", 4, "full"),
+    ],
+)
 def test_brute_force_every_length(W, C, page_size, index_mode, cp, cache):
     for n in range(1, 301):
         run_all(W, C, page_size, index_mode, n, seed=n, cp_sizes=(cp,), caches=(cache,))
@@ -133,13 +138,21 @@ def test_contiguous_pages_give_few_runs():
     # the copied index keeps the global slot as its row, so it stays a single run of step 1.
     plan = plan_transfer(pre, DecodeSide(2, 2, "copy", 16, pages), n)
     assert [len(t.runs) for t in plan if t.kind == "index"] == [1, 1]
-    assert [t.runs for t in plan if t.kind == "kv"] == [(Run(100, 24, 50, 2),)] * 2 + [(Run(101, 24, 50, 2),)] * 2
+    assert [t.runs for t in plan if t.kind == "kv"] == [(Run(100, 24, 50, 2),)] * 2 + [
+        (Run(101, 24, 50, 2),)
+    ] * 2
     assert summary(plan) == {"transfers": 6, "runs": 6, "kv_rows": 200, "index_rows": 200}
     # layer-split over 2 prefill ranks: each layer comes from its owner
     pre2 = PrefillSide(2, "layer-split", 2, (1,), slots)
     plan = plan_transfer(pre2, DecodeSide(2, 1, "split", 16, pages), n)
     assert [(t.src_rank, t.dst_rank, t.layer, t.kind) for t in plan] == [
-        (0, 0, 0, "kv"), (0, 1, 0, "kv"), (1, 0, 1, "index"), (1, 0, 1, "kv"), (1, 1, 1, "index"), (1, 1, 1, "kv")]
+        (0, 0, 0, "kv"),
+        (0, 1, 0, "kv"),
+        (1, 0, 1, "index"),
+        (1, 0, 1, "kv"),
+        (1, 1, 1, "index"),
+        (1, 1, 1, "kv"),
+    ]
     assert all(t.runs == (Run(100, 48, n),) for t in plan)
 
 
@@ -155,8 +168,15 @@ def test_sizes_and_helpers():
     pre = PrefillSide(1, "full", 1, (0,), (0, 1, 2, 3))
     plan = plan_transfer(pre, DecodeSide(2, 2, "copy", 2, (0, 1)), 4)
     assert bytes_per_pair(plan, kv_row_bytes=1152, index_row_bytes=132) == {
-        (0, 0): 2 * 1152 + 4 * 132, (0, 1): 2 * 1152 + 4 * 132}
-    assert summary(plan) == {"transfers": 4, "runs": 4, "kv_rows": 4, "index_rows": 8}  # kv: one run of step 2 each
+        (0, 0): 2 * 1152 + 4 * 132,
+        (0, 1): 2 * 1152 + 4 * 132,
+    }
+    assert summary(plan) == {
+        "transfers": 4,
+        "runs": 4,
+        "kv_rows": 4,
+        "index_rows": 8,
+    }  # kv: one run of step 2 each
     assert plan_transfer(pre, DecodeSide(2, 2, "copy", 2, (0, 1)), 4) == plan  # deterministic
     assert plan_transfer(pre, DecodeSide(2, 2, "copy", 2, ()), 0) == []
     assert summary([]) == {"transfers": 0, "runs": 0, "kv_rows": 0, "index_rows": 0}
@@ -170,19 +190,45 @@ def test_layer_owners_match_prefill_backend():
             assert layer_owners(layers, cp) == backend_owners(layers, cp)
 
 
-@pytest.mark.parametrize("build,match", [
-    (lambda: DecodeSide(4, 3, "copy", 3, (0,)), "must divide"),
-    (lambda: DecodeSide(4, 2, "copy", 3, (0,)), "multiple of dcp_size"),
-    (lambda: DecodeSide(2, 2, "shard", 2, (0,)), "unknown index mode"),
-    (lambda: PrefillSide(2, "sharded", 2, (), (0,)), "unknown prefill cache mode"),
-    (lambda: PrefillSide(2, "full", 2, (2,), (0,)), "indexer_layers"),
-    (lambda: PrefillSide(0, "full", 2, (), (0,)), "cp_size"),
-    (lambda: plan_transfer(PrefillSide(1, "full", 1, (), (0, 1)), DecodeSide(1, 1, "copy", 1, (0, 1)), 3), "slots"),
-    (lambda: plan_transfer(PrefillSide(1, "full", 1, (), (0, 1, 2)), DecodeSide(1, 1, "copy", 2, (0,)), 3), "pages"),
-    (lambda: plan_transfer(PrefillSide(1, "full", 1, (), (0, 0)), DecodeSide(1, 1, "copy", 2, (0,)), 2), "distinct"),
-    (lambda: plan_transfer(PrefillSide(1, "full", 1, (), (0, 1)), DecodeSide(1, 1, "copy", 1, (4, 4)), 2), "distinct"),
-    (lambda: plan_transfer(PrefillSide(1, "full", 1, (), ()), DecodeSide(1, 1, "copy", 1, ()), -1), ">= 0"),
-])
+@pytest.mark.parametrize(
+    "build,match",
+    [
+        (lambda: DecodeSide(4, 3, "copy", 3, (0,)), "must divide"),
+        (lambda: DecodeSide(4, 2, "copy", 3, (0,)), "multiple of dcp_size"),
+        (lambda: DecodeSide(2, 2, "shard", 2, (0,)), "unknown index mode"),
+        (lambda: PrefillSide(2, "sharded", 2, (), (0,)), "unknown prefill cache mode"),
+        (lambda: PrefillSide(2, "full", 2, (2,), (0,)), "indexer_layers"),
+        (lambda: PrefillSide(0, "full", 2, (), (0,)), "cp_size"),
+        (
+            lambda: plan_transfer(
+                PrefillSide(1, "full", 1, (), (0, 1)), DecodeSide(1, 1, "copy", 1, (0, 1)), 3
+            ),
+            "slots",
+        ),
+        (
+            lambda: plan_transfer(
+                PrefillSide(1, "full", 1, (), (0, 1, 2)), DecodeSide(1, 1, "copy", 2, (0,)), 3
+            ),
+            "pages",
+        ),
+        (
+            lambda: plan_transfer(
+                PrefillSide(1, "full", 1, (), (0, 0)), DecodeSide(1, 1, "copy", 2, (0,)), 2
+            ),
+            "distinct",
+        ),
+        (
+            lambda: plan_transfer(
+                PrefillSide(1, "full", 1, (), (0, 1)), DecodeSide(1, 1, "copy", 1, (4, 4)), 2
+            ),
+            "distinct",
+        ),
+        (
+            lambda: plan_transfer(PrefillSide(1, "full", 1, (), ()), DecodeSide(1, 1, "copy", 1, ()), -1),
+            ">= 0",
+        ),
+    ],
+)
 def test_invalid_inputs(build, match):
     with pytest.raises(ValueError, match=match):
         build()

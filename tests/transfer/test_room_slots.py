@@ -20,7 +20,15 @@ from pdserve.transfer.nixl import NixlReceiver
 from pdserve.transfer.nixl_send import NixlSender
 from pdserve.transfer.plan import DecodeSide, PrefillSide, plan_transfer
 from pdserve.transfer.room import RoomSlots
-from pdserve.transfer.tcp import ExpectCmd, ForgetCmd, SendCmd, StageCmd, TcpReceiver, TcpSender, TransferStatusCmd
+from pdserve.transfer.tcp import (
+    ExpectCmd,
+    ForgetCmd,
+    SendCmd,
+    StageCmd,
+    TcpReceiver,
+    TcpSender,
+    TransferStatusCmd,
+)
 from tests.transfer.handoff_helpers import MAX_TOKENS, assert_idle, prompt
 
 pytestmark = pytest.mark.slow
@@ -49,7 +57,9 @@ def test_tcp_rows_for_another_requests_slots_fail_the_senders_room(instances, si
     inst.expect_totals("evil", reservation.ticket, evil.pages, len(evil_ids))
     res = prefill.prefill("evil-sender", evil_ids)
     aimed = plan_transfer(prefill.prefill_side(res.slots), inst.decode_side(victim.pages), len(evil_ids))
-    prefill.send("evil-sender", "evil", reservation.ticket, aimed, reservation.endpoints)  # a valid ticket, wrong rows
+    prefill.send(
+        "evil-sender", "evil", reservation.ticket, aimed, reservation.endpoints
+    )  # a valid ticket, wrong rows
     errors = wait_error(lambda: inst.transfer_status("evil"))
     assert all("not the room's" in e for e in errors), errors
     assert all(s["rows"] == 0 for s in inst.transfer_status("evil"))
@@ -70,8 +80,10 @@ def test_nixl_notification_outside_the_room_fails_it(pools, direct):
     landing the pool keeps no byte of it. A's own hand-off then arrives exact."""
     cfg, src, dst = pools
     prefill_side = PrefillSide(1, "full", cfg.num_layers, cfg.indexer_layers, range(20, 32))
-    plans = {room: plan_transfer(prefill_side, DecodeSide(1, 1, "copy", 4, pages), 12)
-             for room, pages in (("A", (0, 1, 2)), ("B", (3, 4, 5)))}
+    plans = {
+        room: plan_transfer(prefill_side, DecodeSide(1, 1, "copy", 4, pages), 12)
+        for room, pages in (("A", (0, 1, 2)), ("B", (3, 4, 5)))
+    }
     rows: dict[str, int] = {}
     for t in plans["A"]:
         rows[t.kind] = rows.get(t.kind, 0) + t.rows
@@ -83,7 +95,11 @@ def test_nixl_notification_outside_the_room_fails_it(pools, direct):
         for room, pages in (("A", (0, 1, 2)), ("B", (3, 4, 5))):
             tickets[room] = new_ticket()
             endpoints[room] = recv.handle(StageCmd(room, tickets[room], {0: rows}))["endpoint"]
-            recv.handle(ExpectCmd(room, tickets[room], {0: {0: sum(rows.values())}}, RoomSlots.of(pages, 4, 1, "copy")))
+            recv.handle(
+                ExpectCmd(
+                    room, tickets[room], {0: {0: sum(rows.values())}}, RoomSlots.of(pages, 4, 1, "copy")
+                )
+            )
         reply = sender.send(SendCmd("B", tickets["B"], plans["A"], {0: endpoints["B"]}))
         assert reply["error"] is None, reply
         errors = wait_error(lambda: [recv.handle(TransferStatusCmd("B"))])
@@ -98,7 +114,9 @@ def test_nixl_notification_outside_the_room_fails_it(pools, direct):
             assert time.monotonic() < deadline, recv.handle(TransferStatusCmd("A"))
             time.sleep(0.002)
         for t in plans["A"]:
-            read_dst, read_src = (dst.read_kv, src.read_kv) if t.kind == "kv" else (dst.read_index, src.read_index)
+            read_dst, read_src = (
+                (dst.read_kv, src.read_kv) if t.kind == "kv" else (dst.read_index, src.read_index)
+            )
             for run in t.runs:
                 got = read_dst(t.layer, torch.arange(run.dst, run.dst + run.length))
                 assert torch.equal(got, read_src(t.layer, torch.tensor(list(run.src_rows()))))
@@ -129,14 +147,19 @@ def test_data_frames_without_the_key_are_dropped_unread(pools):
     """A sender with another cluster's key, the right room, ticket and rows: every frame is dropped
     before it is decoded (counted `unauthenticated`), nothing is written, the room stays open."""
     cfg, src, dst = pools
-    plan = plan_transfer(PrefillSide(1, "full", cfg.num_layers, cfg.indexer_layers, range(20, 32)),
-                         DecodeSide(1, 1, "copy", 4, (0, 1, 2)), 12)
+    plan = plan_transfer(
+        PrefillSide(1, "full", cfg.num_layers, cfg.indexer_layers, range(20, 32)),
+        DecodeSide(1, 1, "copy", 4, (0, 1, 2)),
+        12,
+    )
     key = frame_key("the-cluster-token-for-these-tests-0123")
     recv = TcpReceiver(0, lambda: dst, key=key)
     foreign = TcpSender(0, src, key=frame_key("another-clusters-token-0123456789"))
     try:
         ticket = new_ticket()
-        recv.handle(ExpectCmd("r", ticket, {0: {0: sum(t.rows for t in plan)}}, RoomSlots.of((0, 1, 2), 4, 1, "copy")))
+        recv.handle(
+            ExpectCmd("r", ticket, {0: {0: sum(t.rows for t in plan)}}, RoomSlots.of((0, 1, 2), 4, 1, "copy"))
+        )
         assert foreign.send(SendCmd("r", ticket, plan, {0: recv.endpoint}))["error"] is None
         deadline = time.monotonic() + 5
         while recv.handle(TransferStatusCmd("r"))["unauthenticated"] < len(plan):

@@ -12,14 +12,22 @@ import pytest
 
 from pdserve.transfer.frames import new_ticket
 from pdserve.transfer.messages import DecodeReservation, Fingerprint, Heartbeat, TransferDone, TransferFailed
-from pdserve.transfer.side_channel import HEARTBEAT_S, BootstrapServer, BootstrapService, BootstrapTimeout, DecodeClient
+from pdserve.transfer.side_channel import (
+    HEARTBEAT_S,
+    BootstrapServer,
+    BootstrapService,
+    BootstrapTimeout,
+    DecodeClient,
+)
 
 FP = Fingerprint("h", "auto", "float64", 4, 4, 2, "copy")
 TICKET = new_ticket()
 
 
 def reservation(room: str) -> DecodeReservation:
-    return DecodeReservation(room, FP, 1, 2, 2, 4, (1, 2), {0: "tcp://127.0.0.1:1", 1: "tcp://127.0.0.1:2"}, ticket=TICKET)
+    return DecodeReservation(
+        room, FP, 1, 2, 2, 4, (1, 2), {0: "tcp://127.0.0.1:1", 1: "tcp://127.0.0.1:2"}, ticket=TICKET
+    )
 
 
 def wait_for(cond, timeout_s=5.0):
@@ -80,7 +88,9 @@ def test_service_heartbeats_peers_with_open_rooms_only():
         start = time.monotonic()
         a.send(reservation("r"))
         wait_for(lambda: a.drain() or server.endpoint in a.heartbeats)
-        wait_for(lambda: a.drain() or a.heartbeats[server.endpoint] > start + 2 * HEARTBEAT_S)  # it keeps coming
+        wait_for(
+            lambda: a.drain() or a.heartbeats[server.endpoint] > start + 2 * HEARTBEAT_S
+        )  # it keeps coming
         assert a.silent_for(server.endpoint, start) < 2 * HEARTBEAT_S
         server.reply(TransferDone("r", 7, {}, FP))  # the room is answered: no more heartbeats to a
         wait_for(lambda: a.outcome("r") is not None)

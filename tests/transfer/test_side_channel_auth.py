@@ -15,11 +15,22 @@ import zmq
 
 from pdserve.engine.auth import frame_key, sign
 from pdserve.transfer.frames import D2P, P2D, SIDE_MAX_BYTES, new_ticket
-from pdserve.transfer.messages import (DecodeReservation, Fingerprint, Hello, TransferDone, TransferFailed, Welcome,
-                                       decode, encode)
+from pdserve.transfer.messages import (
+    DecodeReservation,
+    Fingerprint,
+    Hello,
+    TransferDone,
+    TransferFailed,
+    Welcome,
+    decode,
+    encode,
+)
 from pdserve.transfer.side_channel import BootstrapServer, BootstrapService, DecodeClient
 
-KEY, WRONG = frame_key("the-cluster-token-for-these-tests-0123"), frame_key("another-clusters-token-0123456789")
+KEY, WRONG = (
+    frame_key("the-cluster-token-for-these-tests-0123"),
+    frame_key("another-clusters-token-0123456789"),
+)
 FP = Fingerprint("h", "auto", "float64", 4, 4, 1, "copy")
 
 
@@ -59,7 +70,9 @@ def test_foreign_peers_cannot_reserve_replace_or_abort(service):
     foreign = raw_dealer(ctx, server.endpoint)
     first = reservation("r")
     foreign.send(encode(reservation("x")))  # no tag at all
-    foreign.send_multipart([encode(reservation("x")), sign(WRONG, D2P, encode(reservation("x")))])  # wrong key
+    foreign.send_multipart(
+        [encode(reservation("x")), sign(WRONG, D2P, encode(reservation("x")))]
+    )  # wrong key
     frame = encode(reservation("x"))
     foreign.send_multipart([frame, sign(KEY, P2D, frame)])  # right key, wrong direction: a reflected frame
     wait_for(lambda: server.unauthenticated >= 3)
@@ -76,7 +89,9 @@ def test_foreign_peers_cannot_reserve_replace_or_abort(service):
     assert server.reservations["r"] == first and not server.aborted
     owner.send(TransferFailed("r", "client went away"))
     wait_for(lambda: "r" in server.aborted)
-    assert server.aborted["r"] == "client went away" and server.unauthenticated == 5 and server.bad_frames == 0
+    assert (
+        server.aborted["r"] == "client went away" and server.unauthenticated == 5 and server.bad_frames == 0
+    )
     foreign.close()
 
 
@@ -167,15 +182,23 @@ def test_the_tag_covers_the_frame():
 
     frame = msgpack.packb({"a": 1})
     tag = sign(KEY, D2P, frame)
-    assert verify(KEY, tag, D2P, frame) and not verify(KEY, tag, P2D, frame) and not verify(WRONG, tag, D2P, frame)
-    assert not any(verify(KEY, tag, D2P, frame[:i] + bytes([frame[i] ^ 1]) + frame[i + 1:]) for i in range(len(frame)))
+    assert (
+        verify(KEY, tag, D2P, frame)
+        and not verify(KEY, tag, P2D, frame)
+        and not verify(WRONG, tag, D2P, frame)
+    )
+    assert not any(
+        verify(KEY, tag, D2P, frame[:i] + bytes([frame[i] ^ 1]) + frame[i + 1 :]) for i in range(len(frame))
+    )
 
 
 def test_oversized_frames_never_reach_the_decoder(service):
     """A correctly signed reservation larger than SIDE_MAX_BYTES: ZMQ's MAXMSGSIZE drops its
     connection before it is read; the service goes on serving."""
     server, owner, _, ctx = service
-    big = encode(DecodeReservation("huge", FP, 1, 1, 1, 4, (1,), {r: "x" * (1 << 20) for r in range(5)}, new_ticket()))
+    big = encode(
+        DecodeReservation("huge", FP, 1, 1, 1, 4, (1,), {r: "x" * (1 << 20) for r in range(5)}, new_ticket())
+    )
     assert len(big) > SIDE_MAX_BYTES + 4096
     flood = raw_dealer(ctx, server.endpoint)
     flood.send_multipart([big, sign(KEY, D2P, big)])

@@ -75,7 +75,9 @@ def test_data_that_never_comes_times_out(pair):
 
 def test_fingerprint_mismatch_is_refused(pair, monkeypatch):
     prefill, decode = pair
-    monkeypatch.setattr(prefill, "worker", dataclasses.replace(prefill.worker, dtype="float32"))  # what it claims
+    monkeypatch.setattr(
+        prefill, "worker", dataclasses.replace(prefill.worker, dtype="float32")
+    )  # what it claims
     with pytest.raises(TransferError, match="model_dtype") as e:
         hand_off(prefill, decode, prompt(9))
     assert "'float32'" in str(e.value) and "'float64'" in str(e.value)
@@ -117,7 +119,9 @@ def test_dead_decode_endpoint_fails_the_room_not_the_instance(pair):
     prefill, decode = pair
     ids = prompt(23)
     res = prefill.prefill("dead", ids)
-    plan = plan_transfer(prefill.prefill_side(res.slots), decode.instance.decode_side([0, 1, 2, 3, 4, 5]), len(ids))
+    plan = plan_transfer(
+        prefill.prefill_side(res.slots), decode.instance.decode_side([0, 1, 2, 3, 4, 5]), len(ids)
+    )
     endpoints = {r: f"tcp://127.0.0.1:{free_port()}" for r in range(2)}  # nobody listens there
     with pytest.raises(SendError, match="not receiving"):
         prefill.send("dead", "dead", 1, plan, endpoints, send_timeout_ms=200)
