@@ -20,6 +20,13 @@ from tests.reference import free_port
 from tests.servers import TEST_TOKEN, http, start_server
 
 
+def router_config(model_dir, prefill: str, decode: str, **overrides) -> RouterConfig:
+    """The tests' router in front of one prefill and one decode instance: model name "tiny", a fast
+    health interval; `overrides` are other RouterConfig fields."""
+    fields = {"served_model_name": "tiny", "health_interval_s": 0.5, **overrides}
+    return RouterConfig(model=str(model_dir), prefill=(prefill,), decode=(decode,), **fields)
+
+
 @contextmanager
 def running_router(cfg: RouterConfig):
     """Serves create_app(cfg) on a free port until the block ends; yields (base URL, the app). The

@@ -17,8 +17,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from pdserve.router.config import RouterConfig
-from tests.router.helpers import decode_idle, running_router, wait_until
+from tests.router.helpers import decode_idle, router_config, running_router, wait_until
 from tests.servers import http
 
 VOCAB_PROBE = 10**9  # an id outside any vocabulary
@@ -27,12 +26,10 @@ VOCAB_PROBE = 10**9  # an id outside any vocabulary
 @pytest.fixture(scope="module")
 def stack(model_dir, instances):
     p_url, d_url = instances
-    cfg = RouterConfig(
-        model=str(model_dir),
-        prefill=(p_url,),
-        decode=(d_url,),
-        served_model_name="tiny",
-        health_interval_s=0.5,
+    cfg = router_config(
+        model_dir,
+        p_url,
+        d_url,
         max_body_bytes=8 << 20,
         max_prompt_bytes=4 << 20,
     )

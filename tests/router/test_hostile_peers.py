@@ -19,9 +19,8 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
-from pdserve.router.config import RouterConfig
 from tests.reference import free_port
-from tests.router.helpers import running_router
+from tests.router.helpers import router_config, running_router
 
 CASES = {  # what the decode stand-in streams (chosen by the prompt's second id) before it stalls
     "not json": ["this is not json"],
@@ -96,11 +95,10 @@ def router(model_dir):
         serving(_fake_instance(stall_s=30)) as fake_decode,
         serving(_fake_instance(stall_s=30)) as fake_prefill,
     ):
-        cfg = RouterConfig(
-            model=str(model_dir),
-            prefill=(fake_prefill,),
-            decode=(fake_decode,),
-            served_model_name="tiny",
+        cfg = router_config(
+            model_dir,
+            fake_prefill,
+            fake_decode,
             health_interval_s=60,
             max_attempts=1,
             request_timeout_s=2.0,

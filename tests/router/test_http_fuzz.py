@@ -16,8 +16,7 @@ import pytest
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import SamplingParams
-from pdserve.router.config import RouterConfig
-from tests.router.helpers import decode_idle, running_router, wait_until
+from tests.router.helpers import decode_idle, router_config, running_router, wait_until
 from tests.servers import AUTH, http
 
 PER_API = 5000
@@ -130,12 +129,10 @@ async def _fire(base: str, path: str, valid: dict, seed: int, n: int) -> dict[in
 @pytest.mark.slow
 def test_five_thousand_malformed_requests_per_api(model_dir, instances):
     p_url, d_url = instances
-    cfg = RouterConfig(
-        model=str(model_dir),
-        prefill=(p_url,),
-        decode=(d_url,),
-        served_model_name="tiny",
-        health_interval_s=0.5,
+    cfg = router_config(
+        model_dir,
+        p_url,
+        d_url,
         max_body_bytes=1 << 20,
     )
     with running_router(cfg) as (url, _):

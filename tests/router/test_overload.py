@@ -15,8 +15,14 @@ import pytest
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import SamplingParams
-from pdserve.router.config import RouterConfig
-from tests.router.helpers import decode_idle, running_router, start_servers, stop_all, wait_until
+from tests.router.helpers import (
+    decode_idle,
+    router_config,
+    running_router,
+    start_servers,
+    stop_all,
+    wait_until,
+)
 from tests.servers import http
 
 TOKENS = 24
@@ -40,12 +46,10 @@ def _complete(url: str, ids: list[int]) -> httpx.Response:
 @pytest.mark.slow
 def test_router_admits_a_bounded_number_and_429s_the_rest(model_dir, instances):
     p_url, d_url = instances
-    cfg = RouterConfig(
-        model=str(model_dir),
-        prefill=(p_url,),
-        decode=(d_url,),
-        served_model_name="tiny",
-        health_interval_s=0.5,
+    cfg = router_config(
+        model_dir,
+        p_url,
+        d_url,
         max_in_flight=1,
         max_queue=2,
     )
@@ -84,12 +88,10 @@ def test_a_full_decode_instance_answers_429_and_the_router_passes_it_on(model_di
                     r.text
                 )  # ... the third is refused
                 assert "queue is full" in r.json()["error"]["message"]
-                cfg = RouterConfig(
-                    model=str(model_dir),
-                    prefill=(p_url,),
-                    decode=(d_url,),
-                    served_model_name="tiny",
-                    health_interval_s=0.5,
+                cfg = router_config(
+                    model_dir,
+                    p_url,
+                    d_url,
                     max_attempts=2,
                     retry_backoff_s=0.05,
                 )
