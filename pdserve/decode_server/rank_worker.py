@@ -42,9 +42,8 @@ class DecodeWorkerConfig:
     transfer_quarantine_s: float = (
         60.0  # NIXL: a failed room's pages stay unused this long (senders may write)
     )
-    frame_key: bytes = field(
-        default=DEV_FRAME_KEY, repr=False
-    )  # data frames must be signed with it (frames.py)
+    # data frames must be signed with it (transfer/frames.py)
+    frame_key: bytes = field(default=DEV_FRAME_KEY, repr=False)
 
     def __post_init__(self):
         check_transfer(self.transfer)

@@ -39,9 +39,8 @@ class PrefillWorkerConfig:
     float32_islands: bool = True  # False: true float64 (see ModelConfig)
     transfer: str = "tcp"  # KV hand-off data path: "tcp" | "nixl"
     kv_residues: int = 0  # latent cache residue-major by this many residues (KVPool); 0: the CP size
-    frame_key: bytes = field(
-        default=DEV_FRAME_KEY, repr=False
-    )  # data frames are signed with it (transfer/frames.py)
+    # data frames are signed with it (transfer/frames.py)
+    frame_key: bytes = field(default=DEV_FRAME_KEY, repr=False)
 
     def __post_init__(self):
         check_transfer(self.transfer)

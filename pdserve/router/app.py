@@ -186,9 +186,8 @@ async def _serve(state: RouterState, request: Request, body, prompt: list[int], 
     pieces = _pieces(state, prompt, params, body.stop_list(), deadline)
     if not body.stream:
         return await _until_disconnect(request, _collect(state, rid, chat, body, prompt, pieces))
-    first = await _until_disconnect(
-        request, _first_piece(pieces)
-    )  # errors before any token keep their status
+    # errors before any token keep their status
+    first = await _until_disconnect(request, _first_piece(pieces))
     return StreamingResponse(
         _sse(state, rid, chat, body, len(prompt), first, pieces), media_type="text/event-stream"
     )

@@ -55,9 +55,8 @@ class StackConfig:
     ready_timeout_s: float = 600.0
     restart: str = "on-failure"  # a dead instance: on-failure (start it again) | never (stop the stack)
     shutdown_grace_s: float = 30.0  # each instance's --shutdown-grace
-    internal_token: str = field(
-        default_factory=new_token, repr=False
-    )  # one per stack, in the children's environment
+    # one per stack, in the children's environment
+    internal_token: str = field(default_factory=new_token, repr=False)
 
     def __post_init__(self):
         if self.restart not in RESTART_POLICIES:

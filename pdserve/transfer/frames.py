@@ -26,17 +26,15 @@ import msgpack
 
 from ..engine.auth import MAC_BYTES, frame_key, sign, verify
 
-DEV_FRAME_KEY = frame_key(
-    "pdserve-development-only-frame-key"
-)  # tests and --dev runs; serve() passes the real one
+# in-process tests only: serve() refuses to start without the internal token and passes its key
+DEV_FRAME_KEY = frame_key("pdserve-development-only-frame-key")
 TICKET_BYTES = 16
 
 D2P, P2D = b"pdserve side-channel decode->prefill", b"pdserve side-channel prefill->decode"
 DATA, NOTIF = b"pdserve kv data frame", b"pdserve nixl notification"
 
-SIDE_MAX_BYTES = (
-    4 << 20
-)  # the largest side-channel frame (a reservation of thousands of pages, NIXL endpoints)
+# the largest side-channel frame (a reservation of thousands of pages, NIXL endpoints)
+SIDE_MAX_BYTES = 4 << 20
 HEADER_MAX_BYTES = 1 << 20  # the largest data-frame header or notification (run lists)
 WEDGED_S = 30.0  # a listener loop that has not come round for this long is reported wedged
 

@@ -15,9 +15,8 @@ ALIGN = 64  # region starts: any dtype view of a chunk is aligned
 
 def make_agent(name: str):
     """A NIXL agent with the UCX backend and no progress thread (its owner polls)."""
-    os.environ.setdefault(
-        "UCX_NET_DEVICES", "lo"
-    )  # loopback like the TCP path; multi-node deployments set it
+    # loopback like the TCP path; multi-node deployments set it
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     try:
         import nixl._api as api  # the meta package `nixl`
