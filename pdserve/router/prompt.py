@@ -30,10 +30,8 @@ async def completion_prompt(tok: Tokenizer, prompt, limits: PromptLimits) -> lis
         raise ApiError(400, "only one prompt per request is supported", "prompt")
     if isinstance(prompt, str):
         _check_bytes(len(prompt.encode("utf-8", "surrogatepass")), limits)
-        ids = await asyncio.to_thread(tok.encode, prompt)
-    else:
-        ids = list(prompt)
-    return _check_ids(ids, tok.vocab_size, limits)
+        return await asyncio.to_thread(_encode_checked, tok, prompt, limits)
+    return await asyncio.to_thread(_check_ids, list(prompt), tok.vocab_size, limits)
 
 
 async def chat_prompt(tok: Tokenizer, messages: list[dict], limits: PromptLimits) -> list[int]:
@@ -44,7 +42,12 @@ async def chat_prompt(tok: Tokenizer, messages: list[dict], limits: PromptLimits
     except Exception as e:  # jinja's raise_exception(), or no template
         raise ApiError(400, f"cannot apply the chat template: {e}", "messages") from None
     _check_bytes(len(text.encode("utf-8", "surrogatepass")), limits)
-    return _check_ids(await asyncio.to_thread(tok.encode, text), tok.vocab_size, limits)
+    return await asyncio.to_thread(_encode_checked, tok, text, limits)
+
+
+def _encode_checked(tok: Tokenizer, text: str, limits: PromptLimits) -> list[int]:
+    """In a worker thread: tokenizing and the per-id check of a long prompt both take a while."""
+    return _check_ids(tok.encode(text), tok.vocab_size, limits)
 
 
 def flatten_messages(messages: list[dict]) -> list[dict]:
