@@ -1,0 +1,122 @@
+"""What the `pdserve` subcommands share: the typer app, the built-in model, the internal token,
+secret masking, and `fail`. The commands live in cli.py (tools), cli_servers.py (prefill, decode)
+and cli_stack.py (router, up); cli.py registers them in that order."""
+
+from __future__ import annotations
+
+import os
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(
+    help="pdserve: disaggregated prefill/decode serving for long-context MLA + sparse-attention models.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+class Arch(str, Enum):
+    glm_moe_dsa = "glm_moe_dsa"
+    deepseek_v32 = "deepseek_v32"
+    deepseek_v3 = "deepseek_v3"
+
+
+class Size(str, Enum):
+    tiny = "tiny"
+    small = "small"
+
+
+class Quantize(str, Enum):
+    fp8 = "fp8"
+
+
+BUILTIN_ARCH, BUILTIN_SIZE = "glm_moe_dsa", "small"
+
+
+def builtin_model_dir() -> Path:
+    """The built-in model, written once by `make-model` and reused."""
+    root = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
+    return root / "models" / f"{BUILTIN_SIZE}-{BUILTIN_ARCH}-seed0"
+
+
+def ensure_builtin_model() -> Path:
+    path = builtin_model_dir()
+    if not (path / "config.json").is_file():
+        from .model.random_checkpoint import make_model
+
+        print(f"building the built-in {BUILTIN_SIZE} {BUILTIN_ARCH} model in {path} (once)", file=sys.stderr)
+        make_model(path, BUILTIN_ARCH, BUILTIN_SIZE, seed=0, overwrite=True)
+    return path
+
+
+def model_arg(model: Optional[Path], check_config: bool) -> Path:
+    """--model, or the built-in model: built on first use, except by --check-config, which only reads config.json."""
+    if check_config:
+        from .check_plan import model_for_check
+        from .model.presets import hf_config
+
+        return model_for_check(model, builtin_model_dir(), hf_config(BUILTIN_ARCH, BUILTIN_SIZE))
+    return model or ensure_builtin_model()
+
+
+SHUTDOWN_GRACE_HELP = (
+    "Seconds running requests get to finish after SIGTERM: new requests and /health answer 503 "
+    "(draining) at once; what still runs at the end gets an error; then exit 0. A second "
+    "signal cuts it short."
+)
+
+
+INTERNAL_TOKEN_HELP = (
+    "The internal token that authenticates pdserve's own processes to each other (instance HTTP "
+    "APIs, side channel, data path); the same on the router and every instance. Default: "
+    "$PDSERVE_INTERNAL_TOKEN. A value given here is visible in `ps`: prefer the variable or "
+    "--internal-token-file."
+)
+INTERNAL_TOKEN_FILE_HELP = "A file holding the internal token (e.g. a mounted Kubernetes Secret)."
+
+
+def internal_token(flag: Optional[str], file: Optional[Path], check_config: bool) -> Optional[str]:
+    """The internal token (engine/auth.py), required unless only the config is checked."""
+    from .engine.auth import AuthConfigError, load_internal_token
+
+    try:
+        return load_internal_token(flag, str(file) if file else None, required=not check_config)
+    except AuthConfigError as e:
+        fail(str(e))
+
+
+def stack_token(flag: Optional[str], file: Optional[Path]) -> str:
+    from .engine.auth import AuthConfigError, load_internal_token, new_token
+
+    try:
+        return load_internal_token(flag, str(file) if file else None, required=False) or new_token()
+    except AuthConfigError as e:
+        fail(str(e))
+
+
+def masked(config: dict) -> dict:
+    """A config for printing: secrets as "***" (or null when unset)."""
+    return {
+        k: ("***" if v else None) if k in ("internal_token", "admin_token", "api_key") else v
+        for k, v in config.items()
+    }
+
+
+def fail(msg: str) -> None:
+    typer.echo(f"error: {msg}", err=True)
+    raise typer.Exit(2)
+
+
+class Transfer(str, Enum):
+    tcp = "tcp"
+    nixl = "nixl"
+
+
+class DcpIndex(str, Enum):
+    copy = "copy"
+    split = "split"
