@@ -28,14 +28,13 @@ import argparse
 import datetime
 import json
 import platform
-import socket
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from common import free_port, resolve_model  # bench/ is on sys.path when a script runs
 
-from pdserve.cli import ensure_builtin_model
 from pdserve.decode_server.instance import DecodeInstance
 from pdserve.decode_server.rank_worker import DecodeWorkerConfig
 from pdserve.engine import capacity
@@ -54,12 +53,6 @@ CONFIGS = [  # name, W, C_d, index mode, comm, replicated q
     ("DCP=2 split a2a", 2, 2, "split", "a2a", False),
 ]
 HEADLINE = "DCP=2 copy a2a"  # the article's default: copied index, all-to-all merge
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fill_random_cache(inst: DecodeInstance, pages: list[list[int]], n: int) -> None:
@@ -225,7 +218,7 @@ def main() -> None:
     args = ap.parse_args()
     contexts = [int(x) for x in args.contexts.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
-    model = args.model or str(ensure_builtin_model())
+    model = resolve_model(args.model)
 
     cap_rows = capacity_table(model, args.budget)
     print(f"(a) capacity on {args.budget} bytes per rank: factor over C_d = 1, allocator vs formula")

@@ -29,6 +29,8 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
+from common import add_model_and_out, resolve_model  # bench/ is on sys.path when a script runs
+
 MEM_CAP = 14 * 2**30
 WARMUP_STEPS = 2
 REPEATS = 2  # prefill runs per measurement (set by --repeats)
@@ -379,18 +381,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="timed decode steps, one token per request each (default 32)",
     )
     p.add_argument("--skip-transformers", action="store_true", help="measure only our engine")
-    p.add_argument(
-        "--model",
-        type=str,
-        default=None,
-        help="checkpoint directory (default: the built-in small glm_moe_dsa model)",
-    )
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=Path(__file__).parent / "results",
-        help="output folder for engine.json and engine.png (default bench/results)",
-    )
+    add_model_and_out(p, "engine")
     p.add_argument(
         "--timeout", type=float, default=600, help="seconds allowed per measurement subprocess (default 600)"
     )
@@ -409,9 +400,7 @@ def main(argv=None) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, even without pip install -e
     if a.worker:
         return worker(json.loads(a.worker))
-    from pdserve.cli import ensure_builtin_model
-
-    model_dir = str(Path(a.model) if a.model else ensure_builtin_model())
+    model_dir = resolve_model(a.model)
     res = measure(a, model_dir)
     machine = {
         "cpu_count": os.cpu_count(),

@@ -34,18 +34,26 @@ import datetime
 import json
 import os
 import platform
-import socket
 import sys
 import time
 import traceback
 from importlib.metadata import version
 from pathlib import Path
 
+from common import (  # bench/ is on sys.path when a script runs
+    IDLE_CORES,
+    add_model_and_out,
+    cpu_model,
+    cpu_seconds,
+    free_port,
+    resolve_model,
+    system_busy_seconds,
+    wait_until_idle,
+)
+from prefill_cp_report import CLAIM_RATIO, LAYOUTS, balance_text, first_tokens, plot, ratios, ttft_table
+
 WARMUP_TOKENS = 300
 PAGE_SIZE = 16
-LAYOUTS = ("interleave", "zigzag", "contiguous")
-CLAIM_RATIO = 1.7
-IDLE_CORES = 0.25  # "idle": other processes use less than this many cores
 NOISY_CORES = 0.15  # a run is "contended" (flagged "*") when other processes took more than this of the cores its ranks needed
 
 
@@ -55,52 +63,6 @@ def prompt_ids(n: int, seed: int, vocab: int) -> list[int]:
     import torch
 
     return torch.randint(1, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (all its threads), in seconds."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()  # after "(comm)": fields[11], [12] are utime, stime
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def system_busy_seconds() -> float:
-    """CPU seconds all processes have spent busy since boot (every core; /proc/stat "cpu" line)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait; guest is in user
-
-
-def wait_until_idle(max_s: float, threshold: float = IDLE_CORES) -> dict:
-    """Waits (up to max_s) until other processes use < threshold cores for two 1-s samples in a row.
-
-    The machine is shared: another developer's test run on one of the 2 cores halves C_p=2's speed.
-    Our ranks are blocked between prefills, so what is busy now is someone else."""
-    t0, quiet, last = time.perf_counter(), 0, None
-    while True:
-        b0 = system_busy_seconds()
-        time.sleep(1.0)
-        last = system_busy_seconds() - b0
-        quiet = quiet + 1 if last < threshold else 0
-        waited = time.perf_counter() - t0
-        if quiet >= 2 or waited >= max_s:
-            return {"waited_seconds": waited, "busy_cores_before": last, "idle": quiet >= 2}
-
-
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 # ---------------------------------------------------------------- balance (pure accounting)
@@ -277,194 +239,6 @@ class Bench:
         self.instances.clear()
 
 
-def first_tokens(ttft: dict, lengths: list[int]) -> dict:
-    """Per length: every C_p's first token (every repeat agreed) and whether all C_p agree."""
-    out = {}
-    for n in lengths:
-        toks = {cp: r[str(n)]["tokens"] for cp, r in ttft.items() if "tokens" in r[str(n)]}
-        flat = {t for ts in toks.values() for t in ts}
-        out[str(n)] = {
-            "by_cp": {cp: ts[0] if len(set(ts)) == 1 else ts for cp, ts in toks.items()},
-            "all_equal": len(flat) == 1 if flat else None,
-        }
-    return out
-
-
-def ratios(ttft: dict, cp_sizes: list[int], lengths: list[int]) -> dict:
-    """TTFT(base C_p) / TTFT(C_p) per length, base = the first of --cp-sizes."""
-    base, out = str(cp_sizes[0]), {}
-    for cp in cp_sizes[1:]:
-        per = {}
-        for n in lengths:
-            t0, t1 = ttft[base][str(n)].get("seconds"), ttft[str(cp)][str(n)].get("seconds")
-            per[str(n)] = t0 / t1 if t0 and t1 else None
-        out[f"ttft_cp{base}_over_cp{cp}"] = per
-    return out
-
-
-# ---------------------------------------------------------------- output
-def fmt_s(r: dict) -> str:
-    if "seconds" not in r:
-        return "error"
-    return f"{r['seconds']:.2f}" + ("*" if r.get("contended") else "")
-
-
-def ttft_table(ttft: dict, rat: dict, toks: dict, a: argparse.Namespace) -> str:
-    base = a.cp_sizes[0]
-    head = (
-        ["prompt tokens"]
-        + [f"TTFT C_p={cp} (s)" for cp in a.cp_sizes]
-        + [f"speedup C_p={base}/{cp}" for cp in a.cp_sizes[1:]]
-        + ["rank CPU/wall C_p=" + str(cp) for cp in a.cp_sizes[1:]]
-        + ["first token (same?)"]
-    )
-    rows = [head]
-    for n in a.lengths:
-        row = [str(n)] + [fmt_s(ttft[str(cp)][str(n)]) for cp in a.cp_sizes]
-        for cp in a.cp_sizes[1:]:
-            x = rat[f"ttft_cp{base}_over_cp{cp}"][str(n)]
-            row.append(f"{x:.2f}x" if x else "-")
-        for cp in a.cp_sizes[1:]:
-            u = ttft[str(cp)][str(n)].get("rank_cpu_over_wall")
-            row.append("/".join(f"{x:.2f}" for x in u) if u else "-")
-        t = toks[str(n)]
-        tok = ",".join(str(v) for v in dict.fromkeys(str(v) for v in t["by_cp"].values()))
-        row.append(f"{tok} ({'yes' if t['all_equal'] else 'no' if t['all_equal'] is False else '-'})")
-        rows.append(row)
-    return grid(rows)
-
-
-def balance_text(bal: dict, cps: list[int], lengths: list[int]) -> str:
-    rows = [["layout", "prompt tokens"] + [f"C={c}" for c in cps]]
-    for layout in LAYOUTS:
-        for n in lengths:
-            rows.append(
-                [layout, str(n)] + [f"{bal[layout][str(n)][str(c)]['busiest_over_average']:.6f}" for c in cps]
-            )
-    return grid(rows)
-
-
-def grid(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
-
-
-def plot(ttft: dict, rat: dict, bal: dict, a: argparse.Namespace, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 5))
-    lengths = sorted(a.lengths)
-    for i, cp in enumerate(a.cp_sizes):
-        pts = [(n, ttft[str(cp)][str(n)]["seconds"]) for n in lengths if "seconds" in ttft[str(cp)][str(n)]]
-        if pts:
-            ax1.plot(
-                *zip(*pts),
-                "o-",
-                color=f"C{i}",
-                label=f"C_p={cp} ({cp} rank{'s' if cp > 1 else ''} x 1 thread)",
-            )
-    base_pts = [
-        (n, ttft[str(a.cp_sizes[0])][str(n)]["seconds"])
-        for n in lengths
-        if "seconds" in ttft[str(a.cp_sizes[0])][str(n)]
-    ]
-    if base_pts and len(a.cp_sizes) > 1:  # perfect scaling from the baseline to the largest C_p
-        f = a.cp_sizes[-1] / a.cp_sizes[0]
-        ax1.plot(
-            [n for n, _ in base_pts],
-            [t / f for _, t in base_pts],
-            ":",
-            color="gray",
-            lw=1,
-            label=f"C_p={a.cp_sizes[0]} / {f:g} (perfect scaling)",
-        )
-    qb = "" if a.query_block == 256 else f", query block {a.query_block}"
-    ax1.set(
-        xscale="log",
-        yscale="log",
-        title=f"Time to first token ({a.layout}, {a.cache} cache, chunk {a.chunk_size}{qb})",
-        xlabel="prompt tokens",
-        ylabel="seconds",
-    )
-    ax1.set_xticks(lengths, [str(n) for n in lengths])
-    ax1.minorticks_off()
-    ticks = (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100, 200)
-    ax1.set_yticks(ticks, [f"{t:g}" for t in ticks])
-    ys = [r["seconds"] for cp in a.cp_sizes for r in ttft[str(cp)].values() if "seconds" in r]
-    if ys:
-        ax1.set_ylim(min(ys) / 1.5, max(ys) * 1.5)
-
-    for i, (name, per) in enumerate(rat.items()):
-        pts = [(n, per[str(n)]) for n in lengths if per[str(n)]]
-        if pts:
-            ax2.plot(
-                *zip(*pts),
-                "o-",
-                color=f"C{i + 1}",
-                label=name.replace("ttft_", "TTFT ").replace("_over_", " / ").replace("cp", "C_p="),
-            )
-            for n, x in pts:
-                ax2.annotate(
-                    f"{x:.2f}x", (n, x), textcoords="offset points", xytext=(0, 8), ha="center", fontsize=9
-                )
-    ceiling = min(os.cpu_count() or 1, max(a.cp_sizes)) / a.cp_sizes[0]
-    ax2.axhline(ceiling, ls="--", color="k", lw=1, label=f"{ceiling:g}x ceiling ({os.cpu_count()} cores)")
-    ax2.axhline(CLAIM_RATIO, ls="--", color="C3", lw=1, label=f"{CLAIM_RATIO}x claim")
-    ax2.set(
-        xscale="log",
-        title="Speedup of time to first token",
-        xlabel="prompt tokens",
-        ylabel="TTFT ratio",
-        ylim=(1, max([ceiling, 2] + [x for per in rat.values() for x in per.values() if x]) + 0.25),
-    )
-    ax2.set_xticks(lengths, [str(n) for n in lengths])
-    ax2.minorticks_off()
-
-    n = str(max(a.balance_lengths))
-    cps = a.balance_cp
-    w = 0.8 / len(LAYOUTS)
-    for i, layout in enumerate(LAYOUTS):
-        vals = [bal[layout][n][str(c)]["busiest_over_average"] for c in cps]
-        xs = [j + (i - (len(LAYOUTS) - 1) / 2) * w for j in range(len(cps))]
-        # bars start at 1 (perfect balance); the edge keeps a near-perfect bar visible as a line
-        ax3.bar(
-            xs,
-            [v - 1 for v in vals],
-            w,
-            bottom=1,
-            color=f"C{i}",
-            edgecolor=f"C{i}",
-            linewidth=2,
-            label=layout,
-        )
-        for x, v in zip(xs, vals):
-            ax3.annotate(
-                f"+{100 * (v - 1):.2g}%",
-                (x, v),
-                textcoords="offset points",
-                xytext=(0, 4),
-                ha="center",
-                va="bottom",
-                rotation=90,
-                fontsize=8,
-            )
-    ax3.set_xticks(range(len(cps)), [f"C={c}" for c in cps])
-    top = max(bal[layout][n][str(c)]["busiest_over_average"] for layout in LAYOUTS for c in cps)
-    ax3.set(
-        title=f"Layout balance at {int(n)} tokens (pure accounting)",
-        ylabel="busiest rank's query-key pairs / average",
-        ylim=(0.95, top + 0.2),
-    )
-    for ax, loc in ((ax1, "upper left"), (ax2, "lower right"), (ax3, "upper left")):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=9, loc=loc)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     p = argparse.ArgumentParser(
@@ -510,18 +284,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="queries per attention/indexer block in each rank (PrefillWorkerConfig.query_block, default 256); "
         "the per-block temporaries are query_block x context",
     )
-    p.add_argument(
-        "--model",
-        type=str,
-        default=None,
-        help="checkpoint directory (default: the built-in small glm_moe_dsa model)",
-    )
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=Path(__file__).parent / "results",
-        help="output folder for prefill_cp.json and prefill_cp.png (default bench/results)",
-    )
+    add_model_and_out(p, "prefill_cp")
     p.add_argument(
         "--repeats", type=int, default=2, help="timed prefills per length and C_p, best taken (default 2)"
     )
@@ -561,9 +324,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     a = parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, even without pip install -e
-    from pdserve.cli import ensure_builtin_model
-
-    model_dir = str(Path(a.model) if a.model else ensure_builtin_model())
+    model_dir = resolve_model(a.model)
     bal = balance_table(a.balance_cp, a.balance_lengths)
     load_before = os.getloadavg()
     t_start = time.perf_counter()

@@ -19,7 +19,7 @@ carries a token (`return_token_ids`); ITL: the gaps between later token-carrying
 with k tokens, which happens when their text is an incomplete UTF-8 sequence, counts as k gaps of
 gap / k). Throughput: all output tokens (requests) over the wall time from the first send to the
 last stream end. SIGTERM stops the stack at the end (its launcher stops every child).
-Transformers: a fresh subprocess (this script with --worker) with torch.set_num_threads(2), a
+Transformers: a fresh subprocess (bench/serve_hf.py) with torch.set_num_threads(2), a
 14 GiB address-space cap and --timeout; a streamer timestamps every generation step, which gives
 TTFT (start of `generate` to the first new token) and ITL for batch 1 and for the padded batch.
 The stack runs 1 torch thread in each of its 4 rank processes (2 prefill, 2 decode) plus the
@@ -36,120 +36,15 @@ import datetime
 import json
 import os
 import platform
-import resource
-import subprocess
 import sys
 import tempfile
 import time
 from importlib.metadata import version
 from pathlib import Path
 
-from serve_stack import StackProcess, make_prompts, run_stack, summary  # bench/ is on sys.path when run
-
-MEM_CAP = 14 * 2**30
-MARK = "BENCH_RESULT "
-
-
-def hf_worker(spec: dict) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.generation.streamers import BaseStreamer
-
-    class StepTimes(BaseStreamer):
-        """generate() calls put() with the prompt first, then once per step with the new tokens."""
-
-        def __init__(self):
-            self.times: list[float] = []
-            self.prompt_seen = False
-
-        def put(self, value):
-            if self.prompt_seen:
-                self.times.append(time.perf_counter())
-            self.prompt_seen = True
-
-        def end(self):
-            pass
-
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).eval()
-    prompts, max_tokens = spec["prompts"], spec["max_tokens"]
-    gen = dict(
-        do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=0, eos_token_id=0
-    )
-
-    def run(batch: list[list[int]]) -> tuple[float, list[float], list[list[int]]]:
-        width = max(map(len, batch))  # left padding: every row ends at the same position
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-        streamer = StepTimes()
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, streamer=streamer, **gen)
-        return t0, streamer.times, out[:, width:].tolist()
-
-    run([prompts[0][:16]])  # warm-up
-    if spec["mode"] == "batch1":
-        ttft, itl, e2e, ids_out, total = [], [], [], [], 0.0
-        for p in prompts:
-            t0, times, out = run([p])
-            ttft.append(times[0] - t0)
-            itl += [b - a for a, b in zip(times, times[1:])]
-            e2e.append(times[-1] - t0)
-            total += time.perf_counter() - t0
-            ids_out.append(out[0])
-        res = summary(len(prompts), sum(map(len, ids_out)), total, ttft, itl, e2e)
-    else:
-        t0, times, ids_out = run(prompts)
-        wall = time.perf_counter() - t0
-        res = summary(
-            len(prompts),
-            len(prompts) * len(ids_out[0]),
-            wall,
-            [times[0] - t0],
-            [b - a for a, b in zip(times, times[1:])],
-            [times[-1] - t0],
-        )
-        res["padded_width"] = max(map(len, prompts))
-        res["step_ms"] = [
-            1000 * (b - a) for a, b in zip([t0, *times], times)
-        ]  # the first: prefill + 1st token
-    cpu = resource.getrusage(resource.RUSAGE_SELF)
-    res["process_cpu_s"] = cpu.ru_utime + cpu.ru_stime  # over wall_s x 2 threads: how much CPU it got
-    return {**res, "token_ids": ids_out}
-
-
-def worker(spec: dict) -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (MEM_CAP, MEM_CAP))
-    import torch
-
-    torch.set_num_threads(2)
-    try:
-        result = hf_worker(spec)
-    except MemoryError:
-        result = {"error": "out of memory"}
-    print(MARK + json.dumps(result), flush=True)
-
-
-def run_hf(mode: str, prompts: list[list[int]], a: argparse.Namespace, model_dir: str) -> dict:
-    spec = json.dumps({"mode": mode, "prompts": prompts, "max_tokens": a.max_tokens, "model": model_dir})
-    print(f"  transformers {mode} ...", file=sys.stderr, flush=True)
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:  # too long for argv
-        f.write(spec)
-    try:
-        p = subprocess.run(
-            [sys.executable, __file__, "--worker", f.name], capture_output=True, text=True, timeout=a.timeout
-        )
-    except subprocess.TimeoutExpired:
-        return {"error": "timeout"}
-    finally:
-        os.unlink(f.name)
-    for line in p.stdout.splitlines():
-        if line.startswith(MARK):
-            return json.loads(line[len(MARK) :])
-    tail = p.stderr.strip().splitlines()[-3:]
-    print(f"  transformers {mode} failed (rc {p.returncode}): {' | '.join(tail)}", file=sys.stderr)
-    return {
-        "error": "out of memory" if p.returncode == -9 else f"exit {p.returncode}: {tail[-1] if tail else ''}"
-    }
+from common import add_model_and_out, resolve_model  # bench/ is on sys.path when a script runs
+from serve_hf import MEM_CAP, run_hf
+from serve_stack import StackProcess, make_prompts, run_stack
 
 
 # ---------------------------------------------------------------- report
@@ -358,18 +253,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=0, help="router port (default 0: a free one)")
     p.add_argument("--skip-transformers", action="store_true", help="measure only the stack")
     p.add_argument("--skip-stack", action="store_true", help="measure only transformers")
-    p.add_argument(
-        "--model",
-        type=str,
-        default=None,
-        help="checkpoint directory (default: the built-in small glm_moe_dsa model)",
-    )
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=Path(__file__).parent / "results",
-        help="output folder for serve.json and serve.png (default bench/results)",
-    )
+    add_model_and_out(p, "serve")
     p.add_argument(
         "--timeout",
         type=float,
@@ -382,18 +266,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=300,
         help="seconds the stack gets to print its ready line (default 300)",
     )
-    p.add_argument("--worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
 def main(argv=None) -> None:
     a = parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, even without pip install -e
-    if a.worker:
-        return worker(json.loads(Path(a.worker).read_text()))
-    from pdserve.cli import ensure_builtin_model
-
-    model_dir = str(Path(a.model) if a.model else ensure_builtin_model())
+    model_dir = resolve_model(a.model)
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     prompts = make_prompts(a.prompts, a.min_len, a.max_len, vocab, a.seed)
     t_start = time.perf_counter()

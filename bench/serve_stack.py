@@ -10,12 +10,13 @@ import math
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+
+from common import free_port  # bench/ is on sys.path when a script runs
 
 
 # ---------------------------------------------------------------- prompts and statistics
@@ -60,10 +61,6 @@ def summary(
 
 
 # ---------------------------------------------------------------- the stack
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class StackProcess:

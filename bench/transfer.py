@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import cpu_seconds, resolve_model  # bench/ is on sys.path when a script runs
 
 MB = 1 << 20
 
@@ -204,12 +205,6 @@ def pack_cost(model: str, tokens: int, repeats: int) -> dict:
     return {"bytes": nbytes, "seconds": best, "GBps": nbytes / best / 1e9}
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time so far of a process (Linux /proc; clock-tick resolution)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 # ---- (c) the whole hand-off ---------------------------------------------------------------------------
 def handoff(model: str, transfer: str, tokens: int, repeats: int) -> dict:
     from pdserve.decode_server.instance import DecodeInstance
@@ -318,7 +313,6 @@ def plot(res: dict, out: Path) -> None:
 
 
 def main() -> None:
-    from pdserve.cli import ensure_builtin_model
 
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -348,7 +342,7 @@ def main() -> None:
     sizes = [int(x) for x in args.sizes.split(",")]
     if 64 not in sizes:
         ap.error("--sizes must include 64 (the claim is stated at 64 MB)")
-    model = args.model or str(ensure_builtin_model())
+    model = resolve_model(args.model)
     res = {
         "transports_GBps": transports(sizes, args.repeats),
         "pack": pack_cost(model, args.tokens, args.repeats),
