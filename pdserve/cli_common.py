@@ -8,7 +8,7 @@ import os
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 
@@ -120,3 +120,12 @@ class Transfer(str, Enum):
 class DcpIndex(str, Enum):
     copy = "copy"
     split = "split"
+
+
+# options several subcommands declare alike: one definition each
+ModelOpt = Annotated[
+    Optional[Path], typer.Option(help="Checkpoint directory. Default: the built-in small model.")
+]
+ShutdownGraceOpt = Annotated[float, typer.Option(min=0.0, help=SHUTDOWN_GRACE_HELP)]
+InternalTokenOpt = Annotated[Optional[str], typer.Option("--internal-token", help=INTERNAL_TOKEN_HELP)]
+InternalTokenFileOpt = Annotated[Optional[Path], typer.Option(help=INTERNAL_TOKEN_FILE_HELP)]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from enum import Enum
-from pathlib import Path
 from typing import Optional
 
 import typer
@@ -11,10 +10,11 @@ import typer
 from .admin_cli import KVCacheDType, parse_bytes
 from .admin_cli import ModelDType as DType
 from .cli_common import (
-    INTERNAL_TOKEN_FILE_HELP,
-    INTERNAL_TOKEN_HELP,
-    SHUTDOWN_GRACE_HELP,
     DcpIndex,
+    InternalTokenFileOpt,
+    InternalTokenOpt,
+    ModelOpt,
+    ShutdownGraceOpt,
     Transfer,
     app,
     fail,
@@ -37,9 +37,7 @@ class CacheMode(str, Enum):
 
 @app.command()
 def prefill(
-    model: Optional[Path] = typer.Option(
-        None, help="Checkpoint directory. Default: the built-in small model."
-    ),
+    model: ModelOpt = None,
     cp_size: int = typer.Option(
         1, min=1, help="Context-parallel ranks C_p: the prompt's tokens are split across them."
     ),
@@ -89,9 +87,9 @@ def prefill(
         min=0,
         help="Store each layer's latent cache residue-major by R residues (slot s at row (s % R) * ceil(slots / R) + s // R), so each rank of a decode instance with C_d = R finds its tokens in contiguous rows, which --transfer nixl WRITEs straight from the cache without packing. 0 (default): the CP size. Any value works with any decode instance; only the packing cost differs.",
     ),
-    shutdown_grace: float = typer.Option(30.0, min=0.0, help=SHUTDOWN_GRACE_HELP),
-    internal_token_: Optional[str] = typer.Option(None, "--internal-token", help=INTERNAL_TOKEN_HELP),
-    internal_token_file: Optional[Path] = typer.Option(None, help=INTERNAL_TOKEN_FILE_HELP),
+    shutdown_grace: ShutdownGraceOpt = 30.0,
+    internal_token_: InternalTokenOpt = None,
+    internal_token_file: InternalTokenFileOpt = None,
     check_config: bool = typer.Option(
         False,
         "--check-config",
@@ -151,9 +149,7 @@ class CpuComm(str, Enum):
 
 @app.command()
 def decode(
-    model: Optional[Path] = typer.Option(
-        None, help="Checkpoint directory. Default: the built-in small model."
-    ),
+    model: ModelOpt = None,
     tp_size: int = typer.Option(
         1, min=1, help="Decode ranks W: attention heads are split across them (tensor parallel)."
     ),
@@ -231,13 +227,13 @@ def decode(
         Transfer.tcp,
         help="KV hand-off data path from prefill instances: tcp (ZMQ over TCP) or nixl (NIXL/UCX one-sided WRITEs). Both sides must use the same.",
     ),
-    shutdown_grace: float = typer.Option(30.0, min=0.0, help=SHUTDOWN_GRACE_HELP),
+    shutdown_grace: ShutdownGraceOpt = 30.0,
     transfer_quarantine: float = typer.Option(
         60.0,
         help="--transfer nixl: seconds the pages of a hand-off that failed while its prefill may still be sending stay out of use (NIXL WRITEs land in the cache itself; a late one must not reach another request).",
     ),
-    internal_token_: Optional[str] = typer.Option(None, "--internal-token", help=INTERNAL_TOKEN_HELP),
-    internal_token_file: Optional[Path] = typer.Option(None, help=INTERNAL_TOKEN_FILE_HELP),
+    internal_token_: InternalTokenOpt = None,
+    internal_token_file: InternalTokenFileOpt = None,
     gpu_memory: Optional[str] = typer.Option(
         None,
         help="With --check-config: memory of one GPU, e.g. 141GiB; adds whether this instance fits one GPU per rank and, per C_d, the fewest ranks that hold the weights and the KV tokens they leave room for.",

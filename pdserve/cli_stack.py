@@ -11,9 +11,9 @@ from typing import Optional
 import typer
 
 from .cli_common import (
-    INTERNAL_TOKEN_FILE_HELP,
-    INTERNAL_TOKEN_HELP,
     DcpIndex,
+    InternalTokenFileOpt,
+    InternalTokenOpt,
     Transfer,
     app,
     fail,
@@ -71,8 +71,8 @@ def router(
         None,
         help="API key clients must send as `Authorization: Bearer KEY` on /v1/* (default: $PDSERVE_API_KEY); without one the OpenAI API is open.",
     ),
-    internal_token_: Optional[str] = typer.Option(None, "--internal-token", help=INTERNAL_TOKEN_HELP),
-    internal_token_file: Optional[Path] = typer.Option(None, help=INTERNAL_TOKEN_FILE_HELP),
+    internal_token_: InternalTokenOpt = None,
+    internal_token_file: InternalTokenFileOpt = None,
     health_interval: float = typer.Option(2.0, help="Seconds between health checks of every instance."),
     max_attempts: int = typer.Option(
         3, min=1, help="Tries of one request on different instance pairs while no token reached the client."
@@ -223,7 +223,7 @@ def up(
         "--internal-token",
         help="The stack's internal token (default: $PDSERVE_INTERNAL_TOKEN, else a new random one); it reaches the router and the instances through their environment, never their command lines.",
     ),
-    internal_token_file: Optional[Path] = typer.Option(None, help=INTERNAL_TOKEN_FILE_HELP),
+    internal_token_file: InternalTokenFileOpt = None,
     check_config: bool = typer.Option(
         False,
         "--check-config",

@@ -39,7 +39,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import Field
 
 from ..engine import capacity
-from ..engine.http_edge import REQUEST_ID, StrictModel, install_edge
+from ..engine.http_edge import REQUEST_ID, StrictModel, install_edge, too_busy
 from ..engine.request import (
     MAX_OUTPUT_TOKENS,
     MAX_STOP_TOKEN_IDS,
@@ -52,7 +52,6 @@ from ..engine.request import (
 from ..engine.watchdog import add_health_route
 from .server import Unavailable
 
-RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 DISCONNECT_POLL_S = 1.0  # how often a non-streaming handler checks whether its client is still there
 
 
@@ -128,7 +127,7 @@ def create_app(cfg, instance, engine_loop, dead_rank, drain=None) -> FastAPI:
         except Unavailable as e:
             raise HTTPException(503, str(e)) from None
         except Overloaded as e:
-            raise HTTPException(429, str(e), headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+            raise too_busy(str(e)) from None
         except Exception as e:
             raise HTTPException(500, f"request {request_id} failed: {type(e).__name__}: {e}") from None
         # also catches a client that left during the local prefill, or before its stream started

@@ -153,7 +153,7 @@ class DecodeServerConfig:
             transfer=self.transfer,
             data_host=self.data_host,
             transfer_quarantine_s=self.transfer_quarantine_s,
-            frame_key=cluster_frame_key(self),
+            frame_key=cluster_frame_key(self.internal_token),
         )
         launch = LaunchConfig(self.tp_size, self.dist_port, threads_per_rank=self.threads_per_rank)
         return DecodeInstance(worker, launch, page_size=self.page_size)
@@ -392,7 +392,7 @@ def serve(cfg: DecodeServerConfig) -> None:
             cfg.transfer_timeout_s,
             cfg.heartbeat_timeout_s,
             cfg.max_queue,
-            cluster_frame_key(cfg),
+            cluster_frame_key(cfg.internal_token),
         )
         thread = threading.Thread(target=loop.run, name="decode-engine", daemon=True)
         thread.start()

@@ -35,6 +35,14 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait
+
+
+def too_busy(message: str) -> StarletteHTTPException:
+    """The 429 an edge answers when its queue is full (with Retry-After)."""
+    return StarletteHTTPException(429, message, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 def new_error_id() -> str:
     return uuid.uuid4().hex[:12]
 

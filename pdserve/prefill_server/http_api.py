@@ -19,12 +19,10 @@ import time
 from fastapi import FastAPI, HTTPException
 from pydantic import Field
 
-from ..engine.http_edge import REQUEST_ID, StrictModel, install_edge
+from ..engine.http_edge import REQUEST_ID, StrictModel, install_edge, too_busy
 from ..engine.request import MAX_TEMPERATURE, MAX_TOP_K, SEED_LIMIT, Overloaded, SamplingParams
 from ..engine.watchdog import add_health_route
 from .scheduler import PrefillJob, PrefillScheduler
-
-RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 
 
 class PrefillBody(StrictModel):
@@ -94,7 +92,7 @@ def create_app(
         except ValueError as e:
             raise HTTPException(400, str(e)) from None
         except Overloaded as e:
-            raise HTTPException(429, str(e), headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+            raise too_busy(str(e)) from None
         try:
             await done
         except asyncio.CancelledError:  # the client went away

@@ -86,7 +86,7 @@ class PrefillServerConfig:
             self.moe_tp,
             transfer=self.transfer,
             kv_residues=self.kv_residues or self.cp_size,
-            frame_key=cluster_frame_key(self),
+            frame_key=cluster_frame_key(self.internal_token),
         )
         launch = LaunchConfig(self.cp_size, self.dist_port, threads_per_rank=self.threads_per_rank)
         return PrefillInstance(worker, launch, page_size=self.page_size, chunk_size=self.chunk_size)
@@ -121,7 +121,7 @@ def serve(cfg: PrefillServerConfig) -> None:
     instance.start()
     # the hand-off side channel (own thread: heartbeats); decode instances connect. Its frames are signed with the
     # key of cfg.internal_token (transfer/frames.cluster_frame_key); bootstrap.unhealthy() names a dead thread.
-    bootstrap = BootstrapService(cfg.host, cluster_frame_key(cfg))
+    bootstrap = BootstrapService(cfg.host, cluster_frame_key(cfg.internal_token))
     scheduler = PrefillScheduler(instance, bootstrap, cfg.max_queue)
     stop = threading.Event()
     worker = threading.Thread(target=_worker_loop, args=(scheduler, stop), daemon=True)

@@ -34,7 +34,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from ..engine.http_edge import install_edge, new_error_id
+from ..engine.http_edge import RETRY_AFTER_S, install_edge, new_error_id
 from ..model.tokenizer import Tokenizer
 from . import protocol as P
 from .admin import admin_router
@@ -46,7 +46,6 @@ from .prompt import PromptLimits, chat_prompt, completion_prompt
 from .text import TextStream
 
 DISCONNECT_POLL_S = 0.5
-RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 log = logging.getLogger("pdserve.router")
 
 

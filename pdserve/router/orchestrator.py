@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from ..engine.request import Overloaded  # the router's queue is full, or every instance tried was
 from .metrics import Metrics
 from .pool import Instance, NoInstance, Pool, Saturated, error_message
 
@@ -50,10 +51,6 @@ class RequestFailed(Exception):
 
 class DeadlineExceeded(RequestFailed):
     """The request ran past its deadline (504 before the first token; an error event after it)."""
-
-
-class Overloaded(Exception):
-    """The router's wait queue is full, or every instance tried was full (429 with Retry-After)."""
 
 
 class TryFailed(Exception):

@@ -111,9 +111,7 @@ class Liveness:
         }
 
 
-def cluster_frame_key(cfg) -> bytes:
-    """A server config's frame key: from its `internal_token` (engine/auth.load_internal_token) when
-    it has one, else the development key (an instance without a token trusts anyone who knows the
-    code, i.e. anyone: only for tests and loopback-only dev runs)."""
-    token = getattr(cfg, "internal_token", None)
+def cluster_frame_key(token: str | None) -> bytes:
+    """The frame key of a server's internal token (engine/auth.load_internal_token), or the
+    development key without one (in-process tests only: serve() refuses to start without a token)."""
     return frame_key(token) if token else DEV_FRAME_KEY

@@ -322,17 +322,9 @@ class NixlReceiver:
         ):
             raise ValueError(f"chunk [{offset}, +{nbytes}) outside the room's region of {r.size} bytes")
         start, pos, pool = r.start + offset, 0, self.pool()
-        for layer, kind, width, runs in h["items"]:
-            item = {
-                "src_rank": h["src_rank"],
-                "dtype": h["dtype"],
-                "layer": layer,
-                "kind": kind,
-                "width": width,
-                "runs": runs,
-            }
+        for item in _items(h):
             dtype = DTYPES[h["dtype"]]
-            n = sum(length for _, length in runs) * width * dtype.itemsize
+            n = sum(length for _, length in item["runs"]) * item["width"] * dtype.itemsize
             if pos + n > nbytes:
                 raise ValueError(f"items need more than the chunk's {nbytes} bytes")
             if (start + pos) % dtype.itemsize:
@@ -340,7 +332,7 @@ class NixlReceiver:
                     f"item at region offset {offset + pos} is not aligned to its dtype {h['dtype']}"
                 )
             rows = frame_rows(pool, r, item, n)
-            data = self.buf[start + pos : start + pos + n].view(dtype).view(rows, width)
+            data = self.buf[start + pos : start + pos + n].view(dtype).view(rows, item["width"])
             store_rows(pool, r, item, data)  # straight from the region, checksummed after the store
             pos += n
         if pos != nbytes:
@@ -350,18 +342,11 @@ class NixlReceiver:
         """A chunk WRITTEN into the pool's rows: checks it as a region chunk is checked, then
         counts and checksums the rows where they landed (nothing to copy)."""
         pool = self.pool()
-        for layer, kind, width, runs in h["items"]:
-            item = {
-                "src_rank": h["src_rank"],
-                "dtype": h["dtype"],
-                "layer": layer,
-                "kind": kind,
-                "width": width,
-                "runs": runs,
-            }
+        for item in _items(h):
             if DTYPES.get(h["dtype"]) != pool.dtype:
                 raise ValueError(f"rows of dtype {h['dtype']} for a pool of {pool.dtype}")
-            frame_rows(pool, r, item, sum(n for _, n in runs) * width * pool.dtype.itemsize)
+            kind, layer, runs = item["kind"], item["layer"], item["runs"]
+            frame_rows(pool, r, item, sum(n for _, n in runs) * item["width"] * pool.dtype.itemsize)
             count_rows(r, item, [pool.span(kind, layer, dst, n, 1) for dst, n in runs if n])
 
     def close(self) -> None:
@@ -372,3 +357,16 @@ class NixlReceiver:
         for reg in ([self.reg] if self.reg is not None else []) + self.pool_regs:
             self.agent.deregister_memory(reg)
         self.reg, self.pool_regs = None, []
+
+
+def _items(h: dict):
+    """Each (layer, kind, width, runs) of a notification as the item dict the frame checks take."""
+    for layer, kind, width, runs in h["items"]:
+        yield {
+            "src_rank": h["src_rank"],
+            "dtype": h["dtype"],
+            "layer": layer,
+            "kind": kind,
+            "width": width,
+            "runs": runs,
+        }
