@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-from enum import Enum
 from pathlib import Path
 from typing import Optional
 
 import typer
 
+from .choices import DcpIndex, Discovery, Policy, Restart, Transfer
 from .cli_common import (
-    DcpIndex,
     InternalTokenFileOpt,
     InternalTokenOpt,
-    Transfer,
     app,
     fail,
     internal_token,
@@ -22,21 +20,6 @@ from .cli_common import (
     model_arg,
     stack_token,
 )
-
-
-class Restart(str, Enum):
-    on_failure = "on-failure"
-    never = "never"
-
-
-class Policy(str, Enum):
-    round_robin = "round_robin"
-    least_load = "least_load"
-
-
-class Discovery(str, Enum):
-    static = "static"
-    k8s = "k8s"
 
 
 @app.command()

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..choices import CacheMode, values
 from ..engine.faults import check_fault
 from ..engine.kv_cache import KVPool
 from ..engine.llm_engine import parse_dtype
@@ -24,7 +25,7 @@ from .cp_backend import ChunkPlan, CPBackend, layer_owners
 from .layouts import split_positions
 from .moe_tp import TokenSplit, apply_moe_tp
 
-CACHE_MODES = ("full", "layer-split")
+CACHE_MODES = values(CacheMode)
 
 
 @dataclass(frozen=True)
