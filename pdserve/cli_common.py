@@ -11,8 +11,6 @@ from typing import Annotated, Optional
 
 import typer
 
-from .flags import INTERNAL_TOKEN_HELP
-
 app = typer.Typer(
     help="pdserve: disaggregated prefill/decode serving for long-context MLA + sparse-attention models.",
     no_args_is_help=True,
@@ -85,6 +83,5 @@ def fail(msg: str) -> None:
     raise typer.Exit(2)
 
 
-# options several subcommands declare alike: one definition each
-InternalTokenOpt = Annotated[Optional[str], typer.Option("--internal-token", help=INTERNAL_TOKEN_HELP)]
+# the option every server command declares beside its config's fields
 InternalTokenFileOpt = Annotated[Optional[Path], typer.Option(help=INTERNAL_TOKEN_FILE_HELP)]

@@ -60,13 +60,16 @@ def option(
     cli_type: Any = None,
     cli_default: Any = MISSING,
     repr: bool = True,
+    default_factory: Callable[[], Any] | Any = MISSING,
 ) -> Any:
     """A dataclass field that is also a command-line option (see the module docstring)."""
     has = cli_default is not MISSING
     flag = Flag(help, name, min, choices, cli_type, cli_default if has else None, has)
     if choices is not None and default is not MISSING and default is not None:
         default = choices(default).value  # a typo in a default fails at import
-    return dataclasses.field(default=default, repr=repr, metadata={"flag": flag})
+    return dataclasses.field(
+        default=default, default_factory=default_factory, repr=repr, metadata={"flag": flag}
+    )
 
 
 def flagged_fields(cls) -> list[tuple[dataclasses.Field, Flag]]:

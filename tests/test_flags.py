@@ -16,6 +16,8 @@ from pdserve.cli import app
 from pdserve.decode_server.config import DecodeServerConfig
 from pdserve.flags import config_command, flagged_fields, option
 from pdserve.prefill_server.config import PrefillServerConfig
+from pdserve.router.config import RouterConfig
+from pdserve.router.launch import StackConfig
 
 
 class Color(str, Enum):
@@ -60,21 +62,31 @@ def test_one_declaration_makes_an_option():
         option("purple", "A typo in a default fails at import.", choices=Color)
 
 
+NOT_OPTIONS = {  # config fields no flag sets
+    PrefillServerConfig: {"page_size"},
+    DecodeServerConfig: set(),
+    RouterConfig: {"retry_backoff_s", "connect_timeout_s", "default_max_tokens"},
+    StackConfig: set(),
+}
+FILLED_IN = {"model", "internal_token", "kv_memory", "prefill", "decode", "log_dir"}  # by the command
+
+
 @pytest.mark.parametrize(
-    ("command", "cls"), [("prefill", PrefillServerConfig), ("decode", DecodeServerConfig)]
+    ("command", "cls"),
+    [
+        ("prefill", PrefillServerConfig),
+        ("decode", DecodeServerConfig),
+        ("router", RouterConfig),
+        ("up", StackConfig),
+    ],
 )
-def test_server_options_are_the_config_fields(command, cls):
+def test_command_options_are_the_config_fields(command, cls):
     cmd = typer.main.get_command(app).commands[command]
     params = {p.opts[0]: p for p in cmd.params if p.param_type_name == "option"}
     for f, flag in flagged_fields(cls):
         p = params.pop(flag.flag_name(f.name))
         assert p.help == flag.help and p.min == flag.min
-        if f.name not in (
-            "model",
-            "internal_token",
-            "max_kv_tokens",
-            "kv_memory",
-        ):  # filled in by the command
+        if f.name not in FILLED_IN:
             default = p.default.value if isinstance(p.default, Enum) else p.default
             assert default == f.default, f.name
         if flag.choices is not None:
@@ -82,7 +94,7 @@ def test_server_options_are_the_config_fields(command, cls):
     # what is not a config field: the token file, --gpu-memory (decode), --check-config, --help
     assert set(params) <= {"--internal-token-file", "--gpu-memory", "--check-config", "--help"}
     not_flags = {f.name for f in dataclasses.fields(cls)} - {f.name for f, _ in flagged_fields(cls)}
-    assert not_flags <= {"page_size"}
+    assert not_flags == NOT_OPTIONS[cls]
 
 
 @pytest.mark.parametrize(
@@ -107,6 +119,8 @@ def test_modules_take_their_choice_sets_from_choices():
     from pdserve.engine.comm import CPU_COMMS
     from pdserve.prefill_server.layouts import LAYOUTS
     from pdserve.prefill_server.rank_worker import CACHE_MODES
+    from pdserve.router.config import DISCOVERY, POLICIES
+    from pdserve.router.supervise import RESTART_POLICIES
     from pdserve.transfer.backends import TRANSFERS
     from pdserve.transfer.plan import INDEX_MODES as PLAN_INDEX_MODES
 
@@ -116,3 +130,5 @@ def test_modules_take_their_choice_sets_from_choices():
         choices.Layout
     )
     assert CACHE_MODES == choices.values(choices.CacheMode) and TRANSFERS == choices.values(choices.Transfer)
+    assert POLICIES == choices.values(choices.Policy) and DISCOVERY == choices.values(choices.Discovery)
+    assert RESTART_POLICIES == choices.values(choices.Restart)
