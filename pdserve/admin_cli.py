@@ -18,21 +18,12 @@ from typing import Optional
 
 import typer
 
+from .choices import KVCacheDType, ModelDType
+
 admin_app = typer.Typer(
     help="Operator tools: a deployment's sizing (capacity --config) and a running router's topology.",
     no_args_is_help=True,
 )
-
-
-class KVCacheDType(str, Enum):
-    auto = "auto"
-    fp8_e4m3 = "fp8_e4m3"
-
-
-class ModelDType(str, Enum):
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float64 = "float64"
 
 
 _UNITS = {

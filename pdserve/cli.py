@@ -11,9 +11,10 @@ from typing import Optional
 
 import typer
 
-from .admin_cli import ModelDType as DType
 from .admin_cli import admin_app
-from .cli_common import Arch, Quantize, Size, app, ensure_builtin_model, fail
+from .choices import Arch, Quantize, Size
+from .choices import ModelDType as DType
+from .cli_common import app, ensure_builtin_model, fail
 
 
 @app.command("make-model")

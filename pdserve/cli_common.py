@@ -1,12 +1,11 @@
 """What the `pdserve` subcommands share: the typer app, the built-in model, the internal token,
-secret masking, and `fail`. The commands live in cli.py (tools), cli_servers.py (prefill, decode)
+secret masking, and `fail`; choice sets are in choices.py, flags declared on configs in flags.py. The commands live in cli.py (tools), cli_servers.py (prefill, decode)
 and cli_stack.py (router, up); cli.py registers them in that order."""
 
 from __future__ import annotations
 
 import os
 import sys
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -18,21 +17,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-
-
-class Arch(str, Enum):
-    glm_moe_dsa = "glm_moe_dsa"
-    deepseek_v32 = "deepseek_v32"
-    deepseek_v3 = "deepseek_v3"
-
-
-class Size(str, Enum):
-    tiny = "tiny"
-    small = "small"
-
-
-class Quantize(str, Enum):
-    fp8 = "fp8"
 
 
 BUILTIN_ARCH, BUILTIN_SIZE = "glm_moe_dsa", "small"
@@ -64,19 +48,6 @@ def model_arg(model: Optional[Path], check_config: bool) -> Path:
     return model or ensure_builtin_model()
 
 
-SHUTDOWN_GRACE_HELP = (
-    "Seconds running requests get to finish after SIGTERM: new requests and /health answer 503 "
-    "(draining) at once; what still runs at the end gets an error; then exit 0. A second "
-    "signal cuts it short."
-)
-
-
-INTERNAL_TOKEN_HELP = (
-    "The internal token that authenticates pdserve's own processes to each other (instance HTTP "
-    "APIs, side channel, data path); the same on the router and every instance. Default: "
-    "$PDSERVE_INTERNAL_TOKEN. A value given here is visible in `ps`: prefer the variable or "
-    "--internal-token-file."
-)
 INTERNAL_TOKEN_FILE_HELP = "A file holding the internal token (e.g. a mounted Kubernetes Secret)."
 
 
@@ -112,20 +83,5 @@ def fail(msg: str) -> None:
     raise typer.Exit(2)
 
 
-class Transfer(str, Enum):
-    tcp = "tcp"
-    nixl = "nixl"
-
-
-class DcpIndex(str, Enum):
-    copy = "copy"
-    split = "split"
-
-
-# options several subcommands declare alike: one definition each
-ModelOpt = Annotated[
-    Optional[Path], typer.Option(help="Checkpoint directory. Default: the built-in small model.")
-]
-ShutdownGraceOpt = Annotated[float, typer.Option(min=0.0, help=SHUTDOWN_GRACE_HELP)]
-InternalTokenOpt = Annotated[Optional[str], typer.Option("--internal-token", help=INTERNAL_TOKEN_HELP)]
+# the option every server command declares beside its config's fields
 InternalTokenFileOpt = Annotated[Optional[Path], typer.Option(help=INTERNAL_TOKEN_FILE_HELP)]

@@ -72,7 +72,14 @@ def test_unsupported_release_quantization_is_one_line(release, method):
     ]
 
 
-def test_check_config_never_builds_the_builtin_model(tmp_path):
+def test_check_config_never_builds_the_builtin_model(tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("--check-config built or loaded a model")
+
+    # the built-in model's writer and the weight loader: a meta-device plan needs neither
+    monkeypatch.setattr("pdserve.model.random_checkpoint.make_model", refuse)
+    monkeypatch.setattr("pdserve.model.weights.load_model", refuse)
+    monkeypatch.setattr("pdserve.cli_common.ensure_builtin_model", refuse)
     for role in ("prefill", "decode", "up", "router"):
         r = cli(role, "--check-config", env={"PDSERVE_CACHE": str(tmp_path)})
         assert r.exit_code == 0, r.output

@@ -22,12 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..choices import DcpComm, DcpIndex, values
 from ..model.backend import IndexerInputs
 from ..model.config import ModelConfig
 from ..model.kernels import attend, index_scores, merge_attention, topk_earliest
 
-INDEX_MODES = ("copy", "split")
-COMM_MODES = ("a2a", "ag_rs")
+INDEX_MODES = values(DcpIndex)
+COMM_MODES = values(DcpComm)
 
 
 @dataclass

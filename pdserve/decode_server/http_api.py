@@ -10,6 +10,7 @@ POST /v1/generate  {"token_ids": [...], "max_tokens": 16, "temperature", "top_p"
                    -> {"request_id", "token_ids", "finish_reason"}; with "stream": true, newline-delimited
                    JSON: one {"token": id} line per token, then {"finish_reason", "request_id"}
                    (or {"error", "request_id"} if the instance failed). Bad input is a 400 with the reason.
+                   (Bodies, answers and stream events: pdserve/contracts.py.)
                    With "bootstrap" (a prefill instance's side channel, tcp://host:port from its /info)
                    the cache comes by KV hand-off: request_id is the room the prefill is asked to
                    prefill for; a failed hand-off ends the request with an error (event).
@@ -31,46 +32,30 @@ Request lifecycle (the engine thread in server.py owns the engine; handlers neve
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import StreamingResponse
-from pydantic import Field
 
-from ..engine import capacity
-from ..engine.http_edge import REQUEST_ID, StrictModel, install_edge, too_busy
-from ..engine.request import (
-    MAX_OUTPUT_TOKENS,
-    MAX_STOP_TOKEN_IDS,
-    MAX_TEMPERATURE,
-    MAX_TOP_K,
-    SEED_LIMIT,
-    Overloaded,
-    SamplingParams,
+from ..contracts import (
+    AbortReply,
+    AbortRequest,
+    DecodeCapacity,
+    ErrorEvent,
+    FinishEvent,
+    GenerateReply,
+    GenerateRequest,
+    RankInfo,
+    TokenEvent,
+    event_line,
 )
+from ..engine import capacity
+from ..engine.http_edge import install_edge, too_busy
+from ..engine.request import Overloaded, SamplingParams
 from ..engine.watchdog import add_health_route
 from .server import Unavailable
 
 DISCONNECT_POLL_S = 1.0  # how often a non-streaming handler checks whether its client is still there
-
-
-class GenerateBody(StrictModel):
-    token_ids: list[int] = Field(min_length=1)
-    max_tokens: int = Field(16, ge=1, le=MAX_OUTPUT_TOKENS)
-    temperature: float = Field(0.0, ge=0, le=MAX_TEMPERATURE)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0, le=MAX_TOP_K)
-    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
-    ignore_eos: bool = False
-    stream: bool = False
-    request_id: str | None = Field(default=None, pattern=REQUEST_ID)
-    bootstrap: str | None = Field(default=None, pattern=r"^tcp://[A-Za-z0-9.\[\]-]{1,253}:[0-9]{1,5}$")
-
-
-class AbortBody(StrictModel):
-    request_id: str = Field(max_length=256)
 
 
 def create_app(cfg, instance, engine_loop, dead_rank, drain=None) -> FastAPI:
@@ -90,7 +75,7 @@ def create_app(cfg, instance, engine_loop, dead_rank, drain=None) -> FastAPI:
         "kv_cache_dtype": cfg.kv_cache_dtype,
         "dtype": cfg.dtype,
         "ranks": [
-            {"rank": i, "pid": r["pid"], "cache_bytes": r["cache_bytes"]}
+            RankInfo(rank=i, pid=r["pid"], cache_bytes=r["cache_bytes"])
             for i, r in enumerate(instance.rank_infos)
         ],
     }
@@ -103,11 +88,11 @@ def create_app(cfg, instance, engine_loop, dead_rank, drain=None) -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/capacity")
-    def capacity_():
-        return {**static, **engine_loop.stats}
+    def capacity_() -> DecodeCapacity:
+        return DecodeCapacity(**static, **engine_loop.stats)
 
     @app.post("/v1/generate")
-    async def generate(body: GenerateBody, request: Request):
+    async def generate(body: GenerateRequest, request: Request):
         if drain and drain.draining:
             raise HTTPException(503, drain.refusal())
         params = _sampling_params(body, mcfg.vocab_size)
@@ -139,13 +124,13 @@ def create_app(cfg, instance, engine_loop, dead_rank, drain=None) -> FastAPI:
         return await _collect(request_id, events, watcher)
 
     @app.post("/v1/abort")
-    async def abort(body: AbortBody):
-        return {"aborted": await asyncio.wrap_future(engine_loop.abort(body.request_id))}
+    async def abort(body: AbortRequest) -> AbortReply:
+        return AbortReply(aborted=await asyncio.wrap_future(engine_loop.abort(body.request_id)))
 
     return app
 
 
-def _sampling_params(body: GenerateBody, vocab: int) -> SamplingParams:
+def _sampling_params(body: GenerateRequest, vocab: int) -> SamplingParams:
     if any(not 0 <= t < vocab for t in body.token_ids):
         raise HTTPException(400, f"token ids must be in [0, {vocab})")
     if any(not 0 <= t < vocab for t in body.stop_token_ids):
@@ -170,11 +155,13 @@ async def _stream(request_id: str, events: asyncio.Queue, engine_loop, watcher: 
         while True:
             kind, value = await events.get()
             if kind == "token":
-                yield json.dumps({"token": value}) + "\n"
+                yield event_line(TokenEvent(token=value))
                 continue
             ended = True
-            key = "finish_reason" if kind == "finish" else "error"
-            yield json.dumps({key: value, "request_id": request_id}) + "\n"
+            if kind == "finish":
+                yield event_line(FinishEvent(finish_reason=value, request_id=request_id))
+            else:
+                yield event_line(ErrorEvent(error=str(value), request_id=request_id))
             return
     finally:  # starlette cancels this generator when the client disconnects
         watcher.cancel()
@@ -190,7 +177,7 @@ async def _collect(request_id: str, events: asyncio.Queue, watcher: asyncio.Task
             if kind == "token":
                 tokens.append(value)
             elif kind == "finish":  # "abort" too, when the watcher saw the client leave
-                return {"request_id": request_id, "token_ids": tokens, "finish_reason": value}
+                return GenerateReply(request_id=request_id, token_ids=tokens, finish_reason=value)
             else:
                 raise HTTPException(500, f"request {request_id} failed: {value}")
     finally:

@@ -1,12 +1,13 @@
 """Decode instance scheduler: the request lifecycle, as explicit queues (plain Python, no torch).
 
-    submit() --> waiting_for_kv --(pages for prompt + max_tokens reserved; cache arrives)--> running
+    submit() --> queued --(pages for prompt + max_tokens reserved)--> waiting_for_kv --(cache arrives)--> running
                                                                                               |
     finished <--(EOS, a stop token id, max_tokens)--------------------------------------------+
     aborted  <--(abort(), from any state: the request's pages are freed at once, or held for hold_s
               when a failed NIXL hand-off's senders may still write into them)
     failed   <--(fail(): computing this request raised; `error` says why, its pages are freed)
 
+- queued: accepted, waiting for pages in arrival order (beyond max_queue a submit gets 429).
 - Admission reserves every slot the request can ever need (prompt + max_tokens - 1: the last
   token is never cached), so a running request never stalls for memory and nothing is preempted.
   Requests are admitted in arrival order; one that does not fit yet waits at the head.
@@ -23,11 +24,24 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
+from enum import Enum
 
 from ..engine.page_allocator import PageAllocator
 from ..engine.request import SamplingParams
 
 _ids = itertools.count()
+
+
+class RequestState(str, Enum):
+    """A decode request's lifecycle, as drawn in the module docstring."""
+
+    new = "new"
+    queued = "queued"
+    waiting_for_kv = "waiting_for_kv"
+    running = "running"
+    finished = "finished"
+    aborted = "aborted"
+    failed = "failed"
 
 
 @dataclass
@@ -37,7 +51,7 @@ class DecodeRequest:
     request_id: str = field(default_factory=lambda: f"decode-{next(_ids)}")
     pages: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)  # output_ids[0] is the prefill's first token
-    state: str = "new"  # new | waiting_for_kv | running | finished | aborted | failed
+    state: RequestState = RequestState.new
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None  # why it failed (state "failed")
 
@@ -70,7 +84,7 @@ class DecodeScheduler:
 
     def submit(self, req: DecodeRequest) -> None:
         self.check_fits(req)
-        req.state = "queued"
+        req.state = RequestState.queued
         self.queued.append(req)
 
     def admit(self) -> list[DecodeRequest]:
@@ -82,7 +96,7 @@ class DecodeScheduler:
                 break
             self.queued.popleft()
             req.pages = self.allocator.allocate(req.num_slots_needed)
-            req.state = "waiting_for_kv"
+            req.state = RequestState.waiting_for_kv
             self.waiting_for_kv[req.request_id] = req
             admitted.append(req)
         return admitted
@@ -91,7 +105,7 @@ class DecodeScheduler:
         """The cache is in place and the prefill sampled `first_token`; returns the request."""
         req = self.waiting_for_kv.pop(request_id)
         req.output_ids.append(first_token)
-        req.state = "running"
+        req.state = RequestState.running
         self.running.append(req)
         reason = req.params.finish_reason(first_token, len(req.output_ids), self.eos_ids)
         if reason:
@@ -102,7 +116,7 @@ class DecodeScheduler:
         """Records one decode step's tokens; returns the requests that finished."""
         finished = []
         for req, tok in zip(batch, tokens):
-            if req.state != "running":  # aborted while the step ran
+            if req.state != RequestState.running:  # aborted while the step ran
                 continue
             req.output_ids.append(tok)
             reason = req.params.finish_reason(tok, len(req.output_ids), self.eos_ids)
@@ -120,7 +134,9 @@ class DecodeScheduler:
         if req.pages:
             self.allocator.free(req.pages, hold_s)
             req.pages = []
-        req.state = {"abort": "aborted", "error": "failed"}.get(reason, "finished")
+        req.state = {"abort": RequestState.aborted, "error": RequestState.failed}.get(
+            reason, RequestState.finished
+        )
         req.finish_reason = reason
 
     def fail(self, req: DecodeRequest, message: str) -> None:

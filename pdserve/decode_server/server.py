@@ -17,146 +17,44 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import uvicorn
 
-from ..engine import capacity
 from ..engine.auth import require_token
-from ..engine.comm import CPU_COMMS
 from ..engine.drain import Drain, DrainingServer, install_exit_signals
 from ..engine.launcher import LaunchConfig
 from ..engine.request import Overloaded, SamplingParams
 from ..engine.watchdog import start_watchdog, stop_instance
-from ..model.config import ModelConfig
-from ..transfer.backends import check_transfer
 from ..transfer.frames import DEV_FRAME_KEY, cluster_frame_key
-from .dcp_backend import COMM_MODES
+from .config import DEFAULT_MAX_KV_TOKENS, DecodeServerConfig  # noqa: F401 (re-exported)
 from .engine import DecodeEngine
 from .instance import DecodeInstance
 from .rank_worker import DecodeWorkerConfig
 from .remote import RemoteRooms
 
-DEFAULT_MAX_KV_TOKENS = 65536
 IDLE_WAIT_S = 0.1  # how long an idle engine thread blocks on the command queue before re-checking stop
 TRANSFER_POLL_S = 0.002  # with nothing to decode, how often pending hand-offs are polled
 
 
-@dataclass(frozen=True)
-class DecodeServerConfig:
-    model: str
-    tp_size: int = 1
-    dcp_size: int = 1
-    dcp_index: str = "copy"
-    dcp_comm: str = "a2a"
-    replicate_q_proj: bool = False
-    kv_cache_dtype: str = "auto"
-    kv_memory: int | None = None  # KV budget in bytes per rank; exactly one of this and max_kv_tokens
-    max_kv_tokens: int | None = None
-    page_size: int = 64
-    host: str = "127.0.0.1"
-    port: int = 8200
-    dist_port: int = 29600
-    dtype: str = "float32"
-    threads_per_rank: int = 1
-    max_batch: int = 64
-    shutdown_grace_s: float = 30.0  # SIGTERM: running requests get this long to finish (engine/drain.py)
-    internal_token: str | None = field(default=None, repr=False)  # engine/auth.py; serve() requires one
-    cpu_comm: str = "auto"
-    transfer_timeout_s: float = 30.0  # a hand-off's rows must arrive this long after the reservation went out
-    transfer: str = "tcp"  # KV hand-off data path: tcp | nixl
-    heartbeat_timeout_s: float = 5.0  # a hand-off fails once its prefill instance is silent this long
-    data_host: str = "127.0.0.1"  # where the ranks' TCP receivers listen (reachable by the prefill ranks)
-    transfer_quarantine_s: float = (
-        60.0  # NIXL: pages of a hand-off that failed mid-send stay unused this long
+def build_instance(cfg: DecodeServerConfig) -> DecodeInstance:
+    worker = DecodeWorkerConfig(
+        cfg.model,
+        cfg.num_slots(),
+        cfg.dcp_size,
+        cfg.dcp_index,
+        cfg.dcp_comm,
+        cfg.replicate_q_proj,
+        cfg.dtype,
+        cfg.kv_cache_dtype,
+        cpu_comm=cfg.cpu_comm,
+        transfer=cfg.transfer,
+        data_host=cfg.data_host,
+        transfer_quarantine_s=cfg.transfer_quarantine_s,
+        frame_key=cluster_frame_key(cfg.internal_token),
     )
-    max_queue: int = 256  # accepted requests waiting for pages beyond this many get 429
-
-    def __post_init__(self):
-        if self.tp_size < 1 or self.dcp_size < 1 or self.tp_size % self.dcp_size:
-            raise ValueError(f"--dcp-size {self.dcp_size} must divide --tp-size {self.tp_size} (both >= 1)")
-        capacity.check_index_mode(self.dcp_index)
-        capacity.check_kv_cache_dtype(self.kv_cache_dtype)
-        capacity.dtype_bytes(self.dtype)
-        if self.dcp_comm not in COMM_MODES:
-            raise ValueError(f"--dcp-comm must be one of {', '.join(COMM_MODES)}, got {self.dcp_comm!r}")
-        if self.page_size < 1 or self.page_size % self.dcp_size:  # pages are C_d-wide (invariant 4)
-            raise ValueError(
-                f"--page-size {self.page_size} must be a positive multiple of --dcp-size {self.dcp_size}"
-            )
-        if (self.kv_memory is None) == (self.max_kv_tokens is None):
-            raise ValueError("give exactly one of --kv-memory or --max-kv-tokens")
-        if (self.kv_memory or 1) < 1 or (self.max_kv_tokens or 1) < 1:
-            raise ValueError("--kv-memory and --max-kv-tokens must be positive")
-        if self.port == self.dist_port:
-            raise ValueError("--port and --dist-port must differ")
-        if self.threads_per_rank < 1 or self.max_batch < 1 or self.max_queue < 1:
-            raise ValueError("--threads-per-rank, --max-batch and --max-queue must be >= 1")
-        if self.cpu_comm not in CPU_COMMS:
-            raise ValueError(f"--cpu-comm must be one of {', '.join(CPU_COMMS)}, got {self.cpu_comm!r}")
-        if self.transfer_timeout_s <= 0 or self.heartbeat_timeout_s <= 0 or self.transfer_quarantine_s <= 0:
-            raise ValueError(
-                "--transfer-timeout, --heartbeat-timeout and --transfer-quarantine must be positive"
-            )
-        check_transfer(self.transfer)
-        if self.shutdown_grace_s < 0:
-            raise ValueError(f"--shutdown-grace must be >= 0, got {self.shutdown_grace_s}")
-        if self.data_host in ("0.0.0.0", "::", "*", ""):
-            raise ValueError(
-                f"--data-host {self.data_host!r} is a wildcard: give an address the prefill ranks can "
-                "connect to (on Kubernetes, the pod IP)"
-            )
-
-    def num_slots(self) -> int:
-        """Global KV slots of the instance: whole pages that fit the per-rank budget, or max_kv_tokens rounded up."""
-        if self.kv_memory is None:
-            return -(-self.max_kv_tokens // self.page_size) * self.page_size
-        mcfg = ModelConfig.from_pretrained(self.model)
-        slots = capacity.tokens_for_budget(
-            mcfg,
-            self.kv_memory,
-            self.dcp_size,
-            self.dcp_index,
-            self.page_size,
-            self.kv_cache_dtype,
-            self.dtype,
-        )
-        if slots == 0:
-            page = capacity.page_bytes_per_rank(
-                mcfg, self.dcp_size, self.dcp_index, self.page_size, self.kv_cache_dtype, self.dtype
-            )
-            raise ValueError(
-                f"--kv-memory {self.kv_memory} bytes holds no page ({page} bytes per page per rank)"
-            )
-        return slots
-
-    def validate_model(self) -> None:
-        """Checks that need the checkpoint's config (a clear error before any rank starts)."""
-        heads = ModelConfig.from_pretrained(self.model).num_heads
-        if heads % self.tp_size:
-            raise ValueError(
-                f"the model's {heads} attention heads cannot be split over --tp-size {self.tp_size}"
-            )
-        self.num_slots()
-
-    def build_instance(self) -> DecodeInstance:
-        worker = DecodeWorkerConfig(
-            self.model,
-            self.num_slots(),
-            self.dcp_size,
-            self.dcp_index,
-            self.dcp_comm,
-            self.replicate_q_proj,
-            self.dtype,
-            self.kv_cache_dtype,
-            cpu_comm=self.cpu_comm,
-            transfer=self.transfer,
-            data_host=self.data_host,
-            transfer_quarantine_s=self.transfer_quarantine_s,
-            frame_key=cluster_frame_key(self.internal_token),
-        )
-        launch = LaunchConfig(self.tp_size, self.dist_port, threads_per_rank=self.threads_per_rank)
-        return DecodeInstance(worker, launch, page_size=self.page_size)
+    launch = LaunchConfig(cfg.tp_size, cfg.dist_port, threads_per_rank=cfg.threads_per_rank)
+    return DecodeInstance(worker, launch, page_size=cfg.page_size)
 
 
 # An event for one request, delivered from the engine thread:
@@ -375,7 +273,7 @@ def serve(cfg: DecodeServerConfig) -> None:
     torch.set_num_threads(cfg.threads_per_rank)  # the local prefill must not take the ranks' cores
     require_token(cfg.internal_token)
     cfg.validate_model()
-    instance = cfg.build_instance()
+    instance = build_instance(cfg)
     print(
         f"starting {cfg.tp_size} decode rank(s) (DCP {cfg.dcp_size}) for {cfg.model}",
         file=sys.stderr,

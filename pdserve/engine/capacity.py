@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from typing import Any
 
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
-INDEX_MODES = ("copy", "split")
+from ..choices import DcpIndex, KVCacheDType, values
+
+KV_CACHE_DTYPES = values(KVCacheDType)
+INDEX_MODES = values(DcpIndex)
 FP8_SCALE_BYTES = 4  # one float32 scale per index key (per token and indexer layer)
 _DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 

@@ -31,7 +31,9 @@ import uuid
 import torch
 import torch.distributed as dist
 
-CPU_COMMS = ("auto", "shm", "gloo")
+from ..choices import CpuComm, values
+
+CPU_COMMS = values(CpuComm)
 _LINE = 64  # bytes between two ranks' flags: one cache line each
 
 

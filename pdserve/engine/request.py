@@ -64,7 +64,10 @@ class SamplingParams:
 
 
 class Status(enum.Enum):
+    """A request's place in the single-rank lifecycle (engine/scheduler.py's docstring)."""
+
     WAITING = "waiting"
+    PREFILLING = "prefilling"
     RUNNING = "running"
     FINISHED = "finished"
 

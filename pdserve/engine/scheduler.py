@@ -62,7 +62,7 @@ class Scheduler:
                 return
             self.waiting.popleft()
             req.pages = self.allocator.allocate(req.max_total_tokens)
-            req.status = Status.RUNNING
+            req.status = Status.PREFILLING
             self.prefilling.append(req)
 
     def schedule(self) -> list[Chunk]:
@@ -85,6 +85,7 @@ class Scheduler:
             if req in self.prefilling:
                 self.prefilling.remove(req)
                 self.running.append(req)
+                req.status = Status.RUNNING
             req.output_ids.append(tok)
             reason = req.params.finish_reason(tok, len(req.output_ids), self.eos_ids)
             if reason:

@@ -3,9 +3,11 @@
 GET  /live        200 while the HTTP server runs (Kubernetes liveness; /health is readiness)
 GET  /health      200 when every rank is alive, 503 with the failed rank otherwise; 503
                   {"status": "draining"} after SIGTERM (new requests get 503, running ones finish)
-GET  /info        model, ranks (pid, cache bytes, layers held), layout, storage, queue depth
+GET  /info        model, ranks (pid, cache bytes, layers held), layout, storage, free / total KV tokens,
+                  queued requests (also as `queue_depth`, the old name, for one release)
 POST /v1/prefill  {"token_ids": [...], "temperature", "top_p", "top_k", "seed", "request_id"?,
                    "chunk_size"?, "handoff"?} -> {"request_id", "first_token", "prompt_tokens", "seconds"}
+                  (bodies and answers: pdserve/contracts.py)
                   With "handoff": true the request_id is a room: the cache goes to the decode instance
                   that reserves that room on this instance's side channel (/info "bootstrap"); the
                   answer comes after the transfer. A failed hand-off is a 502 naming the reason.
@@ -17,23 +19,12 @@ import asyncio
 import time
 
 from fastapi import FastAPI, HTTPException
-from pydantic import Field
 
-from ..engine.http_edge import REQUEST_ID, StrictModel, install_edge, too_busy
-from ..engine.request import MAX_TEMPERATURE, MAX_TOP_K, SEED_LIMIT, Overloaded, SamplingParams
+from ..contracts import PrefillInfo, PrefillReply, PrefillRequest
+from ..engine.http_edge import install_edge, too_busy
+from ..engine.request import Overloaded, SamplingParams
 from ..engine.watchdog import add_health_route
 from .scheduler import PrefillJob, PrefillScheduler
-
-
-class PrefillBody(StrictModel):
-    token_ids: list[int] = Field(min_length=1)
-    temperature: float = Field(0.0, ge=0, le=MAX_TEMPERATURE)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0, le=MAX_TOP_K)
-    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
-    request_id: str | None = Field(None, pattern=REQUEST_ID)
-    chunk_size: int | None = Field(default=None, ge=1, le=1 << 20)
-    handoff: bool = False
 
 
 def create_app(
@@ -55,12 +46,13 @@ def create_app(
         return {"status": "ok"}
 
     @app.get("/info")
-    def info():
+    def info() -> PrefillInfo:
         bootstrap = scheduler.bootstrap.endpoint if scheduler.bootstrap is not None else None
-        return {**instance.info(), "queue_depth": scheduler.queue_depth, "bootstrap": bootstrap}
+        queued = scheduler.queue_depth
+        return PrefillInfo(**instance.info(), queued=queued, queue_depth=queued, bootstrap=bootstrap)
 
     @app.post("/v1/prefill")
-    async def prefill(body: PrefillBody):
+    async def prefill(body: PrefillRequest) -> PrefillReply:
         if drain and drain.draining:
             raise HTTPException(503, drain.refusal())
         try:
@@ -102,12 +94,12 @@ def create_app(
             raise HTTPException(
                 502 if body.handoff else 500, f"prefill of {job.request_id} failed: {job.error}"
             )
-        return {
-            "request_id": job.request_id,
-            "first_token": job.first_token,
-            "prompt_tokens": len(job.token_ids),
-            "seconds": time.perf_counter() - start,
-        }
+        return PrefillReply(
+            request_id=job.request_id,
+            first_token=job.first_token,
+            prompt_tokens=len(job.token_ids),
+            seconds=time.perf_counter() - start,
+        )
 
     return app
 

@@ -109,8 +109,8 @@ class PrefillInstance:
             self.allocator.free(pages)
             raise
         self.held[request_id] = pages
-        owner = next(r for r in replies if r["token"] is not None)
-        return PrefillResult(request_id, owner["token"], owner.get("logits"), slots)
+        owner = next(r for r in replies if r.token is not None)
+        return PrefillResult(request_id, owner.token, owner.logits, slots)
 
     def _pages_for(self, token_ids: list[int], prefix_of: str | None, cached_len: int) -> list[int]:
         if prefix_of is None:

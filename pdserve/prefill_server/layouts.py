@@ -20,9 +20,10 @@ Pure Python (no torch) so the CLI can validate flags without loading the model s
 
 from __future__ import annotations
 
+from pdserve.choices import Layout, values  # torch-free module
 from pdserve.model.config import SPARSE_MODEL_TYPES, SUPPORTED_MODEL_TYPES  # torch-free module
 
-LAYOUTS = ("interleave", "zigzag", "contiguous")
+LAYOUTS = values(Layout)
 
 # Layouts each model type may be served with; the first is the recommended one.
 ALLOWED_LAYOUTS = {

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..choices import CacheMode, values
 from ..engine.faults import check_fault
 from ..engine.kv_cache import KVPool
 from ..engine.llm_engine import parse_dtype
@@ -24,7 +25,7 @@ from .cp_backend import ChunkPlan, CPBackend, layer_owners
 from .layouts import split_positions
 from .moe_tp import TokenSplit, apply_moe_tp
 
-CACHE_MODES = ("full", "layer-split")
+CACHE_MODES = values(CacheMode)
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,22 @@ class PrefillCmd:
 
 
 @dataclass(frozen=True)
+class PrefillReply:
+    """A rank's answer to PrefillCmd: the first token from the rank that holds the last position."""
+
+    rank: int
+    token: int | None = None  # None on every rank but the one that computed the last position
+    logits: torch.Tensor | None = None  # [vocab], with PrefillCmd.want_logits
+
+
+@dataclass(frozen=True)
 class DumpCacheCmd:
-    slots: list[int]  # returns this rank's entries at these slots for every layer it holds
+    slots: list[int]  # returns this rank's entries at these slots for every layer it holds (CacheDump)
+
+
+CacheDump = dict[
+    int, tuple[torch.Tensor, "torch.Tensor | None"]
+]  # layer -> (latent rows, index keys or None)
 
 
 class PrefillRankWorker:
@@ -107,7 +122,7 @@ class PrefillRankWorker:
         raise TypeError(f"unknown command {type(cmd).__name__}")
 
     @torch.inference_mode()
-    def prefill(self, cmd: PrefillCmd) -> dict:
+    def prefill(self, cmd: PrefillCmd) -> PrefillReply:
         check_fault([cmd.request_id])  # test-only, off by default (engine/faults.py)
         n = len(cmd.token_ids)
         slots = torch.tensor(cmd.slots, dtype=torch.int64)
@@ -126,13 +141,13 @@ class PrefillRankWorker:
             if c1 == n and mine and mine[-1] == n - 1:
                 last_hidden = hidden[-1:]
         if last_hidden is None:
-            return {"rank": self.rank, "token": None}
+            return PrefillReply(self.rank)
         logits = self.model.compute_logits(last_hidden)  # [1, vocab]
         token = self.sampler.sample(logits, [cmd.params], [cmd.request_id])[0]
         self.sampler.forget(cmd.request_id)
-        return {"rank": self.rank, "token": token, "logits": logits[0] if cmd.want_logits else None}
+        return PrefillReply(self.rank, token, logits[0] if cmd.want_logits else None)
 
-    def dump(self, cmd: DumpCacheCmd) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
+    def dump(self, cmd: DumpCacheCmd) -> CacheDump:
         slots = torch.tensor(cmd.slots, dtype=torch.int64)
         out = {}
         for layer in self.pool.layers:

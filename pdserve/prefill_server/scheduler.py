@@ -32,6 +32,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 
 from ..engine.page_allocator import OutOfPages
 from ..engine.request import Overloaded, SamplingParams
@@ -46,6 +47,16 @@ _ids = itertools.count()
 log = logging.getLogger("pdserve.prefill")
 
 
+class JobState(str, Enum):
+    """A prefill request's lifecycle, as drawn in the module docstring."""
+
+    waiting = "waiting"
+    prefilling = "prefilling"
+    transferring = "transferring"  # hand-off requests only
+    done = "done"
+    failed = "failed"
+
+
 @dataclass
 class PrefillJob:
     token_ids: list[int]
@@ -57,7 +68,7 @@ class PrefillJob:
     bootstrap_timeout_s: float = 30.0
     first_token: int | None = None
     error: str | None = None
-    state: str = "waiting"  # waiting | prefilling | transferring | done | failed
+    state: JobState = JobState.waiting
     submitted: float = field(default_factory=time.monotonic)
 
 
@@ -121,7 +132,7 @@ class PrefillScheduler:
                 handoffs_only = True
             else:
                 self.waiting.remove(job)
-                self.current, job.state, handoffs_only = job, "prefilling", False
+                self.current, job.state, handoffs_only = job, JobState.prefilling, False
         if handoffs_only:  # every waiting request waits for its reservation: block on the socket briefly
             self.bootstrap.drain(BOOTSTRAP_POLL_MS)
             return False
@@ -193,7 +204,7 @@ class PrefillScheduler:
             self.current = None
             self._finish(job, error=f"the decode reservation of room {job.request_id} expired")
             return True
-        job.state = "transferring"
+        job.state = JobState.transferring
         outcome = serve_reserved(self.instance, self.bootstrap, reservation, job.token_ids, job.params)
         self.current = None
         if isinstance(outcome, TransferDone):
@@ -206,7 +217,7 @@ class PrefillScheduler:
     def fail_current(self, reason: str) -> None:
         """The worker's last resort after an unexpected error: the running job fails, its pages go back."""
         job, self.current = self.current, None
-        if job is not None and job.state not in ("done", "failed"):
+        if job is not None and job.state not in (JobState.done, JobState.failed):
             try:
                 self.instance.release(job.request_id)
             except Exception:  # nothing held, or the ranks are gone (the watchdog's case)
@@ -216,9 +227,9 @@ class PrefillScheduler:
     def _requeue(self, job: PrefillJob) -> None:
         with self._cv:
             self.waiting.appendleft(job)
-            job.state, self.current = "waiting", None
+            job.state, self.current = JobState.waiting, None
 
     def _finish(self, job: PrefillJob, error: str | None = None) -> None:
-        job.state, job.error = ("failed", error) if error else ("done", None)
+        job.state, job.error = (JobState.failed, error) if error else (JobState.done, None)
         if job.on_done:
             job.on_done(job)

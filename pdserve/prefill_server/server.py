@@ -13,83 +13,33 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 
 from ..engine.auth import require_token
 from ..engine.drain import Drain, DrainingServer, install_exit_signals
 from ..engine.launcher import LaunchConfig
 from ..engine.watchdog import start_watchdog
-from ..transfer.backends import check_transfer
 from ..transfer.frames import cluster_frame_key
 from ..transfer.side_channel import BootstrapService
+from .config import PrefillServerConfig
 from .instance import PrefillInstance
-from .layouts import check_layout_allowed
-from .rank_worker import CACHE_MODES, PrefillWorkerConfig
+from .rank_worker import PrefillWorkerConfig
 from .scheduler import PrefillScheduler
 
 
-@dataclass(frozen=True)
-class PrefillServerConfig:
-    model: str
-    cp_size: int = 1
-    cp_layout: str = "interleave"
-    cache: str = "full"
-    chunk_size: int = 4096
-    moe_tp: bool = False
-    host: str = "127.0.0.1"
-    port: int = 8100
-    dist_port: int = 29500
-    dtype: str = "float32"
-    max_kv_tokens: int = 65536
-    page_size: int = 16
-    threads_per_rank: int = 1
-    shutdown_grace_s: float = 30.0  # SIGTERM: running requests get this long to finish (engine/drain.py)
-    internal_token: str | None = field(default=None, repr=False)  # engine/auth.py; serve() requires one
-    bootstrap_timeout_s: float = 30.0  # a hand-off request fails when no decode reservation came by then
-    transfer: str = "tcp"  # KV hand-off data path: tcp | nixl
-    kv_residues: int = 0  # residue-major latent cache (KVPool); 0: cp_size
-    max_queue: int = 256  # waiting requests beyond this many get 429
-
-    def __post_init__(self):
-        if self.max_queue < 1:
-            raise ValueError(f"--max-queue must be >= 1, got {self.max_queue}")
-        if self.kv_residues < 0:
-            raise ValueError(f"--kv-residues must be >= 0 (0: the CP size), got {self.kv_residues}")
-        if self.cp_size < 1:
-            raise ValueError(f"--cp-size must be >= 1, got {self.cp_size}")
-        if self.cache not in CACHE_MODES:
-            raise ValueError(f"--cache must be one of {', '.join(CACHE_MODES)}, got {self.cache!r}")
-        if self.chunk_size < 1 or self.max_kv_tokens < self.page_size:
-            raise ValueError("--chunk-size must be >= 1 and --max-kv-tokens at least one page")
-        if self.port == self.dist_port:
-            raise ValueError("--port and --dist-port must differ")
-        if self.bootstrap_timeout_s <= 0:
-            raise ValueError("--bootstrap-timeout must be positive")
-        if self.shutdown_grace_s < 0:
-            raise ValueError(f"--shutdown-grace must be >= 0, got {self.shutdown_grace_s}")
-        check_transfer(self.transfer)
-
-    def validate_model(self) -> None:
-        """Checks that need the checkpoint's config (a clear error before any rank starts)."""
-        from ..model.config import ModelConfig
-
-        check_layout_allowed(ModelConfig.from_pretrained(self.model).model_type, self.cp_layout)
-
-    def build_instance(self) -> PrefillInstance:
-        num_slots = -(-self.max_kv_tokens // self.page_size) * self.page_size
-        worker = PrefillWorkerConfig(
-            self.model,
-            num_slots,
-            self.dtype,
-            self.cp_layout,
-            self.cache,
-            self.moe_tp,
-            transfer=self.transfer,
-            kv_residues=self.kv_residues or self.cp_size,
-            frame_key=cluster_frame_key(self.internal_token),
-        )
-        launch = LaunchConfig(self.cp_size, self.dist_port, threads_per_rank=self.threads_per_rank)
-        return PrefillInstance(worker, launch, page_size=self.page_size, chunk_size=self.chunk_size)
+def build_instance(cfg: PrefillServerConfig) -> PrefillInstance:
+    worker = PrefillWorkerConfig(
+        cfg.model,
+        cfg.num_slots,
+        cfg.dtype,
+        cfg.cp_layout,
+        cfg.cache,
+        cfg.moe_tp,
+        transfer=cfg.transfer,
+        kv_residues=cfg.kv_residues or cfg.cp_size,
+        frame_key=cluster_frame_key(cfg.internal_token),
+    )
+    launch = LaunchConfig(cfg.cp_size, cfg.dist_port, threads_per_rank=cfg.threads_per_rank)
+    return PrefillInstance(worker, launch, page_size=cfg.page_size, chunk_size=cfg.chunk_size)
 
 
 log = logging.getLogger("pdserve.prefill")
@@ -116,7 +66,7 @@ def serve(cfg: PrefillServerConfig) -> None:
 
     require_token(cfg.internal_token)
     cfg.validate_model()
-    instance = cfg.build_instance()
+    instance = build_instance(cfg)
     print(f"starting {cfg.cp_size} prefill rank(s) for {cfg.model}", file=sys.stderr, flush=True)
     instance.start()
     # the hand-off side channel (own thread: heartbeats); decode instances connect. Its frames are signed with the

@@ -1,46 +1,121 @@
-"""`RouterConfig`: the router's one frozen config, parsed from the CLI in one place (cli.py)."""
+"""`RouterConfig`: the router's one frozen config and, field by field, its `pdserve router` flags
+(pdserve/flags.py; cli_stack.py builds the command from it)."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
+from ..choices import Discovery, Policy, values
 from ..engine.auth import check_strength
+from ..flags import INTERNAL_TOKEN_HELP, option
 
-POLICIES = ("round_robin", "least_load")
+POLICIES = values(Policy)
 ADMIN_TOKEN_ENV = "PDSERVE_ADMIN_TOKEN"
-DISCOVERY = ("static", "k8s")
+DISCOVERY = values(Discovery)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RouterConfig:
-    model: str  # checkpoint directory: the router reads only its tokenizer files
-    prefill: tuple[str, ...] = ()  # instance base URLs, e.g. http://127.0.0.1:8100
-    decode: tuple[str, ...] = ()
-    policy: str = "round_robin"
-    served_model_name: str | None = None  # the `model` clients must send; default: the directory's name
-    host: str = "127.0.0.1"
-    port: int = 8000
-    admin_token: str | None = field(default=None, repr=False)  # None: the admin API answers 404 (disabled)
-    api_key: str | None = field(default=None, repr=False)  # clients' bearer key on /v1/*; None: open
-    internal_token: str | None = field(default=None, repr=False)  # sent to the instances (engine/auth.py)
-    health_interval_s: float = 2.0
-    max_attempts: int = 3  # tries of one request on different pairs, while no token reached the client
+    prefill: tuple[str, ...] = option(  # instance base URLs, e.g. http://127.0.0.1:8100
+        (),
+        "Base URL of a prefill instance, e.g. http://127.0.0.1:8100; repeat for several.",
+        cli_type=list[str],
+        cli_default=[],
+    )
+    decode: tuple[str, ...] = option(
+        (),
+        "Base URL of a decode instance, e.g. http://127.0.0.1:8200; repeat for several.",
+        cli_type=list[str],
+        cli_default=[],
+    )
+    model: str = option(  # checkpoint directory: the router reads only its tokenizer files
+        help="Checkpoint directory whose tokenizer and chat template the router uses. Default: the built-in small model.",
+        cli_type=Optional[Path],
+        cli_default=None,
+    )
+    served_model_name: str | None = option(  # the `model` clients must send; default: the directory's name
+        None, "The model name clients send and /v1/models lists. Default: the checkpoint directory's name."
+    )
+    policy: str = option(
+        "round_robin",
+        "How an instance is chosen: round_robin, or least_load (fewest in-flight requests, then shortest queue / most free KV tokens).",
+        choices=Policy,
+    )
+    host: str = option("127.0.0.1", "Address the OpenAI-compatible API listens on.")
+    port: int = option(8000, "Port of the OpenAI-compatible API.")
+    admin_token: str | None = option(  # None: the admin API answers 404 (disabled)
+        None,
+        "Bearer token of the /admin API (default: PDSERVE_ADMIN_TOKEN; at least 24 random characters); without one the admin API is disabled.",
+        repr=False,
+    )
+    api_key: str | None = option(  # clients' bearer key on /v1/*; None: open
+        None,
+        "API key clients must send as `Authorization: Bearer KEY` on /v1/* (default: $PDSERVE_API_KEY); without one the OpenAI API is open.",
+        repr=False,
+    )
+    internal_token: str | None = option(  # sent to the instances (engine/auth.py)
+        None, INTERNAL_TOKEN_HELP, repr=False
+    )
+    health_interval_s: float = option(
+        2.0, "Seconds between health checks of every instance.", name="--health-interval"
+    )
+    max_attempts: int = option(  # tries of one request on different pairs, while no token reached the client
+        3, "Tries of one request on different instance pairs while no token reached the client.", min=1
+    )
     retry_backoff_s: float = 0.2  # doubled after every failed try
-    request_timeout_s: float = 600.0  # deadline of a whole request (every try and wait included)
-    instance_timeout_s: float = 300.0  # longest silence from an instance before the try fails
+    request_timeout_s: float = option(  # deadline of a whole request (every try and wait included)
+        600.0,
+        "Deadline of one request, from arrival to its last token (every try and wait for room included); past it the client gets 504, or an error event once streaming began.",
+        name="--request-timeout",
+    )
+    instance_timeout_s: float = option(  # longest silence from an instance before the try fails
+        300.0,
+        "Seconds an instance may stay silent before a try fails (and is retried elsewhere while no token was sent).",
+        name="--instance-timeout",
+    )
     connect_timeout_s: float = 5.0
-    max_body_bytes: int = 16 << 20  # request bodies beyond this are refused (413) before parsing
-    max_prompt_bytes: int = 8 << 20  # prompt text beyond this is refused before tokenizing (400)
-    max_prompt_tokens: int = 1 << 20  # and prompts beyond this many tokens after it (400)
-    max_in_flight: int = 64  # requests of this router running on one instance at once
-    max_queue: int = 256  # requests waiting for an instance with room; beyond: 429
+    max_body_bytes: int = option(  # request bodies beyond this are refused (413) before parsing
+        16 << 20, "Request bodies larger than this are refused with 413 before they are parsed.", min=1
+    )
+    max_prompt_bytes: int = option(  # prompt text beyond this is refused before tokenizing (400)
+        8 << 20,
+        "Prompt text (or chat message contents) larger than this many UTF-8 bytes is refused with 400 before it is tokenized.",
+        min=1,
+    )
+    max_prompt_tokens: int = option(  # and prompts beyond this many tokens after it (400)
+        1 << 20,
+        "Prompts longer than this many tokens after tokenizing are refused with 400 (decode KV capacity is checked too).",
+        min=1,
+    )
+    max_in_flight: int = option(  # requests of this router running on one instance at once
+        64,
+        "Requests of this router running on one instance at once; when every instance is full, requests wait for room.",
+        min=1,
+    )
+    max_queue: int = option(  # requests waiting for an instance with room; beyond: 429
+        256,
+        "Requests that may wait for an instance with room; beyond that the router answers 429 with Retry-After.",
+        min=1,
+    )
     default_max_tokens: int = 16  # OpenAI's default for /v1/completions; chat uses it too
-    discovery: str = "static"  # "k8s": also the Ready pods matching `selector` (discovery.py)
-    selector: str | None = None  # label selector KEY=VALUE[,KEY=VALUE]
-    namespace: str | None = None  # None: the pod's own namespace (service account), else "default"
-    k8s_api: str | None = None  # None: the in-cluster API server
+    discovery: str = option(  # "k8s": also the Ready pods matching `selector` (discovery.py)
+        "static",
+        "static: only the --prefill / --decode URLs; k8s: also the Ready pods that match --selector, added and removed as they come and go (labels: deploy/README.md).",
+        choices=Discovery,
+    )
+    selector: str | None = option(  # label selector KEY=VALUE[,KEY=VALUE]
+        None, "With --discovery k8s: the instances' pod label selector, KEY=VALUE[,KEY=VALUE]."
+    )
+    namespace: str | None = option(  # None: the pod's own namespace (service account), else "default"
+        None, "With --discovery k8s: the pods' namespace (default: the router pod's own)."
+    )
+    k8s_api: str | None = option(  # None: the in-cluster API server
+        None,
+        "With --discovery k8s: the Kubernetes API base URL (default: the in-cluster API server with the pod's service account).",
+    )
 
     def __post_init__(self):
         if self.admin_token is not None:

@@ -22,12 +22,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import httpx
 
+from ..choices import DcpIndex, Policy, Restart, Transfer
 from ..engine.auth import INTERNAL_TOKEN_ENV, new_token
+from ..flags import option
 from .config import ADMIN_TOKEN_ENV
 from .supervise import RESTART_POLICIES, Supervisor
 
@@ -36,27 +39,75 @@ POLL_S = 0.5  # how often the launcher looks at its children
 ROUTER_HEALTH_INTERVAL_S = 1.0  # a restarted instance rejoins (and a dead one leaves) within about this
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StackConfig:
-    model: str
-    prefill_instances: int = 1
-    prefill_cp: int = 1
-    decode_instances: int = 1
-    decode_tp: int = 1
-    decode_dcp: int = 1
-    dcp_index: str = "copy"
-    transfer: str = "tcp"
-    host: str = "127.0.0.1"
-    port: int = 8000
-    policy: str = "round_robin"
-    admin_token: str | None = field(default=None, repr=False)  # reaches the router through its environment
-    log_dir: str = "pdserve-logs"
-    max_kv_tokens: int | None = None  # per instance; None: each server's default
-    ready_timeout_s: float = 600.0
-    restart: str = "on-failure"  # a dead instance: on-failure (start it again) | never (stop the stack)
-    shutdown_grace_s: float = 30.0  # each instance's --shutdown-grace
-    # one per stack, in the children's environment
-    internal_token: str = field(default_factory=new_token, repr=False)
+    """`pdserve up`'s config and, field by field, its flags (pdserve/flags.py)."""
+
+    model: str = option(
+        help="Checkpoint directory. Default: the built-in small model (built once, then reused).",
+        cli_type=Optional[Path],
+        cli_default=None,
+    )
+    prefill_instances: int = option(1, "Number of prefill instances N.", min=1)
+    prefill_cp: int = option(1, "Context-parallel ranks C_p of every prefill instance.", min=1)
+    decode_instances: int = option(1, "Number of decode instances M.", min=1)
+    decode_tp: int = option(1, "Ranks W of every decode instance (tensor parallel).", min=1)
+    decode_dcp: int = option(
+        1, "Decode context-parallel size C_d of every decode instance (must divide --decode-tp).", min=1
+    )
+    dcp_index: str = option(
+        "copy",
+        "Decode sparse-attention index: copy (every rank keeps all keys) or split (by token).",
+        choices=DcpIndex,
+    )
+    transfer: str = option(
+        "tcp", "KV hand-off data path between the instances: tcp or nixl.", choices=Transfer
+    )
+    max_kv_tokens: int | None = option(  # per instance; None: each server's default
+        None,
+        "KV cache capacity in tokens of every instance (default: each server's own default).",
+        min=16,
+        cli_type=Optional[int],
+    )
+    policy: str = option(
+        "round_robin", "The router's choice of instances: round_robin or least_load.", choices=Policy
+    )
+    host: str = option("127.0.0.1", "Address the router's OpenAI-compatible API listens on.")
+    port: int = option(8000, "Port of the router's OpenAI-compatible API.")
+    admin_token: str | None = option(  # reaches the router through its environment
+        None,
+        "Bearer token of the router's /admin API (default: PDSERVE_ADMIN_TOKEN); none disables it.",
+        repr=False,
+    )
+    log_dir: str = option(
+        "pdserve-logs",
+        "Directory for one log file per started process.",
+        cli_type=Path,
+        cli_default=Path("pdserve-logs"),
+    )
+    ready_timeout_s: float = option(
+        600.0,
+        "Seconds every process gets to become healthy before the launch is given up.",
+        name="--ready-timeout",
+    )
+    restart: str = option(  # a dead instance: on-failure (start it again) | never (stop the stack)
+        "on-failure",
+        "An instance that exits once the stack is up: on-failure starts it again on the same port (backoff 1 s doubling to 30 s; the router picks it up once healthy); never stops the whole stack (exit 1). The router exiting always stops the stack.",
+        choices=Restart,
+    )
+    shutdown_grace_s: float = option(  # each instance's --shutdown-grace
+        30.0,
+        "Every instance's --shutdown-grace: on Ctrl-C / SIGTERM the instances drain this long (new requests 503, running ones finish) before they stop.",
+        name="--shutdown-grace",
+        min=0.0,
+    )
+    internal_token: str = option(  # one per stack, in the children's environment
+        help="The stack's internal token (default: $PDSERVE_INTERNAL_TOKEN, else a new random one); it reaches the router and the instances through their environment, never their command lines.",
+        default_factory=new_token,
+        cli_type=Optional[str],
+        cli_default=None,
+        repr=False,
+    )
 
     def __post_init__(self):
         if self.restart not in RESTART_POLICIES:

@@ -137,38 +137,38 @@ def _instance_gauges(instances) -> list[str]:
         (
             "pdserve_instance_queue_depth",
             "Requests waiting in the instance (prefill queue; decode queued).",
-            lambda i: i.info.get("queue_depth" if i.role == "prefill" else "queued"),
+            lambda i: i.value("queued"),
         ),
         (
             "pdserve_instance_kv_free_tokens",
             "Free KV cache tokens at the last poll.",
-            lambda i: i.info.get("free_tokens"),
+            lambda i: i.value("free_tokens"),
         ),
         (
             "pdserve_instance_kv_total_tokens",
             "KV cache capacity in tokens.",
-            lambda i: i.info.get("total_tokens"),
+            lambda i: i.value("total_tokens"),
         ),
         (
             "pdserve_instance_transfers_completed",
             "KV hand-offs the decode instance completed (its own count).",
-            lambda i: i.info.get("transfers_completed"),
+            lambda i: i.value("transfers_completed"),
         ),
         (
             "pdserve_instance_transfers_failed",
             "KV hand-offs the decode instance failed (its own count).",
-            lambda i: i.info.get("transfers_failed"),
+            lambda i: i.value("transfers_failed"),
         ),
         (
             "pdserve_instance_transfer_bytes",
             "KV cache bytes the decode instance received by completed hand-offs.",
-            lambda i: i.info.get("transfer_bytes"),
+            lambda i: i.value("transfer_bytes"),
         ),
         (
             "pdserve_instance_transfer_seconds",
             "Seconds from page reservation to verified cache, summed over the "
             "decode instance's completed hand-offs.",
-            lambda i: i.info.get("transfer_seconds"),
+            lambda i: i.value("transfer_seconds"),
         ),
     )
     lines = []

@@ -2,7 +2,7 @@
 
 A try picks a pair, makes a room id, and sends to both halves at once: the decode's
 POST /v1/generate (NDJSON stream, `bootstrap` = the prefill's side channel) and the prefill's
-POST /v1/prefill (`handoff`). Both feed one event queue, so whichever half fails first ends the
+POST /v1/prefill (`handoff`), bodies and answers built and parsed with pdserve/contracts.py. Both feed one event queue, so whichever half fails first ends the
 try at once: the decode half is aborted (POST /v1/abort, and its stream closed) and the prefill's
 request is dropped. A try that failed before any token went out is repeated on another pair
 (`max_attempts`, exponential backoff); after the first token an error ends the request.
@@ -19,13 +19,21 @@ try met a full instance the request gets 429 too.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from dataclasses import dataclass
 
 import httpx
 
+from ..contracts import (
+    AbortRequest,
+    FinishEvent,
+    GenerateRequest,
+    PrefillReply,
+    PrefillRequest,
+    TokenEvent,
+    parse_event,
+)
 from ..engine.request import Overloaded  # the router's queue is full, or every instance tried was
 from .metrics import Metrics
 from .pool import Instance, NoInstance, Pool, Saturated, error_message
@@ -175,23 +183,30 @@ class Orchestrator:
     async def _prefill(
         self, inst: Instance, room: str, prompt: list[int], params: GenParams, events: asyncio.Queue
     ) -> None:
-        body = {
-            "token_ids": prompt,
-            "request_id": room,
-            "handoff": True,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "top_k": params.top_k,
-            "seed": params.seed,
-        }
+        body = PrefillRequest(
+            token_ids=prompt,
+            request_id=room,
+            handoff=True,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            seed=params.seed,
+        )
         start = time.perf_counter()
         try:
-            r = await self.client.post(f"{inst.url}/v1/prefill", json=body, timeout=self.timeout_s)
+            r = await self.client.post(
+                f"{inst.url}/v1/prefill", json=body.model_dump(), timeout=self.timeout_s
+            )
         except httpx.HTTPError as e:
             events.put_nowait(("failed", TryFailed(inst, _describe(e), transport=True)))
             return
         if r.status_code != 200:
             events.put_nowait(("failed", TryFailed(inst, _error_text(r), overloaded=r.status_code == 429)))
+            return
+        try:
+            PrefillReply.model_validate_json(r.content)
+        except ValueError as e:
+            events.put_nowait(("failed", TryFailed(inst, f"malformed prefill answer: {_describe(e)}")))
             return
         self.metrics.observe_prefill(time.perf_counter() - start)
 
@@ -204,21 +219,21 @@ class Orchestrator:
         params: GenParams,
         events: asyncio.Queue,
     ) -> None:
-        body = {
-            "token_ids": prompt,
-            "max_tokens": params.max_tokens,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "top_k": params.top_k,
-            "seed": params.seed,
-            "ignore_eos": params.ignore_eos,
-            "stream": True,
-            "request_id": room,
-            "bootstrap": bootstrap,
-        }
+        body = GenerateRequest(
+            token_ids=prompt,
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            seed=params.seed,
+            ignore_eos=params.ignore_eos,
+            stream=True,
+            request_id=room,
+            bootstrap=bootstrap,
+        )
         try:
             async with self.client.stream(
-                "POST", f"{inst.url}/v1/generate", json=body, timeout=self.timeout_s
+                "POST", f"{inst.url}/v1/generate", json=body.model_dump(), timeout=self.timeout_s
             ) as r:
                 if r.status_code == 429:
                     await r.aread()
@@ -235,14 +250,20 @@ class Orchestrator:
                 async for line in r.aiter_lines():
                     if not line:
                         continue
-                    msg = json.loads(line)
-                    if isinstance(msg.get("token"), int):
-                        events.put_nowait(("token", msg["token"]))
-                    elif "finish_reason" in msg:
-                        events.put_nowait(("finish", msg["finish_reason"]))
+                    try:
+                        event = parse_event(line)
+                    except ValueError as e:
+                        events.put_nowait(
+                            ("failed", TryFailed(inst, f"malformed stream line: {_describe(e)}"))
+                        )
+                        return
+                    if isinstance(event, TokenEvent):
+                        events.put_nowait(("token", event.token))
+                    elif isinstance(event, FinishEvent):
+                        events.put_nowait(("finish", event.finish_reason))
                         return
                     else:
-                        events.put_nowait(("failed", TryFailed(inst, msg.get("error", line))))
+                        events.put_nowait(("failed", TryFailed(inst, event.error)))
                         return
             events.put_nowait(("failed", TryFailed(inst, "stream ended without a finish")))
         except httpx.HTTPError as e:
@@ -261,7 +282,9 @@ class Orchestrator:
 
     async def _abort(self, inst: Instance, room: str) -> None:
         try:
-            await self.client.post(f"{inst.url}/v1/abort", json={"request_id": room}, timeout=5)
+            await self.client.post(
+                f"{inst.url}/v1/abort", json=AbortRequest(request_id=room).model_dump(), timeout=5
+            )
         except httpx.HTTPError:
             pass  # an unreachable instance holds nothing we could free
 

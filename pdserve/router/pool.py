@@ -1,8 +1,8 @@
 """The router's view of its instances: topology, health, load, and the choice of a pair.
 
 An `Instance` is one prefill or decode server, known by its base URL. The health loop polls every
-instance's /health and its load endpoint (prefill /info, decode /capacity) and keeps the last
-answer; a failed poll, or a failed request (`suspect`), marks it unhealthy until a poll succeeds.
+instance's /health and its load endpoint (prefill /info, decode /capacity: contracts.py) and keeps
+the last answer, parsed (an answer that is not the contract's fails the poll); a failed poll, or a failed request (`suspect`), marks it unhealthy until a poll succeeds.
 A draining instance gets no new requests; its running ones finish. Choosing never blocks: it reads
 only the last polled state plus the router's own in-flight counts. An instance with
 `max_in_flight` requests of this router running is full (`Saturated`); `released()` wakes the
@@ -14,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
+
+from ..contracts import LOAD_PATHS, LoadAnswer
 
 ROLES = ("prefill", "decode")
 
@@ -40,7 +42,7 @@ class Instance:
     healthy: bool = False  # until the first successful poll
     draining: bool = False
     error: str | None = None  # why it is unhealthy
-    info: dict = field(default_factory=dict)  # last /info (prefill) or /capacity (decode) answer
+    info: LoadAnswer | None = None  # last /info (PrefillInfo) or /capacity (DecodeCapacity) answer
     in_flight: int = 0  # requests this router has running on it
     served: int = 0  # requests that finished on it (both halves succeeded)
     last_poll: float = 0.0
@@ -49,22 +51,28 @@ class Instance:
     def usable(self) -> bool:
         return self.healthy and not self.draining
 
+    def value(self, name: str):
+        """A field of the last load answer; None before the first poll or when its role has no such field."""
+        return getattr(self.info, name, None)
+
     @property
     def bootstrap(self) -> str | None:
-        return self.info.get("bootstrap")
+        return self.value("bootstrap")
 
     def total_tokens(self) -> int | None:
-        return self.info.get("total_tokens")
+        return self.value("total_tokens")
 
     def load(self) -> tuple:
-        """Smaller is less loaded: the router's in-flight requests, then the instance's own queue."""
+        """Smaller is less loaded: the router's in-flight requests, then the instance's own queue
+        (then, on a decode, the most free KV tokens)."""
+        queued = self.value("queued") or 0
         if self.role == "prefill":
-            return (self.in_flight, self.info.get("queue_depth", 0))
-        return (self.in_flight, self.info.get("queued", 0), -self.info.get("free_tokens", 0))
+            return (self.in_flight, queued)
+        return (self.in_flight, queued, -(self.value("free_tokens") or 0))
 
     def summary(self) -> dict:
         """One topology row (the admin API's and `pdserve admin topology`'s)."""
-        i = self.info
+        v = self.value
         row = {
             "url": self.url,
             "role": self.role,
@@ -73,21 +81,16 @@ class Instance:
             "error": self.error,
             "in_flight": self.in_flight,
             "served": self.served,
-            "ranks": len(i.get("ranks", [])),
-            "free_tokens": i.get("free_tokens"),
-            "total_tokens": i.get("total_tokens"),
+            "ranks": len(v("ranks") or []),
+            "free_tokens": v("free_tokens"),
+            "total_tokens": v("total_tokens"),
+            "queued": v("queued"),
         }
-        if self.role == "prefill":
-            row.update(
-                cp_size=i.get("cp_size"), queue_depth=i.get("queue_depth"), bootstrap=i.get("bootstrap")
-            )
+        if self.role == "prefill":  # queue_depth: the old name of queued, kept for one release
+            row.update(cp_size=v("cp_size"), queue_depth=v("queued"), bootstrap=v("bootstrap"))
         else:
             row.update(
-                tp_size=i.get("tp_size"),
-                dcp_size=i.get("dcp_size"),
-                index_mode=i.get("index_mode"),
-                running=i.get("running"),
-                queued=i.get("queued"),
+                tp_size=v("tp_size"), dcp_size=v("dcp_size"), index_mode=v("index_mode"), running=v("running")
             )
         return row
 
@@ -162,7 +165,7 @@ class Pool:
             if not fresh:
                 raise Saturated(f"every {role} instance has {self.max_in_flight} requests running")
         if role == "decode":  # prefer instances with room now; the others queue the request
-            fresh = [i for i in fresh if i.info.get("free_tokens", 0) >= need_tokens] or fresh
+            fresh = [i for i in fresh if (i.value("free_tokens") or 0) >= need_tokens] or fresh
         return fresh
 
     def released(self) -> None:
@@ -183,7 +186,7 @@ class Pool:
     # health -------------------------------------------------------------------------------
     async def poll(self, client: httpx.AsyncClient, inst: Instance) -> None:
         """One health + load check; the instance is healthy iff both answered 200."""
-        path = "/info" if inst.role == "prefill" else "/capacity"
+        path, answer = LOAD_PATHS[inst.role]
         try:
             health = await client.get(f"{inst.url}/health", timeout=5)
             if health.status_code != 200:  # an instance's own drain (SIGTERM) makes it unusable too
@@ -191,10 +194,7 @@ class Pool:
             load = await client.get(f"{inst.url}{path}", timeout=5)
             if load.status_code != 200:
                 raise RuntimeError(f"{path}: {_detail(load)}")
-            info = load.json()
-            if not isinstance(info, dict):
-                raise ValueError(f"{path} answered {type(info).__name__}, not an object")
-            inst.info, inst.healthy, inst.error = info, True, None
+            inst.info, inst.healthy, inst.error = answer.model_validate_json(load.content), True, None
         except (httpx.HTTPError, RuntimeError, ValueError) as e:
             inst.healthy, inst.error = False, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         inst.last_poll = time.time()

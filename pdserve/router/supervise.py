@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
-RESTART_POLICIES = ("on-failure", "never")
+from ..choices import Restart, values
+
+RESTART_POLICIES = values(Restart)
 
 
 @dataclass

@@ -58,7 +58,7 @@ def test_scheduler_lifecycle_without_torch():
     s.add(b)
     chunks = s.schedule()
     assert [(c.request, c.start, c.n) for c in chunks] == [(a, 0, 3)]
-    assert list(s.waiting) == [b] and a.status == Status.RUNNING
+    assert list(s.waiting) == [b] and a.status == Status.PREFILLING
     s.postprocess(chunks, [None])  # an intermediate chunk samples nothing
     chunks = s.schedule()
     assert [(c.start, c.n) for c in chunks] == [(3, 1)]

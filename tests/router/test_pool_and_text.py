@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.contracts import DecodeCapacity, PrefillInfo
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.router.pool import NoInstance, Pool, TooLong
 from pdserve.router.text import TextStream
@@ -15,9 +16,9 @@ def pool_of(policy: str, decode_free: dict[str, int], total: int = 1000) -> Pool
     for inst in pool.instances.values():  # what a successful health poll leaves behind
         inst.healthy = True
         inst.info = (
-            {"bootstrap": "tcp://h:1", "total_tokens": total, "queue_depth": 0}
+            PrefillInfo(bootstrap="tcp://h:1", total_tokens=total, queued=0)
             if inst.role == "prefill"
-            else {"total_tokens": total, "free_tokens": decode_free[inst.url], "queued": 0}
+            else DecodeCapacity(total_tokens=total, free_tokens=decode_free[inst.url], queued=0)
         )
     return pool
 

@@ -1,0 +1,170 @@
+"""The HTTP contracts between pdserve's processes, declared once (torch-free: the router imports it).
+
+Router -> prefill: POST /v1/prefill `PrefillRequest` -> `PrefillReply`; GET /info -> `PrefillInfo`.
+Router -> decode:  POST /v1/generate `GenerateRequest` -> `GenerateReply`, or with "stream": true
+                   NDJSON lines `TokenEvent`* then one `FinishEvent` or `ErrorEvent` (`parse_event`);
+                   POST /v1/abort `AbortRequest` -> `AbortReply`; GET /capacity -> `DecodeCapacity`.
+Both load answers share `LoadAnswer` (the fields the router chooses by): total / free KV tokens and
+`queued`, the requests waiting on the instance (prefill /info also sends it as `queue_depth`, its old
+name, for one release; a router reading an older instance takes `queue_depth` when `queued` is absent).
+
+The servers declare their endpoints with these types and the router builds and parses with the same
+ones, so a field is named and range-checked in one place. Request bodies are `StrictModel`s (unknown
+fields ignored, NaN / infinities refused); answers ignore unknown fields too, so a newer peer's
+additions do not break an older reader, while a wrong type fails the parse (ValueError).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal, Union
+
+from pydantic import Field, StrictInt, model_validator
+
+from .engine.http_edge import REQUEST_ID, StrictModel
+from .engine.request import MAX_OUTPUT_TOKENS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOP_K, SEED_LIMIT
+
+BOOTSTRAP = r"^tcp://[A-Za-z0-9.\[\]-]{1,253}:[0-9]{1,5}$"  # a prefill's side channel, as /info gives it
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class _Sampling(StrictModel):
+    token_ids: list[int] = Field(min_length=1)
+    temperature: float = Field(0.0, ge=0, le=MAX_TEMPERATURE)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K)
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
+    request_id: str | None = Field(None, pattern=REQUEST_ID)
+
+
+# router -> prefill -------------------------------------------------------------------------------
+class PrefillRequest(_Sampling):
+    """With `handoff` the request_id is a room: the cache goes to the decode instance reserving it."""
+
+    chunk_size: int | None = Field(default=None, ge=1, le=1 << 20)
+    handoff: bool = False
+
+
+class PrefillReply(StrictModel):
+    request_id: str
+    first_token: int
+    prompt_tokens: int
+    seconds: float
+
+
+# router -> decode --------------------------------------------------------------------------------
+class GenerateRequest(_Sampling):
+    """With `bootstrap` (a prefill's side channel) the cache comes by KV hand-off into room request_id."""
+
+    max_tokens: int = Field(16, ge=1, le=MAX_OUTPUT_TOKENS)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
+    ignore_eos: bool = False
+    stream: bool = False
+    bootstrap: str | None = Field(default=None, pattern=BOOTSTRAP)
+
+
+class GenerateReply(StrictModel):
+    request_id: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+
+
+class TokenEvent(StrictModel):
+    token: StrictInt
+
+
+class FinishEvent(StrictModel):
+    finish_reason: FinishReason
+    request_id: str
+
+
+class ErrorEvent(StrictModel):
+    error: str
+    request_id: str
+
+
+StreamEvent = Union[TokenEvent, FinishEvent, ErrorEvent]
+
+
+def event_line(event: StreamEvent) -> str:
+    return event.model_dump_json() + "\n"
+
+
+def parse_event(line: str) -> StreamEvent:
+    """One NDJSON line of a decode stream; ValueError for anything that is not one of the three events."""
+    msg = json.loads(line)
+    if not isinstance(msg, dict):
+        raise ValueError(f"a stream line must be an object, got {type(msg).__name__}")
+    for key, cls in (("token", TokenEvent), ("finish_reason", FinishEvent), ("error", ErrorEvent)):
+        if key in msg:
+            return cls.model_validate(msg)
+    raise ValueError(f"unknown stream event {line[:200]!r}")
+
+
+class AbortRequest(StrictModel):
+    request_id: str = Field(max_length=256)
+
+
+class AbortReply(StrictModel):
+    aborted: bool  # false: no such live request
+
+
+# load answers ------------------------------------------------------------------------------------
+class RankInfo(StrictModel):
+    rank: int = Field(ge=0)
+    pid: int
+    cache_bytes: int = Field(ge=0)
+    weight_bytes: int | None = Field(None, ge=0)  # prefill ranks
+    layers: list[int] | None = None  # prefill ranks: the layers whose cache the rank keeps
+
+
+class LoadAnswer(StrictModel):
+    """What the router chooses an instance by (pool.py)."""
+
+    total_tokens: int = Field(ge=0)
+    free_tokens: int | None = Field(None, ge=0)
+    queued: int = Field(0, ge=0)  # requests waiting on the instance
+    ranks: list[RankInfo] = Field(default_factory=list)
+
+
+class PrefillInfo(LoadAnswer):
+    """GET /info of a prefill instance."""
+
+    bootstrap: str | None = Field(None, pattern=BOOTSTRAP)  # its side channel; None: no hand-offs
+    model_type: str | None = None
+    cp_size: int | None = None
+    layout: str | None = None
+    cache: str | None = None
+    moe_tp: bool | None = None
+    chunk_size: int | None = None
+    dtype: str | None = None
+    queue_depth: int | None = Field(None, ge=0)  # the old name of `queued`, sent for one release
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_name(cls, data):
+        if isinstance(data, dict) and "queued" not in data and "queue_depth" in data:
+            return {**data, "queued": data["queue_depth"]}
+        return data
+
+
+class DecodeCapacity(LoadAnswer):
+    """GET /capacity of a decode instance."""
+
+    page_size: int | None = None
+    bytes_per_token_per_rank: int | None = None
+    index_mode: str | None = None
+    tp_size: int | None = None
+    dcp_size: int | None = None
+    kv_cache_dtype: str | None = None
+    dtype: str | None = None
+    held_tokens: int | None = None  # pages held after failed hand-offs (quarantine)
+    running: int | None = None
+    transfers_pending: int | None = None
+    transfers_completed: int | None = None
+    transfers_failed: int | None = None
+    transfer_bytes: int | None = None
+    transfer_seconds: float | None = None
+
+
+LOAD_PATHS = {"prefill": ("/info", PrefillInfo), "decode": ("/capacity", DecodeCapacity)}

@@ -1,0 +1,179 @@
+"""`DecodeServerConfig`: a decode instance's config and, field by field, its `pdserve decode`
+flags (pdserve/flags.py). Torch-free, so the CLI builds its options without importing torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from ..choices import CpuComm, DcpComm, DcpIndex, KVCacheDType, ModelDType, Transfer, check
+from ..engine import capacity
+from ..flags import INTERNAL_TOKEN_HELP, MODEL_HELP, SHUTDOWN_GRACE_HELP, option
+from ..model.config import ModelConfig
+
+DEFAULT_MAX_KV_TOKENS = 65536
+_WILDCARDS = ("0.0.0.0", "::", "*", "")
+
+
+@dataclass(frozen=True)
+class DecodeServerConfig:
+    model: str = option(help=MODEL_HELP, cli_type=Optional[Path], cli_default=None)
+    tp_size: int = option(
+        1, "Decode ranks W: attention heads are split across them (tensor parallel).", min=1
+    )
+    dcp_size: int = option(
+        1,
+        "Decode context-parallel size C_d (must divide --tp-size): each group of C_d ranks splits the KV cache by token.",
+        min=1,
+    )
+    dcp_index: str = option(
+        "copy",
+        "Sparse-attention index keys: copy (every rank keeps all) or split (by token like the cache; ranks merge top-k candidates).",
+        choices=DcpIndex,
+    )
+    dcp_comm: str = option(
+        "a2a",
+        "How partial attention results are merged: a2a (all-to-all) or ag_rs (all-gather + reduce-scatter).",
+        choices=DcpComm,
+    )
+    replicate_q_proj: bool = option(
+        False,
+        "Each rank keeps the query projection for every head slice of its DCP group, so queries need no all-gather (more weight memory).",
+    )
+    kv_cache_dtype: str = option(
+        "auto",
+        "KV cache storage: auto (the model dtype) or fp8_e4m3 (1 byte per value, index keys with a float32 scale).",
+        choices=KVCacheDType,
+    )
+    # KV budget in bytes per rank (the CLI takes text such as 80GiB); at most one of this and max_kv_tokens
+    kv_memory: int | None = option(
+        None,
+        "KV cache budget per rank, e.g. 80GiB, 512MiB or plain bytes; sets the token capacity (instead of --max-kv-tokens).",
+        cli_type=Optional[str],
+    )
+    max_kv_tokens: int | None = option(  # neither given: DEFAULT_MAX_KV_TOKENS
+        None,
+        "KV cache capacity in tokens of the whole instance, rounded up to whole pages (default 65536 unless --kv-memory is given).",
+        min=1,
+        cli_type=Optional[int],
+    )
+    page_size: int = option(
+        64, "KV slots per page; must be a multiple of --dcp-size (pages are C_d-wide).", min=1
+    )
+    host: str = option("127.0.0.1", "Address the HTTP API listens on.")
+    port: int = option(8200, "Port of the HTTP API.")
+    dist_port: int = option(29600, "TCP port the ranks use to form their torch.distributed group.")
+    dtype: str = option(
+        "float32",
+        "Weights and activations dtype (and KV cache dtype when --kv-cache-dtype is auto).",
+        choices=ModelDType,
+    )
+    threads_per_rank: int = option(
+        1, "torch threads in each rank process (and in the server's local prefill).", min=1
+    )
+    max_batch: int = option(64, "Most requests decoded together in one step (continuous batching).", min=1)
+    max_queue: int = option(
+        256,
+        "Accepted requests waiting for KV pages beyond this many are refused with 429 and Retry-After (bounded admission).",
+        min=1,
+    )
+    cpu_comm: str = option(
+        "auto",
+        "Collectives between CPU ranks: shm (shared memory, ~15 us each), gloo (loopback TCP, ~0.5 ms each) or auto (shm on x86).",
+        choices=CpuComm,
+    )
+    transfer_timeout_s: float = option(
+        30.0,
+        "Seconds a hand-off request waits for the prefill's rows after its pages were reserved before it fails.",
+        name="--transfer-timeout",
+    )
+    heartbeat_timeout_s: float = option(
+        5.0,
+        "Seconds of silence (no heartbeat) from a prefill instance after which its hand-offs in flight fail (it died).",
+        name="--heartbeat-timeout",
+    )
+    data_host: str = option(
+        "127.0.0.1",
+        "Address the ranks' TCP receivers (--transfer tcp) listen on and advertise to prefill ranks; on a cluster, this host's address that prefill hosts can reach (e.g. the pod IP).",
+    )
+    transfer: str = option(
+        "tcp",
+        "KV hand-off data path from prefill instances: tcp (ZMQ over TCP) or nixl (NIXL/UCX one-sided WRITEs). Both sides must use the same.",
+        choices=Transfer,
+    )
+    shutdown_grace_s: float = option(30.0, SHUTDOWN_GRACE_HELP, name="--shutdown-grace", min=0.0)
+    transfer_quarantine_s: float = option(
+        60.0,
+        "--transfer nixl: seconds the pages of a hand-off that failed while its prefill may still be sending stay out of use (NIXL WRITEs land in the cache itself; a late one must not reach another request).",
+        name="--transfer-quarantine",
+    )
+    # engine/auth.py; serve() requires one (the CLI adds --internal-token-file and the environment)
+    internal_token: str | None = option(None, INTERNAL_TOKEN_HELP, cli_type=Optional[str], repr=False)
+
+    def __post_init__(self):
+        if self.tp_size < 1 or self.dcp_size < 1 or self.tp_size % self.dcp_size:
+            raise ValueError(f"--dcp-size {self.dcp_size} must divide --tp-size {self.tp_size} (both >= 1)")
+        check(self.dcp_index, DcpIndex, "--dcp-index")
+        check(self.kv_cache_dtype, KVCacheDType, "--kv-cache-dtype")
+        capacity.dtype_bytes(self.dtype)
+        check(self.dcp_comm, DcpComm, "--dcp-comm")
+        if self.page_size < 1 or self.page_size % self.dcp_size:  # pages are C_d-wide (invariant 4)
+            raise ValueError(
+                f"--page-size {self.page_size} must be a positive multiple of --dcp-size {self.dcp_size}"
+            )
+        if self.kv_memory is not None and self.max_kv_tokens is not None:
+            raise ValueError("give either --kv-memory or --max-kv-tokens, not both")
+        if self.kv_memory is None and self.max_kv_tokens is None:
+            object.__setattr__(self, "max_kv_tokens", DEFAULT_MAX_KV_TOKENS)
+        if (self.kv_memory or 1) < 1 or (self.max_kv_tokens or 1) < 1:
+            raise ValueError("--kv-memory and --max-kv-tokens must be positive")
+        if self.port == self.dist_port:
+            raise ValueError("--port and --dist-port must differ")
+        if self.threads_per_rank < 1 or self.max_batch < 1 or self.max_queue < 1:
+            raise ValueError("--threads-per-rank, --max-batch and --max-queue must be >= 1")
+        check(self.cpu_comm, CpuComm, "--cpu-comm")
+        if self.transfer_timeout_s <= 0 or self.heartbeat_timeout_s <= 0 or self.transfer_quarantine_s <= 0:
+            raise ValueError(
+                "--transfer-timeout, --heartbeat-timeout and --transfer-quarantine must be positive"
+            )
+        check(self.transfer, Transfer, "--transfer")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"--shutdown-grace must be >= 0, got {self.shutdown_grace_s}")
+        if self.data_host in _WILDCARDS:
+            raise ValueError(
+                f"--data-host {self.data_host!r} is a wildcard: give an address the prefill ranks can "
+                "connect to (on Kubernetes, the pod IP)"
+            )
+
+    def num_slots(self) -> int:
+        """Global KV slots of the instance: whole pages that fit the per-rank budget, or max_kv_tokens rounded up."""
+        if self.kv_memory is None:
+            return -(-self.max_kv_tokens // self.page_size) * self.page_size
+        mcfg = ModelConfig.from_pretrained(self.model)
+        slots = capacity.tokens_for_budget(
+            mcfg,
+            self.kv_memory,
+            self.dcp_size,
+            self.dcp_index,
+            self.page_size,
+            self.kv_cache_dtype,
+            self.dtype,
+        )
+        if slots == 0:
+            page = capacity.page_bytes_per_rank(
+                mcfg, self.dcp_size, self.dcp_index, self.page_size, self.kv_cache_dtype, self.dtype
+            )
+            raise ValueError(
+                f"--kv-memory {self.kv_memory} bytes holds no page ({page} bytes per page per rank)"
+            )
+        return slots
+
+    def validate_model(self) -> None:
+        """Checks that need the checkpoint's config (a clear error before any rank starts)."""
+        heads = ModelConfig.from_pretrained(self.model).num_heads
+        if heads % self.tp_size:
+            raise ValueError(
+                f"the model's {heads} attention heads cannot be split over --tp-size {self.tp_size}"
+            )
+        self.num_slots()

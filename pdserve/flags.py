@@ -1,0 +1,133 @@
+"""Each flag declared once: on its config dataclass field (torch-free, typer imported only to build a command).
+
+A config field that is also a command-line option is declared with `option(default, help, ...)`:
+the field's default, its help text, its flag name (default: `--` + the field name with dashes),
+its lower bound and its choice set (a `choices.py` Enum) live in that one place. `config_command`
+turns a config class into the typer signature of a subcommand: one option per such field, in field
+order, followed by the command's own extra parameters (`after` places one behind a given field). The
+command receives the fields' values as a dict (choices as their plain values), adds what needs more
+than a copy (the model path, the internal token, a byte size given as text) and builds the config,
+whose `__post_init__` checks what the option types cannot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import typing
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass
+from enum import Enum
+from typing import Annotated, Any
+
+MODEL_HELP = "Checkpoint directory. Default: the built-in small model."
+SHUTDOWN_GRACE_HELP = (
+    "Seconds running requests get to finish after SIGTERM: new requests and /health answer 503 "
+    "(draining) at once; what still runs at the end gets an error; then exit 0. A second "
+    "signal cuts it short."
+)
+INTERNAL_TOKEN_HELP = (
+    "The internal token that authenticates pdserve's own processes to each other (instance HTTP "
+    "APIs, side channel, data path); the same on the router and every instance. Default: "
+    "$PDSERVE_INTERNAL_TOKEN. A value given here is visible in `ps`: prefer the variable or "
+    "--internal-token-file."
+)
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How a config field appears on the command line."""
+
+    help: str
+    name: str | None = None  # e.g. "--shutdown-grace" for shutdown_grace_s; None: from the field name
+    min: float | None = None
+    choices: type[Enum] | None = None  # the option takes these values; the field holds the plain value
+    cli_type: Any = None  # the option's type when it is not the field's (a path, a size given as text)
+    cli_default: Any = None  # the option's default when it is not the field's (with has_cli_default)
+    has_cli_default: bool = False
+
+    def flag_name(self, field_name: str) -> str:
+        return self.name or "--" + field_name.replace("_", "-")
+
+
+def option(
+    default: Any = MISSING,
+    help: str = "",
+    *,
+    name: str | None = None,
+    min: float | None = None,
+    choices: type[Enum] | None = None,
+    cli_type: Any = None,
+    cli_default: Any = MISSING,
+    repr: bool = True,
+    default_factory: Callable[[], Any] | Any = MISSING,
+) -> Any:
+    """A dataclass field that is also a command-line option (see the module docstring)."""
+    has = cli_default is not MISSING
+    flag = Flag(help, name, min, choices, cli_type, cli_default if has else None, has)
+    if choices is not None and default is not MISSING and default is not None:
+        default = choices(default).value  # a typo in a default fails at import
+    return dataclasses.field(
+        default=default, default_factory=default_factory, repr=repr, metadata={"flag": flag}
+    )
+
+
+def flagged_fields(cls) -> list[tuple[dataclasses.Field, Flag]]:
+    """The fields of a config dataclass that are command-line options, in field order."""
+    return [(f, f.metadata["flag"]) for f in dataclasses.fields(cls) if "flag" in f.metadata]
+
+
+def _default(f: dataclasses.Field, flag: Flag) -> Any:
+    default = flag.cli_default if flag.has_cli_default else f.default
+    if default is MISSING:
+        raise TypeError(f"option {f.name} needs a default or a cli_default")
+    return flag.choices(default) if flag.choices is not None and default is not None else default
+
+
+def config_command(cls, after: dict[str, str] | None = None) -> Callable[[Callable], Callable]:
+    """Decorator: `fn(values: dict, **extra)` becomes a typer command whose options are `cls`'s
+    option fields (named and typed as declared there) plus fn's own keyword parameters `extra`;
+    `after` maps an extra parameter to the field it follows (default: after every field)."""
+    import typer
+
+    hints = typing.get_type_hints(cls, include_extras=False)
+    after = after or {}
+
+    def decorate(fn: Callable) -> Callable:
+        own = list(inspect.signature(fn, eval_str=True).parameters.values())[1:]
+        fn_hints = typing.get_type_hints(fn, include_extras=True)
+        own = [p.replace(annotation=fn_hints.get(p.name, p.annotation)) for p in own]
+        by_field: dict[str, str] = {}  # parameter name -> field name
+        params: list[inspect.Parameter] = []
+        for f, flag in flagged_fields(cls):
+            decl = flag.flag_name(f.name)
+            pname = decl[2:].replace("-", "_")
+            by_field[pname] = f.name
+            typ = flag.cli_type or flag.choices or hints[f.name]
+            info = typer.Option(decl, help=flag.help, min=flag.min)
+            params.append(
+                inspect.Parameter(
+                    pname,
+                    inspect.Parameter.KEYWORD_ONLY,
+                    default=_default(f, flag),
+                    annotation=Annotated[typ, info],
+                )
+            )
+            params += [
+                p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own if after.get(p.name) == f.name
+            ]
+        params += [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own if p.name not in after]
+
+        def command(**kwargs):
+            values = {}
+            for pname, field_name in by_field.items():
+                value = kwargs.pop(pname)
+                values[field_name] = value.value if isinstance(value, Enum) else value
+            return fn(values, **kwargs)
+
+        command.__name__, command.__qualname__, command.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__
+        command.__signature__ = inspect.Signature(params)
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        return command
+
+    return decorate
