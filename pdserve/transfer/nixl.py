@@ -4,8 +4,8 @@ the decode rank checks and counts them.
 
 The receiving side is here, the sending side (NixlSender) in transfer/nixl_send.py. Same commands
 and replies as transfer/tcp.py (StageCmd, ExpectCmd, TransferStatusCmd, ForgetCmd on
-the receiver, SendCmd on the sender) and the same `RoomChecksum` streams, so handoff.py and
-two_sided.py run unchanged over either backend.
+the receiver, SendCmd on the sender) and the same `RoomChecksum` streams, so the hand-off state
+machines (prefill_room.py, decode_room.py) run unchanged over either backend.
 
     decode rank   one NIXL agent. POOL landing (`direct`, whenever the pool stores the dtype that
                   travels, i.e. not fp8): the pool's tensors are registered (again, with a new
@@ -46,8 +46,8 @@ every row arrived and the checksums match the sender's (verify_done).
 Stale writes (docs/design.md 3.7-3.8). A one-sided WRITE cannot be refused by its target. What a room's
 senders may still write into -- its pool pages, or its region -- is not reused while a sender can
 still write there:
-  - ForgetCmd(quiesced=True): the caller knows every sender returned (hand_off after prefill.send,
-    two_sided once the prefill answered), and a sender returns only when each of its WRITEs is DONE
+  - ForgetCmd(quiesced=True): the caller knows every sender returned (the decode room once the prefill
+    answered), and a sender returns only when each of its WRITEs is DONE
     or was cancelled (release_xfer_handle): reusable at once;
   - otherwise a region stays quarantined until every row the room expected has been notified (late
     notifications are counted, then dropped) or `quarantine_s` passed; and ForgetCmd answers
@@ -80,8 +80,8 @@ import torch
 
 from .frames import DEV_FRAME_KEY, HEADER_MAX_BYTES, Liveness, open_notif, unpack
 from .nixl_agent import Arena, NixlEndpoint, agent_name, make_agent
+from .rank_commands import ExpectCmd, ForgetCmd, ListenerStatusCmd, StageCmd, TransferStatusCmd
 from .room import DTYPES, RoomRows, check_notif, count_rows, frame_rows, store_rows
-from .tcp import ExpectCmd, ForgetCmd, ListenerStatusCmd, StageCmd, TransferStatusCmd
 
 QUARANTINE_S = 60.0
 BUSY_POLL_S, IDLE_POLL_S = 0.0005, 0.005
@@ -165,7 +165,10 @@ class NixlReceiver:
     def handle(self, cmd):
         with self.lock:
             if isinstance(cmd, StageCmd):
-                return self._stage(cmd)
+                reply = self._stage(cmd)
+                if reply["error"] is None and cmd.expect is not None:
+                    self._expect(cmd.expect)
+                return reply
             if isinstance(cmd, ExpectCmd):
                 return self._expect(cmd)
             if isinstance(cmd, ForgetCmd):

@@ -14,7 +14,8 @@ from .base import RoomChecksum
 from .frames import DEV_FRAME_KEY, seal_notif
 from .nixl_agent import NixlEndpoint, agent_name, make_agent
 from .plan import Run, Transfer
-from .tcp import SendCmd, pack_rows
+from .rank_commands import SendCmd
+from .tcp import pack_rows
 
 SEND_POLL_S = 0.0001
 CHUNK_BYTES = 8 << 20  # per WRITE: small enough that receivers store while senders still pack

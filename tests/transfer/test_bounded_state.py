@@ -12,8 +12,8 @@ import threading
 import time
 
 import pytest
-
 from pdserve.decode_server.remote import RemoteRooms
+
 from pdserve.engine.request import SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -21,6 +21,8 @@ import time
 
 import pytest
 import torch
+from pdserve.transfer.handoff import HandoffHooks, TransferError, hand_off
+from pdserve.transfer.two_sided import decode_finish, decode_reserve, prefill_serve
 
 from pdserve.decode_server.engine import DecodeEngine
 from pdserve.decode_server.instance import DecodeInstance
@@ -28,13 +30,10 @@ from pdserve.decode_server.rank_worker import DecodeWorkerConfig
 from pdserve.engine.launcher import LaunchConfig
 from pdserve.engine.request import SamplingParams
 from pdserve.transfer.frames import new_ticket
-from pdserve.transfer.handoff import HandoffHooks, TransferError, hand_off
 from pdserve.transfer.nixl import NixlReceiver
 from pdserve.transfer.nixl_send import NixlSender
 from pdserve.transfer.plan import DecodeSide, PrefillSide, plan_transfer
-from pdserve.transfer.room import RoomSlots
-from pdserve.transfer.side_channel import BootstrapServer, DecodeClient
-from pdserve.transfer.tcp import (
+from pdserve.transfer.rank_commands import (
     ExpectCmd,
     ForgetCmd,
     SendCmd,
@@ -43,7 +42,8 @@ from pdserve.transfer.tcp import (
     TransferStatusCmd,
     merge_checksums,
 )
-from pdserve.transfer.two_sided import decode_finish, decode_reserve, prefill_serve
+from pdserve.transfer.room import RoomSlots
+from pdserve.transfer.side_channel import BootstrapServer, DecodeClient
 from tests.reference import free_port
 from tests.transfer.handoff_helpers import (
     MAX_TOKENS,
