@@ -106,7 +106,7 @@ def test_side_channel_service_survives_any_frame():
             assert server.reservations["ok"] == mine
             server.reply(TransferDone("ok", 5, {0: 9}, FP))
             wait_for(lambda: client.outcome("ok") is not None)
-            assert client.outcome("ok") == TransferDone("ok", 5, {0: 9}, FP)
+            assert client.outcome("ok") == TransferDone("ok", 5, {0: 9}, FP, mine.ticket)
         finally:
             client.close()
     finally:
