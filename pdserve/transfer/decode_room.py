@@ -70,11 +70,16 @@ class DecodeRoom:
             else:
                 self._progress(client, heartbeat_timeout_s)
         except RoomFailure as e:
-            self._end(client, str(e), quiesced=self.done is not None or client.outcome(self.room) is not None)
+            self._end(client, str(e), quiesced=self._quiesced(client))
         except Exception as e:  # a rank call failed: the caller decides whether the instance goes on
             self._end(client, f"{type(e).__name__}: {e}", quiesced=False, guarded=True)
             raise
         return self.s.state
+
+    def _quiesced(self, client: DecodeClient) -> bool:
+        """The prefill answered after every rank's sends returned: no WRITE for the room can come."""
+        outcome = client.outcome(self.room)
+        return isinstance(outcome, TransferDone) or (isinstance(outcome, TransferFailed) and outcome.quiesced)
 
     def abort(self, client: DecodeClient, reason: str = "aborted by the decode instance") -> bool:
         if self.s.done:

@@ -132,6 +132,8 @@ class TransferFailed:
     room: str
     reason: str
     ticket: bytes = b""  # the reservation's, as in TransferDone (b"": a room that was never reserved)
+    quiesced: bool = True  # from a prefill: every rank's sends for the room returned (False: a rank
+    # failed mid-send, so others may still WRITE; the decode side holds the room's pages)
 
     def __post_init__(self):
         if isinstance(self.reason, str) and len(self.reason) > MAX_REASON:
@@ -240,6 +242,12 @@ def _nested(cls) -> Callable:
     return check
 
 
+def _bool(v, name):
+    if type(v) is not bool:
+        _fail(f"{name}: expected a boolean")
+    return v
+
+
 def _ticket(v, name):
     if type(v) is not bytes or len(v) not in (0, TICKET_BYTES):
         _fail(f"{name}: expected {TICKET_BYTES} bytes")
@@ -274,7 +282,12 @@ _SCHEMA: dict[type, dict[str, Callable]] = {
         "fingerprint": _nested(Fingerprint),
         "ticket": _ticket,
     },
-    TransferFailed: {"room": _str(MAX_ROOM), "reason": _str(MAX_REASON), "ticket": _ticket},
+    TransferFailed: {
+        "room": _str(MAX_ROOM),
+        "reason": _str(MAX_REASON),
+        "ticket": _ticket,
+        "quiesced": _bool,
+    },
     Heartbeat: {"sender": _str(MAX_NAME), "generation": _int(), "time_s": _float},
     Hello: {"nonce": _bytes(16)},
     Welcome: {"nonce": _bytes(16)},

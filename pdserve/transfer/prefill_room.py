@@ -24,6 +24,7 @@ from .base import KVPoll, TransferState
 from .interfaces import KVSource
 from .messages import DecodeReservation, TransferDone, TransferFailed
 from .plan import DecodeSide, plan_transfer
+from .rank_commands import SendError
 from .side_channel import BootstrapServer
 
 DROPPED_KEEP_S = 600.0  # how long a room aborted here waits for a late reservation to refuse
@@ -78,7 +79,7 @@ class PrefillRoom:
         if self.poll() is not KVPoll.WaitingForInput:
             return self.outcome or self._end(TransferFailed(self.room, f"not ready ({self.s.state.name})"))
         self.s.advance(KVPoll.Transferring)
-        reservation, room = self.reservation, self.room
+        reservation, room, sending = self.reservation, self.room, False
         try:
             fp = self.source.handoff_fingerprint(reservation)
             fp.check_compatible(reservation.fingerprint)
@@ -94,12 +95,15 @@ class PrefillRoom:
                 reservation.pages,
             )
             plan = plan_transfer(self.source.prefill_side(result.slots), decode_side, len(self.prompt_ids))
+            sending = True
             sums = self.source.send(room, room, reservation.ticket, plan, reservation.endpoints)
             msg: TransferDone | TransferFailed = TransferDone(room, result.token, sums, fp)
         except _Failed as e:
             msg = TransferFailed(room, str(e))
-        except Exception as e:
-            msg = TransferFailed(room, f"{type(e).__name__}: {e}")
+        except SendError as e:  # every rank returned: what it posted is done or cancelled
+            msg = TransferFailed(room, f"SendError: {e}")
+        except Exception as e:  # during the send (e.g. a rank died), the other ranks may still write
+            msg = TransferFailed(room, f"{type(e).__name__}: {e}", quiesced=not sending)
         return self._end(msg)
 
     def abort(self, reason: str = "aborted by the prefill instance") -> bool:

@@ -7,12 +7,15 @@ the room while the prefill sends (its rows then land late: over NIXL in the room
 quarantine holds -- the hold is checked to be taken here, and to expire by assert_idle); an abort
 from either side in every state a side can abort in; a prefill failing after it sent. Room ids come
 from a small pool, so they are reused while late rows of an earlier use may still arrive. Once per
-loop: a prefill that stops heart-beating (its side channel closes under an open room).
+loop: a prefill that stops heart-beating (its side channel closes under an open room); after the
+loop (`rank_killed_case`): a prefill rank killed as its room's send starts.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import time
 
 from pdserve.engine.request import SamplingParams
@@ -69,7 +72,7 @@ def run_case(driver: Driver, kind: str, room: str, ids: list[int], quarantine: b
         assert driver.prefill_rooms.abort(room) and p.state is KVPoll.Failed
     d = driver.submit(ids, params, room, timeout_s=0.1 if kind == "never" else 30)
     if kind != "prefill abort bootstrapping":
-        assert driver.claim(p, d) is KVPoll.WaitingForInput
+        assert driver.claim(p, d) is KVPoll.WaitingForInput, (kind, p.s.reason, d.s.reason)
     if kind == "decode abort waiting":
         assert rooms.abort(room) and d.state is KVPoll.Failed
         _wait(lambda: p.poll() is KVPoll.Failed, "the prefill never heard of the abort", driver)
@@ -144,3 +147,23 @@ def run_mixed_faults(driver: Driver, cases: int, seed: int, quarantine: bool) ->
 
 def _prompt(rng: random.Random) -> list[int]:
     return [rng.randrange(4, 500) for _ in range(rng.randint(1, 30))]
+
+
+def rank_killed_case(instances, decode, transfer: str, pshape: tuple[int, str]) -> None:
+    """A prefill rank dies as its instance starts sending a room (the other ranks send their share):
+    the room fails on both sides -- the decode side holds the pages (a surviving rank may still
+    write) -- and the broken prefill instance is shut down (the next user starts a fresh one)."""
+    prefill = instances.get_prefill(*pshape, transfer=transfer)
+    driver = Driver(prefill, decode)
+    victim = prefill.ranks.pids[-1]
+    source = FaultySource(prefill, before_send=lambda room: os.kill(victim, signal.SIGKILL))
+    try:
+        driver.hand_off(_prompt(random.Random(7)), SamplingParams(max_tokens=1), source=source)
+        raise AssertionError("a hand-off whose prefill rank died must fail")
+    except TransferError as e:
+        assert "prefill failed: RankError" in e.reason, e.reason
+    finally:
+        driver.close()
+        del instances.prefill[transfer, *pshape]
+        prefill.shutdown()
+    assert not prefill.held and prefill.allocator.num_free == prefill.allocator.num_pages

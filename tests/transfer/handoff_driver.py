@@ -104,10 +104,14 @@ class Driver:
         return r
 
     def claim(self, room: PrefillRoom, decode_room: DecodeRoom, wait_s: float = 10.0) -> KVPoll:
-        """Polls both sides until the prefill room has its reservation (or ended)."""
+        """Polls both sides until the prefill room has its reservation (or either room ended). A decode
+        room still queued for pages (held by a quarantine) is admitted as soon as they are free."""
         deadline = time.monotonic() + wait_s
-        while room.poll() is KVPoll.Bootstrapping and decode_room.state is KVPoll.WaitingForInput:
+        live = (KVPoll.Bootstrapping, KVPoll.WaitingForInput)
+        while room.poll() is KVPoll.Bootstrapping and decode_room.state in live:
             assert time.monotonic() < deadline, "the reservation never reached the prefill"
+            if decode_room.state is KVPoll.Bootstrapping:
+                self.decode.admit()
             self.rooms.poll()  # the decode client drains: Welcome, then the held reservation goes out
             self.server.drain(2)
         return room.state
@@ -117,6 +121,8 @@ class Driver:
         deadline = time.monotonic() + wait_s
         while decode_room.room in self.rooms.rooms and self.rooms.rooms[decode_room.room] is decode_room:
             assert time.monotonic() < deadline, f"room {decode_room.room} never ended"
+            if decode_room.state is KVPoll.Bootstrapping:
+                self.decode.admit()  # its pages were held by a quarantine
             self.rooms.poll()
             self.prefill_rooms.tidy()  # as the prefill worker does: late reservations of aborted rooms
             time.sleep(0.001)

@@ -42,7 +42,7 @@ from pdserve.transfer.rank_commands import (
 )
 from pdserve.transfer.room import RoomSlots
 from tests.reference import free_port
-from tests.transfer.fault_loop import run_mixed_faults
+from tests.transfer.fault_loop import rank_killed_case, run_mixed_faults
 from tests.transfer.handoff_driver import Driver, FaultySource, TransferError, hand_off
 from tests.transfer.handoff_helpers import (
     MAX_TOKENS,
@@ -128,7 +128,7 @@ def test_stale_write_for_a_reused_room_never_reaches_the_live_request(pair, sing
     assert live.output_ids == single.generate([ids], [params])[0]
 
 
-def test_many_failures_leave_nothing_behind(pair):
+def test_many_failures_leave_nothing_behind(pair, instances):
     """200 seeded hand-offs through the production machines (tests/transfer/fault_loop.py), successes
     and failures of every kind -- rooms dropped mid-send hold their pages for the quarantine -- then
     the `pair` fixture checks pages (after the hold expired), staging, xfer handles, rooms and
@@ -138,6 +138,8 @@ def test_many_failures_leave_nothing_behind(pair):
         run_mixed_faults(driver, cases=200, seed=1, quarantine=True)
     finally:
         driver.close()
+    assert_idle(*pair)
+    rank_killed_case(instances, pair[1], "nixl", (3, "layer-split"))
 
 
 def test_two_sided_handoff_over_nixl(pair, single):

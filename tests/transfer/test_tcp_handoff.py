@@ -25,7 +25,7 @@ from pdserve.transfer.messages import TransferDone
 from pdserve.transfer.plan import plan_transfer
 from pdserve.transfer.rank_commands import SendError
 from tests.reference import free_port
-from tests.transfer.fault_loop import run_mixed_faults
+from tests.transfer.fault_loop import rank_killed_case, run_mixed_faults
 from tests.transfer.handoff_driver import Driver, FaultySource, TransferError, hand_off
 from tests.transfer.handoff_helpers import MAX_TOKENS, assert_idle, check_handoffs, prompt
 
@@ -138,7 +138,7 @@ def test_dead_decode_endpoint_fails_the_room_not_the_instance(pair):
     assert len(ok.output_ids) == 2
 
 
-def test_many_mixed_faults_leave_nothing_behind(pair):
+def test_many_mixed_faults_leave_nothing_behind(pair, instances):
     """200 seeded cases through the production machines (tests/transfer/fault_loop.py): successes and
     every fault kind, on the same instances; the `pair` fixture then checks both sides are idle
     (docs/design.md invariant 7)."""
@@ -147,6 +147,8 @@ def test_many_mixed_faults_leave_nothing_behind(pair):
         run_mixed_faults(driver, cases=200, seed=0, quarantine=False)
     finally:
         driver.close()
+    assert_idle(*pair)
+    rank_killed_case(instances, pair[1], "tcp", (2, "layer-split"))
 
 
 # ---- the machines stepped one by one, as the two servers' threads step them -------------------
