@@ -80,7 +80,7 @@ import torch
 
 from .frames import DEV_FRAME_KEY, HEADER_MAX_BYTES, Liveness, open_notif, unpack
 from .nixl_agent import Arena, NixlEndpoint, agent_name, make_agent
-from .rank_commands import ExpectCmd, ForgetCmd, ListenerStatusCmd, StageCmd, TransferStatusCmd
+from .rank_commands import ExpectCmd, ForgetCmd, StageCmd, receive_command
 from .room import DTYPES, RoomRows, check_notif, count_rows, frame_rows, store_rows
 
 QUARANTINE_S = 60.0
@@ -163,27 +163,16 @@ class NixlReceiver:
         atexit.register(self.close)  # stop polling before the interpreter tears the agent down
 
     def handle(self, cmd):
-        with self.lock:
-            if isinstance(cmd, StageCmd):
-                reply = self._stage(cmd)
-                if reply["error"] is None and cmd.expect is not None:
-                    self._expect(cmd.expect)
-                return reply
-            if isinstance(cmd, ExpectCmd):
-                return self._expect(cmd)
-            if isinstance(cmd, ForgetCmd):
-                return self._drop(cmd.room, cmd.quiesced)
-            if isinstance(cmd, TransferStatusCmd):
-                return self._status(cmd.room)
-        if isinstance(cmd, ListenerStatusCmd):
-            return self.live.status()
-        raise TypeError(f"unknown transfer command {type(cmd).__name__}")
+        return receive_command(self, cmd)
+
+    def forget(self, cmd: ForgetCmd) -> dict:
+        return self._drop(cmd.room, cmd.quiesced)
 
     def _row_bytes(self, kind: str) -> int:
         pool = self.pool()
         return (pool.kv if kind == "kv" else pool.index_k).shape[-1] * pool.dtype.itemsize
 
-    def _stage(self, cmd: StageCmd) -> dict:
+    def stage(self, cmd: StageCmd) -> dict:
         size = sum(n * self._row_bytes(kind) for kind, n in cmd.rows.get(self.rank, {}).items())
         self._drop(cmd.room, quiesced=False)  # an earlier use of the room id may still be written
         if (layout := self._pool_layout()) is not None:
@@ -223,7 +212,7 @@ class NixlReceiver:
 
         return side(pool.kv, pool.kv_row) + side(pool.index_k, pool.index_row)
 
-    def _expect(self, cmd: ExpectCmd) -> None:
+    def expect(self, cmd: ExpectCmd) -> None:
         expected = dict(cmd.expected.get(self.rank, {}))
         r = self.rooms.get(cmd.room)
         if r is not None and r.ticket == cmd.ticket:
@@ -248,19 +237,13 @@ class NixlReceiver:
         self.quarantine[r.ticket] = (room, r)  # counts its late notifications
         return {"hold_s": self.quarantine_s if r.direct else 0.0}
 
-    def _status(self, room: str) -> dict:
-        r = self.rooms.get(room)
-        base = {
-            "open_rooms": len(self.rooms),
-            "dropped": self.dropped,
-            "unauthenticated": self.unauthenticated,
-            "bad_frames": self.bad_frames,
+    def counters(self) -> dict:
+        return {
             "staging_bytes": self.arena.used,
             "quarantined": len(self.quarantine),
             "registered_regions": 1 if self.reg is not None else 0,
             "registered_pool": len(self.pool_regs),
         }
-        return {**base, **(r.status() if r else {"known": False})}
 
     def _loop(self) -> None:
         while not self._stop.is_set():

@@ -94,10 +94,11 @@ class NixlSender:
         self,
         rank: int,
         pool,
-        staging_bytes: int = 64 << 20,
-        name: str | None = None,
-        chunk_bytes: int = CHUNK_BYTES,
+        *,
         key: bytes = DEV_FRAME_KEY,
+        chunk_bytes: int = CHUNK_BYTES,
+        name: str | None = None,
+        staging_bytes: int = 64 << 20,
     ):
         self.rank, self.pool, self.chunk_bytes = rank, pool, min(chunk_bytes, staging_bytes)
         self.key = key  # notifications carry an HMAC trailer under it (frames.seal_notif)

@@ -9,6 +9,7 @@ rank can always pickle); the hand-off state machines read them through the typed
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from .base import RoomChecksum
 from .plan import Transfer
@@ -73,6 +74,55 @@ class ListenerStatusCmd:
 
 
 TRANSFER_CMDS = (StageCmd, ExpectCmd, TransferStatusCmd, ForgetCmd, ListenerStatusCmd)
+
+
+class Receiver(Protocol):
+    """A decode rank's data-path receiver (transfer/tcp.py TcpReceiver, transfer/nixl.py NixlReceiver)."""
+
+    lock: object  # guards the room table, shared with the receiving thread
+    live: object  # frames.Liveness of the receiving thread
+    rooms: dict  # room -> what the receiver knows of it (a .status() dict)
+    dropped: int  # frames / notifications for rooms not expected (late or stale)
+    unauthenticated: int
+    bad_frames: int
+
+    def stage(self, cmd: StageCmd) -> dict: ...
+
+    def expect(self, cmd: ExpectCmd) -> None: ...
+
+    def forget(self, cmd: ForgetCmd) -> dict | None: ...
+
+    def counters(self) -> dict:
+        """The data path's own idle counters (staging, quarantine, registrations), for status replies."""
+        ...
+
+
+def receive_command(receiver: Receiver, cmd):
+    """A decode rank's answer to one TRANSFER_CMDS command, the same for both data paths: a StageCmd
+    that carries the room's ExpectCmd applies it once the stage succeeded (one round trip)."""
+    with receiver.lock:
+        if isinstance(cmd, StageCmd):
+            reply = receiver.stage(cmd)
+            if reply["error"] is None and cmd.expect is not None:
+                receiver.expect(cmd.expect)
+            return reply
+        if isinstance(cmd, ExpectCmd):
+            return receiver.expect(cmd)
+        if isinstance(cmd, ForgetCmd):
+            return receiver.forget(cmd)
+        if isinstance(cmd, TransferStatusCmd):
+            r = receiver.rooms.get(cmd.room)
+            return {
+                "open_rooms": len(receiver.rooms),
+                "dropped": receiver.dropped,
+                "unauthenticated": receiver.unauthenticated,
+                "bad_frames": receiver.bad_frames,
+                **receiver.counters(),
+                **(r.status() if r else {"known": False}),
+            }
+    if isinstance(cmd, ListenerStatusCmd):
+        return receiver.live.status()
+    raise TypeError(f"unknown transfer command {type(cmd).__name__}")
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ import zmq
 from .base import RoomChecksum
 from .frames import DEV_FRAME_KEY, HEADER_MAX_BYTES, Liveness, data_ok, seal_data, unpack
 from .plan import Transfer
-from .rank_commands import ExpectCmd, ForgetCmd, ListenerStatusCmd, SendCmd, StageCmd, TransferStatusCmd
+from .rank_commands import ExpectCmd, ForgetCmd, SendCmd, StageCmd, receive_command
 from .room import (
     SLICE_RUNS,
     RoomRows,
@@ -115,34 +115,19 @@ class TcpReceiver:
         self.thread.start()
 
     def handle(self, cmd):
-        with self.lock:
-            if isinstance(cmd, StageCmd):
-                if cmd.expect is not None:
-                    self._expect(cmd.expect)
-                return {"endpoint": self.endpoint, "error": None}  # one socket for every room
-            if isinstance(cmd, ExpectCmd):
-                return self._expect(cmd)
-            if isinstance(cmd, ForgetCmd):
-                self.rooms.pop(cmd.room, None)
-                return None
-            if isinstance(cmd, TransferStatusCmd):
-                return self._status(cmd.room)
-        if isinstance(cmd, ListenerStatusCmd):
-            return self.live.status()
-        raise TypeError(f"unknown transfer command {type(cmd).__name__}")
+        return receive_command(self, cmd)
 
-    def _expect(self, cmd: ExpectCmd) -> None:
+    def stage(self, cmd: StageCmd) -> dict:
+        return {"endpoint": self.endpoint, "error": None}  # one socket for every room
+
+    def expect(self, cmd: ExpectCmd) -> None:
         self.rooms[cmd.room] = RoomRows(cmd.ticket, dict(cmd.expected.get(self.rank, {})), cmd.slots)
 
-    def _status(self, room: str) -> dict:
-        r = self.rooms.get(room)
-        base = {
-            "open_rooms": len(self.rooms),
-            "dropped": self.dropped,
-            "unauthenticated": self.unauthenticated,
-            "bad_frames": self.bad_frames,
-        }
-        return {**base, **(r.status() if r else {"known": False})}
+    def forget(self, cmd: ForgetCmd) -> None:
+        self.rooms.pop(cmd.room, None)
+
+    def counters(self) -> dict:
+        return {}
 
     def _loop(self) -> None:
         poller = zmq.Poller()
