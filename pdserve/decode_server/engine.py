@@ -24,7 +24,7 @@ class DecodeEngine:
         self.sampler = Sampler()
         self._caches: dict[str, tuple[torch.Tensor, dict[int, torch.Tensor], int]] = {}
         self._local: LLMEngine | None = None
-        self._remote: set[str] = set()  # requests whose cache comes by KV hand-off (transfer/handoff.py)
+        self._remote: set[str] = set()  # requests whose cache comes by KV hand-off (transfer/decode_room.py)
         self.last_logits: dict[str, torch.Tensor] = {}  # request id -> [vocab] of the last step (for checks)
 
     def _local_prefill(self) -> LLMEngine:

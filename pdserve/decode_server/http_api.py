@@ -23,7 +23,7 @@ Request lifecycle (the engine thread in server.py owns the engine; handlers neve
 2. The engine thread takes the command at the top of its next iteration. The decode scheduler
    accepts it or rejects it (it can never fit this instance's KV slots: 400). Without a KV hand-off
    the engine prefills the prompt locally; the request then waits for pages for prompt + max_tokens.
-   With one (`bootstrap`), it waits for pages, then for the prefill's rows (decode_server/remote.py).
+   With one (`bootstrap`), it waits for pages, then for the prefill's rows (transfer/decode_room.py).
 3. Each engine step delivers the request's tokens (the first comes from the prefill) as they are
    sampled; then exactly one finish (stop | length | abort) or error event.
 4. A client that disconnects before the finish aborts the request: its pages are freed at once.

@@ -15,8 +15,15 @@ from ..model.config import ModelConfig
 from ..transfer.frames import new_ticket
 from ..transfer.messages import DecodeReservation, Fingerprint, model_hash
 from ..transfer.plan import DecodeSide, PrefillSide, Transfer, plan_transfer
+from ..transfer.rank_commands import (
+    ExpectCmd,
+    ForgetCmd,
+    ListenerStatusCmd,
+    RoomStatus,
+    StageCmd,
+    TransferStatusCmd,
+)
 from ..transfer.room import ANY_SRC, RoomSlots
-from ..transfer.tcp import ExpectCmd, ForgetCmd, ListenerStatusCmd, StageCmd, TransferStatusCmd
 from .rank_worker import DecodeRankWorker, DecodeWorkerConfig, DumpCmd, LoadCmd, ReconfigureCmd, StepCmd
 
 
@@ -86,7 +93,7 @@ class DecodeInstance:
     def rank_info(self) -> list[dict]:
         return self.ranks.call("info")
 
-    # ---- KV hand-off (transfer/handoff.py) ------------------------------------------------------
+    # ---- KV hand-off (transfer/decode_room.py) ------------------------------------------------------
     @property
     def index_mode(self) -> str:
         return self.rank_infos[0]["index_mode"]  # follows reconfigure()
@@ -104,11 +111,17 @@ class DecodeInstance:
         )
 
     def reservation(
-        self, room: str, pages: list[int], generation: int = 0, prompt_len: int | None = None
+        self,
+        room: str,
+        pages: list[int],
+        generation: int = 0,
+        prompt_len: int | None = None,
+        expect: bool = False,
     ) -> DecodeReservation:
         """A new ticket for the room, and every rank staged for it (StageCmd): each rank's endpoint,
         NIXL's with a receive region sized for the rows it stores of a prompt_len-token prompt
-        (default: every reserved slot). RuntimeError, with nothing left staged, when a rank cannot."""
+        (default: every reserved slot). expect: in the same round trip every rank also expects its
+        row total (expect_totals). RuntimeError, with nothing left staged, when a rank cannot."""
         ticket = new_ticket()  # 128 random bits: late frames of an earlier use of a room id, or frames
         # of a sender that holds another room's ticket, never match it
         n = len(pages) * self.allocator.page_size if prompt_len is None else prompt_len
@@ -116,7 +129,8 @@ class DecodeInstance:
         for t in self._any_prefill_plan(pages, n):
             per = rows.setdefault(t.dst_rank, {})
             per[t.kind] = per.get(t.kind, 0) + t.rows
-        replies = self.ranks.call(StageCmd(room, ticket, rows))
+        totals = self._expect_totals_cmd(room, ticket, pages, n) if expect else None
+        replies = self.ranks.call(StageCmd(room, ticket, rows, totals))
         errors = [f"decode rank {rank}: {r['error']}" for rank, r in enumerate(replies) if r["error"]]
         if errors:
             self.forget(room, quiesced=True)  # nothing was sent for this ticket
@@ -153,11 +167,14 @@ class DecodeInstance:
     def expect_totals(self, room: str, ticket: bytes, pages: list[int], prompt_len: int) -> None:
         """Like expect(), without the prefill's plan: each rank's row total is fixed by the decode
         layout alone (a one-rank prefill plan has the same rows per destination as any other)."""
+        self.ranks.call(self._expect_totals_cmd(room, ticket, pages, prompt_len))
+
+    def _expect_totals_cmd(self, room: str, ticket: bytes, pages: list[int], prompt_len: int) -> ExpectCmd:
         totals: dict[int, dict[int, int]] = {}
         for t in self._any_prefill_plan(pages, prompt_len):
             per = totals.setdefault(t.dst_rank, {ANY_SRC: 0})
             per[ANY_SRC] += t.rows
-        self.ranks.call(ExpectCmd(room, ticket, totals, self.room_slots(pages)))
+        return ExpectCmd(room, ticket, totals, self.room_slots(pages))
 
     def _any_prefill_plan(self, pages: list[int], prompt_len: int) -> list[Transfer]:
         """A one-rank prefill's plan into these pages (rows per decode rank are the same for any prefill
@@ -180,11 +197,15 @@ class DecodeInstance:
         return sum(t.rows * width[t.kind] * itemsize for t in self._any_prefill_plan(pages, prompt_len))
 
     def transfer_status(self, room: str) -> list[dict]:
+        """Every rank's receiver counters and its view of the room (the raw replies)."""
         return self.ranks.call(TransferStatusCmd(room))
+
+    def room_status(self, room: str) -> list[RoomStatus]:
+        return [RoomStatus.of(r) for r in self.transfer_status(room)]
 
     def listener_problem(self) -> str | None:
         """Why a rank's data-path receiver thread cannot receive (dead or wedged), or None. A rank
-        call: only from the thread that owns the ranks (RemoteRooms caches it for /health)."""
+        call: only from the thread that owns the ranks (transfer/decode_rooms.py caches it for /health)."""
         problems = [
             f"decode rank {rank}: {s['problem']}"
             for rank, s in enumerate(self.ranks.call(ListenerStatusCmd()))

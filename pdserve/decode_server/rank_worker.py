@@ -20,7 +20,7 @@ from ..engine.llm_engine import parse_dtype
 from ..model.weights import load_model
 from ..transfer.backends import check_transfer, make_receiver
 from ..transfer.frames import DEV_FRAME_KEY
-from ..transfer.tcp import TRANSFER_CMDS
+from ..transfer.rank_commands import TRANSFER_CMDS
 from .dcp_backend import COMM_MODES, INDEX_MODES, DCPBackend, DCPGroup, DecodeBatch
 from .tp import apply_decode_tp
 

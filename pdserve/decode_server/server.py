@@ -26,12 +26,13 @@ from ..engine.drain import Drain, DrainingServer, install_exit_signals
 from ..engine.launcher import LaunchConfig
 from ..engine.request import Overloaded, SamplingParams
 from ..engine.watchdog import start_watchdog, stop_instance
+from ..transfer.decode_rooms import DecodeRooms
 from ..transfer.frames import DEV_FRAME_KEY, cluster_frame_key
 from .config import DEFAULT_MAX_KV_TOKENS, DecodeServerConfig  # noqa: F401 (re-exported)
+from .destination import EngineDestination
 from .engine import DecodeEngine
 from .instance import DecodeInstance
 from .rank_worker import DecodeWorkerConfig
-from .remote import RemoteRooms
 
 IDLE_WAIT_S = 0.1  # how long an idle engine thread blocks on the command queue before re-checking stop
 TRANSFER_POLL_S = 0.002  # with nothing to decode, how often pending hand-offs are polled
@@ -73,7 +74,9 @@ class _Submit:
     request_id: str
     listener: Listener
     accepted: Future  # None when queued; ValueError (bad request), Unavailable or another exception otherwise
-    bootstrap: str | None = None  # a prefill's side channel: the cache comes by KV hand-off (remote.py)
+    bootstrap: str | None = (
+        None  # a prefill's side channel: the cache comes by KV hand-off (transfer/decode_rooms.py)
+    )
 
 
 @dataclass
@@ -97,7 +100,9 @@ class EngineLoop:
         self.engine, self.on_fatal, self.max_queue = engine, on_fatal, max_queue
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.listeners: dict[str, Listener] = {}
-        self.remote = RemoteRooms(engine, self._emit, transfer_timeout_s, heartbeat_timeout_s, frame_key)
+        self.remote = DecodeRooms(
+            EngineDestination(engine), self._emit, transfer_timeout_s, heartbeat_timeout_s, frame_key
+        )
         self._stop = threading.Event()
         self._stop_reason = "the decode instance is shutting down"
         self._closed, self._lock = False, threading.Lock()  # once closed, no command can be left unanswered
@@ -143,7 +148,8 @@ class EngineLoop:
                 self._drain(IDLE_WAIT_S if s.is_idle() else TRANSFER_POLL_S if not s.running else 0.0)
                 self.remote.poll()
                 if not s.is_idle():
-                    self._dispatch(self.engine.step())
+                    self._dispatch(self.engine.step())  # admits: rooms it admitted are reserved now
+                    self.remote.reserve_admitted()
                 self.stats = self._snapshot()
         except Exception as e:  # a rank died or the group broke (RankError), or a bug outside any one request
             message = f"decode step failed: {type(e).__name__}: {e}"

@@ -7,14 +7,16 @@ prefill until `release()`: the KV hand-off reads them before they are freed.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..engine.launcher import LaunchConfig, RankGroup
 from ..engine.page_allocator import PageAllocator
 from ..engine.request import SamplingParams
 from ..model.config import ModelConfig
+from ..transfer.messages import DecodeReservation, Fingerprint, model_hash
 from ..transfer.plan import PrefillSide, Transfer
-from ..transfer.tcp import SendCmd, TransferStatusCmd, merge_checksums
+from ..transfer.rank_commands import SendCmd, TransferStatusCmd, merge_checksums
 from .cp_backend import layer_owners
 from .layouts import check_layout_allowed
 from .rank_worker import DumpCacheCmd, PrefillCmd, PrefillRankWorker, PrefillWorkerConfig
@@ -137,7 +139,17 @@ class PrefillInstance:
         """Every rank's cache entries at these slots, per layer it holds (for checks)."""
         return self.ranks.call(DumpCacheCmd(slots))
 
-    # ---- KV hand-off (transfer/handoff.py) ------------------------------------------------------
+    # ---- KV hand-off (transfer/prefill_room.py: this instance is its KVSource) ------------------------------------------------------
+    def handoff_fingerprint(self, reservation: DecodeReservation) -> Fingerprint:
+        """What the prefill side asserts: its model, dtype and layer count; the layout fields it
+        will pack for are the reservation's (the prefill packs for any layout)."""
+        return dataclasses.replace(
+            reservation.fingerprint,
+            model_hash=model_hash(self.worker.model_dir),
+            model_dtype=self.worker.dtype,
+            num_layers=self.model_config.num_layers,
+        )
+
     def prefill_side(self, slots: list[int]) -> PrefillSide:
         """This instance's side of a transfer plan for a prompt stored at these prefill slots."""
         cfg = self.model_config
@@ -152,7 +164,7 @@ class PrefillInstance:
         self,
         request_id: str,
         room: str,
-        ticket: int,
+        ticket: bytes,
         plan: list[Transfer],
         endpoints: dict[int, str],
         corrupt: bool = False,

@@ -20,7 +20,7 @@ from ..engine.sampler import Sampler
 from ..model.weights import load_model
 from ..transfer.backends import check_transfer, make_sender
 from ..transfer.frames import DEV_FRAME_KEY
-from ..transfer.tcp import SendCmd, TransferStatusCmd
+from ..transfer.rank_commands import SendCmd, TransferStatusCmd
 from .cp_backend import ChunkPlan, CPBackend, layer_owners
 from .layouts import split_positions
 from .moe_tp import TokenSplit, apply_moe_tp

@@ -8,17 +8,18 @@
                    +--(abort, bootstrap timeout, or the prompt can never fit)--> failed
 
 - waiting: accepted requests in arrival order. A hand-off request (`handoff=True`: its request id
-  is the room a decode instance reserves on this instance's bootstrap side channel) is ready only
-  once that reservation arrived; until then later requests may go first, and after
-  `bootstrap_timeout_s` it fails. A decode abort (TransferFailed) of a waiting room fails it.
+  is the room a decode instance reserves on this instance's bootstrap side channel) has a
+  `PrefillRoom` (transfer/prefill_room.py, the hand-off state machine) and is ready only once the
+  room claimed its reservation; until then later requests may go first, and after
+  `bootstrap_timeout_s`, or on a decode abort, the room fails and so does the request.
 - prefilling: one request at a time runs on every rank; its chunks are already split across the
   ranks, and prefill is compute-bound, so running two at once would only interleave them.
-- transferring: transfer/two_sided.serve_reserved plans, sends and answers the decode side with
+- transferring: the room's run() prefills, plans, sends and answers the decode side with
   TransferDone (or TransferFailed) LAST, and releases the pages whatever happened.
 - done: without a decode target the pages are released as soon as the first token is known.
 Every request ends in exactly one of done (a first token) or failed (an error message).
-The bootstrap side channel (BootstrapService) owns its socket in its own thread; run_once reads its
-room tables and queues replies.
+The bootstrap side channel (BootstrapService) owns its socket in its own thread; the rooms read its
+tables and queue replies.
 
 The scheduler decides; `PrefillInstance` executes. `run_once()` is driven by one worker thread.
 """
@@ -36,12 +37,13 @@ from enum import Enum
 
 from ..engine.page_allocator import OutOfPages
 from ..engine.request import Overloaded, SamplingParams
-from ..transfer.messages import TransferDone, TransferFailed
+from ..transfer.base import KVPoll
+from ..transfer.messages import TransferDone
+from ..transfer.prefill_room import PrefillRooms
 from ..transfer.side_channel import BootstrapServer
-from ..transfer.two_sided import serve_reserved
 
-DROPPED_KEEP_S = 600.0  # how long an aborted room waits for a late reservation to refuse
 BOOTSTRAP_POLL_MS = 10  # with only hand-offs waiting for their reservation, how long one poll blocks
+# (it returns as soon as a side-channel message arrives)
 
 _ids = itertools.count()
 log = logging.getLogger("pdserve.prefill")
@@ -76,7 +78,8 @@ class PrefillScheduler:
     def __init__(self, instance, bootstrap: BootstrapServer | None = None, max_queue: int = 256):
         self.instance, self.bootstrap, self.max_queue = instance, bootstrap, max_queue
         self.waiting: deque[PrefillJob] = deque()
-        self.dropped: dict[str, float] = {}  # aborted hand-off room -> when: the worker tells its decode side
+        self.rooms = PrefillRooms(instance, bootstrap) if bootstrap is not None else None
+        self.blocked_on_pages = False  # the last run_once found the next request's pages held
         self.current: PrefillJob | None = None
         self._cv = threading.Condition()
         self._stopped = False
@@ -92,6 +95,8 @@ class PrefillScheduler:
         with self._cv:
             if len(self.waiting) >= self.max_queue:
                 raise Overloaded(f"the prefill queue is full ({self.max_queue} requests waiting)")
+            if job.handoff:
+                self.rooms.open(job.request_id, job.token_ids, job.params, job.bootstrap_timeout_s)
             self.waiting.append(job)
             self._cv.notify()
         return job
@@ -103,7 +108,7 @@ class PrefillScheduler:
                 if job.request_id == request_id:
                     self.waiting.remove(job)
                     if job.handoff:
-                        self.dropped[request_id] = time.monotonic()
+                        self.rooms.abort(request_id)
                     self._finish(job, error="aborted")
                     return True
         return False
@@ -114,7 +119,11 @@ class PrefillScheduler:
             self._stopped = True
             self._cv.notify_all()
             while self.waiting:
-                self._finish(self.waiting.popleft(), error=reason or "the prefill instance is shutting down")
+                job = self.waiting.popleft()
+                reason = reason or "the prefill instance is shutting down"
+                if job.handoff:
+                    self.rooms.abort(job.request_id, reason)
+                self._finish(job, error=reason)
 
     @property
     def queue_depth(self) -> int:
@@ -128,12 +137,11 @@ class PrefillScheduler:
             if self._stopped or not self.waiting:
                 return False
             job = self._next_ready()
-            if job is None:
-                handoffs_only = True
-            else:
+            self.blocked_on_pages = False
+            if job is not None:
                 self.waiting.remove(job)
-                self.current, job.state, handoffs_only = job, JobState.prefilling, False
-        if handoffs_only:  # every waiting request waits for its reservation: block on the socket briefly
+                self.current, job.state = job, JobState.prefilling
+        if job is None:  # every waiting request waits for its reservation: block on the socket briefly
             self.bootstrap.drain(BOOTSTRAP_POLL_MS)
             return False
         if job.handoff:
@@ -155,57 +163,30 @@ class PrefillScheduler:
         return True
 
     def _next_ready(self) -> PrefillJob | None:
-        """(Under the lock.) The first waiting job that can run; fails hand-offs that timed out or
-        that their decode instance aborted."""
-        if self.bootstrap is not None:
-            self._tidy_bootstrap()
-        now = time.monotonic()
+        """(Under the lock.) The first waiting job that can run; fails hand-offs whose room failed
+        (bootstrap timeout, decode abort)."""
+        if self.rooms is not None:
+            self.rooms.tidy()
         for job in list(self.waiting):
             if not job.handoff:
                 return job
-            room = job.request_id
-            if room in self.bootstrap.aborted:
-                reason = self.bootstrap.aborted[room]
-            elif self.bootstrap.claim(room) is not None:  # claimed: it no longer expires while the job waits
+            room = self.rooms.get(job.request_id)
+            state = room.poll()
+            if state is KVPoll.WaitingForInput:
                 return job
-            elif now - job.submitted > job.bootstrap_timeout_s:
-                reason = f"bootstrap timeout: no decode reservation for room {room} within {job.bootstrap_timeout_s} s"
-            else:
-                continue
-            self.waiting.remove(job)
-            self.bootstrap.forget(room)
-            self._finish(job, error=reason)
+            if state is KVPoll.Failed:
+                self.waiting.remove(job)
+                self.rooms.close(job.request_id)
+                self._finish(job, error=room.s.reason)
         return None
-
-    def _tidy_bootstrap(self) -> None:
-        """Takes in reservations and aborts; answers rooms aborted here; forgets rooms the decode side
-        gave up that have no job here (else their reservation would be kept forever). An aborted
-        room whose reservation never came is dropped after DROPPED_KEEP_S: its decode side timed out."""
-        self.bootstrap.drain()
-        waiting = {j.request_id for j in self.waiting if j.handoff}
-        now = time.monotonic()
-        for room, since in list(self.dropped.items()):
-            if room in self.bootstrap.reservations:
-                self.bootstrap.reply(TransferFailed(room, "aborted by the prefill instance"))
-                del self.dropped[room]
-            elif now - since > DROPPED_KEEP_S:
-                del self.dropped[room]
-        for room in list(self.bootstrap.aborted):
-            if room not in waiting:
-                self.bootstrap.forget(room)
-                self.dropped.pop(room, None)
 
     def _run_handoff(self, job: PrefillJob) -> bool:
         if not self.instance.allocator.can_allocate(len(job.token_ids)):
             self._requeue(job)
             return False
-        reservation = self.bootstrap.claim(job.request_id)  # kept now: never expired under the hand-off
-        if reservation is None:  # it expired (or was forgotten) since _next_ready saw it
-            self.current = None
-            self._finish(job, error=f"the decode reservation of room {job.request_id} expired")
-            return True
         job.state = JobState.transferring
-        outcome = serve_reserved(self.instance, self.bootstrap, reservation, job.token_ids, job.params)
+        outcome = self.rooms.get(job.request_id).run()
+        self.rooms.close(job.request_id)
         self.current = None
         if isinstance(outcome, TransferDone):
             job.first_token = outcome.first_token
@@ -219,6 +200,8 @@ class PrefillScheduler:
         job, self.current = self.current, None
         if job is not None and job.state not in (JobState.done, JobState.failed):
             try:
+                if job.handoff:
+                    self.rooms.abort(job.request_id, reason)  # releases, and tells the decode side
                 self.instance.release(job.request_id)
             except Exception:  # nothing held, or the ranks are gone (the watchdog's case)
                 pass
@@ -227,7 +210,7 @@ class PrefillScheduler:
     def _requeue(self, job: PrefillJob) -> None:
         with self._cv:
             self.waiting.appendleft(job)
-            job.state, self.current = JobState.waiting, None
+            job.state, self.current, self.blocked_on_pages = JobState.waiting, None, True
 
     def _finish(self, job: PrefillJob, error: str | None = None) -> None:
         job.state, job.error = (JobState.failed, error) if error else (JobState.done, None)

@@ -55,7 +55,7 @@ def _worker_loop(scheduler: PrefillScheduler, stop: threading.Event) -> None:
             log.exception("prefill worker: unexpected error")
             scheduler.fail_current(f"internal error: {type(e).__name__}: {e}")
             continue
-        if not ran and scheduler.waiting:
+        if not ran and scheduler.blocked_on_pages:
             time.sleep(0.01)  # waiting for pages held by hand-offs in flight
 
 

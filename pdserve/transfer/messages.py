@@ -117,6 +117,8 @@ class TransferDone:
     first_token: int
     checksums: dict[int, int]  # decode rank -> combined checksum of what was sent to it
     fingerprint: Fingerprint  # layout echo: the receiver re-checks it
+    ticket: bytes = b""  # the reservation's (stamped by BootstrapServer.reply): an outcome of an earlier
+    # use of the room id never counts for a later one
 
     def __post_init__(self):
         object.__setattr__(self, "checksums", {int(k): int(v) for k, v in self.checksums.items()})
@@ -129,6 +131,9 @@ MAX_REASON = 4096  # longer failure reasons are cut (a frame must stay decodable
 class TransferFailed:
     room: str
     reason: str
+    ticket: bytes = b""  # the reservation's, as in TransferDone (b"": a room that was never reserved)
+    quiesced: bool = True  # from a prefill: every rank's sends for the room returned (False: a rank
+    # failed mid-send, so others may still WRITE; the decode side holds the room's pages)
 
     def __post_init__(self):
         if isinstance(self.reason, str) and len(self.reason) > MAX_REASON:
@@ -237,6 +242,18 @@ def _nested(cls) -> Callable:
     return check
 
 
+def _bool(v, name):
+    if type(v) is not bool:
+        _fail(f"{name}: expected a boolean")
+    return v
+
+
+def _ticket(v, name):
+    if type(v) is not bytes or len(v) not in (0, TICKET_BYTES):
+        _fail(f"{name}: expected {TICKET_BYTES} bytes")
+    return v
+
+
 _SCHEMA: dict[type, dict[str, Callable]] = {
     Fingerprint: {
         "model_hash": _str(256),
@@ -263,8 +280,14 @@ _SCHEMA: dict[type, dict[str, Callable]] = {
         "first_token": _int(0, 1 << 32),
         "checksums": _rank_map(_int(0, 1 << 32)),
         "fingerprint": _nested(Fingerprint),
+        "ticket": _ticket,
     },
-    TransferFailed: {"room": _str(MAX_ROOM), "reason": _str(MAX_REASON)},
+    TransferFailed: {
+        "room": _str(MAX_ROOM),
+        "reason": _str(MAX_REASON),
+        "ticket": _ticket,
+        "quiesced": _bool,
+    },
     Heartbeat: {"sender": _str(MAX_NAME), "generation": _int(), "time_s": _float},
     Hello: {"nonce": _bytes(16)},
     Welcome: {"nonce": _bytes(16)},

@@ -4,8 +4,8 @@ the decode rank checks and counts them.
 
 The receiving side is here, the sending side (NixlSender) in transfer/nixl_send.py. Same commands
 and replies as transfer/tcp.py (StageCmd, ExpectCmd, TransferStatusCmd, ForgetCmd on
-the receiver, SendCmd on the sender) and the same `RoomChecksum` streams, so handoff.py and
-two_sided.py run unchanged over either backend.
+the receiver, SendCmd on the sender) and the same `RoomChecksum` streams, so the hand-off state
+machines (prefill_room.py, decode_room.py) run unchanged over either backend.
 
     decode rank   one NIXL agent. POOL landing (`direct`, whenever the pool stores the dtype that
                   travels, i.e. not fp8): the pool's tensors are registered (again, with a new
@@ -46,8 +46,8 @@ every row arrived and the checksums match the sender's (verify_done).
 Stale writes (docs/design.md 3.7-3.8). A one-sided WRITE cannot be refused by its target. What a room's
 senders may still write into -- its pool pages, or its region -- is not reused while a sender can
 still write there:
-  - ForgetCmd(quiesced=True): the caller knows every sender returned (hand_off after prefill.send,
-    two_sided once the prefill answered), and a sender returns only when each of its WRITEs is DONE
+  - ForgetCmd(quiesced=True): the caller knows every sender returned (the decode room once the prefill
+    answered), and a sender returns only when each of its WRITEs is DONE
     or was cancelled (release_xfer_handle): reusable at once;
   - otherwise a region stays quarantined until every row the room expected has been notified (late
     notifications are counted, then dropped) or `quarantine_s` passed; and ForgetCmd answers
@@ -80,8 +80,8 @@ import torch
 
 from .frames import DEV_FRAME_KEY, HEADER_MAX_BYTES, Liveness, open_notif, unpack
 from .nixl_agent import Arena, NixlEndpoint, agent_name, make_agent
+from .rank_commands import ExpectCmd, ForgetCmd, StageCmd, receive_command
 from .room import DTYPES, RoomRows, check_notif, count_rows, frame_rows, store_rows
-from .tcp import ExpectCmd, ForgetCmd, ListenerStatusCmd, StageCmd, TransferStatusCmd
 
 QUARANTINE_S = 60.0
 BUSY_POLL_S, IDLE_POLL_S = 0.0005, 0.005
@@ -163,24 +163,16 @@ class NixlReceiver:
         atexit.register(self.close)  # stop polling before the interpreter tears the agent down
 
     def handle(self, cmd):
-        with self.lock:
-            if isinstance(cmd, StageCmd):
-                return self._stage(cmd)
-            if isinstance(cmd, ExpectCmd):
-                return self._expect(cmd)
-            if isinstance(cmd, ForgetCmd):
-                return self._drop(cmd.room, cmd.quiesced)
-            if isinstance(cmd, TransferStatusCmd):
-                return self._status(cmd.room)
-        if isinstance(cmd, ListenerStatusCmd):
-            return self.live.status()
-        raise TypeError(f"unknown transfer command {type(cmd).__name__}")
+        return receive_command(self, cmd)
+
+    def forget(self, cmd: ForgetCmd) -> dict:
+        return self._drop(cmd.room, cmd.quiesced)
 
     def _row_bytes(self, kind: str) -> int:
         pool = self.pool()
         return (pool.kv if kind == "kv" else pool.index_k).shape[-1] * pool.dtype.itemsize
 
-    def _stage(self, cmd: StageCmd) -> dict:
+    def stage(self, cmd: StageCmd) -> dict:
         size = sum(n * self._row_bytes(kind) for kind, n in cmd.rows.get(self.rank, {}).items())
         self._drop(cmd.room, quiesced=False)  # an earlier use of the room id may still be written
         if (layout := self._pool_layout()) is not None:
@@ -220,7 +212,7 @@ class NixlReceiver:
 
         return side(pool.kv, pool.kv_row) + side(pool.index_k, pool.index_row)
 
-    def _expect(self, cmd: ExpectCmd) -> None:
+    def expect(self, cmd: ExpectCmd) -> None:
         expected = dict(cmd.expected.get(self.rank, {}))
         r = self.rooms.get(cmd.room)
         if r is not None and r.ticket == cmd.ticket:
@@ -245,19 +237,13 @@ class NixlReceiver:
         self.quarantine[r.ticket] = (room, r)  # counts its late notifications
         return {"hold_s": self.quarantine_s if r.direct else 0.0}
 
-    def _status(self, room: str) -> dict:
-        r = self.rooms.get(room)
-        base = {
-            "open_rooms": len(self.rooms),
-            "dropped": self.dropped,
-            "unauthenticated": self.unauthenticated,
-            "bad_frames": self.bad_frames,
+    def counters(self) -> dict:
+        return {
             "staging_bytes": self.arena.used,
             "quarantined": len(self.quarantine),
             "registered_regions": 1 if self.reg is not None else 0,
             "registered_pool": len(self.pool_regs),
         }
-        return {**base, **(r.status() if r else {"known": False})}
 
     def _loop(self) -> None:
         while not self._stop.is_set():

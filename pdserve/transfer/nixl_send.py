@@ -14,7 +14,8 @@ from .base import RoomChecksum
 from .frames import DEV_FRAME_KEY, seal_notif
 from .nixl_agent import NixlEndpoint, agent_name, make_agent
 from .plan import Run, Transfer
-from .tcp import SendCmd, pack_rows
+from .rank_commands import SendCmd
+from .tcp import pack_rows
 
 SEND_POLL_S = 0.0001
 CHUNK_BYTES = 8 << 20  # per WRITE: small enough that receivers store while senders still pack
@@ -93,10 +94,11 @@ class NixlSender:
         self,
         rank: int,
         pool,
-        staging_bytes: int = 64 << 20,
-        name: str | None = None,
-        chunk_bytes: int = CHUNK_BYTES,
+        *,
         key: bytes = DEV_FRAME_KEY,
+        chunk_bytes: int = CHUNK_BYTES,
+        name: str | None = None,
+        staging_bytes: int = 64 << 20,
     ):
         self.rank, self.pool, self.chunk_bytes = rank, pool, min(chunk_bytes, staging_bytes)
         self.key = key  # notifications carry an HMAC trailer under it (frames.seal_notif)

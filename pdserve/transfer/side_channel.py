@@ -33,6 +33,7 @@ Every receive path is guarded: no frame, however malformed, stops BootstrapServi
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import secrets
 import threading
@@ -166,7 +167,10 @@ class BootstrapServer(_Endpoint):
             self.reserved_at[room] = time.monotonic()
             self.aborted.pop(room, None)
         elif isinstance(msg, TransferFailed):
-            if self.peers.get(room) == identity:
+            reservation = self.reservations.get(room)
+            if reservation is not None and msg.ticket and msg.ticket != reservation.ticket:
+                self.refused += 1  # an abort of an earlier use of the room id
+            elif self.peers.get(room) == identity:
                 self.aborted[room] = msg.reason
             elif room in self.reservations:
                 self.refused += 1  # another peer's room
@@ -206,6 +210,7 @@ class BootstrapServer(_Endpoint):
         identity = self.peers.get(msg.room)
         if identity is None:
             raise KeyError(f"no decode instance reserved room {msg.room}")
+        msg = dataclasses.replace(msg, ticket=self.reservations[msg.room].ticket)
         self._send([identity, *self._seal(msg)])
         self.forget(msg.room)
 
@@ -312,8 +317,10 @@ class DecodeClient(_Endpoint):
         self.sock.connect(bootstrap_endpoint)
         self.nonce, self.ready = secrets.token_bytes(16), False
         self.held: list = []  # messages waiting for the peer's Welcome
-        self.open: set[str] = set()  # rooms reserved through this client: only their outcomes are kept
+        self.open: dict[str, bytes] = {}  # room -> ticket, reserved through this client: only their
+        # outcomes are kept, and only with that ticket (or none)
         self.outcomes: dict[str, TransferDone | TransferFailed] = {}
+        self.stale = 0
         self.used = time.monotonic()
         self._post(Hello(self.nonce))
 
@@ -326,7 +333,8 @@ class DecodeClient(_Endpoint):
     def send(self, msg: DecodeReservation | TransferFailed | Heartbeat) -> None:
         self.used = time.monotonic()
         if isinstance(msg, DecodeReservation):
-            self.open.add(msg.room)
+            self.outcomes.pop(msg.room, None)
+            self.open[msg.room] = msg.ticket
         if self.ready:
             return self._post(msg)
         if isinstance(msg, TransferFailed) and any(getattr(m, "room", None) == msg.room for m in self.held):
@@ -354,7 +362,10 @@ class DecodeClient(_Endpoint):
             for m in held:
                 self._post(m)
         elif isinstance(msg, (TransferDone, TransferFailed)) and msg.room in self.open:
-            self.outcomes[msg.room] = msg
+            if msg.ticket in (b"", self.open[msg.room]):
+                self.outcomes[msg.room] = msg
+            else:
+                self.stale += 1  # the outcome of an earlier use of the room id
         else:
             self.bad_frames += 1
 
@@ -378,5 +389,5 @@ class DecodeClient(_Endpoint):
 
     def forget(self, room: str) -> None:
         self.outcomes.pop(room, None)
-        self.open.discard(room)
+        self.open.pop(room, None)
         self.used = time.monotonic()

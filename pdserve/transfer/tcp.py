@@ -9,9 +9,9 @@ Wire: one ZMQ multipart message per transfer (src_rank, dst_rank, layer, kind) o
 One PUSH socket per destination endpoint (cached), so frames to one decode rank arrive in the
 order they were sent; `seq` counts frames per (room, destination) for debugging.
 
-The command dataclasses, the room bookkeeping (`RoomRows`) and the frame checks (transfer/room.py:
-`check_header`, `frame_rows`, `store_rows`) are shared with the NIXL data path (transfer/nixl.py),
-which honours the same commands.
+The rank commands (transfer/rank_commands.py), the room bookkeeping (`RoomRows`) and the frame
+checks (transfer/room.py: `check_header`, `frame_rows`, `store_rows`) are shared with the NIXL data
+path (transfer/nixl.py), which honours the same commands.
 
 Receiver invariants (docs/design.md 3.7-3.8):
   - rows are written into the pool ONLY for a room that is currently expected with the same ticket
@@ -30,7 +30,6 @@ The receiver thread and the rank's command loop share the room table: one lock g
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 from typing import Callable
 
 import msgpack
@@ -40,74 +39,16 @@ import zmq
 from .base import RoomChecksum
 from .frames import DEV_FRAME_KEY, HEADER_MAX_BYTES, Liveness, data_ok, seal_data, unpack
 from .plan import Transfer
+from .rank_commands import ExpectCmd, ForgetCmd, SendCmd, StageCmd, receive_command
 from .room import (
     SLICE_RUNS,
     RoomRows,
-    RoomSlots,
     check_header,
     frame_rows,
     payload_rows,
     run_rows,
     store_rows,
 )
-
-
-@dataclass(frozen=True)
-class ExpectCmd:
-    """Decode ranks: accept rows for `room`; expected[dst_rank][src_rank] = rows (each rank takes its own).
-    src_rank ANY_SRC counts rows from every source: the decode side alone knows each rank's total
-    (every stored row arrives exactly once), not how the prefill spreads the sending."""
-
-    room: str
-    ticket: bytes
-    expected: dict[int, dict[int, int]]
-    slots: RoomSlots  # the room's pages: rows anywhere else fail the room (transfer/room.py)
-
-
-@dataclass(frozen=True)
-class StageCmd:
-    """Decode ranks, at reservation time: get ready to receive `room`; rows[dst_rank] = {kind: rows}
-    this rank will store. Reply {"endpoint": where the senders write, "error": None or why}. TCP's
-    endpoint is the rank's socket; NIXL's also names a receive region reserved for this room."""
-
-    room: str
-    ticket: bytes
-    rows: dict[int, dict[str, int]]
-
-
-@dataclass(frozen=True)
-class TransferStatusCmd:
-    room: str
-
-
-@dataclass(frozen=True)
-class ForgetCmd:
-    """Drops the room. quiesced: the caller knows no sender will write for it any more (every
-    prefill rank's SendCmd returned), so a NIXL receive region is reusable at once; otherwise it is
-    quarantined (transfer/nixl.py)."""
-
-    room: str
-    quiesced: bool = False
-
-
-@dataclass(frozen=True)
-class SendCmd:
-    """Prefill ranks: send the transfers of `plan` whose src_rank is this rank."""
-
-    room: str
-    ticket: bytes
-    plan: list[Transfer]
-    endpoints: dict[int, str]  # decode rank -> "tcp://host:port"
-    corrupt: bool = False  # test hook: flip one payload byte after checksumming (checksum must catch it)
-    send_timeout_ms: int = 10_000  # a destination that accepts nothing for this long is dead for this room
-
-
-@dataclass(frozen=True)
-class ListenerStatusCmd:
-    """Decode ranks: {"alive", "problem", "crashes"} of the receiver thread (frames.Liveness)."""
-
-
-TRANSFER_CMDS = (StageCmd, ExpectCmd, TransferStatusCmd, ForgetCmd, ListenerStatusCmd)
 
 
 def pack_rows(pool, kind: str, layer: int, runs, out: torch.Tensor) -> None:
@@ -174,30 +115,19 @@ class TcpReceiver:
         self.thread.start()
 
     def handle(self, cmd):
-        with self.lock:
-            if isinstance(cmd, StageCmd):
-                return {"endpoint": self.endpoint, "error": None}  # one socket for every room
-            if isinstance(cmd, ExpectCmd):
-                self.rooms[cmd.room] = RoomRows(cmd.ticket, dict(cmd.expected.get(self.rank, {})), cmd.slots)
-                return None
-            if isinstance(cmd, ForgetCmd):
-                self.rooms.pop(cmd.room, None)
-                return None
-            if isinstance(cmd, TransferStatusCmd):
-                return self._status(cmd.room)
-        if isinstance(cmd, ListenerStatusCmd):
-            return self.live.status()
-        raise TypeError(f"unknown transfer command {type(cmd).__name__}")
+        return receive_command(self, cmd)
 
-    def _status(self, room: str) -> dict:
-        r = self.rooms.get(room)
-        base = {
-            "open_rooms": len(self.rooms),
-            "dropped": self.dropped,
-            "unauthenticated": self.unauthenticated,
-            "bad_frames": self.bad_frames,
-        }
-        return {**base, **(r.status() if r else {"known": False})}
+    def stage(self, cmd: StageCmd) -> dict:
+        return {"endpoint": self.endpoint, "error": None}  # one socket for every room
+
+    def expect(self, cmd: ExpectCmd) -> None:
+        self.rooms[cmd.room] = RoomRows(cmd.ticket, dict(cmd.expected.get(self.rank, {})), cmd.slots)
+
+    def forget(self, cmd: ForgetCmd) -> None:
+        self.rooms.pop(cmd.room, None)
+
+    def counters(self) -> dict:
+        return {}
 
     def _loop(self) -> None:
         poller = zmq.Poller()
@@ -328,20 +258,3 @@ class TcpSender:
         for s in self.socks.values():
             s.close()
         self.ctx.term()
-
-
-class SendError(RuntimeError):
-    """A prefill rank could not deliver its share of a room (the rank itself is fine)."""
-
-
-def merge_checksums(replies: list[dict]) -> dict[int, int]:
-    """Per decode rank, one checksum over every prefill rank's streams (what the receiver computes);
-    SendError if any rank failed to send."""
-    errors = [f"prefill rank {rank}: {r['error']}" for rank, r in enumerate(replies) if r["error"]]
-    if errors:
-        raise SendError("; ".join(errors))
-    merged: dict[int, RoomChecksum] = {}
-    for reply in replies:
-        for dst, streams in reply["sums"].items():
-            merged.setdefault(dst, RoomChecksum()).streams.update(streams)
-    return {dst: c.value() for dst, c in merged.items()}

@@ -19,9 +19,9 @@ from pdserve.engine.launcher import LaunchConfig
 from pdserve.engine.request import SamplingParams
 from pdserve.prefill_server.instance import PrefillInstance
 from pdserve.prefill_server.rank_worker import PrefillWorkerConfig
-from pdserve.transfer.handoff import hand_off
 from tests.reference import free_port
 from tests.sweep.draw import Case, Pair
+from tests.transfer.handoff_driver import hand_off
 
 SLOTS = 480  # decode slots: five requests of <= 70 + 40 tokens, a multiple of every page size drawn
 

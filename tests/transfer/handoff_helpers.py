@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 import time
 
 import torch
@@ -15,8 +14,8 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import SamplingParams
 from pdserve.prefill_server.instance import PrefillInstance
 from pdserve.prefill_server.rank_worker import PrefillWorkerConfig
-from pdserve.transfer.handoff import HandoffHooks, TransferError, hand_off
 from tests.reference import assert_close, free_port
+from tests.transfer.handoff_driver import hand_off
 
 PROMPT_LENGTHS = (1, 9, 23)  # one token, index_topk + 1, not a multiple of any C or page size
 MAX_TOKENS = 32
@@ -148,33 +147,3 @@ def prefill_rows_of(prefill: PrefillInstance, ids: list[int]) -> dict:
         rows.update(dump)
     prefill.release("peek")
     return rows
-
-
-def run_mixed_faults(prefill: PrefillInstance, decode: DecodeEngine, cases: int, seed: int) -> dict[str, int]:
-    """`cases` hand-offs, each at random a success, a corrupted payload, data that never comes, or a
-    decode abort right after the send (its data then arrives late and is dropped). Every failure must
-    name its cause; returns how many of each ran. The caller checks both sides are idle afterwards."""
-    rng = random.Random(seed)
-    outcomes = {"ok": 0, "checksum mismatch": 0, "transfer timeout": 0, "dropped the room": 0}
-    for _ in range(cases):
-        kind = rng.choice(list(outcomes))
-        hooks = HandoffHooks(
-            corrupt=kind == "checksum mismatch",
-            skip_send=kind == "transfer timeout",
-            after_send=decode.instance.forget if kind == "dropped the room" else None,
-        )
-        try:
-            req = hand_off(
-                prefill,
-                decode,
-                prompt(rng.randint(1, 30)),
-                SamplingParams(max_tokens=1),
-                timeout_s=0.05 if kind == "transfer timeout" else 10,
-                hooks=hooks,
-            )
-            assert kind == "ok" and req.state == "finished"
-        except TransferError as e:
-            assert kind in str(e), (kind, str(e))
-        outcomes[kind] += 1
-    assert all(outcomes.values()), outcomes
-    return outcomes

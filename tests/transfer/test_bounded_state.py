@@ -1,6 +1,6 @@
 """Bounded state on the decode side (docs/design.md invariant 7 and 11, issue 13 item 4): requests naming
-ENDPOINTS distinct bogus bootstrap endpoints (nothing answers there) go through RemoteRooms with a
-real decode instance; each fails cleanly, and the process's threads (OS threads: ZMQ's are not
+ENDPOINTS distinct bogus bootstrap endpoints (nothing answers there) go through DecodeRooms (the decode
+server's hand-off rooms) with a real decode instance; each fails cleanly, and the process's threads (OS threads: ZMQ's are not
 Python threads) and file descriptors stay within a bound -- side-channel clients share one ZMQ
 context, are cached per peer with an LRU bound and closed when idle. The engine thread's health
 check of the ranks' receiver threads reports them alive."""
@@ -13,8 +13,9 @@ import time
 
 import pytest
 
-from pdserve.decode_server.remote import RemoteRooms
+from pdserve.decode_server.destination import EngineDestination
 from pdserve.engine.request import SamplingParams
+from pdserve.transfer.decode_rooms import DecodeRooms
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +30,7 @@ def fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def run_batch(remote: RemoteRooms, decode, ports: range, events: list) -> None:
+def run_batch(remote: DecodeRooms, decode, ports: range, events: list) -> None:
     for port in ports:
         remote.submit(f"bogus-{port}", 1, SamplingParams(max_tokens=1), f"tcp://127.0.0.1:{port}")
     deadline = time.monotonic() + 60
@@ -42,8 +43,8 @@ def run_batch(remote: RemoteRooms, decode, ports: range, events: list) -> None:
 def test_thousands_of_bogus_bootstrap_endpoints_keep_threads_and_fds_bounded(instances):
     decode = instances.get_decode(1, 1, "copy")
     events: list = []
-    remote = RemoteRooms(
-        decode,
+    remote = DecodeRooms(
+        EngineDestination(decode),
         lambda room, event: events.append((room, event)),
         heartbeat_timeout_s=0.001,
         max_clients=MAX_CLIENTS,

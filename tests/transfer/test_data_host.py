@@ -14,14 +14,16 @@ from pdserve.engine.kv_cache import KVPool
 from pdserve.model.config import ModelConfig
 from pdserve.transfer.frames import new_ticket
 from pdserve.transfer.plan import DecodeSide, PrefillSide, plan_transfer
-from pdserve.transfer.room import RoomSlots
-from pdserve.transfer.tcp import (
+from pdserve.transfer.rank_commands import (
     ExpectCmd,
     SendCmd,
-    TcpReceiver,
-    TcpSender,
     TransferStatusCmd,
     merge_checksums,
+)
+from pdserve.transfer.room import RoomSlots
+from pdserve.transfer.tcp import (
+    TcpReceiver,
+    TcpSender,
 )
 
 

@@ -19,16 +19,18 @@ from pdserve.transfer.frames import new_ticket
 from pdserve.transfer.nixl import NixlReceiver
 from pdserve.transfer.nixl_send import NixlSender
 from pdserve.transfer.plan import DecodeSide, PrefillSide, plan_transfer
-from pdserve.transfer.room import SLICE_RUNS, RoomSlots
-from pdserve.transfer.tcp import (
+from pdserve.transfer.rank_commands import (
     ExpectCmd,
     ForgetCmd,
     SendCmd,
     StageCmd,
-    TcpReceiver,
-    TcpSender,
     TransferStatusCmd,
     merge_checksums,
+)
+from pdserve.transfer.room import SLICE_RUNS, RoomSlots
+from pdserve.transfer.tcp import (
+    TcpReceiver,
+    TcpSender,
 )
 
 

@@ -30,17 +30,19 @@ from pdserve.transfer.nixl import NixlReceiver
 from pdserve.transfer.nixl_agent import make_agent
 from pdserve.transfer.nixl_send import NixlSender
 from pdserve.transfer.plan import DecodeSide, PrefillSide, plan_transfer
-from pdserve.transfer.room import RoomSlots
-from pdserve.transfer.side_channel import BootstrapService, DecodeClient
-from pdserve.transfer.tcp import (
+from pdserve.transfer.rank_commands import (
     ExpectCmd,
     ForgetCmd,
     ListenerStatusCmd,
     SendCmd,
     StageCmd,
+    TransferStatusCmd,
+)
+from pdserve.transfer.room import RoomSlots
+from pdserve.transfer.side_channel import BootstrapService, DecodeClient
+from pdserve.transfer.tcp import (
     TcpReceiver,
     TcpSender,
-    TransferStatusCmd,
 )
 from tests.transfer import fuzz_frames as fz
 
@@ -104,7 +106,7 @@ def test_side_channel_service_survives_any_frame():
             assert server.reservations["ok"] == mine
             server.reply(TransferDone("ok", 5, {0: 9}, FP))
             wait_for(lambda: client.outcome("ok") is not None)
-            assert client.outcome("ok") == TransferDone("ok", 5, {0: 9}, FP)
+            assert client.outcome("ok") == TransferDone("ok", 5, {0: 9}, FP, mine.ticket)
         finally:
             client.close()
     finally:

@@ -28,13 +28,10 @@ from pdserve.decode_server.rank_worker import DecodeWorkerConfig
 from pdserve.engine.launcher import LaunchConfig
 from pdserve.engine.request import SamplingParams
 from pdserve.transfer.frames import new_ticket
-from pdserve.transfer.handoff import HandoffHooks, TransferError, hand_off
 from pdserve.transfer.nixl import NixlReceiver
 from pdserve.transfer.nixl_send import NixlSender
 from pdserve.transfer.plan import DecodeSide, PrefillSide, plan_transfer
-from pdserve.transfer.room import RoomSlots
-from pdserve.transfer.side_channel import BootstrapServer, DecodeClient
-from pdserve.transfer.tcp import (
+from pdserve.transfer.rank_commands import (
     ExpectCmd,
     ForgetCmd,
     SendCmd,
@@ -43,15 +40,16 @@ from pdserve.transfer.tcp import (
     TransferStatusCmd,
     merge_checksums,
 )
-from pdserve.transfer.two_sided import decode_finish, decode_reserve, prefill_serve
+from pdserve.transfer.room import RoomSlots
 from tests.reference import free_port
+from tests.transfer.fault_loop import rank_killed_case, run_mixed_faults
+from tests.transfer.handoff_driver import Driver, FaultySource, TransferError, hand_off
 from tests.transfer.handoff_helpers import (
     MAX_TOKENS,
     QUARANTINE_S,
     assert_idle,
     check_handoffs,
     prompt,
-    run_mixed_faults,
 )
 
 pytestmark = pytest.mark.slow
@@ -83,7 +81,13 @@ def pair(instances):
 def test_corrupted_payload_is_rejected(pair):
     prefill, decode = pair
     with pytest.raises(TransferError, match="checksum mismatch"):
-        hand_off(prefill, decode, prompt(23), SamplingParams(max_tokens=4), hooks=HandoffHooks(corrupt=True))
+        hand_off(
+            prefill,
+            decode,
+            prompt(23),
+            SamplingParams(max_tokens=4),
+            source=FaultySource(prefill, corrupt=True),
+        )
 
 
 def test_stale_write_for_a_reused_room_never_reaches_the_live_request(pair, single):
@@ -124,27 +128,34 @@ def test_stale_write_for_a_reused_room_never_reaches_the_live_request(pair, sing
     assert live.output_ids == single.generate([ids], [params])[0]
 
 
-def test_many_failures_leave_nothing_behind(pair):
-    """200 hand-offs, successes and failures of every kind, then the `pair` fixture checks staging,
-    xfer handles, rooms and registrations on both sides are back at idle (docs/design.md invariant 7)."""
-    run_mixed_faults(*pair, cases=200, seed=1)
+def test_many_failures_leave_nothing_behind(pair, instances):
+    """200 seeded hand-offs through the production machines (tests/transfer/fault_loop.py), successes
+    and failures of every kind -- rooms dropped mid-send hold their pages for the quarantine -- then
+    the `pair` fixture checks pages (after the hold expired), staging, xfer handles, rooms and
+    registrations on both sides are back at idle (docs/design.md invariant 7)."""
+    driver = Driver(*pair, heartbeat_timeout_s=2.0)
+    try:
+        run_mixed_faults(driver, cases=200, seed=1, quarantine=True)
+    finally:
+        driver.close()
+    assert_idle(*pair)
+    rank_killed_case(instances, pair[1], "nixl", (3, "layer-split"))
 
 
 def test_two_sided_handoff_over_nixl(pair, single):
     prefill, decode = pair
-    server = BootstrapServer()
-    client = DecodeClient(server.endpoint)
+    driver = Driver(prefill, decode)
     try:
-        assert client.wait_ready(5, server.drain)
         ids, params = prompt(23), SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-        req, reservation = decode_reserve(decode, client, "two-sided-nixl", len(ids), params)
-        prefill_serve(prefill, server, "two-sided-nixl", ids, params, bootstrap_timeout_s=5)
-        assert decode_finish(decode, client, reservation, timeout_s=10) is req
+        d = driver.submit(ids, params, "two-sided-nixl", timeout_s=10)
+        p = driver.prefill_rooms.open("two-sided-nixl", ids, params, bootstrap_timeout_s=5)
+        driver.claim(p, d)
+        p.run()
+        req = driver.finish(d)
         decode.run_until_idle()
         assert req.output_ids == single.generate([ids], [params])[0]
     finally:
-        client.close()
-        server.close()
+        driver.close()
 
 
 def test_decode_rank_killed_mid_write(pair, model_path):

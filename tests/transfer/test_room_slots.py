@@ -15,20 +15,22 @@ import torch
 from pdserve.engine.auth import frame_key
 from pdserve.engine.request import SamplingParams
 from pdserve.transfer.frames import new_ticket
-from pdserve.transfer.handoff import hand_off
 from pdserve.transfer.nixl import NixlReceiver
 from pdserve.transfer.nixl_send import NixlSender
 from pdserve.transfer.plan import DecodeSide, PrefillSide, plan_transfer
-from pdserve.transfer.room import RoomSlots
-from pdserve.transfer.tcp import (
+from pdserve.transfer.rank_commands import (
     ExpectCmd,
     ForgetCmd,
     SendCmd,
     StageCmd,
-    TcpReceiver,
-    TcpSender,
     TransferStatusCmd,
 )
+from pdserve.transfer.room import RoomSlots
+from pdserve.transfer.tcp import (
+    TcpReceiver,
+    TcpSender,
+)
+from tests.transfer.handoff_driver import hand_off
 from tests.transfer.handoff_helpers import MAX_TOKENS, assert_idle, prompt
 
 pytestmark = pytest.mark.slow

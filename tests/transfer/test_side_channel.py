@@ -57,8 +57,9 @@ def test_reservation_and_outcome_go_to_the_right_peer(channel):
     server.reply(TransferDone("ra", 7, {0: 1}, FP))
     server.reply(TransferFailed("rb", "refused"))
     wait_for(lambda: a.outcome("ra") is not None and b.outcome("rb") is not None)
-    assert a.outcome("ra") == TransferDone("ra", 7, {0: 1}, FP) and a.outcome("rb") is None
-    assert b.outcome("rb") == TransferFailed("rb", "refused") and b.outcome("ra") is None
+    stamped = TransferDone("ra", 7, {0: 1}, FP, reservation("ra").ticket)  # the reply carries its ticket
+    assert a.outcome("ra") == stamped and a.outcome("rb") is None
+    assert b.outcome("rb") == TransferFailed("rb", "refused", TICKET) and b.outcome("ra") is None
     assert "decode-a" in server.heartbeats and not server.reservations and not server.peers
 
 

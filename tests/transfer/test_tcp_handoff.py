@@ -19,15 +19,15 @@ import pytest
 import torch
 
 from pdserve.engine.request import SamplingParams
+from pdserve.transfer.base import KVPoll
 from pdserve.transfer.frames import new_ticket
-from pdserve.transfer.handoff import HandoffHooks, TransferError, hand_off
-from pdserve.transfer.messages import TransferDone, TransferFailed
+from pdserve.transfer.messages import TransferDone
 from pdserve.transfer.plan import plan_transfer
-from pdserve.transfer.side_channel import BootstrapServer, DecodeClient
-from pdserve.transfer.tcp import SendError
-from pdserve.transfer.two_sided import decode_finish, decode_reserve, prefill_serve
+from pdserve.transfer.rank_commands import SendError
 from tests.reference import free_port
-from tests.transfer.handoff_helpers import MAX_TOKENS, assert_idle, check_handoffs, prompt, run_mixed_faults
+from tests.transfer.fault_loop import rank_killed_case, run_mixed_faults
+from tests.transfer.handoff_driver import Driver, FaultySource, TransferError, hand_off
+from tests.transfer.handoff_helpers import MAX_TOKENS, assert_idle, check_handoffs, prompt
 
 pytestmark = pytest.mark.slow
 
@@ -59,8 +59,14 @@ def pair(instances):
 def test_corrupted_payload_is_rejected_and_released(pair):
     prefill, decode = pair
     with pytest.raises(TransferError, match="checksum mismatch") as e:
-        hand_off(prefill, decode, prompt(23), SamplingParams(max_tokens=4), hooks=HandoffHooks(corrupt=True))
-    req_id = e.value.failed.room
+        hand_off(
+            prefill,
+            decode,
+            prompt(23),
+            SamplingParams(max_tokens=4),
+            source=FaultySource(prefill, corrupt=True),
+        )
+    req_id = e.value.room
     assert decode.scheduler.abort(req_id) is None  # nothing of it left to decode
     ok = hand_off(prefill, decode, prompt(9), SamplingParams(max_tokens=4, ignore_eos=True))
     decode.run_until_idle()  # the instances stay healthy
@@ -70,7 +76,7 @@ def test_corrupted_payload_is_rejected_and_released(pair):
 def test_data_that_never_comes_times_out(pair):
     prefill, decode = pair
     with pytest.raises(TransferError, match="transfer timeout"):
-        hand_off(prefill, decode, prompt(9), timeout_s=0.3, hooks=HandoffHooks(skip_send=True))
+        hand_off(prefill, decode, prompt(9), timeout_s=0.3, source=FaultySource(prefill, skip_send=True))
 
 
 def test_fingerprint_mismatch_is_refused(pair, monkeypatch):
@@ -132,59 +138,79 @@ def test_dead_decode_endpoint_fails_the_room_not_the_instance(pair):
     assert len(ok.output_ids) == 2
 
 
-def test_many_mixed_faults_leave_nothing_behind(pair):
-    """200 cases: successes, corrupted payloads, data that never comes and decode aborts mid-transfer (its
-    frames then arrive late and are dropped), in one run on the same instances; the `pair` fixture
-    then checks both sides are idle (docs/design.md invariant 7)."""
-    run_mixed_faults(*pair, cases=200, seed=0)
+def test_many_mixed_faults_leave_nothing_behind(pair, instances):
+    """200 seeded cases through the production machines (tests/transfer/fault_loop.py): successes and
+    every fault kind, on the same instances; the `pair` fixture then checks both sides are idle
+    (docs/design.md invariant 7)."""
+    driver = Driver(*pair, heartbeat_timeout_s=2.0)
+    try:
+        run_mixed_faults(driver, cases=200, seed=0, quarantine=False)
+    finally:
+        driver.close()
+    assert_idle(*pair)
+    rank_killed_case(instances, pair[1], "tcp", (2, "layer-split"))
 
 
-# ---- the same hand-off between the two main processes' roles, over the ZMQ side channel ------------
+# ---- the machines stepped one by one, as the two servers' threads step them -------------------
 @pytest.fixture()
-def channel():
-    server = BootstrapServer()
-    client = DecodeClient(server.endpoint)
-    assert client.wait_ready(5, server.drain)
-    yield server, client
-    client.close()
-    server.close()
+def driver(pair):
+    d = Driver(*pair)
+    yield d
+    d.close()
 
 
-def test_two_sided_handoff_over_side_channel(pair, channel, single):
-    (prefill, decode), (server, client) = pair, channel
+def test_two_sided_handoff_over_side_channel(pair, driver, single):
+    prefill, decode = pair
     ids, params = prompt(23), SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    req, reservation = decode_reserve(decode, client, "two-sided", len(ids), params)
-    sent = prefill_serve(prefill, server, "two-sided", ids, params, bootstrap_timeout_s=5)
+    d = driver.submit(ids, params, "two-sided", timeout_s=10)
+    assert d.state is KVPoll.WaitingForInput  # admitted and reserved in the same step
+    p = driver.prefill_rooms.open("two-sided", ids, params, bootstrap_timeout_s=5)
+    assert driver.claim(p, d) is KVPoll.WaitingForInput
+    sent = p.run()
     assert isinstance(sent, TransferDone) and not prefill.held  # prefill released as soon as it sent
-    assert decode_finish(decode, client, reservation, timeout_s=10) is req
+    req = driver.finish(d)
     decode.run_until_idle()
     assert req.output_ids == single.generate([ids], [params])[0]
 
 
-def test_two_sided_bootstrap_timeout_holds_nothing(pair, channel):
-    (prefill, _), (server, _) = pair, channel
-    failed = prefill_serve(prefill, server, "nobody-reserved", prompt(9), bootstrap_timeout_s=0.2)
-    assert isinstance(failed, TransferFailed) and "bootstrap timeout" in failed.reason
+def test_two_sided_bootstrap_timeout_holds_nothing(pair, driver):
+    p = driver.prefill_rooms.open("nobody-reserved", prompt(9), None, bootstrap_timeout_s=0.2)
+    deadline = time.monotonic() + 5
+    while p.poll() is KVPoll.Bootstrapping:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert p.state is KVPoll.Failed and "bootstrap timeout" in p.s.reason
+    driver.prefill_rooms.close("nobody-reserved")
+    assert not driver.prefill_rooms.rooms and not pair[0].held
 
 
 @pytest.mark.parametrize("fault", ["fingerprint", "corrupt", "never"])
-def test_two_sided_faults_release_both_sides(pair, channel, monkeypatch, fault):
-    (prefill, decode), (server, client) = pair, channel
+def test_two_sided_faults_release_both_sides(pair, driver, monkeypatch, fault):
+    prefill, _ = pair
     if fault == "fingerprint":
         monkeypatch.setattr(prefill, "worker", dataclasses.replace(prefill.worker, dtype="float32"))
-    ids = prompt(9)
-    _, reservation = decode_reserve(decode, client, f"fault-{fault}", len(ids))
+    ids, room = prompt(9), f"fault-{fault}"
+    d = driver.submit(ids, SamplingParams(), room, timeout_s=0.3 if fault == "never" else 10)
+    p = driver.prefill_rooms.open(room, ids, None, bootstrap_timeout_s=5)
+    p.source = FaultySource(prefill, corrupt=fault == "corrupt")
+    assert driver.claim(p, d) is KVPoll.WaitingForInput
     if fault != "never":  # "never": the prefill never answers; decode times out and tells it
-        prefill_serve(prefill, server, reservation.room, ids, hooks=HandoffHooks(corrupt=fault == "corrupt"))
+        p.run()
     want = {"fingerprint": "model_dtype", "corrupt": "checksum mismatch", "never": "transfer timeout"}[fault]
     with pytest.raises(TransferError, match=want):
-        decode_finish(decode, client, reservation, timeout_s=0.3)
+        driver.finish(d)
     if fault == "never":
         wait = time.monotonic() + 5
-        while reservation.room not in server.aborted:
+        while p.poll() is not KVPoll.Failed:
             assert time.monotonic() < wait
-            server.drain(10)
-        assert "transfer timeout" in server.aborted[reservation.room]
-        server.forget(reservation.room)
-    server.drain(50)  # decode's TransferFailed for a room the prefill already answered is not kept
-    assert not server.reservations and not server.peers and not server.aborted and not client.outcomes
+            driver.server.drain(10)
+        assert "transfer timeout" in p.s.reason
+    driver.prefill_rooms.close(room)
+    server = driver.server
+    wait = time.monotonic() + 5
+    while server.reservations or server.peers or server.aborted:  # decode's TransferFailed is not kept
+        assert time.monotonic() < wait, (server.reservations, server.aborted)
+        driver.prefill_rooms.tidy()
+        server.drain(10)
+    client = driver.rooms.clients[server.endpoint]
+    assert not client.outcomes and not client.open and not driver.prefill_rooms.rooms

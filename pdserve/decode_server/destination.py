@@ -1,0 +1,49 @@
+"""`EngineDestination`: the decode engine as the KV destination of hand-offs (transfer/interfaces.py).
+
+The decode room machines (transfer/decode_room.py) reserve, inspect, commit and release through it;
+every call runs on the engine thread, which owns the DecodeEngine.
+"""
+
+from __future__ import annotations
+
+from ..engine.request import SamplingParams
+from ..transfer.messages import DecodeReservation, Fingerprint
+from ..transfer.rank_commands import RoomStatus
+from .engine import DecodeEngine
+from .scheduler import DecodeRequest
+
+
+class EngineDestination:
+    def __init__(self, engine: DecodeEngine):
+        self.engine, self.instance = engine, engine.instance
+
+    def submit(self, room: str, prompt_len: int, params: SamplingParams) -> None:
+        self.engine.submit_remote(prompt_len, params, request_id=room)
+
+    def admitted_pages(self, room: str) -> list[int] | None:
+        req = self.engine.scheduler.waiting_for_kv.get(room)
+        return None if req is None else req.pages
+
+    def reserve(self, room: str, pages: list[int], prompt_len: int) -> DecodeReservation:
+        return self.instance.reservation(room, pages, prompt_len=prompt_len, expect=True)
+
+    def handoff_bytes(self, pages: list[int], prompt_len: int) -> int:
+        return self.instance.handoff_bytes(pages, prompt_len)
+
+    def fingerprint(self) -> Fingerprint:
+        return self.instance.fingerprint()
+
+    def room_status(self, room: str) -> list[RoomStatus]:
+        return self.instance.room_status(room)
+
+    def forget(self, room: str, quiesced: bool) -> float:
+        return self.instance.forget(room, quiesced)
+
+    def commit(self, room: str, first_token: int) -> DecodeRequest:
+        return self.engine.kv_ready(room, first_token)
+
+    def release(self, room: str, hold_s: float) -> None:
+        self.engine.abort(room, hold_s)
+
+    def listener_problem(self) -> str | None:
+        return self.instance.listener_problem()

@@ -1,0 +1,163 @@
+"""The rank command set of a KV hand-off, shared by both data paths (transfer/tcp.py, transfer/nixl.py).
+
+A server's main process sends these to its ranks (engine/launcher.RankGroup.call); the rank's
+receiver (decode) or sender (prefill) answers. Replies cross the rank pipe as plain dicts (what a
+rank can always pickle); the hand-off state machines read them through the typed views below
+(`RoomStatus`, `merge_checksums`), never by key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from .base import RoomChecksum
+from .plan import Transfer
+from .room import RoomSlots
+
+
+@dataclass(frozen=True)
+class ExpectCmd:
+    """Decode ranks: accept rows for `room`; expected[dst_rank][src_rank] = rows (each rank takes its own).
+    src_rank ANY_SRC counts rows from every source: the decode side alone knows each rank's total
+    (every stored row arrives exactly once), not how the prefill spreads the sending."""
+
+    room: str
+    ticket: bytes
+    expected: dict[int, dict[int, int]]
+    slots: RoomSlots  # the room's pages: rows anywhere else fail the room (transfer/room.py)
+
+
+@dataclass(frozen=True)
+class StageCmd:
+    """Decode ranks, at reservation time: get ready to receive `room`; rows[dst_rank] = {kind: rows}
+    this rank will store. Reply {"endpoint": where the senders write, "error": None or why}. TCP's
+    endpoint is the rank's socket; NIXL's also names a receive region reserved for this room.
+    `expect`: the room's ExpectCmd, applied in the same round trip once the stage succeeded."""
+
+    room: str
+    ticket: bytes
+    rows: dict[int, dict[str, int]]
+    expect: ExpectCmd | None = None
+
+
+@dataclass(frozen=True)
+class TransferStatusCmd:
+    room: str
+
+
+@dataclass(frozen=True)
+class ForgetCmd:
+    """Drops the room. quiesced: the caller knows no sender will write for it any more (every
+    prefill rank's SendCmd returned), so a NIXL receive region is reusable at once; otherwise it is
+    quarantined (transfer/nixl.py). Reply {"hold_s": seconds the room's pages must stay unused}."""
+
+    room: str
+    quiesced: bool = False
+
+
+@dataclass(frozen=True)
+class SendCmd:
+    """Prefill ranks: send the transfers of `plan` whose src_rank is this rank."""
+
+    room: str
+    ticket: bytes
+    plan: list[Transfer]
+    endpoints: dict[int, str]  # decode rank -> "tcp://host:port" (or a NIXL endpoint)
+    corrupt: bool = False  # test hook: flip one payload byte after checksumming (checksum must catch it)
+    send_timeout_ms: int = 10_000  # a destination that accepts nothing for this long is dead for this room
+
+
+@dataclass(frozen=True)
+class ListenerStatusCmd:
+    """Decode ranks: {"alive", "problem", "crashes"} of the receiver thread (frames.Liveness)."""
+
+
+TRANSFER_CMDS = (StageCmd, ExpectCmd, TransferStatusCmd, ForgetCmd, ListenerStatusCmd)
+
+
+class Receiver(Protocol):
+    """A decode rank's data-path receiver (transfer/tcp.py TcpReceiver, transfer/nixl.py NixlReceiver)."""
+
+    lock: object  # guards the room table, shared with the receiving thread
+    live: object  # frames.Liveness of the receiving thread
+    rooms: dict  # room -> what the receiver knows of it (a .status() dict)
+    dropped: int  # frames / notifications for rooms not expected (late or stale)
+    unauthenticated: int
+    bad_frames: int
+
+    def stage(self, cmd: StageCmd) -> dict: ...
+
+    def expect(self, cmd: ExpectCmd) -> None: ...
+
+    def forget(self, cmd: ForgetCmd) -> dict | None: ...
+
+    def counters(self) -> dict:
+        """The data path's own idle counters (staging, quarantine, registrations), for status replies."""
+        ...
+
+
+def receive_command(receiver: Receiver, cmd):
+    """A decode rank's answer to one TRANSFER_CMDS command, the same for both data paths: a StageCmd
+    that carries the room's ExpectCmd applies it once the stage succeeded (one round trip)."""
+    with receiver.lock:
+        if isinstance(cmd, StageCmd):
+            reply = receiver.stage(cmd)
+            if reply["error"] is None and cmd.expect is not None:
+                receiver.expect(cmd.expect)
+            return reply
+        if isinstance(cmd, ExpectCmd):
+            return receiver.expect(cmd)
+        if isinstance(cmd, ForgetCmd):
+            return receiver.forget(cmd)
+        if isinstance(cmd, TransferStatusCmd):
+            r = receiver.rooms.get(cmd.room)
+            return {
+                "open_rooms": len(receiver.rooms),
+                "dropped": receiver.dropped,
+                "unauthenticated": receiver.unauthenticated,
+                "bad_frames": receiver.bad_frames,
+                **receiver.counters(),
+                **(r.status() if r else {"known": False}),
+            }
+    if isinstance(cmd, ListenerStatusCmd):
+        return receiver.live.status()
+    raise TypeError(f"unknown transfer command {type(cmd).__name__}")
+
+
+@dataclass(frozen=True)
+class RoomStatus:
+    """One decode rank's view of one room (the typed reply of TransferStatusCmd)."""
+
+    known: bool  # False: the rank does not expect the room (dropped, or never expected)
+    rows: int = 0
+    expected: int = 0
+    checksum: int = 0
+    error: str | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.known and self.rows == self.expected
+
+    @classmethod
+    def of(cls, reply: dict) -> "RoomStatus":
+        if not reply.get("known"):
+            return cls(False)
+        return cls(True, reply["rows"], reply["expected"], reply["checksum"], reply["error"])
+
+
+class SendError(RuntimeError):
+    """A prefill rank could not deliver its share of a room (the rank itself is fine)."""
+
+
+def merge_checksums(replies: list[dict]) -> dict[int, int]:
+    """SendCmd replies -> per decode rank, one checksum over every prefill rank's streams (what the
+    receiver computes); SendError if any rank failed to send."""
+    errors = [f"prefill rank {rank}: {r['error']}" for rank, r in enumerate(replies) if r["error"]]
+    if errors:
+        raise SendError("; ".join(errors))
+    merged: dict[int, RoomChecksum] = {}
+    for reply in replies:
+        for dst, streams in reply["sums"].items():
+            merged.setdefault(dst, RoomChecksum()).streams.update(streams)
+    return {dst: c.value() for dst, c in merged.items()}

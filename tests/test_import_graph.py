@@ -1,0 +1,99 @@
+"""The import graph of pdserve/ (docs/design.md section 2), read from the source with `ast`: every
+import statement, at module level or inside a function, counts.
+
+  - transfer/ is a leaf under the servers: it imports nothing from prefill_server/ or decode_server/;
+  - no package-level cycles: the graph of pdserve's subpackages (an edge A -> B when a module of A
+    imports one of B) has no cycle;
+  - no module is reachable only from tests: every module is imported, directly or not, from an entry
+    point (the `pdserve` command, `python -m pdserve.docs_flags`).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "pdserve"
+ENTRY_POINTS = ("pdserve.cli", "pdserve.docs_flags")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """The pdserve modules one file imports (a `from pkg import name` of a submodule counts it)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+    return {m for m in found if m in modules}
+
+
+def graph() -> dict[str, set[str]]:
+    files = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    return {m: _imports(p, set(files)) for m, p in files.items()}
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def test_transfer_imports_no_server():
+    bad = {
+        (m, i)
+        for m, deps in graph().items()
+        if m.startswith("pdserve.transfer")
+        for i in deps
+        if i.startswith(("pdserve.prefill_server", "pdserve.decode_server"))
+    }
+    assert not bad, f"transfer/ imports a server: {sorted(bad)}"
+
+
+def test_no_package_level_cycles():
+    edges: dict[str, set[str]] = {}
+    for m, deps in graph().items():
+        edges.setdefault(_package(m), set()).update(_package(d) for d in deps if _package(d) != _package(m))
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+
+    def visit(pkg: str, path: list[str]) -> None:
+        state[pkg] = 1
+        for dep in sorted(edges.get(pkg, ())):
+            assert state.get(dep) != 1, f"package cycle: {' -> '.join(path + [pkg, dep])}"
+            if dep not in state:
+                visit(dep, path + [pkg])
+        state[pkg] = 2
+
+    for pkg in sorted(edges):
+        if pkg not in state:
+            visit(pkg, [])
+    assert (
+        "pdserve.transfer" in edges["pdserve.prefill_server"]
+    )  # the graph was read: servers import transfer
+
+
+def test_every_module_is_reachable_from_an_entry_point():
+    g = graph()
+    seen, todo = set(), list(ENTRY_POINTS)
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        parts = m.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts))]  # importing a module runs its packages
+        todo += sorted(g.get(m, ()))
+    unreachable = sorted(set(g) - seen)
+    assert not unreachable, f"modules reachable only from tests (or not at all): {unreachable}"
