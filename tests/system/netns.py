@@ -121,26 +121,31 @@ class Hosts:
         return proc
 
     def call(self, host: str, fn, *args, **kw):
-        """fn(*args, **kw) in a new thread that first joins `host`'s network namespace (setns(2)
-        changes the calling thread only): every socket it opens is on that host. Returns fn's
-        result or raises its exception."""
-        out: dict = {}
+        """fn(*args, **kw) with its sockets on `host` (in_netns)."""
+        return in_netns(self.ns(host), fn, *args, **kw)
 
-        def run() -> None:
+
+def in_netns(name: str, fn, *args, **kw):
+    """fn(*args, **kw) in a new thread that first joins network namespace `name` (setns(2) changes
+    the calling thread only): every socket it opens is in that namespace. Returns fn's result or
+    raises its exception."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
             try:
-                fd = os.open(f"/var/run/netns/{self.ns(host)}", os.O_RDONLY)
-                try:
-                    if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
-                        raise OSError(ctypes.get_errno(), "setns")
-                finally:
-                    os.close(fd)
-                out["value"] = fn(*args, **kw)
-            except BaseException as e:  # handed to the caller
-                out["error"] = e
+                if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), "setns")
+            finally:
+                os.close(fd)
+            out["value"] = fn(*args, **kw)
+        except BaseException as e:  # handed to the caller
+            out["error"] = e
 
-        thread = threading.Thread(target=run, name=f"netns-{host}")
-        thread.start()
-        thread.join()
-        if "error" in out:
-            raise out["error"]
-        return out["value"]
+    thread = threading.Thread(target=run, name=f"netns-{name}")
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
