@@ -210,7 +210,12 @@ def pack_cost(model: str, tokens: int, repeats: int) -> dict:
 
 
 # ---- (c) the whole hand-off ---------------------------------------------------------------------------
-def handoff(model: str, transfer: str, tokens: int, repeats: int) -> dict:
+def handoff(
+    model: str, transfer: str, tokens: int, repeats: int, data_host: str = "127.0.0.1", place=None
+) -> dict:
+    """(c) above. data_host: the decode ranks' TCP receivers' address; place(role, instance): the
+    context manager that starts an instance (default: the instance itself; bench/handoff_netem.py
+    starts each on a host of its own)."""
     from pdserve.decode_server.instance import DecodeInstance
     from pdserve.decode_server.rank_worker import DecodeWorkerConfig
     from pdserve.engine.launcher import LaunchConfig
@@ -222,10 +227,13 @@ def handoff(model: str, transfer: str, tokens: int, repeats: int) -> dict:
     page = 64
     slots = -(-tokens // page) * page
     pw = PrefillWorkerConfig(model, slots, transfer=transfer)
-    dw = DecodeWorkerConfig(model, slots, dcp_size=2, transfer=transfer)
+    dw = DecodeWorkerConfig(model, slots, dcp_size=2, transfer=transfer, data_host=data_host)
+    place = place or (lambda role, instance: instance)
     with (
-        PrefillInstance(pw, LaunchConfig(2, _free_port()), page_size=page, chunk_size=4096) as pre,
-        DecodeInstance(dw, LaunchConfig(2, _free_port()), page_size=page) as dec,
+        place(
+            "prefill", PrefillInstance(pw, LaunchConfig(2, _free_port()), page_size=page, chunk_size=4096)
+        ) as pre,
+        place("decode", DecodeInstance(dw, LaunchConfig(2, _free_port()), page_size=page)) as dec,
     ):
         ids = [(7 * i) % 500 + 4 for i in range(tokens)]
         t0 = time.perf_counter()

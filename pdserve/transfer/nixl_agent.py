@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import os
+import secrets
 import socket
 from dataclasses import dataclass
 
@@ -26,8 +27,11 @@ def make_agent(name: str):
 
 
 def agent_name(role: str, rank: int) -> str:
-    """Unique per process and rank: a restarted process gets a new name."""
-    return f"pdserve-{role}-{socket.gethostname()}-{os.getpid()}-r{rank}"
+    """Unique per process and rank: a restarted process gets a new name. Host name and pid alone
+    are not unique: processes in PID namespaces of their own (containers, one per instance) share
+    pids, and host-network containers share the host name; the random part keeps two instances'
+    agents apart in a peer's cache."""
+    return f"pdserve-{role}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}-r{rank}"
 
 
 @dataclass(frozen=True)

@@ -92,18 +92,31 @@ def test_compose_files():
 def test_dockerfile_copies_only_what_dockerignore_keeps():
     """Every COPY source exists and is not excluded by .dockerignore; the image runs as non-root."""
     text = (DEPLOY / "docker" / "Dockerfile").read_text()
-    ignored = [
+    patterns = [
         line.strip().rstrip("/")
         for line in (DEPLOY.parent / ".dockerignore").read_text().splitlines()
         if line.strip() and not line.startswith("#")
     ]
-    sources = [src for line in text.splitlines() if line.startswith("COPY ") for src in line.split()[1:-1]]
-    assert sources and "pdserve" in sources
+
+    def ignored(src: str) -> bool:  # the last matching pattern decides; "!" re-includes
+        out = False
+        for pat in patterns:
+            bare = pat.removeprefix("!")
+            if src == bare or src.startswith(bare + "/"):
+                out = not pat.startswith("!")
+        return out
+
+    sources = [
+        src
+        for line in text.splitlines()
+        if line.startswith("COPY ") and "--from=" not in line
+        for src in line.split()[1:-1]
+    ]
+    assert sources and "pdserve" in sources and "deploy/wheelhouse" in sources
     for src in sources:
         assert (DEPLOY.parent / src).exists(), src
-        assert not any(src == pat or src.startswith(pat + "/") for pat in ignored), (
-            f"{src} is in .dockerignore"
-        )
+        assert not ignored(src), f"{src} is in .dockerignore"
+    assert ignored("deploy/compose") and ignored("tests")
     user = [line for line in text.splitlines() if line.startswith("USER ")]
     assert user and user[-1].split()[1] not in ("root", "0")
     assert "torch==${TORCH_VERSION}" in text and "ARG TORCH_VERSION=2.13.0" in text

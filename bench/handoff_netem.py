@@ -1,0 +1,111 @@
+"""KV hand-off across a shaped link between two hosts (root only).
+
+A prefill instance (C_p = 2) on host p and a decode instance (W = C_d = 2) on host d: network
+namespaces joined by veths on a bridge (tests/system/netns.py), each host's NIC shaped with
+`tc qdisc add dev eth0 root netem delay 1ms rate 10gbit` (both directions: 1 ms each way). The whole
+hand-off of a 16k-token prompt of the built-in `small` model is timed as bench/transfer.py (c) does
+(plan, expect, every prefill rank sends its share, every decode rank stores its rows), best of
+--repeats, and compared with the link's floor: payload bytes / link rate (+ one round trip).
+
+- tcp: the decode ranks' receivers listen on host d's address (`--data-host`), the prefill ranks
+  connect over the shaped link.
+- nixl: UCX over TCP on eth0 (UCX_NET_DEVICES=eth0, UCX_TLS=tcp,self: the ranks of both hosts are
+  processes of one machine here, so UCX's shared-memory transports would otherwise bypass the link).
+
+Run:  sudo .venv/bin/python bench/handoff_netem.py     (~2 min; bench/results/handoff_netem.json)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # tests.system.netns
+
+from common import resolve_model  # noqa: E402  (bench/ is on sys.path when a script runs)
+from transfer import handoff  # noqa: E402
+
+from tests.system.netns import DEVICE, Hosts, in_netns  # noqa: E402
+
+
+class OnHost:
+    """Starts an instance (its rank processes) from a thread inside a host's namespace: the ranks
+    inherit it, so their sockets and NIXL agents are on that host."""
+
+    def __init__(self, ns: str, instance):
+        self.ns, self.instance = ns, instance
+
+    def __enter__(self):
+        return in_netns(self.ns, self.instance.__enter__)
+
+    def __exit__(self, *exc):
+        return self.instance.__exit__(*exc)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=16384, help="prompt tokens (default 16384)")
+    ap.add_argument("--delay-ms", type=float, default=1.0, help="netem delay each way (default 1)")
+    ap.add_argument("--rate-gbit", type=float, default=10.0, help="netem rate (default 10)")
+    ap.add_argument("--transfers", default="tcp,nixl", help="data paths (default tcp,nixl)")
+    ap.add_argument("--repeats", type=int, default=5, help="hand-offs per data path, best kept (default 5)")
+    ap.add_argument("--model", default=None, help="checkpoint directory (default: the built-in small model)")
+    ap.add_argument("--out", default="bench/results", help="output directory for handoff_netem.json")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("bench/handoff_netem.py needs root (network namespaces, tc)")
+    os.environ.update({"UCX_NET_DEVICES": DEVICE, "UCX_TLS": "tcp,self"})
+    model = resolve_model(args.model)
+    rate = args.rate_gbit * 1e9 / 8  # bytes/s
+    results = {}
+    with Hosts(["p", "d"]) as hosts:
+        netem = ["netem", "delay", f"{args.delay_ms}ms", "rate", f"{args.rate_gbit}gbit", "limit", "100000"]
+        for host in ("p", "d"):
+            hosts.exec(host, "tc", "qdisc", "add", "dev", DEVICE, "root", *netem)
+
+        def place(role: str, instance):
+            return OnHost(hosts.ns("p" if role == "prefill" else "d"), instance)
+
+        for transfer in args.transfers.split(","):
+            r = handoff(model, transfer, args.tokens, args.repeats, data_host=hosts.addr("d"), place=place)
+            floor = r["bytes"] / rate + 2 * args.delay_ms / 1000
+            r |= {"link_floor_s": floor, "over_floor": r["seconds"] / floor}
+            print(
+                f"{transfer}: {r['bytes'] / 1e6:.1f} MB in {1000 * r['seconds']:.1f} ms; link floor "
+                f"{1000 * floor:.1f} ms (bytes / {args.rate_gbit:g} Gbit/s + one round trip): "
+                f"{r['over_floor']:.2f}x",
+                flush=True,
+            )
+            results[transfer] = r
+        qdisc = hosts.exec("p", "tc", "-s", "qdisc", "show", "dev", DEVICE).stdout
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    record = {
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        },
+        "config": {
+            "tokens": args.tokens,
+            "delay_ms": args.delay_ms,
+            "rate_gbit": args.rate_gbit,
+            "repeats": args.repeats,
+            "model": model,
+            "UCX_TLS": os.environ["UCX_TLS"],
+            "qdisc_prefill_host": qdisc.strip(),
+        },
+        "handoff": results,
+    }
+    (out / "handoff_netem.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {out / 'handoff_netem.json'}")
+
+
+if __name__ == "__main__":
+    main()
