@@ -151,7 +151,7 @@ class Bench:
 
     def _prefill(self, cp: int, rid: str, ids: list[int], timed: bool = False) -> dict:
         inst = self.instances[cp]
-        pids = [r["pid"] for r in inst.rank_infos]
+        pids = [r.pid for r in inst.rank_infos]
         idle = wait_until_idle(self.a.idle_wait) if timed and self.a.idle_wait > 0 else None
         if idle and idle["waited_seconds"] > 2.5:
             print(

@@ -63,6 +63,17 @@ class PrefillCmd:
 
 
 @dataclass(frozen=True)
+class PrefillRankInfo:
+    """A rank's readiness answer (PrefillInstance.rank_infos; /info's ranks)."""
+
+    rank: int
+    pid: int
+    cache_bytes: int
+    weight_bytes: int
+    layers: list[int]  # the layers whose cache this rank keeps
+
+
+@dataclass(frozen=True)
 class PrefillReply:
     """A rank's answer to PrefillCmd: the first token from the rank that holds the last position."""
 
@@ -100,15 +111,9 @@ class PrefillRankWorker:
             cfg.transfer, rank, self.pool, cfg.frame_key
         )  # KV hand-off data path (transfer/tcp.py, nixl.py)
 
-    def info(self) -> dict:
+    def info(self) -> PrefillRankInfo:
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        return {
-            "rank": self.rank,
-            "pid": os.getpid(),
-            "cache_bytes": self.pool.nbytes,
-            "weight_bytes": weights,
-            "layers": self.pool.layers,
-        }
+        return PrefillRankInfo(self.rank, os.getpid(), self.pool.nbytes, weights, list(self.pool.layers))
 
     def handle(self, cmd):
         if isinstance(cmd, PrefillCmd):
