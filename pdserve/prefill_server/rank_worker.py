@@ -74,7 +74,7 @@ class PrefillRankInfo:
 
 
 @dataclass(frozen=True)
-class PrefillReply:
+class PrefillRankReply:
     """A rank's answer to PrefillCmd: the first token from the rank that holds the last position."""
 
     rank: int
@@ -127,7 +127,7 @@ class PrefillRankWorker:
         raise TypeError(f"unknown command {type(cmd).__name__}")
 
     @torch.inference_mode()
-    def prefill(self, cmd: PrefillCmd) -> PrefillReply:
+    def prefill(self, cmd: PrefillCmd) -> PrefillRankReply:
         check_fault([cmd.request_id])  # test-only, off by default (engine/faults.py)
         n = len(cmd.token_ids)
         slots = torch.tensor(cmd.slots, dtype=torch.int64)
@@ -146,11 +146,11 @@ class PrefillRankWorker:
             if c1 == n and mine and mine[-1] == n - 1:
                 last_hidden = hidden[-1:]
         if last_hidden is None:
-            return PrefillReply(self.rank)
+            return PrefillRankReply(self.rank)
         logits = self.model.compute_logits(last_hidden)  # [1, vocab]
         token = self.sampler.sample(logits, [cmd.params], [cmd.request_id])[0]
         self.sampler.forget(cmd.request_id)
-        return PrefillReply(self.rank, token, logits[0] if cmd.want_logits else None)
+        return PrefillRankReply(self.rank, token, logits[0] if cmd.want_logits else None)
 
     def dump(self, cmd: DumpCacheCmd) -> CacheDump:
         slots = torch.tensor(cmd.slots, dtype=torch.int64)
