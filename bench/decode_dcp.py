@@ -88,7 +88,7 @@ def measure(
         cpu_comm=cpu_comm,
     )
     with DecodeInstance(worker, LaunchConfig(tp, free_port(), threads_per_rank=1), page_size=page) as inst:
-        out = {"cache_bytes_per_rank": inst.rank_infos[0]["cache_bytes"], "slots": slots}
+        out = {"cache_bytes_per_rank": inst.rank_infos[0].cache_bytes, "slots": slots}
         pages = [inst.allocator.allocate(per_request) for _ in range(max(batches))]
         fill_random_cache(inst, pages, context)
         for ctx in contexts:  # a shorter context reads the first ctx positions of the same caches

@@ -167,7 +167,7 @@ class Bench:
     def _prefill(self, label: str, rid: str, ids: list[int], timed: bool = False) -> dict:
         inst = self.instances[label]
         cores = math.prod(map(int, label.split("x")))  # C_p x threads: the cores it uses
-        pids = [r["pid"] for r in inst.rank_infos]
+        pids = [r.pid for r in inst.rank_infos]
         idle = wait_until_idle(self.a.idle_wait) if timed and self.a.idle_wait > 0 else None
         if idle and idle["waited_seconds"] > 2.5:
             print(

@@ -74,10 +74,7 @@ def create_app(cfg, instance, engine_loop, dead_rank, drain=None) -> FastAPI:
         "dcp_size": cfg.dcp_size,
         "kv_cache_dtype": cfg.kv_cache_dtype,
         "dtype": cfg.dtype,
-        "ranks": [
-            RankInfo(rank=i, pid=r["pid"], cache_bytes=r["cache_bytes"])
-            for i, r in enumerate(instance.rank_infos)
-        ],
+        "ranks": [RankInfo(rank=r.rank, pid=r.pid, cache_bytes=r.cache_bytes) for r in instance.rank_infos],
     }
 
     install_edge(app, token=getattr(cfg, "internal_token", None))

@@ -24,7 +24,15 @@ from ..transfer.rank_commands import (
     TransferStatusCmd,
 )
 from ..transfer.room import ANY_SRC, RoomSlots
-from .rank_worker import DecodeRankWorker, DecodeWorkerConfig, DumpCmd, LoadCmd, ReconfigureCmd, StepCmd
+from .rank_worker import (
+    DecodeRankInfo,
+    DecodeRankWorker,
+    DecodeWorkerConfig,
+    DumpCmd,
+    LoadCmd,
+    ReconfigureCmd,
+    StepCmd,
+)
 
 
 class DecodeInstance:
@@ -41,7 +49,7 @@ class DecodeInstance:
         self.worker, self.launch = worker, launch
         self.allocator = PageAllocator(worker.num_slots // page_size, page_size)
         self.ranks = RankGroup(DecodeRankWorker, worker, launch)
-        self.rank_infos: list[dict] = []
+        self.rank_infos: list[DecodeRankInfo] = []
         self._last_plan: tuple[tuple, list[Transfer]] | None = (
             None  # reservation, expect_totals, handoff_bytes share it
         )
@@ -90,13 +98,13 @@ class DecodeInstance:
         """Every rank's selected positions of the last step, per indexer layer ([B, k], -1 padded)."""
         return self.ranks.call("selections")
 
-    def rank_info(self) -> list[dict]:
+    def rank_info(self) -> list[DecodeRankInfo]:
         return self.ranks.call("info")
 
     # ---- KV hand-off (transfer/decode_room.py) ------------------------------------------------------
     @property
     def index_mode(self) -> str:
-        return self.rank_infos[0]["index_mode"]  # follows reconfigure()
+        return self.rank_infos[0].index_mode  # follows reconfigure()
 
     def fingerprint(self) -> Fingerprint:
         w, cfg = self.worker, self.model_config

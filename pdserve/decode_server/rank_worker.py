@@ -86,6 +86,19 @@ class StepCmd:
 
 
 @dataclass(frozen=True)
+class DecodeRankInfo:
+    """A rank's answer to "info" and ReconfigureCmd, and its readiness ack (DecodeInstance.rank_infos)."""
+
+    rank: int
+    pid: int
+    cache_bytes: int
+    weight_bytes: int
+    empty_selections: int  # sparse-attention selections that found no key on this rank (DCP split)
+    index_mode: str  # follows ReconfigureCmd
+    data_endpoint: str | None  # its KV hand-off receiver
+
+
+@dataclass(frozen=True)
 class DumpCmd:
     slots: list[int]  # returns this rank's stored rows among these global slots
 
@@ -143,17 +156,17 @@ class DecodeRankWorker:
         )
         self.backend = DCPBackend(self.mcfg, self.pool, self.dcp, index_mode, comm, cfg.replicate_q)
 
-    def info(self) -> dict:
+    def info(self) -> DecodeRankInfo:
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        return {
-            "rank": self.rank,
-            "pid": os.getpid(),
-            "cache_bytes": self.pool.nbytes,
-            "weight_bytes": weights,
-            "empty_selections": self.backend.empty_selections,
-            "index_mode": self.cfg.index_mode,
-            "data_endpoint": self.receiver.endpoint if hasattr(self, "receiver") else None,
-        }
+        return DecodeRankInfo(
+            self.rank,
+            os.getpid(),
+            self.pool.nbytes,
+            weights,
+            self.backend.empty_selections,
+            self.cfg.index_mode,
+            self.receiver.endpoint if hasattr(self, "receiver") else None,
+        )
 
     def handle(self, cmd):
         if isinstance(cmd, StepCmd):

@@ -8,7 +8,7 @@ prefill until `release()`: the KV hand-off reads them before they are freed.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from ..engine.launcher import LaunchConfig, RankGroup
 from ..engine.page_allocator import PageAllocator
@@ -19,7 +19,7 @@ from ..transfer.plan import PrefillSide, Transfer
 from ..transfer.rank_commands import SendCmd, TransferStatusCmd, merge_checksums
 from .cp_backend import layer_owners
 from .layouts import check_layout_allowed
-from .rank_worker import DumpCacheCmd, PrefillCmd, PrefillRankWorker, PrefillWorkerConfig
+from .rank_worker import DumpCacheCmd, PrefillCmd, PrefillRankInfo, PrefillRankWorker, PrefillWorkerConfig
 
 
 @dataclass
@@ -42,7 +42,7 @@ class PrefillInstance:
         self.allocator = PageAllocator(worker.num_slots // page_size, page_size)
         self.ranks = RankGroup(PrefillRankWorker, worker, launch)
         self.held: dict[str, list[int]] = {}  # request id -> pages, until release()
-        self.rank_infos: list[dict] = []
+        self.rank_infos: list[PrefillRankInfo] = []
 
     def start(self) -> "PrefillInstance":
         self.rank_infos = self.ranks.start()
@@ -66,10 +66,7 @@ class PrefillInstance:
             "moe_tp": self.worker.moe_tp,
             "chunk_size": self.chunk_size,
             "dtype": self.worker.dtype,
-            "ranks": [
-                {k: r[k] for k in ("rank", "pid", "cache_bytes", "weight_bytes", "layers")}
-                for r in self.rank_infos
-            ],
+            "ranks": [asdict(r) for r in self.rank_infos],
             "free_tokens": self.allocator.num_free * self.allocator.page_size,
             "total_tokens": self.allocator.num_pages * self.allocator.page_size,
         }

@@ -63,7 +63,18 @@ class PrefillCmd:
 
 
 @dataclass(frozen=True)
-class PrefillReply:
+class PrefillRankInfo:
+    """A rank's readiness answer (PrefillInstance.rank_infos; /info's ranks)."""
+
+    rank: int
+    pid: int
+    cache_bytes: int
+    weight_bytes: int
+    layers: list[int]  # the layers whose cache this rank keeps
+
+
+@dataclass(frozen=True)
+class PrefillRankReply:
     """A rank's answer to PrefillCmd: the first token from the rank that holds the last position."""
 
     rank: int
@@ -100,15 +111,9 @@ class PrefillRankWorker:
             cfg.transfer, rank, self.pool, cfg.frame_key
         )  # KV hand-off data path (transfer/tcp.py, nixl.py)
 
-    def info(self) -> dict:
+    def info(self) -> PrefillRankInfo:
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        return {
-            "rank": self.rank,
-            "pid": os.getpid(),
-            "cache_bytes": self.pool.nbytes,
-            "weight_bytes": weights,
-            "layers": self.pool.layers,
-        }
+        return PrefillRankInfo(self.rank, os.getpid(), self.pool.nbytes, weights, list(self.pool.layers))
 
     def handle(self, cmd):
         if isinstance(cmd, PrefillCmd):
@@ -122,7 +127,7 @@ class PrefillRankWorker:
         raise TypeError(f"unknown command {type(cmd).__name__}")
 
     @torch.inference_mode()
-    def prefill(self, cmd: PrefillCmd) -> PrefillReply:
+    def prefill(self, cmd: PrefillCmd) -> PrefillRankReply:
         check_fault([cmd.request_id])  # test-only, off by default (engine/faults.py)
         n = len(cmd.token_ids)
         slots = torch.tensor(cmd.slots, dtype=torch.int64)
@@ -141,11 +146,11 @@ class PrefillRankWorker:
             if c1 == n and mine and mine[-1] == n - 1:
                 last_hidden = hidden[-1:]
         if last_hidden is None:
-            return PrefillReply(self.rank)
+            return PrefillRankReply(self.rank)
         logits = self.model.compute_logits(last_hidden)  # [1, vocab]
         token = self.sampler.sample(logits, [cmd.params], [cmd.request_id])[0]
         self.sampler.forget(cmd.request_id)
-        return PrefillReply(self.rank, token, logits[0] if cmd.want_logits else None)
+        return PrefillRankReply(self.rank, token, logits[0] if cmd.want_logits else None)
 
     def dump(self, cmd: DumpCacheCmd) -> CacheDump:
         slots = torch.tensor(cmd.slots, dtype=torch.int64)

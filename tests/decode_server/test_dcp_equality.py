@@ -92,7 +92,7 @@ def test_decode_instance_matches_single_rank(tiny_checkpoints, expected, tp, dcp
                     assert got_t == want_tokens, tag
                     assert_close(got_l, want_logits, tag)
                 assert inst.allocator.num_free == inst.allocator.num_pages
-        empty = sum(r["empty_selections"] for r in inst.rank_info())
+        empty = sum(r.empty_selections for r in inst.rank_info())
         if dcp == 4:
             assert empty > 0, "the long prompt should leave some rank with no selected token in some layer"
 

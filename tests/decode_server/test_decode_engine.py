@@ -100,7 +100,7 @@ def test_fp8_cache_decodes_with_one_byte_entries(tiny_checkpoints):
     with DecodeInstance(worker, LaunchConfig(2, free_port()), page_size=4) as inst:
         cfg = inst.model_config
         per_token = bytes_per_token_per_rank(cfg, 2, "split", "fp8_e4m3", "float32")
-        assert inst.rank_infos[0]["cache_bytes"] == pytest.approx(per_token * 256, rel=1e-9)
+        assert inst.rank_infos[0].cache_bytes == pytest.approx(per_token * 256, rel=1e-9)
         engine = DecodeEngine(inst)
         ids = list(range(5, 45))
         req = engine.submit(ids, SamplingParams(max_tokens=6, ignore_eos=True))

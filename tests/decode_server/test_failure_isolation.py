@@ -82,7 +82,7 @@ def test_one_token_prompt_alone_decodes_exactly(path, single, monkeypatch, c):
         req = engine.submit(ids, SamplingParams(max_tokens=TOKENS, ignore_eos=True))
         engine.run_until_idle()
         assert req.output_ids == want and inst.ranks.unhealthy() is None
-        assert sum(r["empty_selections"] for r in inst.rank_info()) > 0  # some rank really was empty
+        assert sum(r.empty_selections for r in inst.rank_info()) > 0  # some rank really was empty
     finally:
         inst.shutdown()
 
