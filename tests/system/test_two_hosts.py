@@ -180,12 +180,13 @@ def test_firewall_dropping_the_data_ports_fails_cleanly(stack, engine, transport
     hosts = stack["hosts"]
     p_port, d_port = PAIRS[(transport, "copy")]
     r = stack["procs"].get(f"router-{transport}-copy") or router(stack, f"{transport}-copy", p_port, d_port)
-    # new connections from host p to any port of host d but the HTTP ones are dropped
+    # every packet host p sends on a connection it opened (new or established: the data paths)
+    # to any port of host d but the HTTP ones is dropped; host d's own connections to host p
+    # (the side channel) still get their replies
     rules = f"""table inet pdsv {{
         chain input {{
             type filter hook input priority 0; policy accept;
-            ct state established,related accept
-            ip saddr {hosts.addr("p")} tcp dport != {{ 8200, 8201, 8210, 8211, 8300, 8301 }} drop
+            ct direction original ip saddr {hosts.addr("p")} tcp dport != {{ 8200, 8201, 8210, 8211, 8300, 8301 }} drop
         }}
     }}
     """
