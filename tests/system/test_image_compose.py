@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -59,7 +60,7 @@ def image():
     tag = f"pdserve:system-{uuid.uuid4().hex[:8]}"
     timings = {}
     t0 = time.monotonic()
-    sh(str(ROOT / "deploy" / "wheelhouse.sh"))
+    sh(str(ROOT / "deploy" / "wheelhouse.sh"), env={**os.environ, "PYTHON": sys.executable})
     timings["wheelhouse_s"] = time.monotonic() - t0
     t0 = time.monotonic()
     sh(str(ROOT / "deploy" / "docker" / "debootstrap-base.sh"), "pdserve-base:bookworm")

@@ -180,12 +180,14 @@ def test_firewall_dropping_the_data_ports_fails_cleanly(stack, engine, transport
     hosts = stack["hosts"]
     p_port, d_port = PAIRS[(transport, "copy")]
     r = stack["procs"].get(f"router-{transport}-copy") or router(stack, f"{transport}-copy", p_port, d_port)
-    # new connections from host p to any port of host d but the HTTP ones are dropped
+    # host d drops every packet from host p but HTTP (to the decode APIs) and the side channel's
+    # (from the prefill's bootstrap port): the data paths, whoever opened their connections
+    info = hosts.call("r", cluster.get, f"{stack['procs'][f'prefill-{transport}'].url}/info").json()
+    side_channel = int(info["bootstrap"].rsplit(":", 1)[1])
     rules = f"""table inet pdsv {{
         chain input {{
             type filter hook input priority 0; policy accept;
-            ct state established,related accept
-            ip saddr {hosts.addr("p")} tcp dport != {{ 8200, 8201, 8210, 8211, 8300, 8301 }} drop
+            ip saddr {hosts.addr("p")} tcp sport != {side_channel} tcp dport != {{ 8200, 8201, 8210, 8211, 8300, 8301 }} drop
         }}
     }}
     """
