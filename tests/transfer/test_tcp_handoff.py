@@ -6,8 +6,9 @@ bit-identical to the prefill instance's rows of its tokens (the transfer itself 
 the single-rank engine's within 1e-8 (prefill CP reorders float64 sums), and 32 greedy tokens
 decoded after the hand-off equal the single-rank engine's `generate`. Faults: a corrupted payload,
 data that never comes, late data for an aborted (or reused) room, a fingerprint mismatch; afterwards
-both sides are back at idle (pages, held requests, receiver rooms). The same hand-off also runs as
-the two main processes would, talking only over the ZMQ side channel (transfer/two_sided.py).
+both sides are back at idle (pages, held requests, receiver rooms). Every hand-off here runs the
+production state machines (transfer/prefill_room.py, decode_room.py) over the real side channel
+(tests/transfer/handoff_driver.py); the two_sided tests step them one call at a time.
 """
 
 from __future__ import annotations
