@@ -128,7 +128,7 @@ class KVPool:
             return self.index_k[self.index_row[layer], start : start + n] if step == 1 or n == 1 else None
         if n > 1 and step != self.residues:
             return None
-        row = int(self._kv_rows(torch.tensor([start]))[0])
+        row = start % self.residues * self.block + start // self.residues  # _kv_rows of one slot
         return self.kv[self.kv_row[layer], row : row + n]
 
     def _kv_rows(self, slots: torch.Tensor | slice) -> torch.Tensor | slice:

@@ -1,0 +1,125 @@
+"""Where an instance's ranks run: `--device cpu|cuda`, `--gpu-ids`, and what follows from them.
+
+On cuda, rank r of an instance uses GPU gpu_ids[r] (default r): the launcher calls
+torch.cuda.set_device before the process group exists. Ranks on distinct GPUs talk over NCCL (the
+process group is "cpu:gloo,cuda:nccl", so CPU-side control tensors keep working); several ranks on
+one GPU (NCCL refuses that) use the `host` comm: copy to host memory, the shared-memory
+collectives of engine/comm.py, copy back. A configuration that cannot run is a startup error that
+names the problem (docs/design.md: no silent fallback), checked by `check_devices` before any rank
+starts and again inside each rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DEVICES = ("cpu", "cuda")
+
+
+def parse_gpu_ids(text: str | None) -> tuple[int, ...]:
+    """ "0,1,3" -> (0, 1, 3); None or "" -> () (the default: rank r uses GPU r)."""
+    if not text:
+        return ()
+    try:
+        ids = tuple(int(t) for t in text.replace(" ", "").split(",") if t)
+    except ValueError:
+        raise ValueError(f"--gpu-ids must be comma-separated GPU ordinals, got {text!r}") from None
+    if any(i < 0 for i in ids):
+        raise ValueError(f"--gpu-ids must be non-negative, got {text!r}")
+    return ids
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """What check_devices decided for one instance of `world_size` ranks."""
+
+    device: str  # "cpu" | "cuda"
+    gpus: tuple[int, ...]  # per rank (empty on cpu)
+
+    @property
+    def shared_gpu(self) -> bool:
+        """Several ranks on one GPU: NCCL cannot run them, the host comm does."""
+        return len(set(self.gpus)) < len(self.gpus)
+
+    @property
+    def dist_backend(self) -> str:
+        if self.device == "cuda" and not self.shared_gpu and len(self.gpus) > 1:
+            return "cpu:gloo,cuda:nccl"
+        return "gloo"
+
+    @property
+    def comm(self) -> str:
+        """The collectives the workers use (engine/comm.py make_comm's device side)."""
+        if self.device == "cpu":
+            return "cpu"
+        return "host" if self.shared_gpu or len(self.gpus) == 1 else "nccl"
+
+
+def check_devices(
+    device: str, world_size: int, gpu_ids: tuple[int, ...] = (), cuda_count: int | None = None
+) -> DevicePlan:
+    """Validates --device / --gpu-ids for `world_size` ranks; raises ValueError saying what is wrong.
+
+    cuda_count: visible GPUs (None: ask torch). Several ranks may share a GPU only when --gpu-ids
+    says so explicitly (the default maps rank r to GPU r and needs world_size GPUs)."""
+    if device not in DEVICES:
+        raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "cpu":
+        if gpu_ids:
+            raise ValueError("--gpu-ids needs --device cuda")
+        return DevicePlan("cpu", ())
+    if cuda_count is None:
+        cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cuda_count == 0:
+        why = "this torch build has no CUDA" if torch.version.cuda is None else "no GPU is visible"
+        raise ValueError(f"--device cuda: {why} (torch {torch.__version__})")
+    if gpu_ids and len(gpu_ids) != world_size:
+        raise ValueError(f"--gpu-ids lists {len(gpu_ids)} GPU(s) for {world_size} rank(s): give one per rank")
+    gpus = gpu_ids or tuple(range(world_size))
+    missing = sorted({g for g in gpus if g >= cuda_count})
+    if missing:
+        raise ValueError(
+            f"--device cuda: {world_size} rank(s) need GPU(s) {list(gpus)} but only {cuda_count} "
+            f"{'is' if cuda_count == 1 else 'are'} visible (ordinals {missing} are missing)"
+        )
+    return DevicePlan("cuda", gpus)
+
+
+def default_dtype(device: str) -> str:
+    """bfloat16 on cuda, float32 on cpu (an explicit --dtype always wins)."""
+    return "bfloat16" if device == "cuda" else "float32"
+
+
+def rank_device(device: str) -> torch.device:
+    """This process's device: the GPU the launcher selected (set_device), or the CPU."""
+    if device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def setup_rank_device(plan: DevicePlan, rank: int) -> None:
+    """Called in rank processes before the process group exists."""
+    if plan.device == "cuda":
+        torch.cuda.set_device(plan.gpus[rank])
+
+
+def check_device_fields(cfg, world_size: int) -> None:
+    """__post_init__ of a server config with `device`, `gpu_ids`, `attention_ops` and `dtype`:
+    normalises gpu_ids to a tuple, fills dtype "" with the device's default, validates the names.
+    Whether the GPUs exist is checked when the instance is built (LaunchConfig), so a config can
+    be written (and --check-config printed) on a machine without them."""
+    from .attn_ops import check_attention_ops
+
+    if cfg.device not in DEVICES:
+        raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {cfg.device!r}")
+    gpu_ids = parse_gpu_ids(cfg.gpu_ids) if isinstance(cfg.gpu_ids, str) else tuple(cfg.gpu_ids)
+    object.__setattr__(cfg, "gpu_ids", gpu_ids)
+    if gpu_ids and cfg.device != "cuda":
+        raise ValueError("--gpu-ids needs --device cuda")
+    if gpu_ids and len(gpu_ids) != world_size:
+        raise ValueError(f"--gpu-ids lists {len(gpu_ids)} GPU(s) for {world_size} rank(s): give one per rank")
+    if not cfg.dtype:
+        object.__setattr__(cfg, "dtype", default_dtype(cfg.device))
+    check_attention_ops(cfg.attention_ops)
