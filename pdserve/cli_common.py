@@ -129,3 +129,53 @@ ModelOpt = Annotated[
 ShutdownGraceOpt = Annotated[float, typer.Option(min=0.0, help=SHUTDOWN_GRACE_HELP)]
 InternalTokenOpt = Annotated[Optional[str], typer.Option("--internal-token", help=INTERNAL_TOKEN_HELP)]
 InternalTokenFileOpt = Annotated[Optional[Path], typer.Option(help=INTERNAL_TOKEN_FILE_HELP)]
+
+
+class Device(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class AttentionOps(str, Enum):
+    auto = "auto"
+    torch = "torch"
+    flashinfer = "flashinfer"
+
+
+DeviceOpt = Annotated[
+    Device,
+    typer.Option(
+        help="Where the ranks run: cpu, or cuda (rank r on the r-th GPU of --gpu-ids; NCCL between ranks on distinct GPUs, "
+        "the host comm for ranks sharing one). A GPU that is missing is a startup error."
+    ),
+]
+GpuIdsOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        help="--device cuda: comma-separated GPU ordinals, one per rank (e.g. 0,0 puts two ranks on GPU 0). "
+        "Default: rank r uses GPU r."
+    ),
+]
+AttentionOpsOpt = Annotated[
+    AttentionOps,
+    typer.Option(
+        help="Attention kernels: torch (any device and dtype), flashinfer (CUDA, bf16/fp16, MLA dims 512 + 64, "
+        "flashinfer-python installed) or auto (flashinfer where it can run, else torch). The choice and its "
+        "reason are printed at startup; flashinfer where it cannot run is an error."
+    ),
+]
+DTYPE_HELP = "Weights, activations and KV cache dtype. Default: float32 on cpu, bfloat16 on cuda."
+
+
+def device_args(device: Device, gpu_ids: Optional[str]) -> dict:
+    """The config fields of --device / --gpu-ids (engine/device.py)."""
+    from .engine.placement import parse_gpu_ids
+
+    return {"device": device.value, "gpu_ids": parse_gpu_ids(gpu_ids)}
+
+
+def check_gpus(cfg, world_size: int) -> None:
+    """Before anything starts: the GPUs the ranks need exist (else a clear error, never a fallback)."""
+    from .engine.device import check_devices
+
+    check_devices(cfg.device, world_size, cfg.gpu_ids)

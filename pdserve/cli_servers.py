@@ -10,13 +10,19 @@ import typer
 from .admin_cli import KVCacheDType, parse_bytes
 from .admin_cli import ModelDType as DType
 from .cli_common import (
+    DTYPE_HELP,
+    AttentionOpsOpt,
     DcpIndex,
+    DeviceOpt,
+    GpuIdsOpt,
     InternalTokenFileOpt,
     InternalTokenOpt,
     ModelOpt,
     ShutdownGraceOpt,
     Transfer,
     app,
+    check_gpus,
+    device_args,
     fail,
     internal_token,
     masked,
@@ -64,7 +70,10 @@ def prefill(
     dist_port: int = typer.Option(
         29500, help="TCP port the ranks use to form their torch.distributed group."
     ),
-    dtype: DType = typer.Option(DType.float32, help="Weights, activations and KV cache dtype."),
+    dtype: Optional[DType] = typer.Option(None, help=DTYPE_HELP),
+    device: DeviceOpt = "cpu",
+    gpu_ids: GpuIdsOpt = None,
+    attention_ops: AttentionOpsOpt = "auto",
     max_kv_tokens: int = typer.Option(
         65536, min=16, help="KV cache capacity in tokens (per rank, every rank holds the same slots)."
     ),
@@ -114,15 +123,19 @@ def prefill(
             host=host,
             port=port,
             dist_port=dist_port,
-            dtype=dtype.value,
+            dtype=dtype.value if dtype else "",
             max_kv_tokens=max_kv_tokens,
             threads_per_rank=threads_per_rank,
             bootstrap_timeout_s=bootstrap_timeout,
             transfer=transfer.value,
             kv_residues=kv_residues,
             max_queue=max_queue,
+            attention_ops=attention_ops.value,
+            **device_args(device, gpu_ids),
         )
         cfg.validate_model()
+        if not check_config:
+            check_gpus(cfg, cfg.cp_size)
         if check_config:
             from .check_plan import echo_plan, prefill_plan
 
@@ -192,10 +205,13 @@ def decode(
     dist_port: int = typer.Option(
         29600, help="TCP port the ranks use to form their torch.distributed group."
     ),
-    dtype: DType = typer.Option(
-        DType.float32,
-        help="Weights and activations dtype (and KV cache dtype when --kv-cache-dtype is auto).",
+    dtype: Optional[DType] = typer.Option(
+        None,
+        help="Weights and activations dtype (and KV cache dtype when --kv-cache-dtype is auto). Default: float32 on cpu, bfloat16 on cuda.",
     ),
+    device: DeviceOpt = "cpu",
+    gpu_ids: GpuIdsOpt = None,
+    attention_ops: AttentionOpsOpt = "auto",
     threads_per_rank: int = typer.Option(
         1, min=1, help="torch threads in each rank process (and in the server's local prefill)."
     ),
@@ -271,9 +287,11 @@ def decode(
             host=host,
             port=port,
             dist_port=dist_port,
-            dtype=dtype.value,
+            dtype=dtype.value if dtype else "",
             threads_per_rank=threads_per_rank,
             max_batch=max_batch,
+            attention_ops=attention_ops.value,
+            **device_args(device, gpu_ids),
             cpu_comm=cpu_comm.value,
             transfer_timeout_s=transfer_timeout,
             transfer=transfer.value,
@@ -283,6 +301,8 @@ def decode(
             max_queue=max_queue,
         )
         cfg.validate_model()
+        if not check_config:
+            check_gpus(cfg, cfg.tp_size)
         num_slots = cfg.num_slots()
         if check_config:
             from .check_plan import decode_plan, echo_plan

@@ -11,11 +11,14 @@ from typing import Optional
 import typer
 
 from .cli_common import (
+    AttentionOpsOpt,
     DcpIndex,
+    DeviceOpt,
     InternalTokenFileOpt,
     InternalTokenOpt,
     Transfer,
     app,
+    device_args,
     fail,
     internal_token,
     masked,
@@ -224,6 +227,12 @@ def up(
         help="The stack's internal token (default: $PDSERVE_INTERNAL_TOKEN, else a new random one); it reaches the router and the instances through their environment, never their command lines.",
     ),
     internal_token_file: InternalTokenFileOpt = None,
+    device: DeviceOpt = "cpu",
+    gpu_ids: Optional[str] = typer.Option(
+        None,
+        help="--device cuda: comma-separated GPU ordinals, one per rank of the whole stack (prefill instances' ranks first, then decode instances'); the same ordinal twice puts two ranks on one GPU. Default: 0, 1, 2, ...",
+    ),
+    attention_ops: AttentionOpsOpt = "auto",
     check_config: bool = typer.Option(
         False,
         "--check-config",
@@ -256,7 +265,13 @@ def up(
             restart=restart.value,
             shutdown_grace_s=shutdown_grace,
             internal_token=stack_token(internal_token_, internal_token_file),
+            attention_ops=attention_ops.value,
+            **device_args(device, gpu_ids),
         )
+        if not check_config and cfg.device == "cuda":  # the GPUs exist, before any process starts
+            from .engine.device import check_devices
+
+            check_devices("cuda", cfg.total_ranks, cfg.gpu_ids or ())
     except ValueError as e:
         fail(str(e))
     if not (Path(cfg.model) / "config.json").is_file():

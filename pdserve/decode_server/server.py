@@ -24,6 +24,7 @@ import uvicorn
 from ..engine import capacity
 from ..engine.auth import require_token
 from ..engine.comm import CPU_COMMS
+from ..engine.device import check_device_fields
 from ..engine.drain import Drain, DrainingServer, install_exit_signals
 from ..engine.launcher import LaunchConfig
 from ..engine.request import Overloaded, SamplingParams
@@ -57,7 +58,7 @@ class DecodeServerConfig:
     host: str = "127.0.0.1"
     port: int = 8200
     dist_port: int = 29600
-    dtype: str = "float32"
+    dtype: str = ""  # "": float32 on cpu, bfloat16 on cuda (engine/device.py)
     threads_per_rank: int = 1
     max_batch: int = 64
     shutdown_grace_s: float = 30.0  # SIGTERM: running requests get this long to finish (engine/drain.py)
@@ -71,12 +72,16 @@ class DecodeServerConfig:
         60.0  # NIXL: pages of a hand-off that failed mid-send stay unused this long
     )
     max_queue: int = 256  # accepted requests waiting for pages beyond this many get 429
+    device: str = "cpu"  # cpu | cuda (engine/device.py)
+    gpu_ids: tuple[int, ...] = ()  # cuda: rank r uses gpu_ids[r] (default r)
+    attention_ops: str = "auto"  # auto | torch | flashinfer (engine/attn_ops.py)
 
     def __post_init__(self):
         if self.tp_size < 1 or self.dcp_size < 1 or self.tp_size % self.dcp_size:
             raise ValueError(f"--dcp-size {self.dcp_size} must divide --tp-size {self.tp_size} (both >= 1)")
         capacity.check_index_mode(self.dcp_index)
         capacity.check_kv_cache_dtype(self.kv_cache_dtype)
+        check_device_fields(self, self.tp_size)
         capacity.dtype_bytes(self.dtype)
         if self.dcp_comm not in COMM_MODES:
             raise ValueError(f"--dcp-comm must be one of {', '.join(COMM_MODES)}, got {self.dcp_comm!r}")
@@ -154,8 +159,17 @@ class DecodeServerConfig:
             data_host=self.data_host,
             transfer_quarantine_s=self.transfer_quarantine_s,
             frame_key=cluster_frame_key(self.internal_token),
+            device=self.device,
+            gpu_ids=self.gpu_ids,
+            attention_ops=self.attention_ops,
         )
-        launch = LaunchConfig(self.tp_size, self.dist_port, threads_per_rank=self.threads_per_rank)
+        launch = LaunchConfig(
+            self.tp_size,
+            self.dist_port,
+            threads_per_rank=self.threads_per_rank,
+            device=self.device,
+            gpu_ids=self.gpu_ids,
+        )
         return DecodeInstance(worker, launch, page_size=self.page_size)
 
 

@@ -22,17 +22,13 @@ from dataclasses import dataclass
 import torch
 
 from ..model.kernels import attend, merge_attention, topk_earliest
+from .placement import ATTENTION_OPS, check_attention_ops
 
-ATTENTION_OPS = ("auto", "torch", "flashinfer")
+__all__ = ["ATTENTION_OPS", "select_attention_ops", "make_attention_ops", "TorchOps"]
+
 FLASHINFER_VERSION = "0.7.4"  # pyproject.toml's `cuda` extra pins the same; its API changes between minors
 FLASHINFER_DTYPES = ("bfloat16", "float16")
 FLASHINFER_DIMS = (512, 64)  # kv_lora_rank, rope head dim: what the MLA kernels are compiled for
-
-
-def check_attention_ops(name: str) -> str:
-    if name not in ATTENTION_OPS:
-        raise ValueError(f"--attention-ops must be one of {', '.join(ATTENTION_OPS)}, got {name!r}")
-    return name
 
 
 @dataclass(frozen=True)

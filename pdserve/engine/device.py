@@ -15,20 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-DEVICES = ("cpu", "cuda")
+from .placement import DEVICES, check_attention_ops, check_device, parse_gpu_ids
 
-
-def parse_gpu_ids(text: str | None) -> tuple[int, ...]:
-    """ "0,1,3" -> (0, 1, 3); None or "" -> () (the default: rank r uses GPU r)."""
-    if not text:
-        return ()
-    try:
-        ids = tuple(int(t) for t in text.replace(" ", "").split(",") if t)
-    except ValueError:
-        raise ValueError(f"--gpu-ids must be comma-separated GPU ordinals, got {text!r}") from None
-    if any(i < 0 for i in ids):
-        raise ValueError(f"--gpu-ids must be non-negative, got {text!r}")
-    return ids
+__all__ = ["DEVICES", "parse_gpu_ids", "check_devices", "DevicePlan"]
 
 
 @dataclass(frozen=True)
@@ -64,9 +53,7 @@ def check_devices(
 
     cuda_count: visible GPUs (None: ask torch). Several ranks may share a GPU only when --gpu-ids
     says so explicitly (the default maps rank r to GPU r and needs world_size GPUs)."""
-    if device not in DEVICES:
-        raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
-    if device == "cpu":
+    if check_device(device) == "cpu":
         if gpu_ids:
             raise ValueError("--gpu-ids needs --device cuda")
         return DevicePlan("cpu", ())
@@ -110,10 +97,7 @@ def check_device_fields(cfg, world_size: int) -> None:
     normalises gpu_ids to a tuple, fills dtype "" with the device's default, validates the names.
     Whether the GPUs exist is checked when the instance is built (LaunchConfig), so a config can
     be written (and --check-config printed) on a machine without them."""
-    from .attn_ops import check_attention_ops
-
-    if cfg.device not in DEVICES:
-        raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {cfg.device!r}")
+    check_device(cfg.device)
     gpu_ids = parse_gpu_ids(cfg.gpu_ids) if isinstance(cfg.gpu_ids, str) else tuple(cfg.gpu_ids)
     object.__setattr__(cfg, "gpu_ids", gpu_ids)
     if gpu_ids and cfg.device != "cuda":

@@ -43,6 +43,7 @@ class LLMEngine:
         query_block: int = 256,
         max_batch: int = 64,
         attention_ops: str = "auto",  # engine/attn_ops.py
+        announce: str = "",  # a name: print the ops choice to stderr under it
     ):
         self.model, self.config = model, model.config
         param = next(model.parameters())
@@ -50,7 +51,7 @@ class LLMEngine:
         pages = -(-max_kv_tokens // page_size)
         self.allocator = PageAllocator(pages, page_size)
         self.pool = KVPool(self.config, pages * page_size, dtype, device=self.device)
-        self.ops = make_attention_ops(attention_ops, self.device, dtype, self.config)
+        self.ops = make_attention_ops(attention_ops, self.device, dtype, self.config, who=announce)
         self.backend = SingleRankBackend(self.config, self.pool, query_block, self.ops)
         self.runner = ModelRunner(model, self.allocator, self.backend)
         self.scheduler = Scheduler(self.allocator, self.config.eos_token_ids, prefill_chunk, max_batch)

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..engine.auth import require_token
+from ..engine.device import check_device_fields
 from ..engine.drain import Drain, DrainingServer, install_exit_signals
 from ..engine.launcher import LaunchConfig
 from ..engine.watchdog import start_watchdog
@@ -39,7 +40,7 @@ class PrefillServerConfig:
     host: str = "127.0.0.1"
     port: int = 8100
     dist_port: int = 29500
-    dtype: str = "float32"
+    dtype: str = ""  # "": float32 on cpu, bfloat16 on cuda (engine/device.py)
     max_kv_tokens: int = 65536
     page_size: int = 16
     threads_per_rank: int = 1
@@ -49,6 +50,9 @@ class PrefillServerConfig:
     transfer: str = "tcp"  # KV hand-off data path: tcp | nixl
     kv_residues: int = 0  # residue-major latent cache (KVPool); 0: cp_size
     max_queue: int = 256  # waiting requests beyond this many get 429
+    device: str = "cpu"  # cpu | cuda (engine/device.py)
+    gpu_ids: tuple[int, ...] = ()  # cuda: rank r uses gpu_ids[r] (default r)
+    attention_ops: str = "auto"  # auto | torch | flashinfer (engine/attn_ops.py)
 
     def __post_init__(self):
         if self.max_queue < 1:
@@ -68,6 +72,7 @@ class PrefillServerConfig:
         if self.shutdown_grace_s < 0:
             raise ValueError(f"--shutdown-grace must be >= 0, got {self.shutdown_grace_s}")
         check_transfer(self.transfer)
+        check_device_fields(self, self.cp_size)
 
     def validate_model(self) -> None:
         """Checks that need the checkpoint's config (a clear error before any rank starts)."""
@@ -87,8 +92,16 @@ class PrefillServerConfig:
             transfer=self.transfer,
             kv_residues=self.kv_residues or self.cp_size,
             frame_key=cluster_frame_key(self.internal_token),
+            device=self.device,
+            attention_ops=self.attention_ops,
         )
-        launch = LaunchConfig(self.cp_size, self.dist_port, threads_per_rank=self.threads_per_rank)
+        launch = LaunchConfig(
+            self.cp_size,
+            self.dist_port,
+            threads_per_rank=self.threads_per_rank,
+            device=self.device,
+            gpu_ids=self.gpu_ids,
+        )
         return PrefillInstance(worker, launch, page_size=self.page_size, chunk_size=self.chunk_size)
 
 

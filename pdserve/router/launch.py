@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 
 from ..engine.auth import INTERNAL_TOKEN_ENV, new_token
+from ..engine.placement import check_attention_ops, check_device
 from .config import ADMIN_TOKEN_ENV
 from .supervise import RESTART_POLICIES, Supervisor
 
@@ -55,6 +56,11 @@ class StackConfig:
     ready_timeout_s: float = 600.0
     restart: str = "on-failure"  # a dead instance: on-failure (start it again) | never (stop the stack)
     shutdown_grace_s: float = 30.0  # each instance's --shutdown-grace
+    device: str = "cpu"  # every instance's --device (engine/device.py)
+    gpu_ids: tuple[
+        int, ...
+    ] = ()  # cuda: one per rank of the whole stack, prefill instances first; default 0..
+    attention_ops: str = "auto"  # every instance's --attention-ops
     # one per stack, in the children's environment
     internal_token: str = field(default_factory=new_token, repr=False)
 
@@ -68,6 +74,27 @@ class StackConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.decode_tp % self.decode_dcp:
             raise ValueError(f"--decode-dcp {self.decode_dcp} must divide --decode-tp {self.decode_tp}")
+        object.__setattr__(self, "gpu_ids", tuple(self.gpu_ids))
+        check_device(self.device)
+        if self.gpu_ids and (self.device != "cuda" or len(self.gpu_ids) != self.total_ranks):
+            raise ValueError(
+                f"--gpu-ids needs --device cuda and one GPU per rank of the stack ({self.total_ranks}), "
+                f"got {len(self.gpu_ids)}"
+            )
+        check_attention_ops(self.attention_ops)
+
+    @property
+    def total_ranks(self) -> int:
+        return self.prefill_instances * self.prefill_cp + self.decode_instances * self.decode_tp
+
+    def instance_gpus(self, role: str, index: int) -> tuple[int, ...]:
+        """The GPUs of one instance: consecutive ranks of the stack, prefill instances first."""
+        gpus = self.gpu_ids or tuple(range(self.total_ranks))
+        if role == "prefill":
+            start, n = index * self.prefill_cp, self.prefill_cp
+        else:
+            start, n = self.prefill_instances * self.prefill_cp + index * self.decode_tp, self.decode_tp
+        return gpus[start : start + n]
 
 
 @dataclass
@@ -131,15 +158,23 @@ class Stack:
 
     def start_instances(self) -> tuple[list[Child], list[Child]]:
         prefill = [
-            self._start_instance(f"prefill-{i}", self._prefill_args)
+            self._start_instance(f"prefill-{i}", self._prefill_args, self._device_args("prefill", i))
             for i in range(self.cfg.prefill_instances)
         ]
         decode = [
-            self._start_instance(f"decode-{i}", self._decode_args) for i in range(self.cfg.decode_instances)
+            self._start_instance(f"decode-{i}", self._decode_args, self._device_args("decode", i))
+            for i in range(self.cfg.decode_instances)
         ]
         return prefill, decode
 
-    def _start_instance(self, name: str, role_args: Callable[[], list[str]]) -> Child:
+    def _device_args(self, role: str, index: int) -> list[str]:
+        c = self.cfg
+        args = ["--device", c.device, "--attention-ops", c.attention_ops]
+        if c.device == "cuda":
+            args += ["--gpu-ids", ",".join(str(g) for g in c.instance_gpus(role, index))]
+        return args
+
+    def _start_instance(self, name: str, role_args: Callable[[], list[str]], device_args: list[str]) -> Child:
         c, port = self.cfg, free_port()
         kv = ["--max-kv-tokens", str(c.max_kv_tokens)] if c.max_kv_tokens else []
         return self._spawn(
@@ -156,6 +191,7 @@ class Stack:
                 c.transfer,
                 "--shutdown-grace",
                 f"{c.shutdown_grace_s:g}",
+                *device_args,
                 *kv,
             ],
             port,
