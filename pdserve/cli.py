@@ -35,7 +35,8 @@ def make_model_cmd(
     ),
     arch: Arch = typer.Option(Arch.glm_moe_dsa, help="Architecture (Hugging Face model_type)."),
     size: Size = typer.Option(
-        Size.tiny, help="tiny: for tests (seconds); small: for benchmarks (tens of millions of parameters)."
+        Size.tiny,
+        help="tiny: for tests (seconds); small: for benchmarks (tens of millions of parameters); mla: the released MLA dims (kv_lora_rank 512, rope 64, top-k 2048) in 2 layers, for the GPU kernel checks.",
     ),
     seed: int = typer.Option(0, help="Random seed; the same seed writes byte-identical files."),
     max_shard_mb: Optional[float] = typer.Option(

@@ -29,6 +29,7 @@ class Arch(str, Enum):
 class Size(str, Enum):
     tiny = "tiny"
     small = "small"
+    mla = "mla"
 
 
 class Quantize(str, Enum):

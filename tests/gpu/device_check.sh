@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The prepared device check of the CUDA path (README, "GPU"): installs the carried wheels, prints
+# the environment, runs tests/gpu and writes a JSON summary. Budget: under 5 minutes on one GPU.
+#
+# usage: tests/gpu/device_check.sh [WHEEL_DIR] [OUT_JSON]
+#   WHEEL_DIR  wheels to install (tests/gpu/fetch_wheels.sh makes them; *.whl.part-NN files are
+#              joined first); installed with --no-index --no-deps into .gpu-site/ (gitignored), which
+#              stays between calls while the machine is warm, so the wheels can come in several calls
+#   OUT_JSON   default: $OUT/device_check.json when $OUT is set (the device tool's output folder),
+#              else bench/results/device_check.json
+# Exit status: pytest's (0 only when every collected check passed).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PY:-python3}
+WHEELS=${1:-}
+if [ -n "${2:-}" ]; then OUT_JSON=$2; elif [ -n "${OUT:-}" ]; then OUT_JSON=$OUT/device_check.json; else OUT_JSON=bench/results/device_check.json; fi
+SITE=$PWD/.gpu-site
+START=$(date +%s)
+mkdir -p "$SITE" "$(dirname "$OUT_JSON")"
+
+if [ -n "$WHEELS" ]; then
+    for part in $(find "$WHEELS" -name '*.whl.part-00'); do
+        whl=${part%.part-00}
+        cat "$whl".part-* > "$SITE/$(basename "$whl")"
+    done
+    wheels=$(find "$WHEELS" "$SITE" -maxdepth 2 -name '*.whl')
+    if [ -n "$wheels" ]; then
+        $PY -m pip install --quiet --no-index --no-deps --upgrade --target "$SITE" $wheels || echo "warning: pip install failed"
+        rm -f "$SITE"/*.whl
+    fi
+fi
+export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+unset PYTORCH_CUDA_ALLOC_CONF  # no expandable segments: NIXL registers pool memory
+# UCX's CUDA transports (cuda_copy, cuda_ipc) ship inside the nixl-cu13 wheel
+ucx=$(find "$SITE" $($PY -c 'import site; print(" ".join(site.getsitepackages()))') -name 'libuct_cuda*.so*' 2>/dev/null | head -1)
+if [ -n "$ucx" ]; then export UCX_MODULE_DIR=$(dirname "$ucx"); fi
+
+ENV_JSON=$(mktemp)
+$PY - "$ENV_JSON" <<'PYEOF'
+import importlib.metadata as md, json, os, platform, subprocess, sys
+import torch
+env = {"python": sys.version.split()[0], "platform": platform.platform(), "torch": torch.__version__,
+       "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
+       "ucx_module_dir": os.environ.get("UCX_MODULE_DIR")}
+if torch.cuda.is_available():
+    env.update(gpu=torch.cuda.get_device_name(0), capability=list(torch.cuda.get_device_capability(0)),
+               gpus=torch.cuda.device_count(), nccl=".".join(map(str, torch.cuda.nccl.version())))
+for tool, args in (("nvcc", ["nvcc", "--version"]), ("nvidia_smi", ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"])):
+    try:
+        env[tool] = subprocess.run(args, capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[-1]
+    except Exception as e:
+        env[tool] = f"unavailable: {e}"
+pkgs = {}
+for name in ("pytest", "nixl-cu13", "flashinfer-python", "safetensors", "tokenizers", "msgpack", "pyzmq"):
+    try:
+        pkgs[name] = md.version(name)
+    except md.PackageNotFoundError:
+        pkgs[name] = None
+env["packages"] = pkgs
+print(json.dumps(env, indent=1))
+json.dump(env, open(sys.argv[1], "w"))
+PYEOF
+
+JUNIT=$(mktemp --suffix .xml)
+timeout 270 $PY -m pytest tests/gpu -q -rA --confcutdir=tests/gpu -p no:cacheprovider --junitxml="$JUNIT"
+RC=$?
+$PY tests/gpu/summary.py "$JUNIT" "$ENV_JSON" "$OUT_JSON" "$RC" "$(( $(date +%s) - START ))"
+exit $RC
