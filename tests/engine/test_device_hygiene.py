@@ -17,6 +17,9 @@ from pdserve.engine.request import SamplingParams
 from pdserve.model.random_checkpoint import make_model
 from pdserve.model.weights import load_model
 from pdserve.prefill_server.cp_backend import ChunkPlan, CPBackend
+from pdserve.transfer.plan import Run
+from pdserve.transfer.room import SLICE_RUNS
+from pdserve.transfer.tcp import pack_rows
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +101,8 @@ def test_dcp_backend_under_meta_default(model, index_mode):
 
 
 def test_pool_packing_under_meta_default(model):
-    """What a hand-off sender does with the pool: write, span, read_into a staging buffer."""
+    """What a hand-off sender does with the pool: write, span, read_into a staging buffer, and the
+    senders' packing of plan runs (a few runs: slice copies; many: one gather of run_rows)."""
     cfg = model.config
     with _MetaDefault():
         pool = KVPool(cfg, 64, torch.float32, device="cpu", residues=2)
@@ -109,5 +113,12 @@ def test_pool_packing_under_meta_default(model):
         pool.read_into("kv", 0, rows[::2], staging)
         span = pool.span("kv", 0, 0, 5, 2)
         pool.read_into("kv", 0, slice(0, 10, 2), staging)
+        few = torch.empty(6, cfg.kv_entry_dim, device="cpu")
+        pack_rows(pool, "kv", 0, [Run(0, 0, 3, 2), Run(1, 3, 3, 1)], few)
+        many_runs = [Run(i % 10, i, 1) for i in range(SLICE_RUNS + 1)]
+        many = torch.empty(len(many_runs), cfg.kv_entry_dim, device="cpu")
+        pack_rows(pool, "kv", 0, many_runs, many)
     torch.testing.assert_close(staging, kv[::2])
     torch.testing.assert_close(span, kv[::2])
+    torch.testing.assert_close(few, kv[[0, 2, 4, 1, 2, 3]])
+    torch.testing.assert_close(many, kv[[i % 10 for i in range(SLICE_RUNS + 1)]])
