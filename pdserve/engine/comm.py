@@ -61,12 +61,16 @@ class GlooComm:
 
     def all_to_all(self, send: torch.Tensor) -> torch.Tensor:
         """send [size, ...]: part j goes to rank j -> recv [size, ...]: part j came from rank j."""
+        if self.size == 1:
+            return send.clone()
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send.contiguous(), group=self.group)
         return recv
 
     def reduce_scatter(self, send: torch.Tensor) -> torch.Tensor:
         """send [size, ...]: part j is this rank's contribution to rank j -> the sum of my parts."""
+        if self.size == 1:
+            return send[0].clone()
         recv = send.new_empty(tuple(send.shape[1:]))
         flat = send.contiguous().view((-1,) + tuple(send.shape[2:]))  # [size * n, ...]: gloo's layout
         REDUCE_SCATTER_FLAT(recv, flat, group=self.group)
@@ -212,7 +216,7 @@ def make_comm(kind: str, rank: int, size: int, group=None, device_comm: str = "c
     "host" the CPU comm `kind` wrapped in HostComm (ranks sharing a GPU, or a single GPU rank)."""
     if kind not in CPU_COMMS:
         raise ValueError(f"--cpu-comm must be one of {', '.join(CPU_COMMS)}, got {kind!r}")
-    if device_comm == "nccl":
+    if device_comm == "nccl" or (device_comm == "host" and size == 1):  # one rank: nothing crosses
         return GlooComm(rank, size, group)
     if device_comm == "host":
         return HostComm(make_comm(kind, rank, size, group), torch.device("cuda", torch.cuda.current_device()))

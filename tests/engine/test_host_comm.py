@@ -51,3 +51,13 @@ def test_host_comm_equals_gloo():
     mp.start_processes(_worker, args=(free_port(), results), nprocs=2, start_method="spawn")
     got = sorted(results.get(timeout=5) for _ in range(2))
     assert got == [(0, "ok"), (1, "ok")]
+
+
+def test_one_rank_needs_no_copies_and_no_process_group():
+    """A single GPU rank gets the plain comm (nothing crosses ranks, nothing is copied to the host),
+    and its collectives work without a process group."""
+    comm = make_comm("auto", 0, 1, device_comm="host")
+    assert type(comm) is GlooComm
+    x = torch.arange(6.0).view(1, 2, 3)
+    assert torch.equal(comm.all_to_all(x), x) and torch.equal(comm.reduce_scatter(x), x[0])
+    assert torch.equal(comm.all_gather(x[0]), x) and comm.all_reduce(x) is x
