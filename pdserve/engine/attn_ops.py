@@ -22,9 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model.kernels import attend, merge_attention, topk_earliest
-from .placement import ATTENTION_OPS, check_attention_ops
-
-__all__ = ["ATTENTION_OPS", "select_attention_ops", "make_attention_ops", "TorchOps"]
+from .placement import check_attention_ops
 
 FLASHINFER_VERSION = "0.7.4"  # pyproject.toml's `cuda` extra pins the same; its API changes between minors
 FLASHINFER_DTYPES = ("bfloat16", "float16")

@@ -15,9 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .placement import DEVICES, check_attention_ops, check_device, parse_gpu_ids
-
-__all__ = ["DEVICES", "parse_gpu_ids", "check_devices", "DevicePlan"]
+from .placement import check_attention_ops, check_device, parse_gpu_ids
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,8 @@ from pdserve.engine.attn_ops import (
     TorchOps,
     select_attention_ops,
 )
-from pdserve.engine.device import DevicePlan, check_devices, parse_gpu_ids
+from pdserve.engine.device import DevicePlan, check_devices
+from pdserve.engine.placement import parse_gpu_ids
 
 H100, A100, T4 = (9, 0), (8, 0), (7, 5)
 GOOD = dict(
