@@ -176,7 +176,18 @@ def device_args(device: Device, gpu_ids: Optional[str]) -> dict:
 
 
 def check_gpus(cfg, world_size: int) -> None:
-    """Before anything starts: the GPUs the ranks need exist (else a clear error, never a fallback)."""
-    from .engine.device import check_devices
+    """Before anything starts: the GPUs the ranks need exist, and `--attention-ops flashinfer` can
+    run there (else a clear error, never a fallback)."""
+    import torch
 
-    check_devices(cfg.device, world_size, cfg.gpu_ids)
+    from .engine.attn_ops import gather_facts, select_attention_ops
+    from .engine.device import check_devices
+    from .engine.llm_engine import parse_dtype
+    from .model.config import ModelConfig
+
+    plan = check_devices(cfg.device, world_size, cfg.gpu_ids)
+    if cfg.attention_ops == "flashinfer":
+        dev = torch.device("cuda", plan.gpus[0]) if plan.device == "cuda" else torch.device("cpu")
+        mcfg = ModelConfig.from_pretrained(cfg.model)
+        kv = getattr(cfg, "kv_cache_dtype", "auto")
+        select_attention_ops("flashinfer", gather_facts(dev, parse_dtype(cfg.dtype), mcfg, kv))

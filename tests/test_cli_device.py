@@ -48,6 +48,11 @@ def test_cuda_without_a_gpu_is_a_startup_error(ckpt, cmd):
     [
         (("generate", "--token-ids", "1", "--attention-ops", "flashinfer"), "flashinfer needs --device cuda"),
         (("generate", "--token-ids", "1", "--gpu-ids", "0"), "--gpu-ids needs --device cuda"),
+        (("prefill", "--attention-ops", "flashinfer"), "flashinfer needs --device cuda"),
+        (
+            ("decode", "--attention-ops", "flashinfer", "--max-kv-tokens", "64"),
+            "flashinfer needs --device cuda",
+        ),
         (
             ("prefill", "--gpu-ids", "0,1", "--device", "cuda", "--check-config"),
             "lists 2 GPU(s) for 1 rank(s)",
