@@ -19,13 +19,27 @@ START=$(date +%s)
 mkdir -p "$SITE" "$(dirname "$OUT_JSON")"
 
 if [ -n "$WHEELS" ]; then
-    for part in $(find "$WHEELS" -name '*.whl.part-00'); do
-        whl=${part%.part-00}
-        cat "$whl".part-* > "$SITE/$(basename "$whl")"
+    # parts of a split wheel may come in different calls: they wait in .gpu-site/parts/ until the
+    # joined file is a whole zip (its central directory is at the end)
+    mkdir -p "$SITE/parts"
+    find "$WHEELS" -name '*.whl.part-*' -exec cp {} "$SITE/parts/" \;
+    for part in "$SITE"/parts/*.whl.part-00; do
+        [ -e "$part" ] || continue
+        whl=$SITE/$(basename "${part%.part-00}")
+        cat "${part%.part-00}".part-* > "$whl"
+        if $PY -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1])' "$whl" 2>/dev/null; then
+            rm -f "${part%.part-00}".part-*
+        else
+            echo "$(basename "$whl"): not all parts are here yet"; rm -f "$whl"
+        fi
     done
-    wheels=$(find "$WHEELS" "$SITE" -maxdepth 2 -name '*.whl')
+    wheels=$(find "$WHEELS" "$SITE" -maxdepth 1 -name '*.whl')
     if [ -n "$wheels" ]; then
-        $PY -m pip install --quiet --no-index --no-deps --upgrade --target "$SITE" $wheels || echo "warning: pip install failed"
+        if $PY -m pip --version >/dev/null 2>&1; then
+            $PY -m pip install --quiet --no-index --no-deps --upgrade --target "$SITE" $wheels || echo "warning: pip install failed"
+        else  # no pip: a wheel is a zip of its installed files
+            for w in $wheels; do $PY -m zipfile -e "$w" "$SITE"; done
+        fi
         rm -f "$SITE"/*.whl
     fi
 fi
