@@ -8,6 +8,7 @@
 #              stays between calls while the machine is warm, so the wheels can come in several calls
 #   OUT_JSON   default: $OUT/device_check.json when $OUT is set (the device tool's output folder),
 #              else bench/results/device_check.json
+#   INSTALL_ONLY=1 in the environment: install and stop (an earlier call of a multi-call carry)
 # Exit status: pytest's (0 only when every collected check passed).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -43,6 +44,7 @@ if [ -n "$WHEELS" ]; then
         rm -f "$SITE"/*.whl
     fi
 fi
+if [ -n "${INSTALL_ONLY:-}" ]; then echo "installed into $SITE"; exit 0; fi
 export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 unset PYTORCH_CUDA_ALLOC_CONF  # no expandable segments: NIXL registers pool memory
 # UCX's CUDA transports (cuda_copy, cuda_ipc) ship inside the nixl-cu13 wheel
