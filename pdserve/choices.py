@@ -19,6 +19,7 @@ class Arch(str, Enum):
 class Size(str, Enum):
     tiny = "tiny"
     small = "small"
+    mla = "mla"  # the real MLA dims (kv_lora_rank 512, rope 64), 2 layers: the flashinfer checks
 
 
 class Quantize(str, Enum):
@@ -34,6 +35,17 @@ class ModelDType(str, Enum):
 class KVCacheDType(str, Enum):
     auto = "auto"
     fp8_e4m3 = "fp8_e4m3"
+
+
+class Device(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class AttentionOps(str, Enum):
+    auto = "auto"
+    torch = "torch"
+    flashinfer = "flashinfer"
 
 
 class Transfer(str, Enum):

@@ -14,7 +14,8 @@ import typer
 from .admin_cli import admin_app
 from .choices import Arch, Quantize, Size
 from .choices import ModelDType as DType
-from .cli_common import app, ensure_builtin_model, fail
+from .cli_common import AttentionOpsOpt, DeviceOpt, GpuIdsOpt, app, device_args, ensure_builtin_model, fail
+from .flags import DTYPE_HELP
 
 
 @app.command("make-model")
@@ -24,7 +25,8 @@ def make_model_cmd(
     ),
     arch: Arch = typer.Option(Arch.glm_moe_dsa, help="Architecture (Hugging Face model_type)."),
     size: Size = typer.Option(
-        Size.tiny, help="tiny: for tests (seconds); small: for benchmarks (tens of millions of parameters)."
+        Size.tiny,
+        help="tiny: for tests (seconds); small: for benchmarks (tens of millions of parameters); mla: the released MLA dims (kv_lora_rank 512, rope 64, top-k 2048) in 2 layers, for the GPU kernel checks.",
     ),
     seed: int = typer.Option(0, help="Random seed; the same seed writes byte-identical files."),
     max_shard_mb: Optional[float] = typer.Option(
@@ -109,7 +111,10 @@ def generate(
     ),
     top_k: int = typer.Option(0, min=0, help="Keep only the k most likely tokens; 0 disables."),
     seed: Optional[int] = typer.Option(None, help="Seed for sampling (ignored when greedy)."),
-    dtype: DType = typer.Option(DType.float32, help="Weights, activations and KV cache dtype."),
+    dtype: Optional[DType] = typer.Option(None, help=DTYPE_HELP),
+    device: DeviceOpt = "cpu",
+    gpu_ids: GpuIdsOpt = None,
+    attention_ops: AttentionOpsOpt = "auto",
     threads: int = typer.Option(0, min=0, help="torch threads; 0 means one per CPU core."),
     ignore_eos: bool = typer.Option(False, help="Keep generating past the end-of-sequence token."),
     as_json: bool = typer.Option(
@@ -121,12 +126,21 @@ def generate(
     """Run the single-rank engine on one prompt and print the generated text."""
     import torch
 
+    from .engine.device import check_devices, default_dtype
     from .engine.llm_engine import LLMEngine
     from .engine.request import SamplingParams
     from .model.tokenizer import Tokenizer
 
     if (prompt is None) == (token_ids is None):
         fail("give exactly one of --prompt or --token-ids")
+    dev = device_args(device, gpu_ids)
+    try:
+        plan = check_devices(dev["device"], 1, dev["gpu_ids"])  # one rank: --gpu-ids names one GPU
+    except ValueError as e:
+        fail(str(e))
+    torch_device = torch.device("cuda", plan.gpus[0]) if plan.device == "cuda" else torch.device("cpu")
+    if plan.device == "cuda":
+        torch.cuda.set_device(torch_device)
     torch.set_num_threads(threads or os.cpu_count() or 1)
     model_dir = model or ensure_builtin_model()
     if not (model_dir / "config.json").is_file():
@@ -148,7 +162,14 @@ def generate(
             seed=seed,
             ignore_eos=ignore_eos,
         )
-        engine = LLMEngine.from_pretrained(model_dir, dtype.value, max_kv_tokens=len(ids) + max_new_tokens)
+        engine = LLMEngine.from_pretrained(
+            model_dir,
+            dtype.value if dtype else default_dtype(plan.device),
+            device=torch_device,
+            max_kv_tokens=len(ids) + max_new_tokens,
+            attention_ops=attention_ops.value,
+            announce="generate",
+        )
         out = engine.generate([ids], params)[0]
     except ValueError as e:
         fail(str(e))

@@ -11,6 +11,9 @@ from typing import Annotated, Optional
 
 import typer
 
+from .choices import AttentionOps, Device
+from .flags import ATTENTION_OPS_HELP, DEVICE_HELP, GPU_IDS_HELP
+
 app = typer.Typer(
     help="pdserve: disaggregated prefill/decode serving for long-context MLA + sparse-attention models.",
     no_args_is_help=True,
@@ -85,3 +88,39 @@ def fail(msg: str) -> None:
 
 # the option every server command declares beside its config's fields
 InternalTokenFileOpt = Annotated[Optional[Path], typer.Option(help=INTERNAL_TOKEN_FILE_HELP)]
+
+
+# generate's device options (the servers' and up's come from their config fields)
+DeviceOpt = Annotated[Device, typer.Option(help=DEVICE_HELP)]
+GpuIdsOpt = Annotated[Optional[str], typer.Option(help=GPU_IDS_HELP)]
+AttentionOpsOpt = Annotated[AttentionOps, typer.Option(help=ATTENTION_OPS_HELP)]
+
+
+def gpu_ids_value(text: Optional[str]) -> tuple[int, ...]:
+    """--gpu-ids "0,1" -> (0, 1) (engine/placement.py)."""
+    from .engine.placement import parse_gpu_ids
+
+    return parse_gpu_ids(text)
+
+
+def device_args(device: Device, gpu_ids: Optional[str]) -> dict:
+    """The config fields of --device / --gpu-ids (engine/device.py)."""
+    return {"device": device.value, "gpu_ids": gpu_ids_value(gpu_ids)}
+
+
+def check_gpus(cfg, world_size: int) -> None:
+    """Before anything starts: the GPUs the ranks need exist, and `--attention-ops flashinfer` can
+    run there (else a clear error, never a fallback)."""
+    import torch
+
+    from .engine.attn_ops import gather_facts, select_attention_ops
+    from .engine.device import check_devices
+    from .engine.llm_engine import parse_dtype
+    from .model.config import ModelConfig
+
+    plan = check_devices(cfg.device, world_size, cfg.gpu_ids)
+    if cfg.attention_ops == "flashinfer":
+        dev = torch.device("cuda", plan.gpus[0]) if plan.device == "cuda" else torch.device("cpu")
+        mcfg = ModelConfig.from_pretrained(cfg.model)
+        kv = getattr(cfg, "kv_cache_dtype", "auto")
+        select_attention_ops("flashinfer", gather_facts(dev, parse_dtype(cfg.dtype), mcfg, kv))

@@ -12,7 +12,16 @@ from typing import Optional
 import typer
 
 from .admin_cli import parse_bytes
-from .cli_common import InternalTokenFileOpt, app, fail, internal_token, masked, model_arg
+from .cli_common import (
+    InternalTokenFileOpt,
+    app,
+    check_gpus,
+    fail,
+    gpu_ids_value,
+    internal_token,
+    masked,
+    model_arg,
+)
 from .decode_server.config import DecodeServerConfig
 from .flags import config_command
 from .prefill_server.config import PrefillServerConfig
@@ -27,6 +36,8 @@ def _server_values(values: dict, token_file, check_config: bool) -> dict:
     """The values that need more than a copy: the model (--check-config never builds one), the token."""
     values["model"] = str(model_arg(values["model"], check_config))
     values["internal_token"] = internal_token(values["internal_token"], token_file, check_config)
+    values["gpu_ids"] = gpu_ids_value(values["gpu_ids"])
+    values["dtype"] = values["dtype"] or ""  # the device's default (engine/placement.py)
     return values
 
 
@@ -41,6 +52,8 @@ def prefill(
     try:
         cfg = PrefillServerConfig(**_server_values(values, internal_token_file, check_config))
         cfg.validate_model()
+        if not check_config:
+            check_gpus(cfg, cfg.cp_size)
         if check_config:
             from .check_plan import echo_plan, prefill_plan
 
@@ -74,6 +87,8 @@ def decode(
             values["kv_memory"] = parse_bytes(values["kv_memory"])
         cfg = DecodeServerConfig(**_server_values(values, internal_token_file, check_config))
         cfg.validate_model()
+        if not check_config:
+            check_gpus(cfg, cfg.tp_size)
         num_slots = cfg.num_slots()
         if check_config:
             from .check_plan import decode_plan, echo_plan

@@ -80,6 +80,10 @@ def up(
                 "internal_token": stack_token(values["internal_token"], internal_token_file),
             }
         )
+        if not check_config and cfg.device == "cuda":  # the GPUs exist, before any process starts
+            from .engine.device import check_devices
+
+            check_devices("cuda", cfg.total_ranks, cfg.gpu_ids or ())
     except ValueError as e:
         fail(str(e))
     if not (Path(cfg.model) / "config.json").is_file():

@@ -26,6 +26,20 @@ SHUTDOWN_GRACE_HELP = (
     "(draining) at once; what still runs at the end gets an error; then exit 0. A second "
     "signal cuts it short."
 )
+DTYPE_HELP = "Weights, activations and KV cache dtype. Default: float32 on cpu, bfloat16 on cuda."
+DEVICE_HELP = (
+    "Where the ranks run: cpu, or cuda (rank r on the r-th GPU of --gpu-ids; NCCL between ranks on "
+    "distinct GPUs, the host comm for ranks sharing one). A GPU that is missing is a startup error."
+)
+GPU_IDS_HELP = (
+    "--device cuda: comma-separated GPU ordinals, one per rank (e.g. 0,0 puts two ranks on GPU 0). "
+    "Default: rank r uses GPU r."
+)
+ATTENTION_OPS_HELP = (
+    "Attention kernels: torch (any device and dtype), flashinfer (CUDA, bf16/fp16, MLA dims 512 + 64, "
+    "flashinfer-python installed) or auto (flashinfer where it can run, else torch). The choice and its "
+    "reason are printed at startup; flashinfer where it cannot run is an error."
+)
 INTERNAL_TOKEN_HELP = (
     "The internal token that authenticates pdserve's own processes to each other (instance HTTP "
     "APIs, side channel, data path); the same on the router and every instance. Default: "

@@ -7,9 +7,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from ..choices import CpuComm, DcpComm, DcpIndex, KVCacheDType, ModelDType, Transfer, check
+from ..choices import (
+    AttentionOps,
+    CpuComm,
+    DcpComm,
+    DcpIndex,
+    Device,
+    KVCacheDType,
+    ModelDType,
+    Transfer,
+    check,
+)
 from ..engine import capacity
-from ..flags import INTERNAL_TOKEN_HELP, MODEL_HELP, SHUTDOWN_GRACE_HELP, option
+from ..engine.placement import check_device_fields
+from ..flags import (
+    ATTENTION_OPS_HELP,
+    DEVICE_HELP,
+    GPU_IDS_HELP,
+    INTERNAL_TOKEN_HELP,
+    MODEL_HELP,
+    SHUTDOWN_GRACE_HELP,
+    option,
+)
 from ..model.config import ModelConfig
 
 DEFAULT_MAX_KV_TOKENS = 65536
@@ -64,11 +83,16 @@ class DecodeServerConfig:
     host: str = option("127.0.0.1", "Address the HTTP API listens on.")
     port: int = option(8200, "Port of the HTTP API.")
     dist_port: int = option(29600, "TCP port the ranks use to form their torch.distributed group.")
-    dtype: str = option(
-        "float32",
-        "Weights and activations dtype (and KV cache dtype when --kv-cache-dtype is auto).",
-        choices=ModelDType,
+    dtype: str = option(  # "": float32 on cpu, bfloat16 on cuda (filled in by __post_init__)
+        "",
+        "Weights and activations dtype (and KV cache dtype when --kv-cache-dtype is auto). Default: float32 on "
+        "cpu, bfloat16 on cuda.",
+        cli_type=Optional[ModelDType],
+        cli_default=None,
     )
+    device: str = option("cpu", DEVICE_HELP, choices=Device)
+    gpu_ids: tuple[int, ...] = option((), GPU_IDS_HELP, cli_type=Optional[str], cli_default=None)
+    attention_ops: str = option("auto", ATTENTION_OPS_HELP, choices=AttentionOps)
     threads_per_rank: int = option(
         1, "torch threads in each rank process (and in the server's local prefill).", min=1
     )
@@ -116,6 +140,8 @@ class DecodeServerConfig:
             raise ValueError(f"--dcp-size {self.dcp_size} must divide --tp-size {self.tp_size} (both >= 1)")
         check(self.dcp_index, DcpIndex, "--dcp-index")
         check(self.kv_cache_dtype, KVCacheDType, "--kv-cache-dtype")
+        check_device_fields(self, self.tp_size)  # fills dtype "" with the device's default
+        check(self.dtype, ModelDType, "--dtype")
         capacity.dtype_bytes(self.dtype)
         check(self.dcp_comm, DcpComm, "--dcp-comm")
         if self.page_size < 1 or self.page_size % self.dcp_size:  # pages are C_d-wide (invariant 4)

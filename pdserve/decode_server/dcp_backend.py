@@ -23,9 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from ..choices import DcpComm, DcpIndex, values
+from ..engine.attn_ops import TorchOps
 from ..model.backend import IndexerInputs
 from ..model.config import ModelConfig
-from ..model.kernels import attend, index_scores, merge_attention, topk_earliest
+from ..model.kernels import index_scores
 
 INDEX_MODES = values(DcpIndex)
 COMM_MODES = values(DcpComm)
@@ -44,12 +45,16 @@ class DCPGroup:
 
 
 class DCPBackend:
-    def __init__(self, cfg: ModelConfig, pool, dcp: DCPGroup, index_mode: str, comm: str, replicate_q: bool):
+    def __init__(
+        self, cfg: ModelConfig, pool, dcp: DCPGroup, index_mode: str, comm: str, replicate_q: bool, ops=None
+    ):
         if index_mode not in INDEX_MODES or comm not in COMM_MODES:
             raise ValueError(
                 f"index mode {index_mode!r} / comm {comm!r} (allowed: {INDEX_MODES}, {COMM_MODES})"
             )
         self.cfg, self.pool, self.dcp = cfg, pool, dcp
+        self.ops = ops or TorchOps()  # engine/attn_ops.py
+        self.device = pool.kv.device
         self.index_mode, self.comm, self.replicate_q = index_mode, comm, replicate_q
         self.empty_selections = 0  # (request, layer) pairs where this rank selected no token
         self.selections: dict[int, torch.Tensor] = {}
@@ -58,18 +63,22 @@ class DCPBackend:
         C, me = self.dcp.size, self.dcp.rank
         lens = [s.numel() for s in batch.slots]
         smax = max(lens)
-        self._slots = torch.zeros(len(lens), smax, dtype=torch.int64)  # [B, Smax] global slots, 0-padded
+        dev = self.device
+        self._slots = torch.zeros(
+            len(lens), smax, dtype=torch.int64, device=dev
+        )  # [B, Smax] global slots, 0-padded
         for i, s in enumerate(batch.slots):
             self._slots[i, : lens[i]] = s
-        self._valid = torch.arange(smax)[None, :] < torch.tensor(lens)[:, None]  # [B, Smax]
+        lens_t = torch.tensor(lens, device=dev)
+        self._valid = torch.arange(smax, device=dev)[None, :] < lens_t[:, None]  # [B, Smax]
         # positions this rank may own; none when its first one is past every context (a short
         # request alone in the batch): an empty rank still joins every collective, with lse = -inf
-        own_pos = torch.arange(me, max(me, smax), C)
+        own_pos = torch.arange(me, max(me, smax), C, device=dev)
         self._own_pos = own_pos.expand(len(lens), -1)  # [B, N]
         self._own_valid = self._valid[:, own_pos]
         self._own_rows = self._slots[:, own_pos] // C
-        last = torch.tensor(lens) - 1
-        new_slots = self._slots[torch.arange(len(lens)), last]
+        last = lens_t - 1
+        new_slots = self._slots[torch.arange(len(lens), device=dev), last]
         self._new_mine = (last % C) == me
         self._new_rows = new_slots // C
         self._new_slots = new_slots
@@ -84,7 +93,7 @@ class DCPBackend:
         q_group = q if (self.replicate_q or self.dcp.size == 1) else self._gather_heads(q)  # [B, Hg, D]
         keys, valid = self._keys(layer, index)
         self.empty_selections += int((valid.sum(-1) == 0).sum())
-        out, lse = attend(q_group, keys, valid, scale, self.cfg.kv_lora_rank)  # [B, Hg, c], [B, Hg]
+        out, lse = self.ops.attend(q_group, keys, valid, scale, self.cfg.kv_lora_rank)  # [B, Hg, c], [B, Hg]
         if self.dcp.size == 1:
             return out
         merged = self._merge_a2a(out, lse) if self.comm == "a2a" else self._merge_ag_rs(out, lse)
@@ -119,7 +128,7 @@ class DCPBackend:
     def _select_copy(self, layer: int, index: IndexerInputs) -> torch.Tensor:
         idx_keys = self.pool.read_index(layer, self._slots)  # [B, Smax, Di]: every token's key
         scores = index_scores(index.q, index.weights, idx_keys, index.softmax_scale)
-        return topk_earliest(scores, self._valid, self.cfg.index_topk)
+        return self.ops.topk(scores, self._valid, self.cfg.index_topk)
 
     def _select_split(self, layer: int, index: IndexerInputs) -> torch.Tensor:
         k = self.cfg.index_topk
@@ -133,7 +142,7 @@ class DCPBackend:
         order = torch.where(pos >= 0, pos, torch.full_like(pos, 1 << 62)).argsort(dim=-1)  # by position
         pos = pos.gather(1, order)
         score = every[..., 0].gather(1, order).to(scores.dtype)
-        pick = topk_earliest(score, pos >= 0, k)  # ties: the earlier position comes first in this order
+        pick = self.ops.topk(score, pos >= 0, k)  # ties: the earlier position comes first in this order
         return torch.where(pick >= 0, pos.gather(1, pick.clamp(min=0)), torch.full_like(pick, -1))
 
     def _candidates(self, scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,10 +150,11 @@ class DCPBackend:
         all padding when the rank owns no position yet (scores [B, 0])."""
         B = scores.shape[0]
         if scores.shape[1] == 0:
-            return torch.full((B, k), float("-inf"), dtype=scores.dtype), torch.full(
-                (B, k), -1, dtype=torch.int64
+            dev = scores.device
+            return torch.full((B, k), float("-inf"), dtype=scores.dtype, device=dev), torch.full(
+                (B, k), -1, dtype=torch.int64, device=dev
             )
-        local = topk_earliest(scores, self._own_valid, k)  # [B, k] indices into own tokens
+        local = self.ops.topk(scores, self._own_valid, k)  # [B, k] indices into own tokens
         ok, at = local >= 0, local.clamp(min=0)
         cand_score = torch.where(ok, scores.gather(1, at), torch.full_like(scores[:, :1], float("-inf")))
         cand_pos = torch.where(ok, self._own_pos.gather(1, at), torch.full_like(local, -1))
@@ -161,7 +171,7 @@ class DCPBackend:
         packed = torch.cat([out.to(lse.dtype), lse.unsqueeze(-1)], dim=-1)  # [B, Hg, c + 1]
         send = packed.view(B, C, Hg // C, c + 1).permute(1, 0, 2, 3).contiguous()  # [C, B, Hl, c + 1]
         recv = self.dcp.comm.all_to_all(send)  # recv[j]: group rank j's part of my slice
-        merged, _ = merge_attention(recv[..., :c], recv[..., c])
+        merged, _ = self.ops.merge(recv[..., :c], recv[..., c])
         return merged
 
     def _merge_ag_rs(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
+from ..engine.attn_ops import make_attention_ops
 from ..engine.comm import CPU_COMMS, make_comm
+from ..engine.device import check_devices, rank_device
 from ..engine.faults import check_fault
 from ..engine.kv_cache import KVPool
 from ..engine.llm_engine import parse_dtype
@@ -37,6 +39,9 @@ class DecodeWorkerConfig:
     kv_cache_dtype: str = "auto"
     float32_islands: bool = True
     cpu_comm: str = "auto"  # collectives between the ranks: shared memory or gloo (engine/comm.py)
+    device: str = "cpu"  # "cuda": the GPU the launcher selected for this rank (engine/device.py)
+    gpu_ids: tuple[int, ...] = ()  # the instance's GPUs (they decide NCCL or the host comm)
+    attention_ops: str = "auto"  # engine/attn_ops.py
     transfer: str = "tcp"  # KV hand-off data path: "tcp" | "nixl"
     data_host: str = "127.0.0.1"  # address the TCP receivers bind and advertise to prefill ranks
     transfer_quarantine_s: float = (
@@ -117,9 +122,14 @@ class DecodeRankWorker:
             raise ValueError(f"--dcp-size {cfg.dcp_size} must divide --tp-size {world}")
         self.rank, self.world, self.cfg = rank, world, cfg
         self.dtype = parse_dtype(cfg.dtype)
-        self.model = load_model(cfg.model_dir, self.dtype, float32_islands=cfg.float32_islands)
+        self.device = rank_device(cfg.device)
+        device_comm = check_devices(cfg.device, world, cfg.gpu_ids).comm
+        self.model = load_model(cfg.model_dir, self.dtype, self.device, float32_islands=cfg.float32_islands)
         self.mcfg = self.model.config
-        self.tp_comm = make_comm(cfg.cpu_comm, rank, world)
+        self.ops = make_attention_ops(
+            cfg.attention_ops, self.device, self.dtype, self.mcfg, cfg.kv_cache_dtype, f"decode rank {rank}"
+        )
+        self.tp_comm = make_comm(cfg.cpu_comm, rank, world, device_comm=device_comm)
         apply_decode_tp(self.model, rank, world, cfg.dcp_size, cfg.replicate_q, self.tp_comm)
         group = None
         for g in range(world // cfg.dcp_size):  # every rank creates every group, in the same order
@@ -130,7 +140,7 @@ class DecodeRankWorker:
         self.dcp = DCPGroup(
             rank % cfg.dcp_size,
             cfg.dcp_size,
-            make_comm(cfg.cpu_comm, rank % cfg.dcp_size, cfg.dcp_size, group),
+            make_comm(cfg.cpu_comm, rank % cfg.dcp_size, cfg.dcp_size, group, device_comm),
         )
         self._build(cfg.index_mode, cfg.comm)
         # KV hand-off data path (transfer/tcp.py or nixl.py): stores arriving rows into the current pool
@@ -151,10 +161,11 @@ class DecodeRankWorker:
             self.mcfg,
             rows,
             self.dtype,
+            self.device,
             kv_cache_dtype=cfg.kv_cache_dtype,
             index_slots=cfg.num_slots if index_mode == "copy" else rows,
         )
-        self.backend = DCPBackend(self.mcfg, self.pool, self.dcp, index_mode, comm, cfg.replicate_q)
+        self.backend = DCPBackend(self.mcfg, self.pool, self.dcp, index_mode, comm, cfg.replicate_q, self.ops)
 
     def info(self) -> DecodeRankInfo:
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -183,44 +194,46 @@ class DecodeRankWorker:
         if cmd == "info":
             return self.info()
         if cmd == "selections":  # the last step's selected positions per indexer layer (for checks)
-            return self.backend.selections
+            return {layer: sel.cpu() for layer, sel in self.backend.selections.items()}
         raise TypeError(f"unknown command {type(cmd).__name__}")
 
     def _own(self, slots: torch.Tensor) -> torch.Tensor:
         return slots % self.dcp.size == self.dcp.rank
 
     def load(self, cmd: LoadCmd) -> None:
-        slots = torch.tensor(cmd.slots, dtype=torch.int64)
+        dev = self.device
+        slots = torch.tensor(cmd.slots, dtype=torch.int64, device=dev)
         own = self._own(slots)
         rows = slots[own] // self.dcp.size
         for layer in range(self.mcfg.num_layers):
-            self.pool.write_kv(layer, rows, cmd.kv[layer][own])
+            self.pool.write_kv(layer, rows, cmd.kv[layer].to(dev)[own])
             if layer in cmd.index:
+                index = cmd.index[layer].to(dev)
                 if self.cfg.index_mode == "copy":
-                    self.pool.write_index(layer, slots, cmd.index[layer])
+                    self.pool.write_index(layer, slots, index)
                 else:
-                    self.pool.write_index(layer, rows, cmd.index[layer][own])
+                    self.pool.write_index(layer, rows, index[own])
 
     @torch.inference_mode()
     def step(self, cmd: StepCmd):
-        self.backend.begin(DecodeBatch(cmd.slots()))
-        positions = torch.tensor(cmd.lengths, dtype=torch.int64) - 1
-        hidden = self.model(
-            torch.tensor(cmd.token_ids, dtype=torch.int64), positions, self.backend
-        )  # [B, hidden]
+        dev = self.device
+        self.backend.begin(DecodeBatch([s.to(dev) for s in cmd.slots()]))
+        positions = torch.tensor(cmd.lengths, dtype=torch.int64, device=dev) - 1
+        ids = torch.tensor(cmd.token_ids, dtype=torch.int64, device=dev)
+        hidden = self.model(ids, positions, self.backend)  # [B, hidden]
         if self.rank == self.world - 1:  # after every collective: the other ranks still answer
             check_fault(cmd.request_ids)
-        return self.model.compute_logits(hidden) if self.rank == 0 else None
+        return self.model.compute_logits(hidden).cpu() if self.rank == 0 else None  # through a pipe
 
     def dump(self, cmd: DumpCmd) -> dict:
-        slots = torch.tensor(cmd.slots, dtype=torch.int64)
+        slots = torch.tensor(cmd.slots, dtype=torch.int64, device=self.device)
         own = self._own(slots)
         rows = slots[own] // self.dcp.size
         index = {}
         for layer in self.pool.index_row:
-            index[layer] = self.pool.read_index(layer, slots if self.cfg.index_mode == "copy" else rows)
+            index[layer] = self.pool.read_index(layer, slots if self.cfg.index_mode == "copy" else rows).cpu()
         return {
             "slots": slots[own].tolist(),
-            "kv": {l: self.pool.read_kv(l, rows) for l in self.pool.layers},
+            "kv": {l: self.pool.read_kv(l, rows).cpu() for l in self.pool.layers},
             "index": index,
         }

@@ -53,8 +53,17 @@ def build_instance(cfg: DecodeServerConfig) -> DecodeInstance:
         data_host=cfg.data_host,
         transfer_quarantine_s=cfg.transfer_quarantine_s,
         frame_key=cluster_frame_key(cfg.internal_token),
+        device=cfg.device,
+        gpu_ids=cfg.gpu_ids,
+        attention_ops=cfg.attention_ops,
     )
-    launch = LaunchConfig(cfg.tp_size, cfg.dist_port, threads_per_rank=cfg.threads_per_rank)
+    launch = LaunchConfig(
+        cfg.tp_size,
+        cfg.dist_port,
+        threads_per_rank=cfg.threads_per_rank,
+        device=cfg.device,
+        gpu_ids=cfg.gpu_ids,
+    )
     return DecodeInstance(worker, launch, page_size=cfg.page_size)
 
 

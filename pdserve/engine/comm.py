@@ -34,11 +34,15 @@ import torch.distributed as dist
 from ..choices import CpuComm, values
 
 CPU_COMMS = values(CpuComm)
+# torch >= 2.12 names them *_single; older builds (the GPU machine's 2.11) only have the *_tensor forms
+ALL_GATHER_FLAT = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER_FLAT = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _LINE = 64  # bytes between two ranks' flags: one cache line each
 
 
 class GlooComm:
-    """torch.distributed collectives of `group` (None: the whole world)."""
+    """torch.distributed collectives of `group` (None: the whole world): gloo on CPU tensors, NCCL
+    on CUDA tensors when the group has it (engine/device.py)."""
 
     def __init__(self, rank: int, size: int, group=None):
         self.rank, self.size, self.group = rank, size, group
@@ -48,7 +52,7 @@ class GlooComm:
         if self.size == 1:
             return x.unsqueeze(0)
         out = x.new_empty((self.size * x.shape[0],) + tuple(x.shape[1:]))
-        dist.all_gather_single(out, x.contiguous(), group=self.group)
+        ALL_GATHER_FLAT(out, x.contiguous(), group=self.group)
         return out.view((self.size,) + tuple(x.shape))
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -59,15 +63,19 @@ class GlooComm:
 
     def all_to_all(self, send: torch.Tensor) -> torch.Tensor:
         """send [size, ...]: part j goes to rank j -> recv [size, ...]: part j came from rank j."""
+        if self.size == 1:
+            return send.clone()
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send.contiguous(), group=self.group)
         return recv
 
     def reduce_scatter(self, send: torch.Tensor) -> torch.Tensor:
         """send [size, ...]: part j is this rank's contribution to rank j -> the sum of my parts."""
+        if self.size == 1:
+            return send[0].clone()
         recv = send.new_empty(tuple(send.shape[1:]))
         flat = send.contiguous().view((-1,) + tuple(send.shape[2:]))  # [size * n, ...]: gloo's layout
-        dist.reduce_scatter_single(recv, flat, group=self.group)
+        REDUCE_SCATTER_FLAT(recv, flat, group=self.group)
         return recv
 
     def close(self) -> None:
@@ -175,10 +183,45 @@ def _ordered_sum(parts: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def make_comm(kind: str, rank: int, size: int, group=None):
-    """`auto` is shared memory on x86 (every rank of an instance runs on its host), else gloo."""
+class HostComm:
+    """Collectives of CUDA tensors through host memory, for several ranks on one GPU (NCCL refuses
+    them): copy to host, the CPU comm `inner`, copy back to `device`."""
+
+    def __init__(self, inner, device: torch.device):
+        self.inner, self.device = inner, device
+        self.rank, self.size = inner.rank, inner.size
+
+    def _back(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.device, non_blocking=False)
+
+    def all_gather(self, x):
+        return self._back(self.inner.all_gather(x.cpu()))
+
+    def all_reduce(self, x):
+        x.copy_(self.inner.all_reduce(x.cpu().clone()))
+        return x
+
+    def all_to_all(self, send):
+        return self._back(self.inner.all_to_all(send.cpu()))
+
+    def reduce_scatter(self, send):
+        return self._back(self.inner.reduce_scatter(send.cpu()))
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def make_comm(kind: str, rank: int, size: int, group=None, device_comm: str = "cpu"):
+    """`auto` is shared memory on x86 (every rank of an instance runs on its host), else gloo.
+
+    device_comm (DevicePlan.comm): "cpu" as above; "nccl" torch.distributed on the ranks' GPUs;
+    "host" the CPU comm `kind` wrapped in HostComm (ranks sharing a GPU, or a single GPU rank)."""
     if kind not in CPU_COMMS:
         raise ValueError(f"--cpu-comm must be one of {', '.join(CPU_COMMS)}, got {kind!r}")
+    if device_comm == "nccl" or (device_comm == "host" and size == 1):  # one rank: nothing crosses
+        return GlooComm(rank, size, group)
+    if device_comm == "host":
+        return HostComm(make_comm(kind, rank, size, group), torch.device("cuda", torch.cuda.current_device()))
     if kind == "auto":
         kind = "shm" if platform.machine() in ("x86_64", "AMD64") else "gloo"
     if kind == "shm" and size > 1:

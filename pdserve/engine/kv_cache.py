@@ -8,6 +8,11 @@ kv_cache_dtype "auto" stores in the model dtype. "fp8_e4m3" stores one byte per 
   - index keys with one float32 scale per key (token x layer): their magnitudes vary a lot between
     tokens, and a per-key scale keeps small keys as accurate as large ones (132 bytes per key at 128).
 Reads always return the pool's compute dtype, so attention code never sees fp8.
+
+Device: the tensors live on `device` (a rank's GPU on cuda). Slot indices and written values may
+come from the host (the TCP hand-off's frames, a test's LoadCmd): they are moved to the pool's
+device here, and `read_into` a host buffer copies device -> host once, so the TCP path copies
+through host memory while NIXL WRITEs VRAM to VRAM (transfer/nixl*.py).
 """
 
 from __future__ import annotations
@@ -98,7 +103,7 @@ class KVPool:
         row = self.index_row[layer]
         if self.fp8:
             index_k, scale = _quantize_per_key(index_k)
-            self.index_scale[row, rows] = scale
+            self.index_scale[row, _on(rows, self.index_scale)] = scale.to(self.index_scale.device)
         _put(self.index_k[row], rows, index_k.to(self.index_k.dtype))
 
     def read_into(self, kind: str, layer: int, slots: torch.Tensor | slice, out: torch.Tensor) -> None:
@@ -114,8 +119,10 @@ class KVPool:
             table = self.index_k[self.index_row[layer]]
         if isinstance(slots, slice):
             out.copy_(table[slots])
+        elif out.device != table.device:  # a host staging buffer (TCP): one device -> host copy
+            out.copy_(table.index_select(0, slots.to(table.device)))
         else:
-            torch.index_select(table, 0, slots, out=out)
+            torch.index_select(table, 0, slots.to(table.device), out=out)
 
     def span(self, kind: str, layer: int, start: int, n: int, step: int) -> torch.Tensor | None:
         """The rows of slots start, start + step, ... (n of them) as a view of consecutive rows of the
@@ -128,7 +135,7 @@ class KVPool:
             return self.index_k[self.index_row[layer], start : start + n] if step == 1 or n == 1 else None
         if n > 1 and step != self.residues:
             return None
-        row = int(self._kv_rows(torch.tensor([start]))[0])
+        row = start % self.residues * self.block + start // self.residues  # _kv_rows of one slot
         return self.kv[self.kv_row[layer], row : row + n]
 
     def _kv_rows(self, slots: torch.Tensor | slice) -> torch.Tensor | slice:
@@ -140,19 +147,28 @@ class KVPool:
         return slots % self.residues * self.block + torch.div(slots, self.residues, rounding_mode="floor")
 
     def read_kv(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        return self.kv[self.kv_row[layer], self._kv_rows(slots)].to(self.dtype)
+        return self.kv[self.kv_row[layer], self._kv_rows(_on(slots, self.kv))].to(self.dtype)
 
     def read_index(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        row = self.index_row[layer]
+        row, slots = self.index_row[layer], _on(slots, self.index_k)
         if not self.fp8:
             return self.index_k[row, slots]
         scale = self.index_scale[row, slots].unsqueeze(-1)
         return (self.index_k[row, slots].float() * scale).to(self.dtype)
 
 
+def _on(index, table: torch.Tensor):
+    """An index tensor on the table's device (a slice or a tensor already there: unchanged)."""
+    if isinstance(index, torch.Tensor) and index.device != table.device:
+        return index.to(table.device)
+    return index
+
+
 def _put(table: torch.Tensor, rows: torch.Tensor | slice, values: torch.Tensor) -> None:
     """table[rows] = values; index_copy_ (2-3x faster on CPU than index_put; no fp8 kernel) where it
-    applies. `rows` may be a slice: a plain copy, the fastest."""
+    applies. `rows` may be a slice: a plain copy, the fastest. Host rows or values (a TCP frame) are
+    moved to the table's device first."""
+    rows, values = _on(rows, table), values.to(table.device)
     if isinstance(rows, slice):
         table[rows].copy_(values)
     elif (

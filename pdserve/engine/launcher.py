@@ -1,8 +1,9 @@
 """One launcher for the rank processes of an instance.
 
-`RankGroup` spawns `world_size` processes; each joins a torch.distributed process group (gloo on
-CPU, NCCL on CUDA) on the configured port, sets its torch thread count, builds its worker and acks
-readiness. The launcher then sends every rank the same command and gathers one reply per rank.
+`RankGroup` spawns `world_size` processes; each selects its GPU when on cuda, joins a
+torch.distributed process group (gloo on CPU and for ranks sharing a GPU, NCCL beside gloo for one
+GPU per rank; engine/device.py) on the configured port, sets its torch thread count, builds its
+worker and acks readiness. The launcher then sends every rank the same command and gathers one reply per rank.
 It owns shutdown: `shutdown()` stops every rank, and `dead_rank()` reports a rank that died, so
 the instance can stop at once with a message naming it instead of hanging in a collective.
 Each rank asks the kernel to SIGTERM it when the launcher dies, so no rank is ever orphaned.
@@ -53,7 +54,8 @@ class LaunchConfig:
     dist_port: int
     dist_host: str = "127.0.0.1"
     threads_per_rank: int = 1
-    backend: str = "gloo"  # "nccl" on CUDA
+    device: str = "cpu"  # "cuda": rank r on GPU gpu_ids[r] (engine/device.py)
+    gpu_ids: tuple[int, ...] = ()  # default: rank r uses GPU r
     ready_timeout_s: float = 600.0
     collective_timeout_s: float = 600.0
     error_grace_s: float = 30.0  # after one rank failed a command, how long the others may take to finish it
@@ -65,6 +67,14 @@ class LaunchConfig:
             raise ValueError(f"dist_port must be a TCP port, got {self.dist_port}")
         if self.threads_per_rank < 1:
             raise ValueError(f"threads_per_rank must be >= 1, got {self.threads_per_rank}")
+        object.__setattr__(self, "gpu_ids", tuple(self.gpu_ids))
+        self.devices()  # a configuration that cannot run fails here, before any rank starts
+
+    def devices(self, cuda_count: int | None = None):
+        """The DevicePlan (engine/device.py): each rank's GPU, the process-group backend, the comm."""
+        from .device import check_devices
+
+        return check_devices(self.device, self.world_size, self.gpu_ids, cuda_count)
 
 
 def _die_with_parent() -> None:
@@ -83,9 +93,13 @@ def _rank_main(
 
     torch.set_num_threads(cfg.threads_per_rank)
     try:
+        from .device import setup_rank_device
+
+        plan = cfg.devices()
+        setup_rank_device(plan, rank)  # before the process group: NCCL binds to the current GPU
         timeout = timedelta(seconds=cfg.collective_timeout_s)
         dist.init_process_group(
-            cfg.backend,
+            plan.dist_backend,
             store=_store(rank, cfg, timeout),
             rank=rank,
             world_size=cfg.world_size,

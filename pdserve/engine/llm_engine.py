@@ -13,6 +13,7 @@ import torch
 from ..model.config import ModelConfig
 from ..model.transformer import CausalLM
 from ..model.weights import load_model
+from .attn_ops import make_attention_ops
 from .kv_cache import KVPool
 from .model_runner import ModelRunner
 from .page_allocator import PageAllocator
@@ -41,13 +42,17 @@ class LLMEngine:
         prefill_chunk: int = 4096,
         query_block: int = 256,
         max_batch: int = 64,
+        attention_ops: str = "auto",  # engine/attn_ops.py
+        announce: str = "",  # a name: print the ops choice to stderr under it
     ):
         self.model, self.config = model, model.config
-        dtype = next(model.parameters()).dtype
+        param = next(model.parameters())
+        dtype, self.device = param.dtype, param.device
         pages = -(-max_kv_tokens // page_size)
         self.allocator = PageAllocator(pages, page_size)
-        self.pool = KVPool(self.config, pages * page_size, dtype)
-        self.backend = SingleRankBackend(self.config, self.pool, query_block)
+        self.pool = KVPool(self.config, pages * page_size, dtype, device=self.device)
+        self.ops = make_attention_ops(attention_ops, self.device, dtype, self.config, who=announce)
+        self.backend = SingleRankBackend(self.config, self.pool, query_block, self.ops)
         self.runner = ModelRunner(model, self.allocator, self.backend)
         self.scheduler = Scheduler(self.allocator, self.config.eos_token_ids, prefill_chunk, max_batch)
         self.sampler = Sampler()
@@ -58,9 +63,11 @@ class LLMEngine:
         model_dir: str | Path,
         dtype: str | torch.dtype = "float32",
         float32_islands: bool = True,
+        device: str | torch.device = "cpu",
         **kwargs,
     ) -> "LLMEngine":
-        return cls(load_model(model_dir, parse_dtype(dtype), float32_islands=float32_islands), **kwargs)
+        model = load_model(model_dir, parse_dtype(dtype), device, float32_islands=float32_islands)
+        return cls(model, **kwargs)
 
     @property
     def model_config(self) -> ModelConfig:
@@ -127,6 +134,8 @@ class LLMEngine:
         req.pages = self.allocator.allocate(len(prompt_ids))
         try:
             logits = self.runner.run([Chunk(req, 0, len(prompt_ids))], all_logits=all_logits)
-            return logits, torch.tensor(self.allocator.slots(req.pages, 0, len(prompt_ids)))
+            return logits, torch.tensor(
+                self.allocator.slots(req.pages, 0, len(prompt_ids)), device=self.device
+            )
         finally:
             self.allocator.free(req.pages)

@@ -11,7 +11,8 @@ import torch
 
 from ..model.backend import IndexerInputs
 from ..model.config import ModelConfig
-from ..model.kernels import attend, index_scores, topk_earliest
+from ..model.kernels import index_scores
+from .attn_ops import TorchOps
 
 # Bytes of float32 scores one query block may materialise ([block, heads, context]). Two ranks on
 # one socket share the last-level cache; blocks that overflow it cost up to 25% at 16k tokens.
@@ -34,14 +35,16 @@ def prefill_attention(
     prev_selection: torch.Tensor | None,  # [n, k]: a shared layer reuses the last full layer's
     scale: float,
     query_block: int,
+    ops=None,  # engine/attn_ops.py; None: the torch ops
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns (out [n, H, c], this layer's top-k selection [n, k] or None for dense models)."""
+    ops = ops or TorchOps()
     if q.shape[0] == 0:  # a context-parallel rank may own no token of a short chunk
         k = cfg.index_topk if cfg.is_sparse else 0
         return q.new_zeros(0, q.shape[1], cfg.kv_lora_rank), (
-            torch.zeros(0, k, dtype=torch.int64) if k else None
+            torch.zeros(0, k, dtype=torch.int64, device=q.device) if k else None
         )
-    key_pos = torch.arange(keys.shape[0])
+    key_pos = torch.arange(keys.shape[0], device=q.device)
     outs, sels = [], []
     step = block_size(cfg, q.shape[1], keys.shape[0], query_block)
     for b0 in range(0, q.shape[0], step):
@@ -50,16 +53,16 @@ def prefill_attention(
         kend = int(pos.max()) + 1  # keys beyond the block's last query are never read
         valid = key_pos[None, :kend] <= pos[:, None]  # [B, kend] causal
         if not cfg.is_sparse:
-            o, _ = attend(q[b0:b1], keys[:kend], valid, scale, cfg.kv_lora_rank)
+            o, _ = ops.attend(q[b0:b1], keys[:kend], valid, scale, cfg.kv_lora_rank)
         else:
             if index is not None:
                 scores = index_scores(
                     index.q[b0:b1], index.weights[b0:b1], idx_keys[:kend], index.softmax_scale
                 )
-                sel = topk_earliest(scores, valid, cfg.index_topk)  # [B, k], -1 padded
+                sel = ops.topk(scores, valid, cfg.index_topk)  # [B, k], -1 padded
             else:
                 sel = prev_selection[b0:b1]
             sels.append(sel)
-            o, _ = attend(q[b0:b1], keys[sel.clamp(min=0)], sel >= 0, scale, cfg.kv_lora_rank)
+            o, _ = ops.attend(q[b0:b1], keys[sel.clamp(min=0)], sel >= 0, scale, cfg.kv_lora_rank)
         outs.append(o)
     return torch.cat(outs), (torch.cat(sels) if sels else None)

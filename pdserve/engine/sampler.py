@@ -33,7 +33,7 @@ class Sampler:
             if p.greedy:
                 out.append(greedy[row])
                 continue
-            probs = filtered_probs(logits[row].float(), p)
+            probs = filtered_probs(logits[row].float().cpu(), p)  # the generators are CPU ones
             out.append(int(torch.multinomial(probs, 1, generator=self._generator(rid, p.seed))))
         return out
 

@@ -18,7 +18,8 @@ import torch
 
 from ..model.backend import IndexerInputs
 from ..model.config import ModelConfig
-from ..model.kernels import attend, index_scores, topk_earliest
+from ..model.kernels import index_scores
+from .attn_ops import TorchOps
 from .kv_cache import KVPool
 from .prefill_attention import prefill_attention
 
@@ -42,8 +43,10 @@ class ForwardBatch:
 
 
 class SingleRankBackend:
-    def __init__(self, cfg: ModelConfig, pool: KVPool, query_block: int = 256):
+    def __init__(self, cfg: ModelConfig, pool: KVPool, query_block: int = 256, ops=None):
         self.cfg, self.pool, self.query_block = cfg, pool, query_block
+        self.ops = ops or TorchOps()  # engine/attn_ops.py
+        self.device = pool.kv.device
         self.batch: ForwardBatch | None = None
 
     def begin(self, batch: ForwardBatch) -> None:
@@ -56,13 +59,15 @@ class SingleRankBackend:
         if single:
             lens = [batch.seqs[i].ctx_slots.numel() for i in single]
             smax = max(lens)
+            dev = self.device
             self._dec_slots = torch.zeros(
-                len(single), smax, dtype=torch.int64
-            )  # [B, Smax], padded with slot 0
+                len(single), smax, dtype=torch.int64, device=dev
+            )  # [B, Smax], 0-padded
             for row, i in enumerate(single):
                 self._dec_slots[row, : lens[row]] = batch.seqs[i].ctx_slots
-            self._dec_valid = torch.arange(smax)[None, :] < torch.tensor(lens)[:, None]  # [B, Smax]
-            self._dec_rows = torch.tensor([batch.seqs[i].offset for i in single])
+            lens_t = torch.tensor(lens, device=dev)
+            self._dec_valid = torch.arange(smax, device=dev)[None, :] < lens_t[:, None]  # [B, Smax]
+            self._dec_rows = torch.tensor([batch.seqs[i].offset for i in single], device=dev)
 
     def attention(
         self, layer: int, q: torch.Tensor, kv: torch.Tensor, index: IndexerInputs | None, scale: float
@@ -83,9 +88,18 @@ class SingleRankBackend:
     ) -> torch.Tensor:
         keys = self.pool.read_kv(layer, s.ctx_slots)  # [S, c + rope]
         idx_keys = self.pool.read_index(layer, s.ctx_slots) if index is not None else None  # [S, Di]
-        q_pos = torch.arange(s.start, s.start + s.n)
+        q_pos = torch.arange(s.start, s.start + s.n, device=self.device)
         out, sel = prefill_attention(
-            self.cfg, keys, idx_keys, q, q_pos, index, self._selection.get(key), scale, self.query_block
+            self.cfg,
+            keys,
+            idx_keys,
+            q,
+            q_pos,
+            index,
+            self._selection.get(key),
+            scale,
+            self.query_block,
+            self.ops,
         )
         if index is not None:
             self._selection[key] = sel
@@ -95,15 +109,15 @@ class SingleRankBackend:
         cfg = self.cfg
         slots, valid = self._dec_slots, self._dec_valid
         if not cfg.is_sparse:
-            o, _ = attend(q, self.pool.read_kv(layer, slots), valid, scale, cfg.kv_lora_rank)
+            o, _ = self.ops.attend(q, self.pool.read_kv(layer, slots), valid, scale, cfg.kv_lora_rank)
             return o
         if index is not None:  # a full layer selects; the shared layers after it reuse the selection
             idx_keys = self.pool.read_index(layer, slots)  # [B, Smax, Di]
             scores = index_scores(index.q, index.weights, idx_keys, index.softmax_scale)
-            self._selection[-1] = topk_earliest(scores, valid, cfg.index_topk)
+            self._selection[-1] = self.ops.topk(scores, valid, cfg.index_topk)
         sel = self._selection[-1]
         keys = self.pool.read_kv(layer, slots.gather(1, sel.clamp(min=0)))  # [B, k, c + rope]
-        o, _ = attend(q, keys, sel >= 0, scale, cfg.kv_lora_rank)
+        o, _ = self.ops.attend(q, keys, sel >= 0, scale, cfg.kv_lora_rank)
         return o
 
 

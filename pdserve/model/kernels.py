@@ -77,7 +77,7 @@ def topk_earliest(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Te
     """
     B, S = scores.shape
     if k <= 0 or S == 0:
-        return torch.full((B, max(k, 0)), -1, dtype=torch.int64)
+        return torch.full((B, max(k, 0)), -1, dtype=torch.int64, device=scores.device)
     s = scores.masked_fill(~valid, float("-inf"))
     n_valid = valid.sum(dim=-1, keepdim=True)  # [B, 1]
     kk = min(k, S)
@@ -94,9 +94,9 @@ def topk_earliest(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Te
 def _ascending_indices(chosen: torch.Tensor, k: int) -> torch.Tensor:
     """chosen [B, S] bool with at most k per row -> [B, k] ascending indices padded with -1."""
     B, S = chosen.shape
-    pos = torch.arange(S, dtype=torch.int64).expand(B, S)
+    pos = torch.arange(S, dtype=torch.int64, device=chosen.device).expand(B, S)
     keyed = torch.where(chosen, pos, torch.full_like(pos, S))  # unchosen sort to the end
     idx = keyed.topk(min(k, S), dim=-1, largest=False, sorted=True).values
     if idx.shape[1] < k:
-        idx = torch.cat([idx, torch.full((B, k - idx.shape[1]), S, dtype=torch.int64)], dim=1)
+        idx = torch.cat([idx, idx.new_full((B, k - idx.shape[1]), S)], dim=1)
     return torch.where(idx >= S, torch.full_like(idx, -1), idx)

@@ -2,7 +2,9 @@
 
 Each preset is the exact Hugging Face ``config.json`` dict that transformers 5.23 accepts for
 ``GlmMoeDsaForCausalLM``, ``DeepseekV32ForCausalLM`` or ``DeepseekV3ForCausalLM``.  The tiny
-presets exist for tests (a forward pass in milliseconds); the small ones for benchmarks.
+presets exist for tests (a forward pass in milliseconds); the small ones for benchmarks; the mla
+ones have the released MLA and indexer dims (kv_lora_rank 512, rope 64, index heads of 128, top-k
+2048) in two layers: what flashinfer's MLA kernels are built for (tests/gpu, bench/gpu.py).
 
 The presets deliberately differ in a few places so that every code path is exercised:
 glm_moe_dsa uses the default rope and alternates full/shared indexer layers, deepseek_v32
@@ -18,7 +20,7 @@ from typing import Any
 from pdserve.model.bpe_builder import BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID
 
 ARCHS = ("glm_moe_dsa", "deepseek_v32", "deepseek_v3")
-SIZES = ("tiny", "small")
+SIZES = ("tiny", "small", "mla")
 
 _ARCHITECTURES = {
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
@@ -68,16 +70,37 @@ _BASE: dict[str, dict[str, Any]] = {
         "topk_group": 2,
         "max_position_embeddings": 65536,
     },
+    "mla": {
+        "vocab_size": 512,
+        "hidden_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "q_lora_rank": 128,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 64,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 64,
+        "intermediate_size": 512,
+        "moe_intermediate_size": 64,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "n_group": 2,
+        "topk_group": 1,
+        "max_position_embeddings": 65536,
+    },
 }
 
 # DSA indexer fields, per size (only for the sparse archs).
 _INDEXER: dict[str, dict[str, Any]] = {
     "tiny": {"index_topk": 8, "index_n_heads": 8, "index_head_dim": 16},
     "small": {"index_topk": 256, "index_n_heads": 8, "index_head_dim": 64},
+    "mla": {"index_topk": 2048, "index_n_heads": 8, "index_head_dim": 128},
 }
 
 # yarn's original context, per size: a quarter of max_position_embeddings (factor 4).
-_YARN_ORIGINAL_MAX = {"tiny": 2048, "small": 16384}
+_YARN_ORIGINAL_MAX = {"tiny": 2048, "small": 16384, "mla": 16384}
 
 _COMMON: dict[str, Any] = {
     "hidden_act": "silu",

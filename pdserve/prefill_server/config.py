@@ -7,8 +7,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from ..choices import CacheMode, Layout, ModelDType, Transfer, check
-from ..flags import INTERNAL_TOKEN_HELP, MODEL_HELP, SHUTDOWN_GRACE_HELP, option
+from ..choices import AttentionOps, CacheMode, Device, Layout, ModelDType, Transfer, check
+from ..engine.placement import check_device_fields
+from ..flags import (
+    ATTENTION_OPS_HELP,
+    DEVICE_HELP,
+    DTYPE_HELP,
+    GPU_IDS_HELP,
+    INTERNAL_TOKEN_HELP,
+    MODEL_HELP,
+    SHUTDOWN_GRACE_HELP,
+    option,
+)
 from .layouts import check_layout_allowed
 
 
@@ -38,7 +48,12 @@ class PrefillServerConfig:
     host: str = option("127.0.0.1", "Address the HTTP control API listens on.")
     port: int = option(8100, "Port of the HTTP control API.")
     dist_port: int = option(29500, "TCP port the ranks use to form their torch.distributed group.")
-    dtype: str = option("float32", "Weights, activations and KV cache dtype.", choices=ModelDType)
+    dtype: str = option(  # "": float32 on cpu, bfloat16 on cuda (filled in by __post_init__)
+        "", DTYPE_HELP, cli_type=Optional[ModelDType], cli_default=None
+    )
+    device: str = option("cpu", DEVICE_HELP, choices=Device)
+    gpu_ids: tuple[int, ...] = option((), GPU_IDS_HELP, cli_type=Optional[str], cli_default=None)
+    attention_ops: str = option("auto", ATTENTION_OPS_HELP, choices=AttentionOps)
     max_kv_tokens: int = option(
         65536, "KV cache capacity in tokens (per rank, every rank holds the same slots).", min=16
     )
@@ -78,6 +93,8 @@ class PrefillServerConfig:
         check(self.cache, CacheMode, "--cache")
         check(self.cp_layout, Layout, "--cp-layout")
         check(self.transfer, Transfer, "--transfer")
+        check_device_fields(self, self.cp_size)  # fills dtype "" with the device's default
+        check(self.dtype, ModelDType, "--dtype")
         if self.chunk_size < 1 or self.max_kv_tokens < self.page_size:
             raise ValueError("--chunk-size must be >= 1 and --max-kv-tokens at least one page")
         if self.port == self.dist_port:

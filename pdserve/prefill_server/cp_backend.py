@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..engine.attn_ops import TorchOps
 from ..engine.collectives import all_gather_rows
 from ..engine.kv_cache import KVPool
 from ..engine.prefill_attention import prefill_attention
@@ -50,14 +51,20 @@ class ChunkPlan:
         return [len(p) for p in self.positions]
 
     def order(self) -> torch.Tensor:
-        """Index that turns rank-major gathered rows into position order."""
-        flat = torch.tensor([p for ps in self.positions for p in ps], dtype=torch.int64)
+        """Index that turns rank-major gathered rows into position order (on ctx_slots' device)."""
+        flat = torch.tensor(
+            [p for ps in self.positions for p in ps], dtype=torch.int64, device=self.ctx_slots.device
+        )
         return torch.argsort(flat)
 
 
 class CPBackend:
-    def __init__(self, cfg: ModelConfig, pool: KVPool, rank: int, cp_size: int, query_block: int = 256):
+    def __init__(
+        self, cfg: ModelConfig, pool: KVPool, rank: int, cp_size: int, query_block: int = 256, ops=None
+    ):
         self.cfg, self.pool, self.rank, self.cp_size, self.query_block = cfg, pool, rank, cp_size, query_block
+        self.ops = ops or TorchOps()  # engine/attn_ops.py
+        self.device = pool.kv.device
         self.owners = layer_owners(cfg.num_layers, cp_size)
         self.layer_split = pool.layers != list(range(cfg.num_layers))
         self.plan: ChunkPlan | None = None
@@ -65,7 +72,7 @@ class CPBackend:
     def begin(self, plan: ChunkPlan) -> None:
         self.plan = plan
         self._order = plan.order()
-        self._my_pos = torch.tensor(plan.positions[self.rank], dtype=torch.int64)
+        self._my_pos = torch.tensor(plan.positions[self.rank], dtype=torch.int64, device=self.device)
         self._selection: torch.Tensor | None = None
         self._pending: dict[int, tuple[torch.Tensor, object]] = {}  # layer -> (buffer, async work)
 
@@ -82,7 +89,16 @@ class CPBackend:
         chunk_idx = all_gather_rows(index.k, plan.counts)[self._order] if index is not None else None
         keys, idx_keys = self._context(layer, chunk_kv, chunk_idx)
         out, sel = prefill_attention(
-            self.cfg, keys, idx_keys, q, self._my_pos, index, self._selection, scale, self.query_block
+            self.cfg,
+            keys,
+            idx_keys,
+            q,
+            self._my_pos,
+            index,
+            self._selection,
+            scale,
+            self.query_block,
+            self.ops,
         )
         if index is not None:
             self._selection = sel  # shared layers that follow reuse it
@@ -121,7 +137,7 @@ class CPBackend:
                 parts.append(self.pool.read_index(layer, slots))
             buf = torch.cat(parts, dim=1).contiguous()
         else:
-            buf = torch.empty(plan.start, width, dtype=self.pool.dtype)
+            buf = torch.empty(plan.start, width, dtype=self.pool.dtype, device=self.device)
         self._pending[layer] = (buf, dist.broadcast(buf, src=owner, async_op=True))
 
     def _wait(self, layer: int) -> torch.Tensor:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..choices import CacheMode, values
+from ..engine.attn_ops import make_attention_ops
+from ..engine.device import rank_device
 from ..engine.faults import check_fault
 from ..engine.kv_cache import KVPool
 from ..engine.llm_engine import parse_dtype
@@ -40,6 +42,8 @@ class PrefillWorkerConfig:
     float32_islands: bool = True  # False: true float64 (see ModelConfig)
     transfer: str = "tcp"  # KV hand-off data path: "tcp" | "nixl"
     kv_residues: int = 0  # latent cache residue-major by this many residues (KVPool); 0: the CP size
+    device: str = "cpu"  # "cuda": the GPU the launcher selected for this rank (engine/device.py)
+    attention_ops: str = "auto"  # engine/attn_ops.py
     # data frames are signed with it (transfer/frames.py)
     frame_key: bytes = field(default=DEV_FRAME_KEY, repr=False)
 
@@ -96,7 +100,8 @@ class PrefillRankWorker:
     def __init__(self, rank: int, world: int, cfg: PrefillWorkerConfig):
         self.rank, self.world, self.cfg = rank, world, cfg
         dtype = parse_dtype(cfg.dtype)
-        self.model = load_model(cfg.model_dir, dtype, float32_islands=cfg.float32_islands)
+        self.device = dev = rank_device(cfg.device)
+        self.model = load_model(cfg.model_dir, dtype, dev, float32_islands=cfg.float32_islands)
         self.mcfg = self.model.config
         self.split = TokenSplit(rank, world)
         if cfg.moe_tp:
@@ -104,8 +109,11 @@ class PrefillRankWorker:
         layers = None
         if cfg.cache == "layer-split":
             layers = [i for i, owner in enumerate(layer_owners(self.mcfg.num_layers, world)) if owner == rank]
-        self.pool = KVPool(self.mcfg, cfg.num_slots, dtype, layers=layers, residues=cfg.kv_residues or world)
-        self.backend = CPBackend(self.mcfg, self.pool, rank, world, cfg.query_block)
+        self.pool = KVPool(
+            self.mcfg, cfg.num_slots, dtype, dev, layers=layers, residues=cfg.kv_residues or world
+        )
+        ops = make_attention_ops(cfg.attention_ops, dev, dtype, self.mcfg, who=f"prefill rank {rank} ({dev})")
+        self.backend = CPBackend(self.mcfg, self.pool, rank, world, cfg.query_block, ops)
         self.sampler = Sampler()
         self.sender = make_sender(
             cfg.transfer, rank, self.pool, cfg.frame_key
@@ -130,7 +138,8 @@ class PrefillRankWorker:
     def prefill(self, cmd: PrefillCmd) -> PrefillRankReply:
         check_fault([cmd.request_id])  # test-only, off by default (engine/faults.py)
         n = len(cmd.token_ids)
-        slots = torch.tensor(cmd.slots, dtype=torch.int64)
+        dev = self.device
+        slots = torch.tensor(cmd.slots, dtype=torch.int64, device=dev)
         last_hidden = None
         for c0 in range(cmd.cached_len, n, cmd.chunk_size):
             c1 = min(n, c0 + cmd.chunk_size)
@@ -138,10 +147,9 @@ class PrefillRankWorker:
             mine = plan.positions[self.rank]
             self.split.counts = plan.counts
             self.backend.begin(plan)
-            ids = torch.tensor([cmd.token_ids[p] for p in mine], dtype=torch.int64)
-            hidden = self.model(
-                ids, torch.tensor(mine, dtype=torch.int64), self.backend
-            )  # [len(mine), hidden]
+            ids = torch.tensor([cmd.token_ids[p] for p in mine], dtype=torch.int64, device=dev)
+            positions = torch.tensor(mine, dtype=torch.int64, device=dev)
+            hidden = self.model(ids, positions, self.backend)  # [len(mine), hidden]
             self.backend.finish()
             if c1 == n and mine and mine[-1] == n - 1:
                 last_hidden = hidden[-1:]
@@ -150,12 +158,12 @@ class PrefillRankWorker:
         logits = self.model.compute_logits(last_hidden)  # [1, vocab]
         token = self.sampler.sample(logits, [cmd.params], [cmd.request_id])[0]
         self.sampler.forget(cmd.request_id)
-        return PrefillRankReply(self.rank, token, logits[0] if cmd.want_logits else None)
+        return PrefillRankReply(self.rank, token, logits[0].cpu() if cmd.want_logits else None)
 
     def dump(self, cmd: DumpCacheCmd) -> CacheDump:
-        slots = torch.tensor(cmd.slots, dtype=torch.int64)
+        slots = torch.tensor(cmd.slots, dtype=torch.int64, device=self.device)
         out = {}
-        for layer in self.pool.layers:
-            idx = self.pool.read_index(layer, slots) if self.mcfg.has_indexer(layer) else None
-            out[layer] = (self.pool.read_kv(layer, slots), idx)
+        for layer in self.pool.layers:  # replies travel through a pipe: host tensors
+            idx = self.pool.read_index(layer, slots).cpu() if self.mcfg.has_indexer(layer) else None
+            out[layer] = (self.pool.read_kv(layer, slots).cpu(), idx)
         return out

@@ -37,8 +37,16 @@ def build_instance(cfg: PrefillServerConfig) -> PrefillInstance:
         transfer=cfg.transfer,
         kv_residues=cfg.kv_residues or cfg.cp_size,
         frame_key=cluster_frame_key(cfg.internal_token),
+        device=cfg.device,
+        attention_ops=cfg.attention_ops,
     )
-    launch = LaunchConfig(cfg.cp_size, cfg.dist_port, threads_per_rank=cfg.threads_per_rank)
+    launch = LaunchConfig(
+        cfg.cp_size,
+        cfg.dist_port,
+        threads_per_rank=cfg.threads_per_rank,
+        device=cfg.device,
+        gpu_ids=cfg.gpu_ids,
+    )
     return PrefillInstance(worker, launch, page_size=cfg.page_size, chunk_size=cfg.chunk_size)
 
 

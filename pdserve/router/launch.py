@@ -28,9 +28,10 @@ from typing import Optional
 
 import httpx
 
-from ..choices import DcpIndex, Policy, Restart, Transfer
+from ..choices import AttentionOps, DcpIndex, Device, Policy, Restart, Transfer
 from ..engine.auth import INTERNAL_TOKEN_ENV, new_token
-from ..flags import option
+from ..engine.placement import check_attention_ops, check_device, parse_gpu_ids
+from ..flags import ATTENTION_OPS_HELP, DEVICE_HELP, option
 from .config import ADMIN_TOKEN_ENV
 from .supervise import RESTART_POLICIES, Supervisor
 
@@ -101,6 +102,16 @@ class StackConfig:
         name="--shutdown-grace",
         min=0.0,
     )
+    device: str = option("cpu", DEVICE_HELP, choices=Device)
+    gpu_ids: tuple[int, ...] = option(  # cuda: one per rank of the whole stack, prefill instances first
+        (),
+        "--device cuda: comma-separated GPU ordinals, one per rank of the whole stack (prefill instances' "
+        "ranks first, then decode instances'); the same ordinal twice puts two ranks on one GPU. Default: "
+        "0, 1, 2, ...",
+        cli_type=Optional[str],
+        cli_default=None,
+    )
+    attention_ops: str = option("auto", ATTENTION_OPS_HELP, choices=AttentionOps)
     internal_token: str = option(  # one per stack, in the children's environment
         help="The stack's internal token (default: $PDSERVE_INTERNAL_TOKEN, else a new random one); it reaches the router and the instances through their environment, never their command lines.",
         default_factory=new_token,
@@ -119,6 +130,28 @@ class StackConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.decode_tp % self.decode_dcp:
             raise ValueError(f"--decode-dcp {self.decode_dcp} must divide --decode-tp {self.decode_tp}")
+        gpu_ids = parse_gpu_ids(self.gpu_ids) if isinstance(self.gpu_ids, str) else tuple(self.gpu_ids or ())
+        object.__setattr__(self, "gpu_ids", gpu_ids)
+        check_device(self.device)
+        if self.gpu_ids and (self.device != "cuda" or len(self.gpu_ids) != self.total_ranks):
+            raise ValueError(
+                f"--gpu-ids needs --device cuda and one GPU per rank of the stack ({self.total_ranks}), "
+                f"got {len(self.gpu_ids)}"
+            )
+        check_attention_ops(self.attention_ops)
+
+    @property
+    def total_ranks(self) -> int:
+        return self.prefill_instances * self.prefill_cp + self.decode_instances * self.decode_tp
+
+    def instance_gpus(self, role: str, index: int) -> tuple[int, ...]:
+        """The GPUs of one instance: consecutive ranks of the stack, prefill instances first."""
+        gpus = self.gpu_ids or tuple(range(self.total_ranks))
+        if role == "prefill":
+            start, n = index * self.prefill_cp, self.prefill_cp
+        else:
+            start, n = self.prefill_instances * self.prefill_cp + index * self.decode_tp, self.decode_tp
+        return gpus[start : start + n]
 
 
 @dataclass
@@ -182,15 +215,23 @@ class Stack:
 
     def start_instances(self) -> tuple[list[Child], list[Child]]:
         prefill = [
-            self._start_instance(f"prefill-{i}", self._prefill_args)
+            self._start_instance(f"prefill-{i}", self._prefill_args, self._device_args("prefill", i))
             for i in range(self.cfg.prefill_instances)
         ]
         decode = [
-            self._start_instance(f"decode-{i}", self._decode_args) for i in range(self.cfg.decode_instances)
+            self._start_instance(f"decode-{i}", self._decode_args, self._device_args("decode", i))
+            for i in range(self.cfg.decode_instances)
         ]
         return prefill, decode
 
-    def _start_instance(self, name: str, role_args: Callable[[], list[str]]) -> Child:
+    def _device_args(self, role: str, index: int) -> list[str]:
+        c = self.cfg
+        args = ["--device", c.device, "--attention-ops", c.attention_ops]
+        if c.device == "cuda":
+            args += ["--gpu-ids", ",".join(str(g) for g in c.instance_gpus(role, index))]
+        return args
+
+    def _start_instance(self, name: str, role_args: Callable[[], list[str]], device_args: list[str]) -> Child:
         c, port = self.cfg, free_port()
         kv = ["--max-kv-tokens", str(c.max_kv_tokens)] if c.max_kv_tokens else []
         return self._spawn(
@@ -207,6 +248,7 @@ class Stack:
                 c.transfer,
                 "--shutdown-grace",
                 f"{c.shutdown_grace_s:g}",
+                *device_args,
                 *kv,
             ],
             port,

@@ -132,4 +132,5 @@ def row_digest(rows) -> bytes:
     size, word = next((n, t) for n, t in _WORDS if b.shape[1] % n == 0)
     if b.storage_offset() % size or b.data_ptr() % size:
         b = b.clone()  # a view at an odd offset: word loads need alignment
-    return b.view(word).sum(1, dtype=torch.int64).numpy().tobytes()
+    # on the rows' device (a GPU sums VRAM rows there), then one copy of the [rows] sums to the host
+    return b.view(word).sum(1, dtype=torch.int64).cpu().numpy().tobytes()

@@ -79,7 +79,7 @@ from dataclasses import dataclass
 import torch
 
 from .frames import DEV_FRAME_KEY, HEADER_MAX_BYTES, Liveness, open_notif, unpack
-from .nixl_agent import Arena, NixlEndpoint, agent_name, make_agent
+from .nixl_agent import Arena, NixlEndpoint, agent_name, bind_device, make_agent, mem_type
 from .rank_commands import ExpectCmd, ForgetCmd, StageCmd, receive_command
 from .room import DTYPES, RoomRows, check_notif, count_rows, frame_rows, store_rows
 
@@ -140,9 +140,11 @@ class NixlReceiver:
         self.pool_key: tuple | None = None  # the registered pool's tensors (address, bytes)
         self.name, self.generation = name or agent_name("decode", rank), time.time_ns()
         self.agent = make_agent(self.name)
+        device = pool().kv.device  # the arena lives where the pool does: VRAM on cuda
         self.buf = torch.empty(
-            staging_bytes, dtype=torch.uint8
-        )  # never zeroed: regions are written before read
+            staging_bytes, dtype=torch.uint8, device=device
+        )  # never zeroed: written before read
+        self.mem, self.dev = mem_type(self.buf), self.buf.device.index or 0
         self.reg = self.agent.register_memory(self.buf)
         self.metadata = self.agent.get_agent_metadata()
         self.arena = Arena(staging_bytes)
@@ -177,7 +179,7 @@ class NixlReceiver:
         self._drop(cmd.room, quiesced=False)  # an earlier use of the room id may still be written
         if (layout := self._pool_layout()) is not None:
             self.rooms[cmd.room] = _Room(cmd.ticket, {}, direct=True)
-            ep = NixlEndpoint(self.name, self.generation, self.metadata, 0, 0, layout)
+            ep = NixlEndpoint(self.name, self.generation, self.metadata, 0, 0, layout, self.mem, self.dev)
             return {"endpoint": ep.encode(), "error": None}
         got = self.arena.alloc(size)
         if got is None:
@@ -189,7 +191,16 @@ class NixlReceiver:
             }
         start, length = got
         self.rooms[cmd.room] = _Room(cmd.ticket, {}, start=start, length=length, size=size)
-        ep = NixlEndpoint(self.name, self.generation, self.metadata, self.buf.data_ptr() + start, size)
+        ep = NixlEndpoint(
+            self.name,
+            self.generation,
+            self.metadata,
+            self.buf.data_ptr() + start,
+            size,
+            None,
+            self.mem,
+            self.dev,
+        )
         return {"endpoint": ep.encode(), "error": None}
 
     def _pool_layout(self) -> list | None:
@@ -246,6 +257,7 @@ class NixlReceiver:
         }
 
     def _loop(self) -> None:
+        bind_device(self.buf)
         while not self._stop.is_set():
             self.live.beat()
             try:

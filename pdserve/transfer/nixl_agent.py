@@ -26,6 +26,20 @@ def make_agent(name: str):
     return api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
 
 
+def mem_type(t) -> str:
+    """NIXL's memory type of a tensor: "VRAM" for a CUDA tensor (registered with its GPU ordinal as
+    the device id), "DRAM" for host memory."""
+    return "VRAM" if t.is_cuda else "DRAM"
+
+
+def bind_device(t) -> None:
+    """A thread that drives NIXL progress on VRAM must have the tensor's GPU as its current device."""
+    if t.is_cuda:
+        import torch
+
+        torch.cuda.set_device(t.device)
+
+
 def agent_name(role: str, rank: int) -> str:
     """Unique per process and rank: a restarted process gets a new name. Host name and pid alone
     are not unique: processes in PID namespaces of their own (containers, one per instance) share
@@ -46,9 +60,20 @@ class NixlEndpoint:
     # WRITEs land in the decode pool itself: [kv address, rows per layer, row bytes, [[layer, row], ...],
     # then the same for index keys] (NixlReceiver direct mode); None: they land in the region.
     pool: list | None = None
+    mem: str = "DRAM"  # the decode rank's memory type ("VRAM" when its pool and arena are on a GPU)
+    dev: int = 0  # its GPU ordinal with VRAM (NIXL descriptors name it)
 
     def encode(self) -> str:
-        fields = [self.agent, self.generation, self.metadata, self.addr, self.size, self.pool]
+        fields = [
+            self.agent,
+            self.generation,
+            self.metadata,
+            self.addr,
+            self.size,
+            self.pool,
+            self.mem,
+            self.dev,
+        ]
         return "nixl:" + base64.b64encode(msgpack.packb(fields, use_bin_type=True)).decode()
 
     @classmethod

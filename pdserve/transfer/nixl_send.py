@@ -12,7 +12,7 @@ import torch
 
 from .base import RoomChecksum
 from .frames import DEV_FRAME_KEY, seal_notif
-from .nixl_agent import NixlEndpoint, agent_name, make_agent
+from .nixl_agent import NixlEndpoint, agent_name, make_agent, mem_type
 from .plan import Run, Transfer
 from .rank_commands import SendCmd
 from .tcp import pack_rows
@@ -30,17 +30,18 @@ def _add_piece(pieces: list, addr: int, nbytes: int) -> None:
         pieces.append([addr, nbytes])
 
 
-def _pair(local: list, remote: list) -> tuple[list, list]:
+def _pair(local: list, remote: list, local_dev: int = 0, remote_dev: int = 0) -> tuple[list, list]:
     """Two descriptor lists of equal-length pairs covering the same bytes in order (a WRITE pairs
-    its local and remote descriptors one to one)."""
+    its local and remote descriptors one to one). A descriptor's device id is the GPU ordinal for
+    VRAM (0 for host memory)."""
     if sum(n for _, n in local) != sum(n for _, n in remote):
         raise ValueError("local and remote pieces differ in size")
     src, dst, i, j = [], [], 0, 0
     (la, ln), (ra, rn) = local[0], remote[0]
     while True:
         n = min(ln, rn)
-        src.append((la, n, 0))
-        dst.append((ra, n, 0))
+        src.append((la, n, local_dev))
+        dst.append((ra, n, remote_dev))
         la, ln, ra, rn = la + n, ln - n, ra + n, rn - n
         if ln == 0:
             i += 1
@@ -104,7 +105,8 @@ class NixlSender:
         self.key = key  # notifications carry an HMAC trailer under it (frames.seal_notif)
         self.name = name or agent_name("prefill", rank)
         self.agent = make_agent(self.name)
-        self.staging = torch.empty(staging_bytes, dtype=torch.uint8)
+        self.staging = torch.empty(staging_bytes, dtype=torch.uint8, device=pool.kv.device)  # VRAM on cuda
+        self.mem = mem_type(self.staging)
         self.reg = self.agent.register_memory(self.staging)
         # The pool too, so rows that lie contiguously in it (KVPool.span) are WRITTEN without packing.
         self.pool_regs = (
@@ -280,11 +282,13 @@ class NixlSender:
         try:
             if remote is None:
                 remote = [[ep.addr + offset, nbytes]]  # the region: contiguous
-            src, dst = _pair(pieces, remote)
+            src, dst = _pair(pieces, remote, self.staging.device.index or 0, ep.dev)
+            if self.staging.is_cuda:  # the packing kernels must have finished before NIXL reads
+                torch.cuda.current_stream(self.staging.device).synchronize()
             h = self.agent.initialize_xfer(
                 "WRITE",
-                self.agent.get_xfer_descs(src, "DRAM"),
-                self.agent.get_xfer_descs(dst, "DRAM"),
+                self.agent.get_xfer_descs(src, self.mem),
+                self.agent.get_xfer_descs(dst, ep.mem),
                 ep.agent,
                 notif,
             )

@@ -189,15 +189,24 @@ def frame_rows(pool, r: RoomRows, h: dict, nbytes: int) -> int:
 
 def run_rows(starts: list[int], lengths: list[int], steps: list[int] | None = None) -> torch.Tensor:
     """Rows start, start + step, ..., start + (length - 1) * step of every run, in run order, without
-    a Python loop per run (a plan may hold thousands of short runs)."""
+    a Python loop per run (a plan may hold thousands of short runs). Host indices: the pool moves
+    them to its device (engine/kv_cache.py)."""
+    cpu = torch.device("cpu")
     if not starts:
-        return torch.empty(0, dtype=torch.int64)
-    s, n = torch.tensor(starts, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64)
+        return torch.empty(0, dtype=torch.int64, device=cpu)
+    s = torch.tensor(starts, dtype=torch.int64, device=cpu)
+    n = torch.tensor(lengths, dtype=torch.int64, device=cpu)
     if int(n.min()) < 0:
         raise ValueError("a run has a negative length")
     first = torch.cumsum(n, 0) - n  # where each run begins among the packed rows
-    within = torch.arange(int(n.sum())) - torch.repeat_interleave(first, n)  # i: the row's index in its run
-    step = torch.repeat_interleave(torch.tensor(steps, dtype=torch.int64), n) if steps is not None else 1
+    within = torch.arange(int(n.sum()), device=cpu) - torch.repeat_interleave(
+        first, n
+    )  # i: the row's index in its run
+    step = (
+        torch.repeat_interleave(torch.tensor(steps, dtype=torch.int64, device=cpu), n)
+        if steps is not None
+        else 1
+    )
     return torch.repeat_interleave(s, n) + within * step
 
 

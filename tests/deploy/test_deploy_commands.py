@@ -58,6 +58,9 @@ def test_every_deploy_command_passes_check_config(model, token):
     configs = list(seen.values())
     assert all(c["cp_size"] == 2 for c in configs if "cp_size" in c)
     assert all(c["tp_size"] == 2 and c["dcp_size"] == 2 for c in configs if "dcp_size" in c)
+    # the GPU variants run the ranks on the GPUs (bf16 by default there), the base ones on the CPU
+    servers = [c for c in configs if "cp_size" in c or "dcp_size" in c]
+    assert {(c["device"], c["dtype"]) for c in servers} == {("cpu", "float32"), ("cuda", "bfloat16")}
     k8s_router = [c for c in configs if c.get("discovery") == "k8s"]
     assert k8s_router and all(c["selector"] == "app.kubernetes.io/part-of=pdserve" for c in k8s_router)
 
