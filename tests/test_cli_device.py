@@ -95,12 +95,12 @@ def test_server_configs_resolve_dtype_per_device(ckpt):
 
 def test_up_gives_each_instance_its_gpus(tmp_path):
     cfg = StackConfig(
-        "m", prefill_instances=2, prefill_cp=2, decode_tp=2, device="cuda", log_dir=str(tmp_path)
+        model="m", prefill_instances=2, prefill_cp=2, decode_tp=2, device="cuda", log_dir=str(tmp_path)
     )
     assert cfg.total_ranks == 6
     assert [cfg.instance_gpus("prefill", i) for i in range(2)] == [(0, 1), (2, 3)]
     assert cfg.instance_gpus("decode", 0) == (4, 5)
-    shared = StackConfig("m", decode_tp=2, device="cuda", gpu_ids=(0, 0, 0), log_dir=str(tmp_path))
+    shared = StackConfig(model="m", decode_tp=2, device="cuda", gpu_ids=(0, 0, 0), log_dir=str(tmp_path))
     assert Stack(shared)._device_args("decode", 0) == [
         "--device",
         "cuda",
@@ -109,11 +109,11 @@ def test_up_gives_each_instance_its_gpus(tmp_path):
         "--gpu-ids",
         "0,0",
     ]
-    assert Stack(StackConfig("m", log_dir=str(tmp_path)))._device_args("prefill", 0) == [
+    assert Stack(StackConfig(model="m", log_dir=str(tmp_path)))._device_args("prefill", 0) == [
         "--device",
         "cpu",
         "--attention-ops",
         "auto",
     ]
     with pytest.raises(ValueError, match="one GPU per rank of the stack"):
-        StackConfig("m", device="cuda", gpu_ids=(0,))
+        StackConfig(model="m", device="cuda", gpu_ids=(0,))

@@ -68,7 +68,16 @@ NOT_OPTIONS = {  # config fields no flag sets
     RouterConfig: {"retry_backoff_s", "connect_timeout_s", "default_max_tokens"},
     StackConfig: set(),
 }
-FILLED_IN = {"model", "internal_token", "kv_memory", "prefill", "decode", "log_dir"}  # by the command
+FILLED_IN = {
+    "model",
+    "internal_token",
+    "kv_memory",
+    "prefill",
+    "decode",
+    "log_dir",
+    "dtype",
+    "gpu_ids",
+}  # by the command
 
 
 @pytest.mark.parametrize(
