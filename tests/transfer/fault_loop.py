@@ -23,6 +23,7 @@ from pdserve.transfer.base import KVPoll
 from pdserve.transfer.prefill_room import PrefillRoom
 from pdserve.transfer.side_channel import BootstrapService
 from tests.transfer.handoff_driver import Driver, FaultySource, TransferError
+from tests.transfer.handoff_helpers import assert_idle
 
 KINDS = {  # kind -> what the failure must say (None: it succeeds)
     "ok": None,
@@ -167,3 +168,15 @@ def rank_killed_case(instances, decode, transfer: str, pshape: tuple[int, str]) 
         del instances.prefill[transfer, *pshape]
         prefill.shutdown()
     assert not prefill.held and prefill.allocator.num_free == prefill.allocator.num_pages
+
+
+def fault_loop_leaves_nothing_behind(instances, pair, transfer: str, seed: int, kill_shape) -> None:
+    """The whole check of one data path: 200 seeded cases on the pair, both sides idle (pages after
+    any quarantine expired), then a prefill rank killed mid-send on a prefill of kill_shape."""
+    driver = Driver(*pair, heartbeat_timeout_s=2.0)
+    try:
+        run_mixed_faults(driver, cases=200, seed=seed, quarantine=transfer == "nixl")
+    finally:
+        driver.close()
+    assert_idle(*pair)
+    rank_killed_case(instances, pair[1], transfer, kill_shape)
