@@ -176,6 +176,10 @@ def fault_loop_leaves_nothing_behind(instances, pair, transfer: str, seed: int, 
     driver = Driver(*pair, heartbeat_timeout_s=2.0)
     try:
         run_mixed_faults(driver, cases=200, seed=seed, quarantine=transfer == "nixl")
+        server = driver.server  # no room left open on either side, no tombstone, no reservation kept
+        _wait(lambda: not (server.reservations or server.peers or server.aborted), "side channel", driver)
+        assert not driver.rooms.rooms and not driver.prefill_rooms.rooms and not driver.prefill_rooms.dropped
+        assert all(not c.open and not c.outcomes for c in driver.rooms.clients.values())
     finally:
         driver.close()
     assert_idle(*pair)
