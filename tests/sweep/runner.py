@@ -21,7 +21,7 @@ from pdserve.prefill_server.instance import PrefillInstance
 from pdserve.prefill_server.rank_worker import PrefillWorkerConfig
 from tests.reference import free_port
 from tests.sweep.draw import Case, Pair
-from tests.transfer.handoff_driver import hand_off
+from tests.transfer.handoff_driver import Driver
 
 SLOTS = 480  # decode slots: five requests of <= 70 + 40 tokens, a multiple of every page size drawn
 
@@ -70,8 +70,11 @@ class PairRunner:
             raise
         self.sparse = self.decode.instance.model_config.is_sparse
         self.mode = (dw.index_mode, dw.comm)
+        self.driver: Driver | None = None  # the hand-off machines' side channel, opened on first use
 
     def close(self) -> None:
+        if self.driver is not None:
+            self.driver.close()
         self.prefill.shutdown()
         self.decode.instance.shutdown()
 
@@ -83,7 +86,8 @@ class PairRunner:
         reqs = []
         for i, (ids, mt) in enumerate(zip(prompts, case.max_tokens)):
             params = SamplingParams(max_tokens=mt, ignore_eos=True)
-            reqs.append(hand_off(self.prefill, self.decode, ids, params, room=f"{tag}-r{i}"))
+            self.driver = self.driver or Driver(self.prefill, self.decode)
+            reqs.append(self.driver.hand_off(ids, params, room=f"{tag}-r{i}"))
         got = {r.request_id: Got([]) for r in reqs}
         while not self.decode.scheduler.is_idle():
             batch = list(self.decode.scheduler.running)

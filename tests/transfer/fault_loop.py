@@ -23,6 +23,7 @@ from pdserve.transfer.base import KVPoll
 from pdserve.transfer.prefill_room import PrefillRoom
 from pdserve.transfer.side_channel import BootstrapService
 from tests.transfer.handoff_driver import Driver, FaultySource, TransferError
+from tests.transfer.handoff_helpers import assert_idle
 
 KINDS = {  # kind -> what the failure must say (None: it succeeds)
     "ok": None,
@@ -167,3 +168,19 @@ def rank_killed_case(instances, decode, transfer: str, pshape: tuple[int, str]) 
         del instances.prefill[transfer, *pshape]
         prefill.shutdown()
     assert not prefill.held and prefill.allocator.num_free == prefill.allocator.num_pages
+
+
+def fault_loop_leaves_nothing_behind(instances, pair, transfer: str, seed: int, kill_shape) -> None:
+    """The whole check of one data path: 200 seeded cases on the pair, both sides idle (pages after
+    any quarantine expired), then a prefill rank killed mid-send on a prefill of kill_shape."""
+    driver = Driver(*pair, heartbeat_timeout_s=2.0)
+    try:
+        run_mixed_faults(driver, cases=200, seed=seed, quarantine=transfer == "nixl")
+        server = driver.server  # no room left open on either side, no tombstone, no reservation kept
+        _wait(lambda: not (server.reservations or server.peers or server.aborted), "side channel", driver)
+        assert not driver.rooms.rooms and not driver.prefill_rooms.rooms and not driver.prefill_rooms.dropped
+        assert all(not c.open and not c.outcomes for c in driver.rooms.clients.values())
+    finally:
+        driver.close()
+    assert_idle(*pair)
+    rank_killed_case(instances, pair[1], transfer, kill_shape)

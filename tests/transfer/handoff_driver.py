@@ -131,17 +131,11 @@ class Driver:
         return decode_room.request
 
     def hand_off(
-        self,
-        ids: list[int],
-        params: SamplingParams | None = None,
-        room: str | None = None,
-        timeout_s: float = 30.0,
-        source=None,
+        self, ids: list[int], params=None, *, room=None, timeout_s=30.0, source=None
     ) -> DecodeRequest:
         """One request's hand-off through both machines; the decode request (running, or finished
         when its first token ends it), or TransferError once both sides released the room."""
-        room = room or f"room-{next(_rooms)}"
-        params = params or SamplingParams()
+        room, params = room or f"room-{next(_rooms)}", params or SamplingParams()
         d = self.submit(ids, params, room, timeout_s)
         p = self.prefill_rooms.open(room, ids, params, bootstrap_timeout_s=timeout_s)
         if source is not None:
@@ -158,6 +152,6 @@ def hand_off(prefill, decode, ids, params=None, room=None, timeout_s=30.0, sourc
     """A one-off Driver: one hand-off, then its side channel closes."""
     driver = Driver(prefill, decode)
     try:
-        return driver.hand_off(ids, params, room, timeout_s, source)
+        return driver.hand_off(ids, params, room=room, timeout_s=timeout_s, source=source)
     finally:
         driver.close()

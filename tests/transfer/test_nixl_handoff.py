@@ -42,7 +42,7 @@ from pdserve.transfer.rank_commands import (
 )
 from pdserve.transfer.room import RoomSlots
 from tests.reference import free_port
-from tests.transfer.fault_loop import rank_killed_case, run_mixed_faults
+from tests.transfer.fault_loop import fault_loop_leaves_nothing_behind
 from tests.transfer.handoff_driver import Driver, FaultySource, TransferError, hand_off
 from tests.transfer.handoff_helpers import (
     MAX_TOKENS,
@@ -80,14 +80,9 @@ def pair(instances):
 
 def test_corrupted_payload_is_rejected(pair):
     prefill, decode = pair
+    corrupt = FaultySource(prefill, corrupt=True)  # flips a payload byte after the sender's checksum
     with pytest.raises(TransferError, match="checksum mismatch"):
-        hand_off(
-            prefill,
-            decode,
-            prompt(23),
-            SamplingParams(max_tokens=4),
-            source=FaultySource(prefill, corrupt=True),
-        )
+        hand_off(prefill, decode, prompt(23), SamplingParams(max_tokens=4), source=corrupt)
 
 
 def test_stale_write_for_a_reused_room_never_reaches_the_live_request(pair, single):
@@ -133,13 +128,7 @@ def test_many_failures_leave_nothing_behind(pair, instances):
     and failures of every kind -- rooms dropped mid-send hold their pages for the quarantine -- then
     the `pair` fixture checks pages (after the hold expired), staging, xfer handles, rooms and
     registrations on both sides are back at idle (docs/design.md invariant 7)."""
-    driver = Driver(*pair, heartbeat_timeout_s=2.0)
-    try:
-        run_mixed_faults(driver, cases=200, seed=1, quarantine=True)
-    finally:
-        driver.close()
-    assert_idle(*pair)
-    rank_killed_case(instances, pair[1], "nixl", (3, "layer-split"))
+    fault_loop_leaves_nothing_behind(instances, pair, "nixl", seed=1, kill_shape=(3, "layer-split"))
 
 
 def test_two_sided_handoff_over_nixl(pair, single):

@@ -26,7 +26,7 @@ from pdserve.transfer.messages import TransferDone
 from pdserve.transfer.plan import plan_transfer
 from pdserve.transfer.rank_commands import SendError
 from tests.reference import free_port
-from tests.transfer.fault_loop import rank_killed_case, run_mixed_faults
+from tests.transfer.fault_loop import fault_loop_leaves_nothing_behind
 from tests.transfer.handoff_driver import Driver, FaultySource, TransferError, hand_off
 from tests.transfer.handoff_helpers import MAX_TOKENS, assert_idle, check_handoffs, prompt
 
@@ -59,14 +59,9 @@ def pair(instances):
 
 def test_corrupted_payload_is_rejected_and_released(pair):
     prefill, decode = pair
+    corrupt = FaultySource(prefill, corrupt=True)  # flips a payload byte after the sender's checksum
     with pytest.raises(TransferError, match="checksum mismatch") as e:
-        hand_off(
-            prefill,
-            decode,
-            prompt(23),
-            SamplingParams(max_tokens=4),
-            source=FaultySource(prefill, corrupt=True),
-        )
+        hand_off(prefill, decode, prompt(23), SamplingParams(max_tokens=4), source=corrupt)
     req_id = e.value.room
     assert decode.scheduler.abort(req_id) is None  # nothing of it left to decode
     ok = hand_off(prefill, decode, prompt(9), SamplingParams(max_tokens=4, ignore_eos=True))
@@ -143,13 +138,7 @@ def test_many_mixed_faults_leave_nothing_behind(pair, instances):
     """200 seeded cases through the production machines (tests/transfer/fault_loop.py): successes and
     every fault kind, on the same instances; the `pair` fixture then checks both sides are idle
     (docs/design.md invariant 7)."""
-    driver = Driver(*pair, heartbeat_timeout_s=2.0)
-    try:
-        run_mixed_faults(driver, cases=200, seed=0, quarantine=False)
-    finally:
-        driver.close()
-    assert_idle(*pair)
-    rank_killed_case(instances, pair[1], "tcp", (2, "layer-split"))
+    fault_loop_leaves_nothing_behind(instances, pair, "tcp", seed=0, kill_shape=(2, "layer-split"))
 
 
 # ---- the machines stepped one by one, as the two servers' threads step them -------------------
