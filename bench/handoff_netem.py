@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import sys
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,21 +32,58 @@ sys.path.insert(0, str(ROOT))  # tests.system.netns
 from common import resolve_model  # noqa: E402  (bench/ is on sys.path when a script runs)
 from transfer import handoff  # noqa: E402
 
-from tests.system.netns import DEVICE, Hosts, in_netns  # noqa: E402
+from tests.system.netns import DEVICE, Hosts, join_netns  # noqa: E402
 
 
 class OnHost:
     """Starts an instance (its rank processes) from a thread inside a host's namespace: the ranks
-    inherit it, so their sockets and NIXL agents are on that host."""
+    inherit it, so their sockets and NIXL agents are on that host. The thread lives as long as the
+    instance (the ranks' parent-death signal follows the thread that started them) and stops it."""
 
     def __init__(self, ns: str, instance):
         self.ns, self.instance = ns, instance
+        self.started, self.stop = threading.Event(), threading.Event()
+        self.error: BaseException | None = None
+
+    def _run(self) -> None:
+        try:
+            join_netns(self.ns)
+            with self.instance:
+                self.started.set()
+                self.stop.wait()
+        except BaseException as e:  # handed to __enter__
+            self.error = e
+            self.started.set()
 
     def __enter__(self):
-        return in_netns(self.ns, self.instance.__enter__)
+        self.thread = threading.Thread(target=self._run, name=f"host-{self.ns}")
+        self.thread.start()
+        self.started.wait()
+        if self.error is not None:
+            raise self.error
+        return self.instance
 
     def __exit__(self, *exc):
-        return self.instance.__exit__(*exc)
+        self.stop.set()
+        self.thread.join()
+
+
+def shape(hosts: Hosts, rate_gbit: float, delay_ms: float) -> float:
+    """Shapes both hosts' NICs; returns the delay each way actually added. netem (rate and delay)
+    where the kernel has it; else tbf (rate alone: kernels built without sch_netem, like the
+    Firecracker VMs this was run on, have no qdisc that delays)."""
+    netem = ["netem", "delay", f"{delay_ms}ms", "rate", f"{rate_gbit}gbit", "limit", "100000"]
+    tbf = ["tbf", "rate", f"{rate_gbit}gbit", "burst", "2mb", "latency", "100ms"]
+    added = delay_ms
+    for host in ("p", "d"):
+        r = hosts.exec(host, "tc", "qdisc", "add", "dev", DEVICE, "root", *netem, check=False)
+        if r.returncode != 0 and "unknown" in r.stderr:
+            print(f"no netem in this kernel ({r.stderr.strip()}): tbf, rate only", flush=True)
+            hosts.exec(host, "tc", "qdisc", "add", "dev", DEVICE, "root", *tbf)
+            added = 0.0
+        elif r.returncode != 0:
+            raise RuntimeError(r.stderr)
+    return added
 
 
 def main() -> None:
@@ -65,16 +103,14 @@ def main() -> None:
     rate = args.rate_gbit * 1e9 / 8  # bytes/s
     results = {}
     with Hosts(["p", "d"]) as hosts:
-        netem = ["netem", "delay", f"{args.delay_ms}ms", "rate", f"{args.rate_gbit}gbit", "limit", "100000"]
-        for host in ("p", "d"):
-            hosts.exec(host, "tc", "qdisc", "add", "dev", DEVICE, "root", *netem)
+        delay_ms = shape(hosts, args.rate_gbit, args.delay_ms)
 
         def place(role: str, instance):
             return OnHost(hosts.ns("p" if role == "prefill" else "d"), instance)
 
         for transfer in args.transfers.split(","):
             r = handoff(model, transfer, args.tokens, args.repeats, data_host=hosts.addr("d"), place=place)
-            floor = r["bytes"] / rate + 2 * args.delay_ms / 1000
+            floor = r["bytes"] / rate + 2 * delay_ms / 1000
             r |= {"link_floor_s": floor, "over_floor": r["seconds"] / floor}
             print(
                 f"{transfer}: {r['bytes'] / 1e6:.1f} MB in {1000 * r['seconds']:.1f} ms; link floor "
@@ -94,7 +130,7 @@ def main() -> None:
         },
         "config": {
             "tokens": args.tokens,
-            "delay_ms": args.delay_ms,
+            "delay_ms": delay_ms,
             "rate_gbit": args.rate_gbit,
             "repeats": args.repeats,
             "model": model,
