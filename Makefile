@@ -47,8 +47,10 @@ test-system: setup
 serve: setup
 	$(VENV)/bin/pdserve up --prefill-cp 2 --decode-tp 2 --decode-dcp 2
 
+# every bench in sequence, then the README's table from bench/results (QUICK=1: a smoke run of each
+# in under 15 minutes, its results in a temporary folder)
 bench: setup
-	$(PY) bench/engine.py
+	$(PY) bench/run_all.py $(if $(QUICK),--quick)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -80,3 +80,65 @@ def resolve_model(model: str | None) -> str:
     from pdserve.cli import ensure_builtin_model
 
     return str(Path(model) if model else ensure_builtin_model())
+
+
+def machine_info(packages: tuple[str, ...] = ("torch", "transformers")) -> dict:
+    """What every result JSON records: cores, CPU, platform, versions, the commit and the date."""
+    import datetime
+    import subprocess
+    from importlib.metadata import PackageNotFoundError, version
+
+    def ver(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    def git(*args: str) -> str | None:
+        try:
+            p = subprocess.run(
+                ["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=10
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return p.stdout.strip() if p.returncode == 0 else None
+
+    commit = git("rev-parse", "--short", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no")
+    dirty = None if status is None else bool(status)
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_model": cpu_model(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        **{name: ver(name) for name in packages},
+        "commit": commit,
+        "uncommitted_changes": dirty,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "loadavg_at_start": os.getloadavg(),
+    }
+
+
+def spread(values: list[float]) -> dict:
+    """min / median / max of repeated measurements (the headline ratios are ratios of medians)."""
+    import statistics
+
+    xs = [v for v in values if v is not None]
+    if not xs:
+        return {"n": 0, "min": None, "median": None, "max": None}
+    return {"n": len(xs), "min": min(xs), "median": statistics.median(xs), "max": max(xs), "all": xs}
+
+
+def idle_side(max_s: float, label: str) -> dict:
+    """Waits for an idle machine before one side of a comparison and says what it found."""
+    import sys
+
+    w = wait_until_idle(max_s)
+    w["loadavg_before"] = os.getloadavg()
+    note = (
+        "idle"
+        if w["idle"]
+        else f"NOT idle after {w['waited_seconds']:.0f} s ({w['busy_cores_before']:.2f} cores busy)"
+    )
+    print(f"  [{label}] machine {note}", file=sys.stderr, flush=True)
+    return w

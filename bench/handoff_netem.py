@@ -92,7 +92,9 @@ def main() -> None:
     ap.add_argument("--delay-ms", type=float, default=1.0, help="netem delay each way (default 1)")
     ap.add_argument("--rate-gbit", type=float, default=10.0, help="netem rate (default 10)")
     ap.add_argument("--transfers", default="tcp,nixl", help="data paths (default tcp,nixl)")
-    ap.add_argument("--repeats", type=int, default=5, help="hand-offs per data path, best kept (default 5)")
+    ap.add_argument(
+        "--repeats", type=int, default=5, help="hand-offs per data path, the median kept (default 5)"
+    )
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the built-in small model)")
     ap.add_argument("--out", default="bench/results", help="output directory for handoff_netem.json")
     args = ap.parse_args()

@@ -1,14 +1,19 @@
-"""Prefill context-parallelism benchmark: time to first token at C_p = 1 vs C_p = 2, and layout balance.
+"""Prefill context-parallelism benchmark: time to first token of C_p ranks vs one rank with the same
+total threads, and layout balance.
 
-Claim measured: at 16k tokens a prefill instance with C_p = 2 ranks (one torch thread per rank) is
-at least 1.7x faster to the first token than C_p = 1 (one thread), on the built-in `small` model
-(glm_moe_dsa, DSA index_topk 256, float32 on CPU, interleave layout, full cache, chunks of 4096).
-On a 2-core machine the ceiling is 2x.
-  1. TTFT: one PrefillInstance per C_p (the prefill instance API directly, no HTTP), all started
-     together (each rank is a process that loads the model) and warmed up (a 300-token prompt, then
-     one full chunk). Then for every prompt length (2048, 4096, 8192, 16384) and repeat, one prefill
-     per instance, alternating the order of the instances between repeats so that drift on a shared
-     machine hits every C_p alike; the best of --repeats counts. TTFT is the wall time of
+Claim measured: at 16k tokens a prefill instance with C_p = 2 ranks x 1 torch thread is no slower
+to the first token than ONE rank with 2 threads (the same total cores; ratio >= 0.95), on the
+built-in `small` model (glm_moe_dsa, DSA index_topk 256, float32 on CPU, interleave layout, full
+cache, chunks of 4096). One rank with 1 thread is reported too (what context parallelism adds over
+a rank that does not use the second core). The bound: the prefill's matmul FLOPs (2 x active
+parameters per token; attention and the indexer not counted, so a lower bound of the work) over
+the time, as a fraction of this CPU's measured float32 matmul rate with the same total threads.
+  1. TTFT: one PrefillInstance per configuration (--configs, C_p x threads per rank; the prefill
+     instance API directly, no HTTP), all started together (each rank is a process that loads the
+     model) and warmed up (a 300-token prompt, then one full chunk). Then for every prompt length
+     (2048, 4096, 8192, 16384) and repeat, one prefill per instance, alternating the order of the
+     instances between repeats so that drift on a shared machine hits every one alike; the median
+     of --repeats counts (min and max are recorded), and ratios are ratios of medians. TTFT is the wall time of
      `instance.prefill()` (all ranks' forward + sampling of the first token, greedy). The first
      token must be the same for every C_p; it is recorded. Each rank's CPU time over the timed
      prefill is recorded too (from /proc/<pid>/stat): rank CPU / wall well below 1 means the rank
@@ -30,27 +35,36 @@ Run:  .venv/bin/python bench/prefill_cp.py      (writes bench/results/prefill_cp
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
+import math
 import os
-import platform
+import re
+import statistics
 import sys
 import time
 import traceback
-from importlib.metadata import version
 from pathlib import Path
 
 from common import (  # bench/ is on sys.path when a script runs
     IDLE_CORES,
     add_model_and_out,
-    cpu_model,
     cpu_seconds,
     free_port,
+    machine_info,
     resolve_model,
     system_busy_seconds,
     wait_until_idle,
 )
-from prefill_cp_report import CLAIM_RATIO, LAYOUTS, balance_text, first_tokens, plot, ratios, ttft_table
+from prefill_cp_report import (
+    CLAIM_RATIO,
+    LAYOUTS,
+    balance_text,
+    first_tokens,
+    plot,
+    ratios,
+    ttft_table,
+)
+from roofline import matmul_gflops, prefill_gflop
 
 WARMUP_TOKENS = 300
 PAGE_SIZE = 16
@@ -100,24 +114,25 @@ class Bench:
             moe_tp=False,
             query_block=a.query_block,
         )
-        self.instances: dict[int, object] = {}
-        self.errors: dict[int, str] = {}
+        self.instances: dict[str, object] = {}
+        self.errors: dict[str, str] = {}
         self.startup: dict[str, dict] = {}
 
     def start(self) -> None:
         from pdserve.engine.launcher import LaunchConfig
         from pdserve.prefill_server.instance import PrefillInstance
 
-        for cp in self.a.cp_sizes:
+        for label in self.a.configs:
+            cp, threads = map(int, label.split("x"))
             launch = LaunchConfig(
                 cp,
                 free_port(),
-                threads_per_rank=1,
+                threads_per_rank=threads,
                 ready_timeout_s=self.a.timeout,
                 collective_timeout_s=self.a.timeout,
             )
             print(
-                f"  starting C_p={cp} ({cp} rank process(es), each loads the model) ...",
+                f"  starting {label}: C_p={cp} x {threads} thread(s) (each rank process loads the model) ...",
                 file=sys.stderr,
                 flush=True,
             )
@@ -127,30 +142,31 @@ class Bench:
                     self.worker, launch, page_size=PAGE_SIZE, chunk_size=self.a.chunk_size
                 ).start()
             except Exception:
-                self._fail(cp, "start")
+                self._fail(label, "start")
                 continue
             start_s = time.perf_counter() - t0
-            self.instances[cp] = inst
+            self.instances[label] = inst
             vocab = inst.model_config.vocab_size
             warm = {}
             for n in (WARMUP_TOKENS, min(self.a.chunk_size, max(self.a.lengths))):  # first forward is slow
-                r = self._prefill(cp, f"warmup{n}", prompt_ids(n, 1, vocab))
+                r = self._prefill(label, f"warmup{n}", prompt_ids(n, 1, vocab))
                 if "error" in r:
                     break
                 warm[str(n)] = r["seconds"]
-            self.startup[str(cp)] = {"start_seconds": start_s, "warmup_seconds": warm, "info": inst.info()}
+            self.startup[label] = {"start_seconds": start_s, "warmup_seconds": warm, "info": inst.info()}
 
-    def _fail(self, cp: int, what: str) -> dict:
+    def _fail(self, label: str, what: str) -> dict:
         tb = traceback.format_exc()
-        self.errors[cp] = f"{what}: {tb}"
-        print(f"  C_p={cp} {what} failed:\n{tb}", file=sys.stderr, flush=True)
-        inst = self.instances.pop(cp, None)
+        self.errors[label] = f"{what}: {tb}"
+        print(f"  {label} {what} failed:\n{tb}", file=sys.stderr, flush=True)
+        inst = self.instances.pop(label, None)
         if inst is not None:
             inst.shutdown()
         return {"error": tb.strip().splitlines()[-1], "traceback": tb}
 
-    def _prefill(self, cp: int, rid: str, ids: list[int], timed: bool = False) -> dict:
-        inst = self.instances[cp]
+    def _prefill(self, label: str, rid: str, ids: list[int], timed: bool = False) -> dict:
+        inst = self.instances[label]
+        cores = math.prod(map(int, label.split("x")))  # C_p x threads: the cores it uses
         pids = [r["pid"] for r in inst.rank_infos]
         idle = wait_until_idle(self.a.idle_wait) if timed and self.a.idle_wait > 0 else None
         if idle and idle["waited_seconds"] > 2.5:
@@ -173,7 +189,7 @@ class Bench:
             others = system_busy_seconds() - busy0 - sum(cpu) - (cpu_seconds(os.getpid()) - own0)
             inst.release(rid)
         except Exception:
-            return self._fail(cp, f"prefill of {len(ids)} tokens")
+            return self._fail(label, f"prefill of {len(ids)} tokens")
         others = max(0.0, others / dt)
         return {
             "seconds": dt,
@@ -181,36 +197,37 @@ class Bench:
             "rank_cpu_seconds": cpu,
             "rank_cpu_over_wall": [c / dt for c in cpu],
             "other_processes_cores": others,
-            "contended": others + cp > (os.cpu_count() or 1) + NOISY_CORES,
+            "contended": others + cores > (os.cpu_count() or 1) + NOISY_CORES,
             "idle_wait": idle,
         }
 
     def measure(self) -> dict:
-        out: dict[str, dict] = {str(cp): {} for cp in self.a.cp_sizes}
-        for cp, err in self.errors.items():
+        labels = self.a.configs
+        out: dict[str, dict] = {label: {} for label in labels}
+        for label, err in self.errors.items():
             for n in self.a.lengths:
-                out[str(cp)][str(n)] = {"error": "instance failed to start", "traceback": err}
+                out[label][str(n)] = {"error": "instance failed to start", "traceback": err}
         for n in self.a.lengths:
             ids = None
-            runs: dict[int, list[dict]] = {cp: [] for cp in self.instances}
+            runs: dict[str, list[dict]] = {label: [] for label in self.instances}
             for rep in range(self.a.repeats):
                 order = list(self.instances) if rep % 2 == 0 else list(reversed(self.instances))
-                for cp in order:
-                    if cp not in self.instances:  # failed earlier in this loop
+                for label in order:
+                    if label not in self.instances:  # failed earlier in this loop
                         continue
                     if ids is None:
-                        ids = prompt_ids(n, n, self.instances[cp].model_config.vocab_size)
+                        ids = prompt_ids(n, n, self.instances[label].model_config.vocab_size)
                     print(
-                        f"  C_p={cp} prefill {n} tokens (repeat {rep + 1}/{self.a.repeats}) ...",
+                        f"  {label} prefill {n} tokens (repeat {rep + 1}/{self.a.repeats}) ...",
                         file=sys.stderr,
                         flush=True,
                     )
-                    r = self._prefill(cp, f"r{n}-{rep}", ids, timed=True)
+                    r = self._prefill(label, f"r{n}-{rep}", ids, timed=True)
                     if "error" in r:
-                        runs.pop(cp)
-                        out[str(cp)][str(n)] = r
+                        runs.pop(label)
+                        out[label][str(n)] = r
                         continue
-                    runs[cp].append(r)
+                    runs[label].append(r)
                     print(
                         f"    {r['seconds']:.2f} s, token {r['token']}, rank CPU/wall "
                         + ", ".join(f"{u:.2f}" for u in r["rank_cpu_over_wall"])
@@ -218,25 +235,54 @@ class Bench:
                         file=sys.stderr,
                         flush=True,
                     )
-            for cp, rs in runs.items():
-                best = min(rs, key=lambda r: r["seconds"])
-                out[str(cp)][str(n)] = dict(
-                    best,
-                    all_seconds=[r["seconds"] for r in rs],
+            for label, rs in runs.items():
+                secs = [r["seconds"] for r in rs]
+                med = statistics.median(secs)
+                mid = min(rs, key=lambda r: abs(r["seconds"] - med))  # the run nearest the median
+                out[label][str(n)] = dict(
+                    mid,
+                    seconds=med,
+                    min_seconds=min(secs),
+                    max_seconds=max(secs),
+                    all_seconds=secs,
                     tokens=[r["token"] for r in rs],
-                    tokens_per_s=n / best["seconds"],
+                    tokens_per_s=n / med,
                 )
-        for cp in self.a.cp_sizes:  # lengths never reached because the instance failed
+        for label in labels:  # lengths never reached because the instance failed
             for n in self.a.lengths:
-                out[str(cp)].setdefault(
-                    str(n), {"error": "skipped: the instance failed on an earlier prompt"}
-                )
+                out[label].setdefault(str(n), {"error": "skipped: the instance failed on an earlier prompt"})
         return out
 
     def shutdown(self) -> None:
         for inst in self.instances.values():
             inst.shutdown()
         self.instances.clear()
+
+
+def summary_rows(doc: dict, a: argparse.Namespace) -> list[dict]:
+    """The README table's rows (bench/table.py)."""
+    n = str(max(a.lengths))
+    cpl = a.configs[0]
+    rows = []
+    for k, v in doc["headline"].items():
+        base = k.split("_over_")[0].removeprefix("ttft_")
+        t = doc["ttft"]
+        rows.append(
+            {
+                "claim": f"TTFT at {n} tokens, C_p x threads {cpl} vs {base}",
+                "result": None
+                if v is None
+                else f"{v:.2f}x ({t[base][n]['seconds']:.2f} s / {t[cpl][n]['seconds']:.2f} s)",
+                "baseline": f"one instance {base} (C_p x threads), same prompt, {a.repeats} runs each, medians",
+                "bound": None
+                if not doc["roofline"]["fraction_of_bound"]
+                else f"{100 * doc['roofline']['fraction_of_bound']:.0f}% of the matmul rate "
+                f"({doc['roofline']['matmul_gflops_measured']:.0f} GFLOP/s)",
+                "target": f">= {CLAIM_RATIO}" if base == a.configs[1] else None,
+                "met": (v >= CLAIM_RATIO) if (v is not None and base == a.configs[1]) else None,
+            }
+        )
+    return rows
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -253,10 +299,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="prompt lengths in tokens, comma-separated (default 2048,4096,8192,16384); the headline ratio is at the longest",
     )
     p.add_argument(
-        "--cp-sizes",
-        type=ints,
-        default=[1, 2],
-        help="context-parallel sizes C_p to compare, comma-separated, the first is the baseline (default 1,2); one torch thread per rank",
+        "--configs",
+        type=lambda s: [x for x in s.split(",") if x],
+        default=["2x1", "1x2", "1x1"],
+        help="instances to compare as C_p x threads per rank, comma-separated; the first is the context-parallel "
+        "one, the others its baselines (default 2x1,1x2,1x1: C_p = 2 vs one rank with the same 2 threads vs one "
+        "rank with 1 thread)",
     )
     p.add_argument(
         "--layout",
@@ -286,7 +334,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     add_model_and_out(p, "prefill_cp")
     p.add_argument(
-        "--repeats", type=int, default=2, help="timed prefills per length and C_p, best taken (default 2)"
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed prefills per length and configuration; the median counts (default 3)",
     )
     p.add_argument(
         "--timeout",
@@ -314,9 +365,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="rank counts C of the balance table (default 2,4,8)",
     )
     a = p.parse_args(argv)
-    if not a.lengths or not a.cp_sizes or a.repeats < 1 or a.chunk_size < 1 or a.query_block < 1:
+    bad = [c for c in a.configs if not re.fullmatch(r"[1-9][0-9]*x[1-9][0-9]*", c)]
+    if bad or not a.lengths or not a.configs or a.repeats < 1 or a.chunk_size < 1 or a.query_block < 1:
         p.error(
-            "need at least one length and one C_p, --repeats >= 1, --chunk-size >= 1 and --query-block >= 1"
+            "need --configs like 2x1,1x2 (C_p x threads), at least one length, --repeats >= 1, "
+            "--chunk-size >= 1 and --query-block >= 1"
         )
     return a
 
@@ -336,21 +389,29 @@ def main(argv=None) -> None:
     finally:
         bench.shutdown()
     toks = first_tokens(ttft, a.lengths)
-    rat = ratios(ttft, a.cp_sizes, a.lengths)
+    rat = ratios(ttft, a.configs, a.lengths)
     longest = str(max(a.lengths))
     headline = {f"{k}_at_{longest}": v[longest] for k, v in rat.items()}
-    machine = {
-        "cpu_count": os.cpu_count(),
-        "cpu_model": cpu_model(),
-        "threads_per_rank": 1,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": version("torch"),
-        "loadavg_before": load_before,
-        "loadavg_after": os.getloadavg(),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "wall_seconds": time.perf_counter() - t_start,
+    # the bound: this CPU's float32 matmul rate with the CP instance's total threads (measured now,
+    # with the ranks idle), against the prefill's linear-layer FLOPs over its median time
+    cp, threads = map(int, a.configs[0].split("x"))
+    peak = matmul_gflops(cp * threads)
+    work = prefill_gflop(model_dir, int(longest))
+    t_cp = ttft[a.configs[0]][longest].get("seconds")
+    roofline = {
+        "matmul_gflops_measured": peak,
+        "threads": cp * threads,
+        "prefill_linear_gflop": work,
+        "achieved_gflops": work / t_cp if t_cp else None,
+        "fraction_of_bound": work / t_cp / peak if t_cp else None,
+        "tokens": int(longest),
     }
+    machine = dict(
+        machine_info(("torch",)),
+        loadavg_before=load_before,
+        loadavg_after=os.getloadavg(),
+        wall_seconds=time.perf_counter() - t_start,
+    )
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}
     config.update(
         model=model_dir,
@@ -362,7 +423,7 @@ def main(argv=None) -> None:
         sampling="greedy",
     )
     doc = {
-        "claim": f"TTFT C_p=1 / C_p=2 >= {CLAIM_RATIO} at 16384 tokens (ceiling 2 on 2 cores)",
+        "claim": f"TTFT one rank x (C_p x t) threads / C_p ranks x t threads >= {CLAIM_RATIO} at 16384 tokens",
         "machine": machine,
         "config": config,
         "startup": startup,
@@ -371,7 +432,9 @@ def main(argv=None) -> None:
         "ratios": rat,
         "headline": headline,
         "balance": bal,
+        "roofline": roofline,
     }
+    doc["summary"] = summary_rows(doc, a)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "prefill_cp.json").write_text(json.dumps(doc, indent=2) + "\n")
     plot(ttft, rat, bal, a, a.out / "prefill_cp.png")
@@ -387,14 +450,22 @@ def main(argv=None) -> None:
     print()
     for name, r in headline.items():
         verdict = (
-            "" if r is None else f"  (claim >= {CLAIM_RATIO}x: {'met' if r >= CLAIM_RATIO else 'NOT met'})"
+            ""
+            if r is None or not name.startswith(f"ttft_{a.configs[1]}_over_")
+            else f"  (target >= {CLAIM_RATIO}x, same total threads: {'met' if r >= CLAIM_RATIO else 'NOT met'})"
         )
         print(
-            f"{name.replace('ttft_', 'TTFT ').replace('_over_', ' / ').replace('cp', 'C_p=').replace('_at_', ' at ')}: "
+            f"{name.replace('ttft_', 'TTFT ').replace('_over_', ' / ').replace('_at_', ' at ')}: "
             + (f"{r:.2f}x{verdict}" if r else "n/a")
         )
-    for cp, err in bench.errors.items():
-        print(f"C_p={cp} failed: {err.strip().splitlines()[-1]}")
+    if roofline["fraction_of_bound"]:
+        print(
+            f"bound: {roofline['achieved_gflops']:.1f} GFLOP/s of linear-layer work at {longest} tokens = "
+            f"{100 * roofline['fraction_of_bound']:.0f}% of the measured matmul rate ({peak:.1f} GFLOP/s, "
+            f"{cp * threads} threads)"
+        )
+    for label, err in bench.errors.items():
+        print(f"{label} failed: {err.strip().splitlines()[-1]}")
     print(f"wrote {a.out / 'prefill_cp.json'} and {a.out / 'prefill_cp.png'}")
 
 

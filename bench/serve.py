@@ -1,94 +1,116 @@
-"""Serving benchmark: the whole stack (`pdserve up`) vs Hugging Face transformers' `generate`.
+"""Serving benchmark: the whole stack (`pdserve up`) under SGLang's load client vs transformers.
 
-Measured (issue 6 item 6): requests per second, output tokens per second, time to first token
-(TTFT) and inter-token latency (ITL) p50/p99 of `pdserve up --prefill-cp 2 --decode-tp 2
---decode-dcp 2` on the built-in `small` glm_moe_dsa model, at concurrency 1, 8 and 32, streaming
-through the OpenAI-compatible `/v1/completions` endpoint, next to transformers' `generate` on the
-same prompts in one process (batch 1 sequentially, and all prompts as one left-padded batch).
+The load comes from a client nobody on this project wrote: SGLang's `sglang.bench_serving`
+(`--backend vllm`: OpenAI `/v1/completions`, streaming, `ignore_eos`), in a virtualenv of its own
+(bench/load_client.py builds it once). Its numbers are the ones reported: requests/s, output
+tokens/s, TTFT and ITL p50/p99, and goodput under an SLO (TTFT <= --slo-ttft-ms and TPOT, the mean
+inter-token time of a request, <= --slo-itl-ms; SGLang's goodput has no per-gap ITL criterion).
 
-Prompts: --prompts deterministic prompts of random token ids (seeded, ids 1..vocab-1, so never the
-EOS id 0), lengths spread geometrically over --min-len..--max-len and shuffled; every request asks
-for exactly --max-tokens tokens (temperature 0, the router's `ignore_eos` extension; transformers:
-greedy, min_new_tokens = max_new_tokens). Prompts go in as token ids, so both sides see the same ids.
+Workloads (both from SGLang's dataset code, seeded, nothing downloaded):
+- random: `random-ids`, input lengths uniform in [input-len x ratio, input-len], output lengths in
+  [output-len x ratio, output-len] (one ratio for both in this client), at every --concurrency
+  (closed loop) and at every --rates request rate (open loop, Poisson, capped at the highest
+  concurrency);
+- shared prefix: `generated-shared-prefix`, --gsp-groups groups of --gsp-prompts prompts that share a
+  --gsp-system-len-token system prompt, at concurrency --gsp-concurrency.
 
-Stack: `python -m pdserve.cli up` as a subprocess on a free port with its logs in a temporary
-directory; this script waits for its "ready:" line, sends --warmup untimed requests, then for every
-concurrency C sends all prompts through C client tasks (httpx, one connection each; a task takes
-the next prompt when its request ends). TTFT: from sending the request to the first SSE chunk that
-carries a token (`return_token_ids`); ITL: the gaps between later token-carrying chunks (a chunk
-with k tokens, which happens when their text is an incomplete UTF-8 sequence, counts as k gaps of
-gap / k). Throughput: all output tokens (requests) over the wall time from the first send to the
-last stream end. SIGTERM stops the stack at the end (its launcher stops every child).
-Transformers: a fresh subprocess (bench/serve_hf.py) with torch.set_num_threads(2), a
-14 GiB address-space cap and --timeout; a streamer timestamps every generation step, which gives
-TTFT (start of `generate` to the first new token) and ITL for batch 1 and for the padded batch.
-The stack runs 1 torch thread in each of its 4 rank processes (2 prefill, 2 decode) plus the
-router, on the same cores.
+Baseline, like with like: transformers' `generate` on exactly the random set's prompts (the ids our
+tokenizer gives for the text the client sends), in static batches of each --hf-batches size (a group
+runs until its longest output is done; only requested tokens count), with the same repeats as the
+stack and an idle wait before each side. The headline is the ratio of medians: the stack's output
+tokens/s at --headline-concurrency over transformers' best batch.
 
-Run:  .venv/bin/python bench/serve.py      (a few minutes; bench/results/serve.json and serve.png)
+Run:  .venv/bin/python bench/serve.py [--quick]     (bench/results/serve.json and serve.png)
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import datetime
 import json
-import os
-import platform
 import sys
 import tempfile
 import time
-from importlib.metadata import version
 from pathlib import Path
 
-from common import add_model_and_out, resolve_model  # bench/ is on sys.path when a script runs
+import load_client  # bench/ is on sys.path when a script runs
+from common import add_model_and_out, idle_side, machine_info, resolve_model, spread
 from serve_hf import MEM_CAP, run_hf
-from serve_stack import StackProcess, make_prompts, run_stack
+from serve_stack import StackProcess
+
+SLO_KEYS = ("output_throughput", "request_throughput", "request_goodput", "median_ttft_ms")
 
 
-# ---------------------------------------------------------------- report
-def agreement(a_ids: list, b_ids: list) -> dict:
-    """Requests whose greedy outputs are identical, and the mean common-prefix length."""
-    pairs = {i: (x, y) for i, (x, y) in enumerate(zip(a_ids, b_ids)) if x is not None and y is not None}
-    prefix = {
-        i: next((k for k, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
-        for i, (x, y) in pairs.items()
-    }
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def level_row(r: dict) -> dict:
+    """The numbers we keep of one bench_serving result (its own field names)."""
+    keep = (
+        "completed",
+        "duration",
+        "request_throughput",
+        "output_throughput",
+        "total_input_tokens",
+        "total_output_tokens",
+        "median_ttft_ms",
+        "p99_ttft_ms",
+        "median_itl_ms",
+        "p99_itl_ms",
+        "median_tpot_ms",
+        "median_e2e_latency_ms",
+        "request_goodput",
+        "slo_attainment",
+        "concurrency",
+        "command",
+    )
+    row = {k: r.get(k) for k in keep}
+    row["failed"] = sum(1 for e in r.get("errors", []) if e)
+    row["errors"] = [e for e in r.get("errors", []) if e][:5]
+    return row
+
+
+def hf_row(r: dict, slo_ttft_ms: float, slo_itl_ms: float) -> dict:
+    """transformers' result in the load client's names, goodput by the same definition."""
+    if "error" in r:
+        return {"error": r["error"]}
+    good = sum(
+        1 for t, p in zip(r["ttft_s"], r["tpot_s"]) if 1000 * t <= slo_ttft_ms and 1000 * p <= slo_itl_ms
+    )
     return {
-        "compared": len(pairs),
-        "identical": sum(x == y for x, y in pairs.values()),
-        "mean_common_prefix": sum(prefix.values()) / len(prefix) if prefix else None,
-        "differing": [
-            {"prompt": i, "first_difference_at": prefix[i]} for i, (x, y) in pairs.items() if x != y
-        ],
+        "completed": r["requests"],
+        "duration": r["wall_s"],
+        "request_throughput": r["requests_per_s"],
+        "output_throughput": r["output_tokens_per_s"],
+        "total_output_tokens": r["output_tokens"],
+        "median_ttft_ms": r["ttft_p50_ms"],
+        "p99_ttft_ms": r["ttft_p99_ms"],
+        "median_itl_ms": r["itl_p50_ms"],
+        "p99_itl_ms": r["itl_p99_ms"],
+        "median_e2e_latency_ms": r["e2e_p50_ms"],
+        "request_goodput": good / r["wall_s"],
+        "slo_attainment": good / r["requests"],
+        "batch": r["batch"],
+        "process_cpu_s": r.get("process_cpu_s"),
     }
 
 
-def ratios(stack: dict, hf: dict, conc: list[int]) -> dict:
-    out = {}
-    get = lambda d, k: d.get(k) if isinstance(d, dict) else None  # noqa: E731
-    b1, bb = hf.get("batch1", {}), hf.get("batch", {})
-    for c in conc:
-        s = stack.get(str(c), {})
-        if get(s, "output_tokens_per_s") and get(b1, "output_tokens_per_s"):
-            out[f"stack_c{c}_over_hf_batch1_output_tokens_per_s"] = (
-                s["output_tokens_per_s"] / b1["output_tokens_per_s"]
-            )
-    c_hi = str(max(conc))
-    if get(stack.get(c_hi, {}), "output_tokens_per_s") and get(bb, "output_tokens_per_s"):
-        out[f"stack_c{c_hi}_over_hf_padded_batch_output_tokens_per_s"] = (
-            stack[c_hi]["output_tokens_per_s"] / bb["output_tokens_per_s"]
-        )
-    s1 = stack.get(str(min(conc)), {})
-    for k in ("ttft_p50_ms", "itl_p50_ms"):
-        if get(s1, k) and get(b1, k):
-            out[f"stack_c{min(conc)}_over_hf_batch1_{k}"] = s1[k] / b1[k]
-    if get(stack.get(c_hi, {}), "requests_per_s") and get(s1, "requests_per_s"):
-        out[f"stack_requests_per_s_c{c_hi}_over_c{min(conc)}"] = (
-            stack[c_hi]["requests_per_s"] / s1["requests_per_s"]
-        )
-    return out
+def repeated(fn, repeats: int, idle_wait: float, label: str) -> dict:
+    """`repeats` runs of fn(), each after an idle wait; the runs and min/median/max of the key numbers."""
+    runs, idle = [], []
+    for i in range(repeats):
+        idle.append(idle_side(idle_wait, f"{label} run {i + 1}/{repeats}"))
+        runs.append(fn())
+    ok = [r for r in runs if "error" not in r]
+    return {
+        "runs": runs,
+        "idle_before": idle,
+        **{k: spread([r.get(k) for r in ok]) for k in SLO_KEYS},
+    }
+
+
+def median(d: dict, key: str) -> float | None:
+    return (d.get(key) or {}).get("median")
 
 
 def fmt(v, nd=1) -> str:
@@ -96,271 +118,287 @@ def fmt(v, nd=1) -> str:
 
 
 def table(stack: dict, hf: dict) -> str:
-    cols = (
-        "requests_per_s",
-        "output_tokens_per_s",
-        "ttft_p50_ms",
-        "ttft_p99_ms",
-        "itl_p50_ms",
-        "itl_p99_ms",
-        "e2e_p50_ms",
-    )
-    rows = [
-        (
-            "run",
-            "req/s",
-            "out tok/s",
-            "TTFT p50 ms",
-            "TTFT p99 ms",
-            "ITL p50 ms",
-            "ITL p99 ms",
-            "e2e p50 ms",
-            "errors",
-        )
+    cols = [
+        ("request_throughput", "req/s", 2),
+        ("output_throughput", "out tok/s", 1),
+        ("median_ttft_ms", "TTFT p50", 0),
+        ("p99_ttft_ms", "TTFT p99", 0),
+        ("median_itl_ms", "ITL p50", 1),
+        ("p99_itl_ms", "ITL p99", 1),
+        ("request_goodput", "goodput/s", 2),
     ]
-    for c, r in stack.items():
-        rows.append(
-            (
-                f"stack c={c}",
-                *(fmt(r.get(k), 2 if k == "requests_per_s" else 1) for k in cols),
-                str(len(r.get("errors", []))),
-            )
-        )
-    for name, label in (("batch1", "transformers batch 1"), ("batch", "transformers padded batch")):
-        r = hf.get(name)
-        if r is None:
-            continue
+    rows = [("run", *(c[1] for c in cols), "failed")]
+    for name, lv in [*stack.items(), *hf.items()]:
+        r = lv["runs"][len(lv["runs"]) // 2] if lv.get("runs") else lv
         if "error" in r:
-            rows.append((label, r["error"], *[""] * 7))
-        else:
-            rows.append((label, *(fmt(r.get(k), 2 if k == "requests_per_s" else 1) for k in cols), "0"))
+            rows.append((name, r["error"], *[""] * len(cols)))
+            continue
+        rows.append((name, *(fmt(r.get(k), nd) for k, _, nd in cols), str(r.get("failed", 0))))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join(
         "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows
     )
 
 
-def plot(stack: dict, hf: dict, path: Path, title: str) -> None:
+def plot(doc: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    conc = [int(c) for c, r in stack.items() if "output_tokens_per_s" in r]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
-    refs = [
-        (k, lab, ls)
-        for k, lab, ls in (
-            ("batch1", "transformers batch 1", "--"),
-            ("batch", "transformers padded batch", ":"),
-        )
-        if "output_tokens_per_s" in hf.get(k, {})
-    ]
+    stack, hf = doc["stack"]["random"], doc["transformers"]
+    conc = [c for c in doc["config"]["concurrency"] if median(stack.get(f"c{c}", {}), "output_throughput")]
+    batches = [b for b in doc["config"]["hf_batches"] if median(hf.get(f"batch{b}", {}), "output_throughput")]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
     ax = axes[0]
-    ax.plot(
-        conc,
-        [stack[str(c)]["output_tokens_per_s"] for c in conc],
-        "o-",
-        color="C0",
-        label="pdserve up: output tok/s",
-    )
-    for k, lab, ls in refs:
-        ax.axhline(hf[k]["output_tokens_per_s"], color="C1", ls=ls, label=lab)
-    ax2 = ax.twinx()
-    ax2.plot(
-        conc,
-        [stack[str(c)]["requests_per_s"] for c in conc],
-        "s-",
-        color="C2",
-        alpha=0.6,
-        label="pdserve up: requests/s",
-    )
-    ax2.set_ylabel("requests/s", color="C2")
-    ax2.set_ylim(0, None)
-    ax.set(title="Throughput vs concurrency", ylabel="output tokens/s", ylim=(0, None))
-    h1, l1 = ax.get_legend_handles_labels()
-    h2, l2 = ax2.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper left")
-    for ax, metric, name in (
-        (axes[1], "ttft", "Time to first token"),
-        (axes[2], "itl", "Inter-token latency"),
+    for src, keys, lab, mk in (
+        (stack, [f"c{c}" for c in conc], "pdserve up (concurrency)", "o-"),
+        (hf, [f"batch{b}" for b in batches], "transformers (static batch)", "s--"),
     ):
-        for q, mk in (("p50", "o-"), ("p99", "^--")):
-            ax.plot(
-                conc,
-                [stack[str(c)][f"{metric}_{q}_ms"] for c in conc],
-                mk,
-                color="C0" if q == "p50" else "C3",
-                label=f"pdserve up {q}",
-            )
-        for k, lab, ls in refs:
-            for q, col in (("p50", "C1"), ("p99", "C4")):
-                if k == "batch" and metric == "ttft" and q == "p99":
-                    continue  # one sample: p50 = p99
-                ax.axhline(hf[k][f"{metric}_{q}_ms"], color=col, ls=ls, lw=1, label=f"{lab} {q}")
-        ax.set(title=name, ylabel="ms", yscale="log")
-        ax.legend(fontsize=7)
+        xs = conc if src is stack else batches
+        med = [median(src[k], "output_throughput") for k in keys]
+        lo = [m - src[k]["output_throughput"]["min"] for m, k in zip(med, keys)]
+        hi = [src[k]["output_throughput"]["max"] - m for m, k in zip(med, keys)]
+        ax.errorbar(xs, med, yerr=[lo, hi], fmt=mk, capsize=3, label=lab)
+    ax.set(title="Output tokens/s (median, min-max)", xlabel="concurrent requests / batch", ylim=(0, None))
+    ax = axes[1]
+    for src, keys, xs, lab, mk in (
+        (stack, [f"c{c}" for c in conc], conc, "pdserve up", "o-"),
+        (hf, [f"batch{b}" for b in batches], batches, "transformers", "s--"),
+    ):
+        ax.plot(xs, [median(src[k], "median_ttft_ms") for k in keys], mk, label=f"{lab} TTFT p50")
+    ax.axhline(doc["config"]["slo_ttft_ms"], color="grey", ls=":", label="TTFT SLO")
+    ax.set(title="Time to first token", xlabel="concurrent requests / batch", ylabel="ms", yscale="log")
     for ax in axes:
         ax.set_xscale("log", base=2)
-        ax.set_xticks(conc, [str(c) for c in conc])
-        ax.minorticks_off()
-        ax.set_xlabel("concurrent requests")
         ax.grid(alpha=0.3)
-    fig.suptitle(title, fontsize=10)
+        ax.legend(fontsize=8)
+    fig.suptitle(doc["title"], fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
-# ---------------------------------------------------------------- main
+def summary_rows(doc: dict, a: argparse.Namespace) -> list[dict]:
+    """The README table's rows (bench/table.py)."""
+    h, rnd, hf = doc["headline"], doc["stack"]["random"], doc["transformers"]
+    runs = [
+        run
+        for part in ("random", "rates", "shared_prefix")
+        for lv in doc["stack"][part].values()
+        for run in lv["runs"]
+    ]
+    sent = sum(run.get("completed") or 0 for run in runs) + h["failed_requests"]
+    rows = [
+        {
+            "claim": "SGLang's bench_serving against `pdserve up`: requests completed, every level",
+            "result": f"{sent - h['failed_requests']}/{sent}" if runs else None,
+            "baseline": None,
+            "bound": None,
+            "target": "no failures",
+            "met": (h["failed_requests"] == 0) if runs else None,
+        }
+    ]
+    ratio = h["stack_over_hf_best_output_tok_s"]
+    if ratio:
+        rows.append(
+            {
+                "claim": f"output tokens/s at concurrency {a.headline_concurrency}, the random set",
+                "result": f"{ratio:.2f}x ({h['stack_output_tok_s']:.1f} vs {h['hf_best_output_tok_s']:.1f} tok/s)",
+                "baseline": f"transformers generate, best static batch ({h['hf_best_batch']} of {a.hf_batches}), "
+                f"same prompts, 2 threads, {a.repeats} run(s) each, medians",
+                "bound": None,
+                "target": ">= 5x",
+                "met": ratio >= 5,
+            }
+        )
+    c1, b1 = rnd.get("c1"), hf.get("batch1")
+    if c1 and b1 and median(c1, "median_ttft_ms") and median(b1, "median_ttft_ms"):
+        rows.append(
+            {
+                "claim": "TTFT p50 at concurrency 1, the random set",
+                "result": f"{median(c1, 'median_ttft_ms'):.0f} ms vs {median(b1, 'median_ttft_ms'):.0f} ms",
+                "baseline": "transformers generate, batch 1, same prompts",
+                "bound": None,
+                "target": None,
+                "met": None,
+            }
+        )
+    return rows
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    floats = lambda s: [float(x) for x in s.split(",") if x]  # noqa: E731
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    p.add_argument("--quick", action="store_true", help="a smoke run: 16 prompts, short lengths, c=1,8")
+    p.add_argument("--concurrency", type=ints, default=[1, 8, 32, 64], help="closed-loop levels (1,8,32,64)")
+    p.add_argument("--rates", type=floats, default=[1.0, 2.0, 4.0], help="request rates per s (1,2,4)")
+    p.add_argument("--prompts", type=int, default=64, help="prompts per level (default 64)")
+    p.add_argument("--input-len", type=int, default=4096, help="longest input in tokens (default 4096)")
+    p.add_argument("--output-len", type=int, default=256, help="longest output in tokens (default 256)")
     p.add_argument(
-        "--concurrency",
-        type=ints,
-        default=[1, 8, 32],
-        help="concurrent client requests, comma-separated (default 1,8,32)",
+        "--range-ratio", type=float, default=0.0625, help="shortest / longest length (default 1/16)"
     )
-    p.add_argument(
-        "--prompts",
-        type=int,
-        default=32,
-        help="number of prompts; every concurrency level sends each once (default 32)",
-    )
-    p.add_argument("--min-len", type=int, default=16, help="shortest prompt in tokens (default 16)")
-    p.add_argument("--max-len", type=int, default=512, help="longest prompt in tokens (default 512)")
-    p.add_argument(
-        "--max-tokens", type=int, default=64, help="output tokens per request, EOS ignored (default 64)"
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed of the prompt lengths and token ids (default 0)")
-    p.add_argument(
-        "--warmup",
-        type=int,
-        default=4,
-        help="untimed requests sent to the stack before measuring (default 4)",
-    )
+    p.add_argument("--gsp-groups", type=int, default=4, help="shared-prefix groups (default 4)")
+    p.add_argument("--gsp-prompts", type=int, default=8, help="prompts per group (default 8)")
+    p.add_argument("--gsp-system-len", type=int, default=2048, help="shared system prompt tokens (2048)")
+    p.add_argument("--gsp-question-len", type=int, default=128, help="question tokens (default 128)")
+    p.add_argument("--gsp-output-len", type=int, default=64, help="output tokens (default 64)")
+    p.add_argument("--gsp-concurrency", type=int, default=8, help="shared-prefix concurrency (default 8)")
+    p.add_argument("--hf-batches", type=ints, default=[1, 8, 32], help="transformers batch sizes (1,8,32)")
+    p.add_argument("--headline-concurrency", type=int, default=32, help="the headline's level (default 32)")
+    p.add_argument("--repeats", type=int, default=1, help="runs per level, both sides alike (default 1)")
+    p.add_argument("--idle-wait", type=float, default=120, help="max s to wait for idle before each side")
+    p.add_argument("--slo-ttft-ms", type=float, default=2000, help="goodput SLO on TTFT (default 2000)")
+    p.add_argument("--slo-itl-ms", type=float, default=100, help="goodput SLO on TPOT (default 100)")
+    p.add_argument("--seed", type=int, default=0, help="the load client's seed (default 0)")
     p.add_argument("--prefill-cp", type=int, default=2, help="pdserve up --prefill-cp (default 2)")
     p.add_argument("--decode-tp", type=int, default=2, help="pdserve up --decode-tp (default 2)")
     p.add_argument("--decode-dcp", type=int, default=2, help="pdserve up --decode-dcp (default 2)")
-    p.add_argument(
-        "--dcp-index", default="copy", choices=("copy", "split"), help="pdserve up --dcp-index (default copy)"
-    )
-    p.add_argument(
-        "--transfer", default="tcp", choices=("tcp", "nixl"), help="pdserve up --transfer (default tcp)"
-    )
+    p.add_argument("--dcp-index", default="copy", choices=("copy", "split"), help="--dcp-index (copy)")
+    p.add_argument("--transfer", default="tcp", choices=("tcp", "nixl"), help="--transfer (default tcp)")
     p.add_argument("--port", type=int, default=0, help="router port (default 0: a free one)")
     p.add_argument("--skip-transformers", action="store_true", help="measure only the stack")
     p.add_argument("--skip-stack", action="store_true", help="measure only transformers")
     add_model_and_out(p, "serve")
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=600,
-        help="seconds allowed per request and per transformers subprocess (default 600)",
-    )
-    p.add_argument(
-        "--ready-timeout",
-        type=float,
-        default=300,
-        help="seconds the stack gets to print its ready line (default 300)",
-    )
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per load run / transformers run")
+    p.add_argument("--ready-timeout", type=float, default=300, help="seconds for the stack to be ready")
+    if "--quick" in (sys.argv[1:] if argv is None else argv):  # smaller defaults; explicit flags still win
+        p.set_defaults(
+            concurrency=[1, 8], rates=[4.0], prompts=16, input_len=1024, output_len=64, range_ratio=0.125
+        )
+        p.set_defaults(gsp_groups=2, gsp_prompts=4, gsp_system_len=512, gsp_output_len=16)
+        p.set_defaults(hf_batches=[1, 8], headline_concurrency=8)
     return p.parse_args(argv)
 
 
 def main(argv=None) -> None:
     a = parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo, even without pip install -e
-    model_dir = resolve_model(a.model)
-    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
-    prompts = make_prompts(a.prompts, a.min_len, a.max_len, vocab, a.seed)
-    t_start = time.perf_counter()
-    machine = {
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": version("torch"),
-        "transformers": version("transformers"),
-        "httpx": version("httpx"),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "loadavg_at_start": os.getloadavg(),
-    }
+    from pdserve.model.tokenizer import Tokenizer
 
-    stack_res, stack_info = {}, {}
+    model_dir = resolve_model(a.model)
+    t_start = time.perf_counter()
+    doc = {"machine": machine_info(("torch", "transformers", "httpx"))}
+    load_client.ensure(log)
+    doc["machine"]["load_client"] = f"sglang {load_client.SGLANG} (sglang.bench_serving --backend vllm)"
+    rnd = {
+        "name": "random-ids",
+        "random_input_len": a.input_len,
+        "random_output_len": a.output_len,
+        "random_range_ratio": a.range_ratio,
+    }
+    gsp = {
+        "name": "generated-shared-prefix",
+        "gsp_num_groups": a.gsp_groups,
+        "gsp_prompts_per_group": a.gsp_prompts,
+        "gsp_system_prompt_len": a.gsp_system_len,
+        "gsp_question_len": a.gsp_question_len,
+        "gsp_output_len": a.gsp_output_len,
+    }
+    goodput = ["--goodput", f"ttft:{a.slo_ttft_ms:g}", f"tpot:{a.slo_itl_ms:g}"]
+    name = Path(model_dir).name
+    rows = load_client.dataset("http://127.0.0.1:1", name, model_dir, rnd, a.prompts, a.seed)
+    tok = Tokenizer.from_pretrained(model_dir)
+    prompts = [tok.encode(r["prompt"]) for r in rows]
+    out_lens = [r["output_len"] for r in rows]
+
+    stack: dict = {"random": {}, "rates": {}, "shared_prefix": {}}
     if not a.skip_stack:
         log_dir = tempfile.mkdtemp(prefix="pdserve-bench-logs-")
         sp = StackProcess(a, model_dir, log_dir)
-        print(f"  starting: {' '.join(sp.cmd[1:])}", file=sys.stderr, flush=True)
+        log(f"  starting: {' '.join(sp.cmd[1:])}")
         try:
             startup = sp.start(a.ready_timeout)
-            print(f"  ready at {sp.url} after {startup:.1f} s", file=sys.stderr, flush=True)
-            stack_res = asyncio.run(run_stack(sp.url, sp.model, prompts, a))
+            log(f"  ready at {sp.url} after {startup:.1f} s")
+
+            def level(spec, n, conc, rate=None):
+                return lambda: level_row(
+                    load_client.run(
+                        sp.url, sp.model, model_dir, spec, n, a.seed, conc, rate, goodput, a.timeout
+                    )
+                )
+
+            level(rnd, min(4, a.prompts), 4)()  # warm-up, untimed
+            for c in a.concurrency:
+                stack["random"][f"c{c}"] = repeated(
+                    level(rnd, a.prompts, c), a.repeats, a.idle_wait, f"c={c}"
+                )
+            for r in a.rates:
+                stack["rates"][f"rate{r:g}"] = repeated(
+                    level(rnd, a.prompts, max(a.concurrency), r), a.repeats, a.idle_wait, f"rate={r:g}/s"
+                )
+            n_gsp = a.gsp_groups * a.gsp_prompts
+            stack["shared_prefix"][f"c{a.gsp_concurrency}"] = repeated(
+                level(gsp, n_gsp, a.gsp_concurrency), a.repeats, a.idle_wait, "shared prefix"
+            )
         finally:
             rc = sp.stop()
-        stack_info = {
-            "command": " ".join(["pdserve", *sp.cmd[3:]]),
-            "startup_s": startup,
-            "stop_returncode": rc,
-            "log_dir": log_dir,
-            "launcher_output": sp.lines,
-        }
-        print(f"  stack stopped (rc {rc}); logs in {log_dir}", file=sys.stderr, flush=True)
+        stack["process"] = {"command": " ".join(["pdserve", *sp.cmd[3:]]), "startup_s": startup, "rc": rc}
 
-    hf_res = {}
+    hf: dict = {}
     if not a.skip_transformers:
-        hf_res["batch1"] = run_hf("batch1", prompts, a, model_dir)
-        hf_res["batch"] = run_hf("batch", prompts, a, model_dir)
+        for b in a.hf_batches:
+            hf[f"batch{b}"] = repeated(
+                lambda b=b: hf_row(run_hf(b, prompts, out_lens, a, model_dir), a.slo_ttft_ms, a.slo_itl_ms),
+                a.repeats,
+                a.idle_wait,
+                f"transformers batch {b}",
+            )
 
-    # greedy agreement: the stack's outputs across concurrency levels and against transformers batch 1
-    ids = {f"stack_c{c}": r.pop("token_ids") for c, r in stack_res.items()}
-    ids.update({f"hf_{k}": r.pop("token_ids") for k, r in hf_res.items() if "token_ids" in r})
-    ref = "hf_batch1" if "hf_batch1" in ids else next(iter(ids), None)
-    agree = {f"{k}_vs_{ref}": agreement(v, ids[ref]) for k, v in ids.items() if k != ref}
-
-    rat = ratios(stack_res, hf_res, a.concurrency) if stack_res else {}
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k != "worker"}
-    doc = {
-        "machine": machine,
-        "config": dict(
-            config,
-            model=model_dir,
-            prompt_lengths=[len(p) for p in prompts],
-            hf_torch_threads=2,
-            stack_torch_threads_per_rank=1,
-            mem_cap_bytes=MEM_CAP,
+    head = median(stack["random"].get(f"c{a.headline_concurrency}", {}), "output_throughput")
+    best = max(
+        ((median(v, "output_throughput"), k) for k, v in hf.items() if median(v, "output_throughput")),
+        default=(None, None),
+    )
+    doc.update(
+        title=(
+            f"pdserve up --prefill-cp {a.prefill_cp} --decode-tp {a.decode_tp} --decode-dcp {a.decode_dcp} "
+            f"under sglang.bench_serving ({a.prompts} random prompts, input <= {a.input_len}, "
+            f"output <= {a.output_len}) vs transformers generate in static batches"
         ),
-        "stack": stack_info,
-        "measurements": {"stack": stack_res, "transformers": hf_res},
-        "greedy_agreement": agree,
-        "ratios": rat,
-        "total_s": time.perf_counter() - t_start,
-    }
+        config={
+            **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
+            "model": model_dir,
+            "input_tokens_ours": [len(p) for p in prompts],
+            "output_lens": out_lens,
+            "hf_torch_threads": 2,
+            "stack_torch_threads_per_rank": 1,
+            "mem_cap_bytes": MEM_CAP,
+        },
+        stack=stack,
+        transformers=hf,
+        headline={
+            "stack_output_tok_s": head,
+            "hf_best_batch": best[1],
+            "hf_best_output_tok_s": best[0],
+            "stack_over_hf_best_output_tok_s": head / best[0] if head and best[0] else None,
+            "target": 5.0,
+            "failed_requests": sum(
+                run.get("failed", 0)
+                for part in ("random", "rates", "shared_prefix")
+                for lv in stack[part].values()
+                for run in lv["runs"]
+            ),
+        },
+        total_s=time.perf_counter() - t_start,
+    )
+    doc["summary"] = summary_rows(doc, a)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "serve.json").write_text(json.dumps(doc, indent=1) + "\n")
-    title = (
-        f"pdserve up --prefill-cp {a.prefill_cp} --decode-tp {a.decode_tp} --decode-dcp {a.decode_dcp} "
-        f"(small model, {a.prompts} prompts of {a.min_len}-{a.max_len} tokens, {a.max_tokens} output tokens each) "
-        f"vs transformers generate"
-    )
-    if stack_res:
-        plot(stack_res, hf_res, a.out / "serve.png", title)
-    print(table(stack_res, hf_res))
-    for name, r in rat.items():
-        print(f"{name}: {r:.2f}")
-    for name, r in agree.items():
-        diff = ", ".join(
-            f"prompt {d['prompt']} ({len(prompts[d['prompt']])} tokens) from token {d['first_difference_at']}"
-            for d in r["differing"]
-        )
+    if stack["random"] and hf:
+        plot(doc, a.out / "serve.png")
+    print(table({**stack["random"], **stack["rates"], **stack["shared_prefix"]}, hf))
+    h = doc["headline"]
+    if h["stack_over_hf_best_output_tok_s"]:
         print(
-            f"greedy agreement {name}: {r['identical']}/{r['compared']} identical"
-            + (f"; differ: {diff}" if diff else "")
+            f"headline: stack c={a.headline_concurrency} {h['stack_output_tok_s']:.1f} out tok/s over "
+            f"transformers {h['hf_best_batch']} {h['hf_best_output_tok_s']:.1f} = "
+            f"{h['stack_over_hf_best_output_tok_s']:.2f}x (target >= 5x); failed requests {h['failed_requests']}"
         )
-    print(
-        f"total {doc['total_s']:.0f} s; wrote {a.out / 'serve.json'}"
-        + (f" and {a.out / 'serve.png'}" if stack_res else "")
-    )
+    print(f"total {doc['total_s']:.0f} s; wrote {a.out / 'serve.json'}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """bench/serve.py's baseline: transformers' generate on the same prompts, in a fresh subprocess per
-mode (`python bench/serve_hf.py SPEC.json` prints one BENCH_RESULT line), with 2 threads and an
+batch size (`python bench/serve_hf.py SPEC.json` prints one BENCH_RESULT line), with 2 threads and an
 address-space cap so an out-of-memory batch is a result, not a dead machine."""
 
 from __future__ import annotations
@@ -41,47 +41,38 @@ def hf_worker(spec: dict) -> dict:
             pass
 
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).eval()
-    prompts, max_tokens = spec["prompts"], spec["max_tokens"]
-    gen = dict(
-        do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=0, eos_token_id=0
-    )
+    prompts, out_lens, batch = spec["prompts"], spec["output_lens"], spec["batch"]
 
-    def run(batch: list[list[int]]) -> tuple[float, list[float], list[list[int]]]:
-        width = max(map(len, batch))  # left padding: every row ends at the same position
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    def run(rows: list[list[int]], n: int) -> tuple[float, list[float], list[list[int]]]:
+        width = max(map(len, rows))  # left padding: every row ends at the same position
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in rows])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
         streamer = StepTimes()
+        gen = dict(do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0, eos_token_id=0)
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask, streamer=streamer, **gen)
         return t0, streamer.times, out[:, width:].tolist()
 
-    run([prompts[0][:16]])  # warm-up
-    if spec["mode"] == "batch1":
-        ttft, itl, e2e, ids_out, total = [], [], [], [], 0.0
-        for p in prompts:
-            t0, times, out = run([p])
+    run([prompts[0][:16]], 2)  # warm-up
+    # static batching, as transformers serves: the prompts in groups of `batch`, in order; a group
+    # runs until its longest output is done, and only the tokens each request asked for count
+    ttft, itl, e2e, tpot, ids_out, tokens = [], [], [], [], [], 0
+    wall0 = time.perf_counter()
+    for g in range(0, len(prompts), batch):
+        rows, lens = prompts[g : g + batch], out_lens[g : g + batch]
+        t0, times, out = run(rows, max(lens))
+        for n, o in zip(lens, out):
             ttft.append(times[0] - t0)
-            itl += [b - a for a, b in zip(times, times[1:])]
-            e2e.append(times[-1] - t0)
-            total += time.perf_counter() - t0
-            ids_out.append(out[0])
-        res = summary(len(prompts), sum(map(len, ids_out)), total, ttft, itl, e2e)
-    else:
-        t0, times, ids_out = run(prompts)
-        wall = time.perf_counter() - t0
-        res = summary(
-            len(prompts),
-            len(prompts) * len(ids_out[0]),
-            wall,
-            [times[0] - t0],
-            [b - a for a, b in zip(times, times[1:])],
-            [times[-1] - t0],
-        )
-        res["padded_width"] = max(map(len, prompts))
-        res["step_ms"] = [
-            1000 * (b - a) for a, b in zip([t0, *times], times)
-        ]  # the first: prefill + 1st token
+            itl += [b - a for a, b in zip(times[: n - 1], times[1:n])]
+            e2e.append(times[n - 1] - t0)
+            tpot.append((times[n - 1] - times[0]) / (n - 1) if n > 1 else 0.0)
+            ids_out.append(o[:n])
+            tokens += n
+    res = summary(len(prompts), tokens, time.perf_counter() - wall0, ttft, itl, e2e)
+    res["batch"] = batch
+    res["tpot_s"] = tpot
+    res["ttft_s"] = ttft
     cpu = resource.getrusage(resource.RUSAGE_SELF)
     res["process_cpu_s"] = cpu.ru_utime + cpu.ru_stime  # over wall_s x 2 threads: how much CPU it got
     return {**res, "token_ids": ids_out}
@@ -99,9 +90,12 @@ def worker(spec: dict) -> None:
     print(MARK + json.dumps(result), flush=True)
 
 
-def run_hf(mode: str, prompts: list[list[int]], a: argparse.Namespace, model_dir: str) -> dict:
-    spec = json.dumps({"mode": mode, "prompts": prompts, "max_tokens": a.max_tokens, "model": model_dir})
-    print(f"  transformers {mode} ...", file=sys.stderr, flush=True)
+def run_hf(
+    batch: int, prompts: list[list[int]], output_lens: list[int], a: argparse.Namespace, model_dir: str
+) -> dict:
+    """transformers' generate over the prompts in static batches of `batch` (a fresh subprocess)."""
+    spec = json.dumps({"batch": batch, "prompts": prompts, "output_lens": output_lens, "model": model_dir})
+    print(f"  transformers batch {batch} ...", file=sys.stderr, flush=True)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:  # too long for argv
         f.write(spec)
     try:
@@ -116,7 +110,7 @@ def run_hf(mode: str, prompts: list[list[int]], a: argparse.Namespace, model_dir
         if line.startswith(MARK):
             return json.loads(line[len(MARK) :])
     tail = p.stderr.strip().splitlines()[-3:]
-    print(f"  transformers {mode} failed (rc {p.returncode}): {' | '.join(tail)}", file=sys.stderr)
+    print(f"  transformers batch {batch} failed (rc {p.returncode}): {' | '.join(tail)}", file=sys.stderr)
     return {
         "error": "out of memory" if p.returncode == -9 else f"exit {p.returncode}: {tail[-1] if tail else ''}"
     }

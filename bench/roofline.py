@@ -1,0 +1,101 @@
+"""The bounds the benches state their results against, measured on this machine or counted from the
+model: the float32 matmul rate (prefill), the memory-copy bandwidth and the bytes a decode step must
+read (decode at batch 1). bench/ is on sys.path when a script runs."""
+
+from __future__ import annotations
+
+import time
+
+
+def _best(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _with_threads(threads: int, fn):
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+def matmul_gflops(threads: int, n: int = 2048, repeats: int = 5) -> float:
+    """This CPU's float32 matmul rate with `threads` torch threads (best of `repeats` n x n products)."""
+    import torch
+
+    def measure():
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        torch.mm(a, b)
+        return 2 * n**3 / _best(lambda: torch.mm(a, b), repeats) / 1e9
+
+    return _with_threads(threads, measure)
+
+
+def memcpy_gbps(threads: int, nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes read per second by a large tensor copy with `threads` threads (best of `repeats`); a copy
+    reads and writes, and only the read counts, as a decode step's traffic is reads."""
+    import torch
+
+    def measure():
+        src = torch.ones(nbytes // 4)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        return nbytes / _best(lambda: dst.copy_(src), repeats) / 1e9
+
+    return _with_threads(threads, measure)
+
+
+def _active_params(model_dir: str) -> tuple[object, float, int]:
+    """(config, parameters one token multiplies by, LM head parameters): routed experts scaled by
+    top-k / E, no embedding table (a lookup), no norms or biases (not matmuls)."""
+    import torch
+
+    from pdserve.model.config import ModelConfig
+    from pdserve.model.transformer import CausalLM
+
+    cfg = ModelConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    per_token, head = 0.0, 0
+    for name, p in model.named_parameters():
+        if "embed_tokens" in name:
+            continue
+        if name.startswith("lm_head"):
+            head = p.numel()
+        elif ".experts." in name and cfg.n_routed_experts:
+            per_token += p.numel() * cfg.num_experts_per_tok / cfg.n_routed_experts
+        elif p.dim() >= 2:
+            per_token += p.numel()
+    return cfg, per_token, head
+
+
+def prefill_gflop(model_dir: str, tokens: int) -> float:
+    """Linear-layer GFLOP of prefilling `tokens` (2 x active parameters per token, the LM head once).
+    Attention and the indexer's scores are left out, so this is a lower bound of the work."""
+    _, per_token, head = _active_params(model_dir)
+    return 2 * (per_token * tokens + head) / 1e9
+
+
+def decode_bytes_per_step(model_dir: str, context: int, value_bytes: int = 4) -> dict:
+    """Bytes one decode step at batch 1 must read: the active weights (top-k experts of each MoE
+    layer), the LM head, and the cache: every cached index key of the indexer layers plus the
+    selected (top-k, or all when dense) latent entries of every layer."""
+    cfg, per_token, head = _active_params(model_dir)
+    weights = (per_token + head) * value_bytes
+    picked = min(cfg.index_topk, context) if cfg.index_topk else context
+    latent = cfg.num_layers * picked * cfg.kv_entry_dim * value_bytes
+    index = len(cfg.indexer_layers) * context * cfg.index_head_dim * value_bytes if cfg.index_topk else 0
+    return {
+        "weights": weights,
+        "latent_cache": latent,
+        "index_keys": index,
+        "total": weights + latent + index,
+    }
