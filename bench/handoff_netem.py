@@ -4,8 +4,9 @@ A prefill instance (C_p = 2) on host p and a decode instance (W = C_d = 2) on ho
 namespaces joined by veths on a bridge (tests/system/netns.py), each host's NIC shaped with
 `tc qdisc add dev eth0 root netem delay 1ms rate 10gbit` (both directions: 1 ms each way). The whole
 hand-off of a 16k-token prompt of the built-in `small` model is timed as bench/transfer.py (c) does
-(plan, expect, every prefill rank sends its share, every decode rank stores its rows), best of
---repeats, and compared with the link's floor: payload bytes / link rate (+ one round trip).
+(plan, expect, every prefill rank sends its share, every decode rank stores its rows), the median of
+--repeats (min and max recorded), and compared with the link's floor: payload bytes / link rate
+(+ one round trip). Kernels without sch_netem get tbf (rate only; see shape()).
 
 - tcp: the decode ranks' receivers listen on host d's address (`--data-host`), the prefill ranks
   connect over the shaped link.
