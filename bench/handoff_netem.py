@@ -4,8 +4,9 @@ A prefill instance (C_p = 2) on host p and a decode instance (W = C_d = 2) on ho
 namespaces joined by veths on a bridge (tests/system/netns.py), each host's NIC shaped with
 `tc qdisc add dev eth0 root netem delay 1ms rate 10gbit` (both directions: 1 ms each way). The whole
 hand-off of a 16k-token prompt of the built-in `small` model is timed as bench/transfer.py (c) does
-(plan, expect, every prefill rank sends its share, every decode rank stores its rows), best of
---repeats, and compared with the link's floor: payload bytes / link rate (+ one round trip).
+(plan, expect, every prefill rank sends its share, every decode rank stores its rows), the median of
+--repeats (min and max recorded), and compared with the link's floor: payload bytes / link rate
+(+ one round trip). Kernels without sch_netem get tbf (rate only; see shape()).
 
 - tcp: the decode ranks' receivers listen on host d's address (`--data-host`), the prefill ranks
   connect over the shaped link.
@@ -23,6 +24,7 @@ import json
 import os
 import platform
 import sys
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,21 +33,58 @@ sys.path.insert(0, str(ROOT))  # tests.system.netns
 from common import resolve_model  # noqa: E402  (bench/ is on sys.path when a script runs)
 from transfer import handoff  # noqa: E402
 
-from tests.system.netns import DEVICE, Hosts, in_netns  # noqa: E402
+from tests.system.netns import DEVICE, Hosts, join_netns  # noqa: E402
 
 
 class OnHost:
     """Starts an instance (its rank processes) from a thread inside a host's namespace: the ranks
-    inherit it, so their sockets and NIXL agents are on that host."""
+    inherit it, so their sockets and NIXL agents are on that host. The thread lives as long as the
+    instance (the ranks' parent-death signal follows the thread that started them) and stops it."""
 
     def __init__(self, ns: str, instance):
         self.ns, self.instance = ns, instance
+        self.started, self.stop = threading.Event(), threading.Event()
+        self.error: BaseException | None = None
+
+    def _run(self) -> None:
+        try:
+            join_netns(self.ns)
+            with self.instance:
+                self.started.set()
+                self.stop.wait()
+        except BaseException as e:  # handed to __enter__
+            self.error = e
+            self.started.set()
 
     def __enter__(self):
-        return in_netns(self.ns, self.instance.__enter__)
+        self.thread = threading.Thread(target=self._run, name=f"host-{self.ns}")
+        self.thread.start()
+        self.started.wait()
+        if self.error is not None:
+            raise self.error
+        return self.instance
 
     def __exit__(self, *exc):
-        return self.instance.__exit__(*exc)
+        self.stop.set()
+        self.thread.join()
+
+
+def shape(hosts: Hosts, rate_gbit: float, delay_ms: float) -> float:
+    """Shapes both hosts' NICs; returns the delay each way actually added. netem (rate and delay)
+    where the kernel has it; else tbf (rate alone: kernels built without sch_netem, like the
+    Firecracker VMs this was run on, have no qdisc that delays)."""
+    netem = ["netem", "delay", f"{delay_ms}ms", "rate", f"{rate_gbit}gbit", "limit", "100000"]
+    tbf = ["tbf", "rate", f"{rate_gbit}gbit", "burst", "2mb", "latency", "100ms"]
+    added = delay_ms
+    for host in ("p", "d"):
+        r = hosts.exec(host, "tc", "qdisc", "add", "dev", DEVICE, "root", *netem, check=False)
+        if r.returncode != 0 and "unknown" in r.stderr:
+            print(f"no netem in this kernel ({r.stderr.strip()}): tbf, rate only", flush=True)
+            hosts.exec(host, "tc", "qdisc", "add", "dev", DEVICE, "root", *tbf)
+            added = 0.0
+        elif r.returncode != 0:
+            raise RuntimeError(r.stderr)
+    return added
 
 
 def main() -> None:
@@ -54,7 +93,9 @@ def main() -> None:
     ap.add_argument("--delay-ms", type=float, default=1.0, help="netem delay each way (default 1)")
     ap.add_argument("--rate-gbit", type=float, default=10.0, help="netem rate (default 10)")
     ap.add_argument("--transfers", default="tcp,nixl", help="data paths (default tcp,nixl)")
-    ap.add_argument("--repeats", type=int, default=5, help="hand-offs per data path, best kept (default 5)")
+    ap.add_argument(
+        "--repeats", type=int, default=5, help="hand-offs per data path, the median kept (default 5)"
+    )
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the built-in small model)")
     ap.add_argument("--out", default="bench/results", help="output directory for handoff_netem.json")
     args = ap.parse_args()
@@ -65,16 +106,14 @@ def main() -> None:
     rate = args.rate_gbit * 1e9 / 8  # bytes/s
     results = {}
     with Hosts(["p", "d"]) as hosts:
-        netem = ["netem", "delay", f"{args.delay_ms}ms", "rate", f"{args.rate_gbit}gbit", "limit", "100000"]
-        for host in ("p", "d"):
-            hosts.exec(host, "tc", "qdisc", "add", "dev", DEVICE, "root", *netem)
+        delay_ms = shape(hosts, args.rate_gbit, args.delay_ms)
 
         def place(role: str, instance):
             return OnHost(hosts.ns("p" if role == "prefill" else "d"), instance)
 
         for transfer in args.transfers.split(","):
             r = handoff(model, transfer, args.tokens, args.repeats, data_host=hosts.addr("d"), place=place)
-            floor = r["bytes"] / rate + 2 * args.delay_ms / 1000
+            floor = r["bytes"] / rate + 2 * delay_ms / 1000
             r |= {"link_floor_s": floor, "over_floor": r["seconds"] / floor}
             print(
                 f"{transfer}: {r['bytes'] / 1e6:.1f} MB in {1000 * r['seconds']:.1f} ms; link floor "
@@ -94,7 +133,7 @@ def main() -> None:
         },
         "config": {
             "tokens": args.tokens,
-            "delay_ms": args.delay_ms,
+            "delay_ms": delay_ms,
             "rate_gbit": args.rate_gbit,
             "repeats": args.repeats,
             "model": model,

@@ -125,6 +125,16 @@ class Hosts:
         return in_netns(self.ns(host), fn, *args, **kw)
 
 
+def join_netns(name: str) -> None:
+    """Moves the calling thread into network namespace `name` (setns(2))."""
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), "setns")
+    finally:
+        os.close(fd)
+
+
 def in_netns(name: str, fn, *args, **kw):
     """fn(*args, **kw) in a new thread that first joins network namespace `name` (setns(2) changes
     the calling thread only): every socket it opens is in that namespace. Returns fn's result or
@@ -133,12 +143,7 @@ def in_netns(name: str, fn, *args, **kw):
 
     def run() -> None:
         try:
-            fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
-            try:
-                if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
-                    raise OSError(ctypes.get_errno(), "setns")
-            finally:
-                os.close(fd)
+            join_netns(name)
             out["value"] = fn(*args, **kw)
         except BaseException as e:  # handed to the caller
             out["error"] = e

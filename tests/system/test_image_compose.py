@@ -132,8 +132,12 @@ def quickstart(port: int) -> dict:
     chunks = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=16, stream=True
     )
-    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    return {"model": model, "text": text, "streamed": streamed}
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    # beyond the quickstart: the token ids of the same temperature-0 completion
+    ids = client.completions.create(
+        model=model, prompt="Hello", max_tokens=16, temperature=0, extra_body={"return_token_ids": True}
+    )
+    return {"model": model, "text": text, "finish": finish, "ids": ids.choices[0].model_extra["token_ids"]}
 
 
 def test_compose_stack_answers_the_quickstart_exactly(image, tmp_path):
@@ -165,10 +169,11 @@ def test_compose_stack_answers_the_quickstart_exactly(image, tmp_path):
 
         tok = Tokenizer.from_pretrained(model_dir)
         engine = LLMEngine.from_pretrained(model_dir)
-        want = tok.decode(engine.generate([tok.encode("Hello")], SamplingParams(max_tokens=16))[0])
+        want_ids = engine.generate([tok.encode("Hello")], SamplingParams(max_tokens=16))[0]
+        want = tok.decode(want_ids)
         assert json.loads(curl)["choices"][0]["text"] == want
-        assert got["model"] == MODEL and got["text"] == want
-        assert got["streamed"]  # sampled (no temperature in the quickstart): some text streamed
+        assert got["model"] == MODEL and got["text"] == want and got["ids"] == want_ids
+        assert got["finish"] in (["length"], ["stop"])  # the sampled chat stream (no temperature) ended
     finally:
         logs = subprocess.run(
             ["docker-compose", "-p", project, "-f", str(COMPOSE), "logs", "--tail", "20"],
