@@ -196,6 +196,9 @@ class Bench:
             "token": res.token,
             "rank_cpu_seconds": cpu,
             "rank_cpu_over_wall": [c / dt for c in cpu],
+            # each rank's time in the CP collectives (all-gathers and broadcast waits, CPBackend.comm_s)
+            # over its time in the prefill: the communication overhead as a share of the step
+            "rank_comm_share": [c / t for c, t in zip(res.rank_comm_seconds, res.rank_seconds) if t],
             "other_processes_cores": others,
             "contended": others + cores > (os.cpu_count() or 1) + NOISY_CORES,
             "idle_wait": idle,
@@ -280,6 +283,20 @@ def summary_rows(doc: dict, a: argparse.Namespace) -> list[dict]:
                 f"({doc['roofline']['matmul_gflops_measured']:.0f} GFLOP/s)",
                 "target": f">= {CLAIM_RATIO}" if base == a.configs[1] else None,
                 "met": (v >= CLAIM_RATIO) if (v is not None and base == a.configs[1]) else None,
+            }
+        )
+    share = doc["ttft"][cpl][n].get("rank_comm_share")
+    if share:
+        rows.append(
+            {
+                "claim": f"CP communication share of the prefill step at {n} tokens ({cpl})",
+                "result": f"{100 * sum(share) / len(share):.1f}% (ranks: "
+                + ", ".join(f"{100 * x:.1f}%" for x in share)
+                + ")",
+                "baseline": "time in the CP all-gathers and broadcast waits over the rank's prefill time",
+                "bound": None,
+                "target": None,
+                "met": None,
             }
         )
     return rows

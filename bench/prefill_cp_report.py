@@ -49,7 +49,7 @@ def ttft_table(ttft: dict, rat: dict, toks: dict, a: argparse.Namespace) -> str:
         ["prompt tokens"]
         + [f"TTFT {c} (s, median)" for c in a.configs]
         + [f"{b} / {cp}" for b in a.configs[1:]]
-        + [f"rank CPU/wall {cp}", "first token (same?)"]
+        + [f"rank CPU/wall {cp}", f"comm share {cp}", "first token (same?)"]
     )
     rows = [head]
     for n in a.lengths:
@@ -59,6 +59,8 @@ def ttft_table(ttft: dict, rat: dict, toks: dict, a: argparse.Namespace) -> str:
             row.append(f"{x:.2f}x" if x else "-")
         u = ttft[cp][str(n)].get("rank_cpu_over_wall")
         row.append("/".join(f"{x:.2f}" for x in u) if u else "-")
+        c = ttft[cp][str(n)].get("rank_comm_share")
+        row.append("/".join(f"{100 * x:.0f}%" for x in c) if c else "-")
         t = toks[str(n)]
         tok = ",".join(str(v) for v in dict.fromkeys(str(v) for v in t["by_config"].values()))
         row.append(f"{tok} ({'yes' if t['all_equal'] else 'no' if t['all_equal'] is False else '-'})")

@@ -57,13 +57,7 @@ def build_instance(cfg: DecodeServerConfig) -> DecodeInstance:
         gpu_ids=cfg.gpu_ids,
         attention_ops=cfg.attention_ops,
     )
-    launch = LaunchConfig(
-        cfg.tp_size,
-        cfg.dist_port,
-        threads_per_rank=cfg.threads_per_rank,
-        device=cfg.device,
-        gpu_ids=cfg.gpu_ids,
-    )
+    launch = LaunchConfig.of_server(cfg, cfg.tp_size)
     return DecodeInstance(worker, launch, page_size=cfg.page_size)
 
 

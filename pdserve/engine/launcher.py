@@ -70,6 +70,17 @@ class LaunchConfig:
         object.__setattr__(self, "gpu_ids", tuple(self.gpu_ids))
         self.devices()  # a configuration that cannot run fails here, before any rank starts
 
+    @classmethod
+    def of_server(cls, cfg, world_size: int) -> "LaunchConfig":
+        """The ranks of a prefill or decode server config (its dist port, threads, device, GPUs)."""
+        return cls(
+            world_size,
+            cfg.dist_port,
+            threads_per_rank=cfg.threads_per_rank,
+            device=cfg.device,
+            gpu_ids=cfg.gpu_ids,
+        )
+
     def devices(self, cuda_count: int | None = None):
         """The DevicePlan (engine/device.py): each rank's GPU, the process-group backend, the comm."""
         from .device import check_devices

@@ -16,6 +16,7 @@ Storage:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,9 @@ class CPBackend:
         self.owners = layer_owners(cfg.num_layers, cp_size)
         self.layer_split = pool.layers != list(range(cfg.num_layers))
         self.plan: ChunkPlan | None = None
+        # seconds this rank spent in the CP collectives (all-gathers, waits on broadcasts): the
+        # prefill's communication share (bench/prefill_cp.py); host time, so on CUDA it counts launches
+        self.comm_s = 0.0
 
     def begin(self, plan: ChunkPlan) -> None:
         self.plan = plan
@@ -85,8 +89,10 @@ class CPBackend:
         # this layer's (unless already started), then the next layer's, to overlap with this one.
         self._prefetch(layer)
         self._prefetch(layer + 1)
+        t0 = time.perf_counter()
         chunk_kv = all_gather_rows(kv, plan.counts)[self._order]  # [c1 - c0, c + rope] in position order
         chunk_idx = all_gather_rows(index.k, plan.counts)[self._order] if index is not None else None
+        self.comm_s += time.perf_counter() - t0
         keys, idx_keys = self._context(layer, chunk_kv, chunk_idx)
         out, sel = prefill_attention(
             self.cfg,
@@ -142,7 +148,9 @@ class CPBackend:
 
     def _wait(self, layer: int) -> torch.Tensor:
         buf, work = self._pending.pop(layer)
+        t0 = time.perf_counter()
         work.wait()
+        self.comm_s += time.perf_counter() - t0
         return buf
 
     def finish(self) -> None:

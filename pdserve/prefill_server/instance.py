@@ -28,6 +28,8 @@ class PrefillResult:
     token: int
     logits: object  # torch.Tensor [vocab] when asked for, else None
     slots: list[int]
+    rank_seconds: tuple[float, ...] = ()  # each rank's wall time in the prefill
+    rank_comm_seconds: tuple[float, ...] = ()  # of which in the CP collectives
 
 
 class PrefillInstance:
@@ -109,7 +111,14 @@ class PrefillInstance:
             raise
         self.held[request_id] = pages
         owner = next(r for r in replies if r.token is not None)
-        return PrefillResult(request_id, owner.token, owner.logits, slots)
+        return PrefillResult(
+            request_id,
+            owner.token,
+            owner.logits,
+            slots,
+            tuple(r.seconds for r in replies),
+            tuple(r.comm_seconds for r in replies),
+        )
 
     def _pages_for(self, token_ids: list[int], prefix_of: str | None, cached_len: int) -> list[int]:
         if prefix_of is None:

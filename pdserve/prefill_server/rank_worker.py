@@ -7,6 +7,7 @@ tokens of every chunk, and the rank that holds the prompt's last token samples t
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -84,6 +85,8 @@ class PrefillRankReply:
     rank: int
     token: int | None = None  # None on every rank but the one that computed the last position
     logits: torch.Tensor | None = None  # [vocab], with PrefillCmd.want_logits
+    seconds: float = 0.0  # this rank's wall time in the command
+    comm_seconds: float = 0.0  # of which in the CP collectives (CPBackend.comm_s)
 
 
 @dataclass(frozen=True)
@@ -137,6 +140,7 @@ class PrefillRankWorker:
     @torch.inference_mode()
     def prefill(self, cmd: PrefillCmd) -> PrefillRankReply:
         check_fault([cmd.request_id])  # test-only, off by default (engine/faults.py)
+        t_start, self.backend.comm_s = time.perf_counter(), 0.0
         n = len(cmd.token_ids)
         dev = self.device
         slots = torch.tensor(cmd.slots, dtype=torch.int64, device=dev)
@@ -153,12 +157,13 @@ class PrefillRankWorker:
             self.backend.finish()
             if c1 == n and mine and mine[-1] == n - 1:
                 last_hidden = hidden[-1:]
-        if last_hidden is None:
-            return PrefillRankReply(self.rank)
-        logits = self.model.compute_logits(last_hidden)  # [1, vocab]
-        token = self.sampler.sample(logits, [cmd.params], [cmd.request_id])[0]
-        self.sampler.forget(cmd.request_id)
-        return PrefillRankReply(self.rank, token, logits[0].cpu() if cmd.want_logits else None)
+        token, logits = None, None
+        if last_hidden is not None:
+            logits = self.model.compute_logits(last_hidden)  # [1, vocab]
+            token = self.sampler.sample(logits, [cmd.params], [cmd.request_id])[0]
+            self.sampler.forget(cmd.request_id)
+            logits = logits[0].cpu() if cmd.want_logits else None
+        return PrefillRankReply(self.rank, token, logits, time.perf_counter() - t_start, self.backend.comm_s)
 
     def dump(self, cmd: DumpCacheCmd) -> CacheDump:
         slots = torch.tensor(cmd.slots, dtype=torch.int64, device=self.device)

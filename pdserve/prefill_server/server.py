@@ -40,13 +40,7 @@ def build_instance(cfg: PrefillServerConfig) -> PrefillInstance:
         device=cfg.device,
         attention_ops=cfg.attention_ops,
     )
-    launch = LaunchConfig(
-        cfg.cp_size,
-        cfg.dist_port,
-        threads_per_rank=cfg.threads_per_rank,
-        device=cfg.device,
-        gpu_ids=cfg.gpu_ids,
-    )
+    launch = LaunchConfig.of_server(cfg, cfg.cp_size)
     return PrefillInstance(worker, launch, page_size=cfg.page_size, chunk_size=cfg.chunk_size)
 
 
