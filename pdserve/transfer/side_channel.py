@@ -308,7 +308,7 @@ MAX_HELD = 4096  # messages a client holds until its peer proved it has the key
 
 
 class DecodeClient(_Endpoint):
-    """Decode side: reserves rooms, receives their outcome. `ctx`: a shared ZMQ context (RemoteRooms
+    """Decode side: reserves rooms, receives their outcome. `ctx`: a shared ZMQ context (DecodeRooms
     keeps one for all its clients, so a client costs a socket, not two I/O threads)."""
 
     def __init__(self, bootstrap_endpoint: str, key: bytes = DEV_FRAME_KEY, ctx: zmq.Context | None = None):
