@@ -442,6 +442,8 @@ def summary_rows(doc: dict, a: argparse.Namespace) -> list[dict]:
                 + (
                     f" vs {t['seconds']:.2f} s ({t['seconds'] / o['seconds']:.2f}x)"
                     if t.get("seconds")
+                    else f" vs transformers: {t['error']}"
+                    if t.get("error")
                     else ""
                 )
                 + "".join(
