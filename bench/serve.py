@@ -202,7 +202,8 @@ def summary_rows(doc: dict, a: argparse.Namespace) -> list[dict]:
     if ratio:
         rows.append(
             {
-                "claim": f"output tokens/s at concurrency {a.headline_concurrency}, the random set",
+                "claim": f"output tokens/s at concurrency {a.headline_concurrency}, {a.prompts} random prompts "
+                f"(input <= {a.input_len}, output <= {a.output_len} tokens)",
                 "result": f"{ratio:.2f}x ({h['stack_output_tok_s']:.1f} vs {h['hf_best_output_tok_s']:.1f} tok/s)",
                 "baseline": f"transformers generate, best static batch ({h['hf_best_batch']} of {a.hf_batches}), "
                 f"same prompts, 2 threads, {a.repeats} run(s) each, medians",
