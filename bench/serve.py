@@ -391,7 +391,8 @@ def main(argv=None) -> None:
     (a.out / "serve.json").write_text(json.dumps(doc, indent=1) + "\n")
     if stack["random"] and hf:
         plot(doc, a.out / "serve.png")
-    print(table({**stack["random"], **stack["rates"], **stack["shared_prefix"]}, hf))
+    rows = {f"{part} {k}": v for part in ("random", "rates", "shared_prefix") for k, v in stack[part].items()}
+    print(table(rows, hf))  # keys prefixed: the random set's c8 and the shared-prefix set's c8 are two rows
     h = doc["headline"]
     if h["stack_over_hf_best_output_tok_s"]:
         print(
