@@ -10,6 +10,22 @@ CLAIM_RATIO = 0.95  # C_p ranks x t threads vs one rank x C_p*t threads: no slow
 LAYOUTS = ("interleave", "zigzag", "contiguous")
 
 
+# ---------------------------------------------------------------- balance (pure accounting)
+def balance_table(cp_sizes: list[int], lengths: list[int]) -> dict:
+    from pdserve.prefill_server.layouts import balance, pair_counts
+
+    return {
+        layout: {
+            str(n): {
+                str(c): {"busiest_over_average": balance(layout, n, c), "pairs": pair_counts(layout, n, c)}
+                for c in cp_sizes
+            }
+            for n in lengths
+        }
+        for layout in LAYOUTS
+    }
+
+
 def first_tokens(ttft: dict, lengths: list[int]) -> dict:
     """Per length: every configuration's first token (every repeat agreed) and whether all agree."""
     out = {}
@@ -33,6 +49,46 @@ def ratios(ttft: dict, configs: list[str], lengths: list[int]) -> dict:
             per[str(n)] = t0 / t1 if t0 and t1 else None
         out[f"ttft_{base}_over_{cp}"] = per
     return out
+
+
+def summary_rows(doc: dict, a: argparse.Namespace) -> list[dict]:
+    """The README table's rows (bench/table.py)."""
+    n = str(max(a.lengths))
+    cpl = a.configs[0]
+    rows = []
+    for k, v in doc["headline"].items():
+        base = k.split("_over_")[0].removeprefix("ttft_")
+        t = doc["ttft"]
+        rows.append(
+            {
+                "claim": f"TTFT at {n} tokens, C_p x threads {cpl} vs {base}",
+                "result": None
+                if v is None
+                else f"{v:.2f}x ({t[base][n]['seconds']:.2f} s / {t[cpl][n]['seconds']:.2f} s)",
+                "baseline": f"one instance {base} (C_p x threads), same prompt, {a.repeats} runs each, medians",
+                "bound": None
+                if not doc["roofline"]["fraction_of_bound"]
+                else f"{100 * doc['roofline']['fraction_of_bound']:.0f}% of the matmul rate "
+                f"({doc['roofline']['matmul_gflops_measured']:.0f} GFLOP/s)",
+                "target": f">= {CLAIM_RATIO}" if base == a.configs[1] else None,
+                "met": (v >= CLAIM_RATIO) if (v is not None and base == a.configs[1]) else None,
+            }
+        )
+    share = doc["ttft"][cpl][n].get("rank_comm_share")
+    if share:
+        rows.append(
+            {
+                "claim": f"CP communication share of the prefill step at {n} tokens ({cpl})",
+                "result": f"{100 * sum(share) / len(share):.1f}% (ranks: "
+                + ", ".join(f"{100 * x:.1f}%" for x in share)
+                + ")",
+                "baseline": "time in the CP all-gathers and broadcast waits over the rank's prefill time",
+                "bound": None,
+                "target": None,
+                "met": None,
+            }
+        )
+    return rows
 
 
 # ---------------------------------------------------------------- output
