@@ -85,6 +85,11 @@ class Policy(str, Enum):
     least_load = "least_load"
 
 
+class Switch(str, Enum):
+    on = "on"
+    off = "off"
+
+
 class Discovery(str, Enum):
     static = "static"
     k8s = "k8s"

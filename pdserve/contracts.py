@@ -125,6 +125,12 @@ class LoadAnswer(StrictModel):
     free_tokens: int | None = Field(None, ge=0)
     queued: int = Field(0, ge=0)  # requests waiting on the instance
     ranks: list[RankInfo] = Field(default_factory=list)
+    # prefix cache (engine/radix_cache.py): free + cached + in use = total
+    cached_tokens: int | None = Field(None, ge=0)  # in the prefix cache, unreferenced (evicted on demand)
+    in_use_tokens: int | None = Field(None, ge=0)  # held by requests (cached prefixes they read included)
+    prefix_cache: bool | None = None
+    prefix_hit_tokens: int | None = Field(None, ge=0)  # cumulative: prompt tokens served from the cache
+    evicted_tokens: int | None = Field(None, ge=0)  # cumulative: the router ages its model of the tree by it
 
 
 class PrefillInfo(LoadAnswer):

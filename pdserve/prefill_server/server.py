@@ -41,7 +41,13 @@ def build_instance(cfg: PrefillServerConfig) -> PrefillInstance:
         attention_ops=cfg.attention_ops,
     )
     launch = LaunchConfig.of_server(cfg, cfg.cp_size)
-    return PrefillInstance(worker, launch, page_size=cfg.page_size, chunk_size=cfg.chunk_size)
+    return PrefillInstance(
+        worker,
+        launch,
+        page_size=cfg.page_size,
+        chunk_size=cfg.chunk_size,
+        prefix_cache=cfg.prefix_cache == "on",
+    )
 
 
 log = logging.getLogger("pdserve.prefill")
