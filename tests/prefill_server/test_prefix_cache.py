@@ -14,7 +14,7 @@ from pdserve.engine.launcher import LaunchConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.prefill_server.instance import PrefillInstance
 from pdserve.prefill_server.rank_worker import PrefillWorkerConfig
-from tests.reference import assert_close, free_port, reference_prefill
+from tests.reference import assert_close, assert_prefill_cache, free_port, reference_prefill
 
 PS = 4  # page size
 CI = [("glm_moe_dsa", 1, "interleave", "full"), ("glm_moe_dsa", 2, "interleave", "layer-split")]
@@ -33,11 +33,8 @@ def check(inst: PrefillInstance, engine: LLMEngine, rid: str, ids: list[int], wa
     assert res.cached_len == want_cached, f"{rid}: {res.cached_len} cached tokens, expected {want_cached}"
     assert_close(res.logits, want_logits, f"{rid} logits")
     assert res.token == int(want_logits.argmax())
-    for rank, dump in enumerate(inst.dump_cache(res.slots)):  # cached rows and new rows alike
-        for layer, (kv, idx) in dump.items():
-            assert_close(kv, want_entries[layer][0], f"{rid} rank {rank} layer {layer} latent")
-            if idx is not None:
-                assert_close(idx, want_entries[layer][1], f"{rid} rank {rank} layer {layer} index keys")
+    held = assert_prefill_cache(inst, res.slots, want_entries, rid)  # cached rows and new rows alike
+    assert held == set(range(engine.config.num_layers))
     inst.release(rid)
     inst.check_idle()
 
