@@ -171,6 +171,7 @@ class DecodeCapacity(LoadAnswer):
     transfers_failed: int | None = None
     transfer_bytes: int | None = None
     transfer_seconds: float | None = None
+    transfer_skipped_bytes: int | None = None  # payload the prefix cache kept off the wire
 
 
 LOAD_PATHS = {"prefill": ("/info", PrefillInfo), "decode": ("/capacity", DecodeCapacity)}

@@ -58,7 +58,7 @@ def build_instance(cfg: DecodeServerConfig) -> DecodeInstance:
         attention_ops=cfg.attention_ops,
     )
     launch = LaunchConfig.of_server(cfg, cfg.tp_size)
-    return DecodeInstance(worker, launch, page_size=cfg.page_size)
+    return DecodeInstance(worker, launch, page_size=cfg.page_size, prefix_cache=cfg.prefix_cache == "on")
 
 
 # An event for one request, delivered from the engine thread:
@@ -194,7 +194,9 @@ class EngineLoop:
             )
         elif cmd.bootstrap:
             try:
-                self.remote.submit(cmd.request_id, len(cmd.prompt_ids), cmd.params, cmd.bootstrap)
+                self.remote.submit(
+                    cmd.request_id, len(cmd.prompt_ids), cmd.params, cmd.bootstrap, prompt_ids=cmd.prompt_ids
+                )
             except Exception as e:
                 cmd.accepted.set_exception(e)
                 return
@@ -256,6 +258,7 @@ class EngineLoop:
             "transfers_failed": self.remote.failed,
             "transfer_bytes": self.remote.bytes_received,
             "transfer_seconds": self.remote.transfer_seconds,
+            **self.engine.instance.cache_counters(),
         }
 
 
