@@ -55,8 +55,9 @@ class RouterState:
     def __init__(self, cfg: RouterConfig, client: httpx.AsyncClient):
         self.cfg, self.client = cfg, client
         self.tokenizer = Tokenizer.from_pretrained(cfg.model)
-        self.pool = Pool(cfg.prefill, cfg.decode, cfg.policy, cfg.max_in_flight)
+        self.pool = Pool(cfg.prefill, cfg.decode, cfg.policy, cfg.max_in_flight, cfg.cache_balance_threshold)
         self.metrics = Metrics()
+        self.metrics.cache_aware = self.pool.cache_aware
         self.orch = Orchestrator(
             self.pool,
             client,
