@@ -1,6 +1,7 @@
 """The HTTP contracts between pdserve's processes, declared once (torch-free: the router imports it).
 
 Router -> prefill: POST /v1/prefill `PrefillRequest` -> `PrefillReply`; GET /info -> `PrefillInfo`.
+Router -> either:  POST /flush_cache -> `FlushReply` (drops the instance's unreferenced prefix-cache pages).
 Router -> decode:  POST /v1/generate `GenerateRequest` -> `GenerateReply`, or with "stream": true
                    NDJSON lines `TokenEvent`* then one `FinishEvent` or `ErrorEvent` (`parse_event`);
                    POST /v1/abort `AbortRequest` -> `AbortReply`; GET /capacity -> `DecodeCapacity`.
@@ -107,6 +108,10 @@ class AbortRequest(StrictModel):
 
 class AbortReply(StrictModel):
     aborted: bool  # false: no such live request
+
+
+class FlushReply(StrictModel):
+    flushed_tokens: int = Field(ge=0)  # KV tokens the prefix cache gave back to the free pool
 
 
 # load answers ------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ POST /v1/generate  {"token_ids": [...], "max_tokens": 16, "temperature", "top_p"
                    the cache comes by KV hand-off: request_id is the room the prefill is asked to
                    prefill for; a failed hand-off ends the request with an error (event).
 POST /v1/abort     {"request_id"} -> {"aborted": true | false (no such live request)}
+POST /flush_cache  -> {"flushed_tokens"}: the prefix cache's unreferenced pages go back (engine thread)
 
 Request lifecycle (the engine thread in server.py owns the engine; handlers never touch it):
 1. The handler validates the body (token ids inside the vocab, sampling params) and puts a submit
@@ -43,6 +44,7 @@ from ..contracts import (
     DecodeCapacity,
     ErrorEvent,
     FinishEvent,
+    FlushReply,
     GenerateReply,
     GenerateRequest,
     RankInfo,
@@ -123,6 +125,10 @@ def create_app(cfg, instance, engine_loop, dead_rank, drain=None) -> FastAPI:
     @app.post("/v1/abort")
     async def abort(body: AbortRequest) -> AbortReply:
         return AbortReply(aborted=await asyncio.wrap_future(engine_loop.abort(body.request_id)))
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> FlushReply:
+        return FlushReply(flushed_tokens=int(await asyncio.wrap_future(engine_loop.flush_cache())))
 
     return app
 

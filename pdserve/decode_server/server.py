@@ -88,6 +88,11 @@ class _Abort:
     done: Future  # True when the request was live
 
 
+@dataclass
+class _Flush:
+    done: Future  # the KV tokens the prefix cache gave back
+
+
 class EngineLoop:
     """The engine thread. submit(), abort() and stop() are thread-safe; the rest runs on the thread."""
 
@@ -123,6 +128,10 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> Future:
         return self._put(_Abort(request_id, Future()))
+
+    def flush_cache(self) -> Future:
+        """Drops the prefix cache's unreferenced pages on the engine thread (it owns the allocator)."""
+        return self._put(_Flush(Future()))
 
     def _put(self, cmd):
         with self._lock:
@@ -179,7 +188,9 @@ class EngineLoop:
             pass
 
     def _handle(self, cmd) -> None:
-        if isinstance(cmd, _Abort):
+        if isinstance(cmd, _Flush):
+            cmd.done.set_result(self.engine.instance.flush_cache())
+        elif isinstance(cmd, _Abort):
             was_remote = self.remote.abort(cmd.request_id)  # tells the prefill, forgets the room on the ranks
             was_local = self.engine.abort(cmd.request_id) is not None  # frees its pages at once
             listener = self.listeners.pop(cmd.request_id, None)

@@ -5,6 +5,7 @@ GET  /health      200 when every rank is alive, 503 with the failed rank otherwi
                   {"status": "draining"} after SIGTERM (new requests get 503, running ones finish)
 GET  /info        model, ranks (pid, cache bytes, layers held), layout, storage, free / total KV tokens,
                   queued requests (also as `queue_depth`, the old name, for one release)
+POST /flush_cache -> {"flushed_tokens"}: the prefix cache's unreferenced pages go back to the free pool
 POST /v1/prefill  {"token_ids": [...], "temperature", "top_p", "top_k", "seed", "request_id"?,
                    "chunk_size"?, "handoff"?} -> {"request_id", "first_token", "prompt_tokens", "seconds"}
                   (bodies and answers: pdserve/contracts.py)
@@ -20,7 +21,7 @@ import time
 
 from fastapi import FastAPI, HTTPException
 
-from ..contracts import PrefillInfo, PrefillReply, PrefillRequest
+from ..contracts import FlushReply, PrefillInfo, PrefillReply, PrefillRequest
 from ..engine.http_edge import install_edge, too_busy
 from ..engine.request import Overloaded, SamplingParams
 from ..engine.watchdog import add_health_route
@@ -50,6 +51,10 @@ def create_app(
         bootstrap = scheduler.bootstrap.endpoint if scheduler.bootstrap is not None else None
         queued = scheduler.queue_depth
         return PrefillInfo(**instance.info(), queued=queued, queue_depth=queued, bootstrap=bootstrap)
+
+    @app.post("/flush_cache")
+    def flush_cache() -> FlushReply:  # PrefillInstance holds its lock: safe beside the worker thread
+        return FlushReply(flushed_tokens=instance.flush_cache())
 
     @app.post("/v1/prefill")
     async def prefill(body: PrefillRequest) -> PrefillReply:

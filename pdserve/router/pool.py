@@ -84,6 +84,9 @@ class Instance:
             "served": self.served,
             "ranks": len(v("ranks") or []),
             "free_tokens": v("free_tokens"),
+            "cached_tokens": v("cached_tokens"),  # prefix cache, unreferenced
+            "in_use_tokens": v("in_use_tokens"),
+            "prefix_hit_tokens": v("prefix_hit_tokens"),
             "total_tokens": v("total_tokens"),
             "queued": v("queued"),
         }
