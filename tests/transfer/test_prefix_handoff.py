@@ -22,7 +22,8 @@ from pdserve.engine.request import SamplingParams
 from pdserve.prefill_server.instance import PrefillInstance
 from pdserve.prefill_server.rank_worker import PrefillWorkerConfig
 from tests.reference import free_port
-from tests.transfer.handoff_driver import hand_off
+from tests.transfer.fault_loop import run_mixed_faults
+from tests.transfer.handoff_driver import Driver, hand_off
 from tests.transfer.handoff_helpers import check_rows, prompt
 
 pytestmark = pytest.mark.slow
@@ -98,5 +99,34 @@ def test_multi_turn_handoff_with_prefix_caches(model_path, single, pshape, dshap
         assert cap["free_tokens"] == cap["total_tokens"]
         alloc = decode.instance.allocator
         assert alloc.num_free == alloc.num_pages
+        prefill.shutdown()
+        decode.instance.shutdown()
+
+
+@pytest.mark.skipif("not config.getoption('--deep')", reason="--deep: 500 hand-offs with real ranks")
+def test_fault_loop_with_prefix_caches_leaves_only_cached_pages(model_path):
+    """500 seeded cases of the mixed-fault loop (tests/transfer/fault_loop.py) with prompts that share
+    prefixes, through real ranks with prefix caches on both sides: afterwards every page is free or
+    cached and unreferenced, and flushing returns them all."""
+    prefill, decode = start_pair(model_path, (2, "full"), (2, 2), "copy")
+    systems = [prompt(n) for n in (6, 13, 22)]
+    driver = Driver(prefill, decode, heartbeat_timeout_s=2.0)
+    try:
+        run_mixed_faults(
+            driver,
+            500,
+            seed=1,
+            quarantine=False,
+            prompt=lambda rng: rng.choice(systems) + prompt(rng.randint(1, 9)),
+        )
+        prefill.check_idle()
+        decode_idle(decode)
+        assert decode.instance.cache.hit_tokens > 0 and prefill.cache.hit_tokens > 0
+        decode.instance.flush_cache()
+        prefill.flush_cache()
+        assert prefill.allocator.num_free == prefill.allocator.num_pages
+        assert decode.instance.allocator.num_free == decode.instance.allocator.num_pages
+    finally:
+        driver.close()
         prefill.shutdown()
         decode.instance.shutdown()
