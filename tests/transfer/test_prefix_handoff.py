@@ -5,7 +5,8 @@ between a prefill instance and a decode instance, both with --prefix-cache on: t
 names the whole pages of the prompt the decode instance already holds (prompt and generated tokens of
 earlier turns), the plan skips those rows, and with DCP the cached rows stay on their ranks. With
 temperature 0 every request's tokens equal the single-rank engine's without any cache, and every
-decode rank's rows of the prompt equal the single-rank engine's (float64, 1e-8), for prefixes that end
+last decode step's logits and every decode rank's rows of the prompt equal the single-rank engine's
+(float64, 1e-8), for prefixes that end
 mid-page, on a page boundary, cover the whole prompt, and were evicted and are recomputed. Afterwards
 every page is free or cached (unreferenced), and flushing returns them all.
 """
@@ -21,32 +22,49 @@ from pdserve.engine.launcher import LaunchConfig
 from pdserve.engine.request import SamplingParams
 from pdserve.prefill_server.instance import PrefillInstance
 from pdserve.prefill_server.rank_worker import PrefillWorkerConfig
-from tests.reference import free_port
+from tests.reference import assert_close, free_port
 from tests.transfer.fault_loop import run_mixed_faults
 from tests.transfer.handoff_driver import Driver, hand_off
 from tests.transfer.handoff_helpers import check_rows, prompt
 
 pytestmark = pytest.mark.slow
 PS = 4
-CI = [((1, "full"), (1, 1), "copy"), ((2, "layer-split"), (2, 2), "split")]
-DEEP = [((2, "full"), (2, 2), "copy"), ((1, "full"), (2, 2), "split")]
+CI = [((2, "layer-split"), (2, 2), "split", "tcp")]
+DEEP = [
+    ((1, "full"), (1, 1), "copy", "tcp"),
+    ((2, "full"), (2, 2), "copy", "tcp"),
+    ((1, "full"), (2, 2), "split", "tcp"),
+    ((2, "full"), (2, 2), "copy", "nixl"),
+]
 
 
 def pytest_generate_tests(metafunc):
     if "dshape" in metafunc.fixturenames:
         deep = metafunc.config.getoption("--deep")
-        metafunc.parametrize("pshape,dshape,index_mode", CI + (DEEP if deep else []))
+        metafunc.parametrize("pshape,dshape,index_mode,transfer", CI + (DEEP if deep else []))
 
 
-def start_pair(path: str, pshape, dshape, index_mode):
+def start_pair(path: str, pshape, dshape, index_mode, transfer="tcp"):
     cp, cache = pshape
     pw = PrefillWorkerConfig(
-        path, num_slots=256, dtype="float64", cache=cache, query_block=16, float32_islands=False
+        path,
+        num_slots=256,
+        dtype="float64",
+        cache=cache,
+        query_block=16,
+        float32_islands=False,
+        transfer=transfer,
     )
     prefill = PrefillInstance(pw, LaunchConfig(cp, free_port()), page_size=PS, prefix_cache=True).start()
     w, c = dshape
     dw = DecodeWorkerConfig(
-        path, num_slots=256, dcp_size=c, index_mode=index_mode, dtype="float64", float32_islands=False
+        path,
+        num_slots=256,
+        dcp_size=c,
+        index_mode=index_mode,
+        dtype="float64",
+        float32_islands=False,
+        transfer=transfer,
     )
     inst = DecodeInstance(dw, LaunchConfig(w, free_port()), page_size=PS, prefix_cache=True)
     return prefill, DecodeEngine(inst.start())
@@ -61,8 +79,8 @@ def decode_idle(decode: DecodeEngine) -> None:
     assert alloc.num_free + cache.cached_pages == alloc.num_pages
 
 
-def test_multi_turn_handoff_with_prefix_caches(model_path, single, pshape, dshape, index_mode):
-    prefill, decode = start_pair(model_path, pshape, dshape, index_mode)
+def test_multi_turn_handoff_with_prefix_caches(model_path, single, pshape, dshape, index_mode, transfer):
+    prefill, decode = start_pair(model_path, pshape, dshape, index_mode, transfer)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     skipped = lambda: decode.instance.handoff_skipped_bytes  # noqa: E731
 
@@ -74,6 +92,10 @@ def test_multi_turn_handoff_with_prefix_caches(model_path, single, pshape, dshap
         check_rows(prefill, decode, single, ids, req.pages, None, tag)  # cached rows and sent rows
         decode.run_until_idle()
         assert req.output_ids == want, tag
+        # the last step's logits (it reads every cached, sent and decoded row) against the uncached
+        # single-rank prefill of the same tokens
+        last = single.prefill_with_cache(ids + want[:-1])[0]
+        assert_close(decode.last_logits[req.request_id], last, f"{tag} last step logits")
         assert (skipped() > before) == (want_decode_cached > 0), tag
         prefill.check_idle()
         decode_idle(decode)
