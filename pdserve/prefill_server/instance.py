@@ -187,14 +187,15 @@ class PrefillInstance:
     def _cached_pages_for(self, request_id: str, token_ids: list[int]) -> tuple[list[int], int]:
         """(pages, cached_len): the cached whole pages of the longest prefix (locked) + new pages."""
         with self._lock:
-            match = self.cache.match(token_ids[: len(token_ids) - 1])
+            match = self.cache.match(token_ids[: len(token_ids) - 1], count=False)
             self.cache.lock(match.node)
             cached_len = match.num_pages * self.allocator.page_size
             try:
                 pages = match.pages + self.allocator.allocate(len(token_ids) - cached_len)
-            except BaseException:
+            except BaseException:  # OutOfPages: the scheduler retries later (counted once, then)
                 self.cache.unlock(match.node)
                 raise
+            self.cache.hit_tokens += cached_len
             self._cached[request_id] = (list(token_ids), match.node)
             return pages, cached_len
 
