@@ -204,8 +204,11 @@ def test_metrics_are_prometheus_text(topo):
 
 @pytest.mark.slow
 def test_capacity_shows_cached_tokens_and_flush_returns_them(topo):
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+
     def rows() -> dict:
-        return {r["url"]: r for r in json.loads(admin(topo, "capacity", "--json").stdout)["instances"]}
+        cap = http.get(f"{topo['url']}/admin/capacity", headers=auth, timeout=30).json()
+        return {r["url"]: r for r in cap["instances"]}
 
     before = rows()
     body = {
@@ -223,16 +226,20 @@ def test_capacity_shows_cached_tokens_and_flush_returns_them(topo):
     assert d["free_tokens"] + d["cached_tokens"] + d["in_use_tokens"] == d["total_tokens"]
     grew = sum(after[u]["cached_tokens"] - before[u]["cached_tokens"] for u in (topo["a"], topo["b"]))
     assert grew == 32  # the prompt's whole 16-token pages, on the prefill instance that served it
-    table = admin(topo, "capacity").stdout
+    table = admin(topo, "capacity").stdout  # the CLI's table and its flush command
     assert "cached" in table.splitlines()[0] and f"{d['cached_tokens']:,}" in table
-    for url in (topo["d"], topo["a"], topo["b"]):
-        out = admin(topo, "flush", url, "--json")
-        assert out.returncode == 0, out.stderr
-        row = json.loads(out.stdout)
+    out = admin(topo, "flush", topo["d"], "--json")
+    assert out.returncode == 0, out.stderr
+    flushed = {topo["d"]: json.loads(out.stdout)}
+    for url in (topo["a"], topo["b"]):
+        r = http.post(f"{topo['url']}/admin/flush", json={"url": url}, headers=auth, timeout=30)
+        assert r.status_code == 200, r.text
+        flushed[url] = r.json()
+    for url, row in flushed.items():
         assert row["flushed_tokens"] == after[url]["cached_tokens"] and row["cached_tokens"] == 0
         assert row["free_tokens"] == row["total_tokens"]
-    missing = admin(topo, "flush", "http://127.0.0.1:9")
-    assert missing.returncode == 1 and "404" in missing.stderr
+    missing = http.post(f"{topo['url']}/admin/flush", json={"url": "http://127.0.0.1:9"}, headers=auth)
+    assert missing.status_code == 404
 
 
 @pytest.mark.slow
