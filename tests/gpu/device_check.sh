@@ -78,7 +78,9 @@ json.dump(env, open(sys.argv[1], "w"))
 PYEOF
 
 JUNIT=$(mktemp --suffix .xml)
-timeout 270 $PY -m pytest tests/gpu -q -rA --confcutdir=tests/gpu -p no:cacheprovider --junitxml="$JUNIT"
+# SIGINT first: pytest then still writes its report (and the junit file) for what ran
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}  # flashinfer's JIT builds its kernels with this many jobs
+timeout -s INT -k 20 "${CHECK_TIMEOUT:-270}" $PY -m pytest tests/gpu -v -rA --confcutdir=tests/gpu -p no:cacheprovider --junitxml="$JUNIT"
 RC=$?
 $PY tests/gpu/summary.py "$JUNIT" "$ENV_JSON" "$OUT_JSON" "$RC" "$(( $(date +%s) - START ))"
 exit $RC
