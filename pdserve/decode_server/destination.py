@@ -33,11 +33,9 @@ class EngineDestination:
         reservation = self.instance.reservation(
             room, pages, prompt_len=prompt_len, expect=True, cached_len=cached
         )
-        if cached:
-            skipped = self.instance.handoff_bytes(pages, prompt_len) - self.handoff_bytes(
-                pages, prompt_len, room
-            )
-            self.instance.handoff_skipped_bytes += skipped
+        if cached:  # what a hand-off of the cached positions alone would have carried
+            ps = self.instance.allocator.page_size
+            self.instance.handoff_skipped_bytes += self.instance.handoff_bytes(pages[: cached // ps], cached)
         return reservation
 
     def handoff_bytes(self, pages: list[int], prompt_len: int, room: str | None = None) -> int:
