@@ -260,15 +260,8 @@ class Stack:
     def _prefill_args(self) -> list[str]:
         # residues = C_d: each decode rank's rows are contiguous in the prefill cache
         c = self.cfg
-        return [
-            "prefill",
-            "--cp-size",
-            str(c.prefill_cp),
-            "--kv-residues",
-            str(c.decode_dcp),
-            "--prefix-cache",
-            c.prefix_cache,
-        ]
+        args = ["prefill", "--cp-size", str(c.prefill_cp), "--kv-residues", str(c.decode_dcp)]
+        return args + ["--prefix-cache", c.prefix_cache]
 
     def _decode_args(self) -> list[str]:
         c = self.cfg
