@@ -40,6 +40,7 @@ class PrefixModel:
         self.entries: OrderedDict[int, float] = OrderedDict()
         self.capacity_blocks: int | None = None  # from the instance's total_tokens
         self.seen_evicted: int | None = None  # the instance's evicted_tokens at the last poll
+        self.enabled = True  # False: the instance runs with --prefix-cache off (it never matches)
 
     def match(self, hashes: list[int]) -> int:
         """Leading blocks of the prompt this instance is expected to hold."""
@@ -51,14 +52,23 @@ class PrefixModel:
         return n
 
     def add(self, hashes: list[int]) -> None:
+        if not self.enabled:
+            return
         now = self.clock()
         for h in hashes:
             self.entries[h] = now
             self.entries.move_to_end(h)
         self._trim()
 
-    def observe(self, total_tokens: int | None, evicted_tokens: int | None) -> None:
-        """A load answer: capacity bound, and the instance's evictions since the last one."""
+    def observe(
+        self, total_tokens: int | None, evicted_tokens: int | None, enabled: bool | None = None
+    ) -> None:
+        """A load answer: capacity bound, the instance's evictions since the last one, and whether it
+        caches at all (None: an instance that does not say)."""
+        if enabled is not None:
+            self.enabled = enabled
+            if not enabled:
+                self.entries.clear()
         if total_tokens:
             self.capacity_blocks = max(1, total_tokens // BLOCK)
         if evicted_tokens is not None:

@@ -214,7 +214,7 @@ class Pool:
             inst.info, inst.healthy, inst.error = answer.model_validate_json(load.content), True, None
             if self.cache_aware is not None:  # the instance's evictions age the router's model of it
                 self.cache_aware.model(inst.url).observe(
-                    inst.value("total_tokens"), inst.value("evicted_tokens")
+                    inst.value("total_tokens"), inst.value("evicted_tokens"), inst.value("prefix_cache")
                 )
         except (httpx.HTTPError, RuntimeError, ValueError) as e:
             inst.healthy, inst.error = False, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__

@@ -96,6 +96,10 @@ def test_model_bound_evictions_age_and_restart():
     assert len(m.entries) == 4
     m.observe(6 * BLOCK, evicted_tokens=0)  # the counter went back: a restarted instance
     assert not m.entries
+    m.observe(6 * BLOCK, 0, enabled=False)  # an instance with --prefix-cache off never matches
+    m.add(h)
+    assert not m.entries
+    m.observe(6 * BLOCK, 0, enabled=True)
     m.add(h[:2])
     clock.t = 101.0
     m.add(h[2:3])
