@@ -11,6 +11,11 @@ POST /v1/prefill  {"token_ids": [...], "temperature", "top_p", "top_k", "seed", 
                   With "handoff": true the request_id is a room: the cache goes to the decode instance
                   that reserves that room on this instance's side channel (/info "bootstrap"); the
                   answer comes after the transfer. A failed hand-off is a 502 naming the reason.
+
+A request: the handler checks the body, then submits it to the loop thread (loop.py, which alone
+owns the scheduler and the instance) and waits for its events: the accept (400 when the prompt can
+never fit, 429 when the queue is full, 503 while shutting down), then the first token and the
+finish, or an error. A client that leaves while its request waits aborts it.
 """
 
 from __future__ import annotations
