@@ -64,7 +64,10 @@ class PrefillLoop(InstanceLoop):
             self.emit(job.request_id, ("error", job.error))
 
     def fail_all(self, message: str) -> None:
-        self.scheduler.stop(message)
+        try:
+            self.scheduler.stop(message)  # fails the waiting requests, telling their decode rooms
+        except Exception:  # the ranks or the side channel are gone: the listeners still get the error
+            log.exception("prefill loop: failing the waiting requests")
         self.fail_listeners(message)
 
     def close(self) -> None:
