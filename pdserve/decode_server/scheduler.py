@@ -17,6 +17,9 @@
   requests join and leave between steps.
 The first output token comes with the cache (the prefill sampled it), so a request with
 max_tokens = 1, or whose first token is EOS, finishes without a decode step.
+
+Only the decode loop thread (loop.py, the skeleton of engine/instance_loop.py) touches it, through
+step_driver.py: submit and abort arrive there as commands; each iteration admits and steps once.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict, dataclass
 
-from ..engine.launcher import LaunchConfig, RankGroup
+from ..engine.launcher import LaunchConfig, RankGroup, RankInstance
 from ..engine.page_allocator import PageAllocator
 from ..engine.request import SamplingParams
 from ..model.config import ModelConfig
@@ -32,7 +32,7 @@ class PrefillResult:
     rank_comm_seconds: tuple[float, ...] = ()  # of which in the CP collectives
 
 
-class PrefillInstance:
+class PrefillInstance(RankInstance):
     def __init__(
         self, worker: PrefillWorkerConfig, launch: LaunchConfig, page_size: int = 16, chunk_size: int = 4096
     ):
@@ -45,19 +45,6 @@ class PrefillInstance:
         self.ranks = RankGroup(PrefillRankWorker, worker, launch)
         self.held: dict[str, list[int]] = {}  # request id -> pages, until release()
         self.rank_infos: list[PrefillRankInfo] = []
-
-    def start(self) -> "PrefillInstance":
-        self.rank_infos = self.ranks.start()
-        return self
-
-    def shutdown(self) -> None:
-        self.ranks.shutdown()
-
-    def __enter__(self) -> "PrefillInstance":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
 
     def info(self) -> dict:
         return {
