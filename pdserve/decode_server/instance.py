@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.launcher import LaunchConfig, RankGroup
+from ..engine.launcher import LaunchConfig, RankGroup, RankInstance
 from ..engine.page_allocator import PageAllocator
 from ..engine.radix_cache import RadixCache
 from ..model.config import ModelConfig
@@ -42,7 +42,7 @@ from .rank_worker import (
 )
 
 
-class DecodeInstance:
+class DecodeInstance(RankInstance):
     def __init__(
         self,
         worker: DecodeWorkerConfig,
@@ -71,19 +71,6 @@ class DecodeInstance:
         self._last_plan: tuple[tuple, list[Transfer]] | None = (
             None  # reservation, expect_totals, handoff_bytes share it
         )
-
-    def start(self) -> "DecodeInstance":
-        self.rank_infos = self.ranks.start()
-        return self
-
-    def shutdown(self) -> None:
-        self.ranks.shutdown()
-
-    def __enter__(self) -> "DecodeInstance":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
 
     def slots(self, pages: list[int], n: int) -> list[int]:
         return self.allocator.slots(pages, 0, n)

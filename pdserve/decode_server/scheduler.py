@@ -18,6 +18,9 @@
 The first output token comes with the cache (the prefill sampled it), so a request with
 max_tokens = 1, or whose first token is EOS, finishes without a decode step.
 
+Only the decode loop thread (loop.py, the skeleton of engine/instance_loop.py) touches it, through
+step_driver.py: submit and abort arrive there as commands; each iteration admits and steps once.
+
 With a prefix cache (engine/radix_cache.py) and the prompt's token ids known, admission first locks
 the longest cached run of whole pages of the prompt (at most prompt_len - 1 tokens; `cached_len`)
 and reserves only the rest; the request's pages are the cached ones, then its own. A request that

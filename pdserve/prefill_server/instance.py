@@ -20,7 +20,7 @@ import dataclasses
 import threading
 from dataclasses import asdict, dataclass
 
-from ..engine.launcher import LaunchConfig, RankGroup
+from ..engine.launcher import LaunchConfig, RankGroup, RankInstance
 from ..engine.page_allocator import PageAllocator
 from ..engine.radix_cache import Node, RadixCache
 from ..engine.request import SamplingParams
@@ -44,7 +44,7 @@ class PrefillResult:
     rank_comm_seconds: tuple[float, ...] = ()  # of which in the CP collectives
 
 
-class PrefillInstance:
+class PrefillInstance(RankInstance):
     def __init__(
         self,
         worker: PrefillWorkerConfig,
@@ -68,19 +68,6 @@ class PrefillInstance:
             self.allocator.evictor = self.cache
         self._cached: dict[str, tuple[list[int], Node]] = {}  # held request -> (prompt, locked node)
         self._lock = threading.RLock()
-
-    def start(self) -> "PrefillInstance":
-        self.rank_infos = self.ranks.start()
-        return self
-
-    def shutdown(self) -> None:
-        self.ranks.shutdown()
-
-    def __enter__(self) -> "PrefillInstance":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
 
     def info(self) -> dict:
         return {

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.decode_server.engine import DecodeEngine
 from pdserve.decode_server.instance import DecodeInstance
 from pdserve.decode_server.rank_worker import DecodeWorkerConfig
+from pdserve.decode_server.step_driver import DecodeStepDriver
 from pdserve.engine.launcher import LaunchConfig
 from pdserve.engine.request import SamplingParams
 from pdserve.prefill_server.instance import PrefillInstance
@@ -67,10 +67,10 @@ def start_pair(path: str, pshape, dshape, index_mode, transfer="tcp"):
         transfer=transfer,
     )
     inst = DecodeInstance(dw, LaunchConfig(w, free_port()), page_size=PS, prefix_cache=True)
-    return prefill, DecodeEngine(inst.start())
+    return prefill, DecodeStepDriver(inst.start())
 
 
-def decode_idle(decode: DecodeEngine) -> None:
+def decode_idle(decode: DecodeStepDriver) -> None:
     """Every decode page is free or in the prefix cache, unreferenced."""
     alloc, cache = decode.instance.allocator, decode.instance.cache
     assert decode.scheduler.is_idle() and cache.protected_pages == 0

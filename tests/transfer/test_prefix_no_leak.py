@@ -2,7 +2,7 @@
 (a few system prompts, conversations that come back with their history), failed prefills, aborts
 in every decode state (some with the quarantine hold), failed and finished requests, several at a
 time on small pools so that the caches evict. The bookkeeping is the production one -- a
-`PrefillInstance` and a `DecodeEngine` with their page allocators and radix trees -- with the rank
+`PrefillInstance` and a `DecodeStepDriver` with their page allocators and radix trees -- with the rank
 processes replaced by an in-process stand-in (no tensors: the equality tests cover the values).
 
 Checked throughout: every cached prefix a request is given holds exactly the tokens it stands for
@@ -17,9 +17,9 @@ import time
 
 import pytest
 
-from pdserve.decode_server.engine import DecodeEngine
 from pdserve.decode_server.instance import DecodeInstance
 from pdserve.decode_server.rank_worker import DecodeWorkerConfig
+from pdserve.decode_server.step_driver import DecodeStepDriver
 from pdserve.engine.launcher import CommandFailed, LaunchConfig
 from pdserve.engine.page_allocator import OutOfPages
 from pdserve.engine.request import SamplingParams
@@ -52,7 +52,7 @@ def make_sides(model_path: str):
     prefill = PrefillInstance(pw, LaunchConfig(1, 1), page_size=PS, prefix_cache=True)
     prefill.ranks = StandInRanks({})
     dw = DecodeWorkerConfig(model_path, num_slots=60 * PS, dcp_size=2, index_mode="split", dtype="float64")
-    decode = DecodeEngine(DecodeInstance(dw, LaunchConfig(2, 1), page_size=PS, prefix_cache=True))
+    decode = DecodeStepDriver(DecodeInstance(dw, LaunchConfig(2, 1), page_size=PS, prefix_cache=True))
     return prefill, decode
 
 
