@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from ..engine.constraint import Grammars
 from ..engine.launcher import RankError
 from ..engine.llm_engine import LLMEngine
-from ..engine.request import SamplingParams
+from ..engine.request import SamplingParams, TokenLogprob
 from ..engine.sampler import Sampler
 from .instance import DecodeInstance
 from .scheduler import DecodeRequest, DecodeScheduler
@@ -21,10 +22,13 @@ class DecodeEngine:
     def __init__(self, instance: DecodeInstance, max_batch: int = 64):
         self.instance = instance
         self.scheduler = DecodeScheduler(instance.allocator, instance.model_config.eos_token_ids, max_batch)
-        self.sampler = Sampler()
+        mcfg = instance.model_config
+        grammars = Grammars(instance.worker.model_dir, mcfg.vocab_size, mcfg.eos_token_ids)
+        self.sampler = Sampler(grammars, mcfg.eos_token_ids)
         self._caches: dict[str, tuple[torch.Tensor, dict[int, torch.Tensor], int]] = {}
         self._local: LLMEngine | None = None
         self._remote: set[str] = set()  # requests whose cache comes by KV hand-off (transfer/decode_room.py)
+        self._first_logprobs: dict[str, TokenLogprob | None] = {}  # of the local prefill's first token
         self.last_logits: dict[str, torch.Tensor] = {}  # request id -> [vocab] of the last step (for checks)
 
     def _local_prefill(self) -> LLMEngine:
@@ -53,8 +57,9 @@ class DecodeEngine:
         self.scheduler.check_fits(req)
         if cache is None:  # before queueing: a failed prefill must leave nothing behind
             logits, kv, index = self._local_prefill().prefill_with_cache(list(prompt_ids))
-            first = self.sampler.sample(logits[None], [params], [req.request_id])[0]
+            first, lp = self.sampler.sample_row(logits, params, req.request_id)
             cache = (kv, index, first)
+            self._first_logprobs[req.request_id] = lp
         self._caches[req.request_id] = cache
         self.scheduler.submit(req)
         return req
@@ -71,10 +76,15 @@ class DecodeEngine:
         self._remote.add(req.request_id)
         return req
 
-    def kv_ready(self, request_id: str, first_token: int) -> DecodeRequest:
-        """A hand-off delivered and verified this request's cache: it joins the running batch."""
+    def kv_ready(
+        self, request_id: str, first_token: int, first_logprob: TokenLogprob | None = None
+    ) -> DecodeRequest:
+        """A hand-off delivered and verified this request's cache: it joins the running batch.
+        `first_logprob`: the prefill's logprobs of the first token, when the request asked for them."""
         self._remote.discard(request_id)
         req = self.scheduler.kv_ready(request_id, first_token)
+        if first_logprob is not None:  # the local prefill's (a hand-off's comes in its TransferDone)
+            req.logprobs.append(first_logprob)
         if req.state == "finished":
             self.sampler.forget(request_id)
         return req
@@ -83,6 +93,7 @@ class DecodeEngine:
         """hold_s > 0: a failed hand-off's senders may still WRITE into its pages (DecodeInstance.forget)."""
         self._remote.discard(request_id)
         self._caches.pop(request_id, None)
+        self._first_logprobs.pop(request_id, None)
         self.sampler.forget(request_id)
         return self.scheduler.abort(request_id, hold_s)
 
@@ -140,7 +151,10 @@ class DecodeEngine:
         events, ok, tokens = [], [], []
         for i, req in enumerate(batch):
             try:
-                tokens.append(self.sampler.sample(logits[i : i + 1], [req.params], [req.request_id])[0])
+                token, lp = self.sampler.sample_row(logits[i], req.params, req.request_id, req.output_ids)
+                tokens.append(token)
+                if lp is not None:
+                    req.logprobs.append(lp)
                 ok.append(req)
                 self.last_logits[req.request_id] = logits[i]
             except Exception as e:
@@ -168,7 +182,7 @@ class DecodeEngine:
             except Exception as e:
                 events.append(self._fail(req, e))
                 continue
-            self.scheduler.kv_ready(req.request_id, first)
+            self.kv_ready(req.request_id, first, self._first_logprobs.pop(req.request_id, None))
             events.append((req, first))
         return events
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from ..engine.page_allocator import PageAllocator
-from ..engine.request import SamplingParams
+from ..engine.request import SamplingParams, TokenLogprob
 
 _ids = itertools.count()
 
@@ -51,9 +51,16 @@ class DecodeRequest:
     request_id: str = field(default_factory=lambda: f"decode-{next(_ids)}")
     pages: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)  # output_ids[0] is the prefill's first token
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # with params.logprobs: one per token this
+    # instance sampled (a hand-off's first token has its logprobs in the TransferDone, not here)
     state: RequestState = RequestState.new
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None  # why it failed (state "failed")
+
+    def logprob_wire(self, later: int) -> list:
+        """The logprobs of the token with `later` tokens after it in `logprobs`, as the stream carries
+        them (TokenLogprob.wire); [] without logprobs."""
+        return self.logprobs[len(self.logprobs) - 1 - later].wire() if self.logprobs else []
 
     @property
     def num_slots_needed(self) -> int:

@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -212,10 +213,13 @@ class EngineLoop:
 
     def _dispatch(self, events) -> None:
         ended = {}
+        left = Counter(req.request_id for req, token in events if token is not None)
         for req, token in events:  # a request's end follows all of its tokens of this step
             listener = self.listeners.get(req.request_id)
+            if token is not None:
+                left[req.request_id] -= 1  # this step's tokens are the request's last ones, in order
             if listener and token is not None:
-                _send(listener, ("token", token))
+                _send(listener, ("token", token, req.logprob_wire(left[req.request_id])))
             if req.state == "failed":  # computing it raised: only this request ends (engine.step)
                 ended[req.request_id] = ("error", f"decode step failed: {req.error}")
             elif req.state in ("finished", "aborted"):

@@ -29,20 +29,25 @@ import logging
 import time
 import uuid
 from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from ..contracts import PrefillReply
 from ..engine.http_edge import RETRY_AFTER_S, install_edge, new_error_id
 from ..model.tokenizer import Tokenizer
 from . import protocol as P
 from .admin import admin_router
 from .config import RouterConfig
+from .logprobs import LogprobFormatter
+from .logprobs import merge as merge_logprobs
 from .metrics import Metrics
 from .orchestrator import BadRequest, DeadlineExceeded, GenParams, Orchestrator, Overloaded, RequestFailed
 from .pool import NoInstance, Pool, TooLong
 from .prompt import PromptLimits, chat_prompt, completion_prompt
+from .structured import response_grammar
 from .text import TextStream
 
 DISCONNECT_POLL_S = 0.5
@@ -171,9 +176,17 @@ def _check_model(cfg: RouterConfig, model: str) -> None:
 
 
 async def _serve(state: RouterState, request: Request, body, prompt: list[int], chat: bool):
-    params = GenParams(**P.check_sampling(body, state.cfg.default_max_tokens))
     try:
+        params = GenParams(
+            **P.check_sampling(body, state.cfg.default_max_tokens, state.tokenizer.vocab_size),
+            grammar=await response_grammar(body.response_format),
+        )
+        if params.grammar is not None and params.ignore_eos:
+            raise P.ApiError(400, "ignore_eos cannot be combined with response_format", "ignore_eos")
         state.orch.check_fits(len(prompt), params.max_tokens)
+    except P.ApiError:
+        state.metrics.finished("client_error")
+        raise
     except TooLong as e:
         state.metrics.finished("client_error")
         raise P.ApiError(400, str(e), "prompt", "context_length_exceeded") from None
@@ -182,7 +195,7 @@ async def _serve(state: RouterState, request: Request, body, prompt: list[int], 
         raise P.ApiError(503, str(e)) from None
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     deadline = time.monotonic() + state.cfg.request_timeout_s
-    pieces = _pieces(state, prompt, params, body.stop_list(), deadline)
+    pieces = _pieces(state, prompt, params, body.stop_list(), deadline, getattr(body, "echo", False))
     if not body.stream:
         return await _until_disconnect(request, _collect(state, rid, chat, body, prompt, pieces))
     # errors before any token keep their status
@@ -192,34 +205,56 @@ async def _serve(state: RouterState, request: Request, body, prompt: list[int], 
     )
 
 
-async def _pieces(state: RouterState, prompt: list[int], params: GenParams, stop: list[str], deadline: float):
-    """Yields (text, token_ids, finish_reason | None); records the latency metrics and the outcome."""
+@dataclass
+class Piece:
+    """What may go to the client now: text, the token ids (and their logprobs) it came from, and the
+    finish reason on the last piece. `prompt`: the echoed prompt (its ids and logprobs)."""
+
+    text: str
+    ids: list[int]
+    logprobs: list = field(default_factory=list)  # contracts.Logprob | None per id, with logprobs
+    reason: str | None = None
+    prompt: bool = False
+
+
+async def _pieces(
+    state: RouterState, prompt: list[int], params: GenParams, stop: list[str], deadline: float, echo: bool
+):
+    """Yields Pieces; records the latency metrics and the outcome."""
     m, text = state.metrics, TextStream(state.tokenizer, stop)
     start = last = time.perf_counter()
     ids: list[int] = []
+    lps: list = []
     outcome = "aborted"  # a client that leaves ends here with a CancelledError / GeneratorExit
+    if echo and params.prompt_logprobs is None:
+        yield Piece(state.tokenizer.decode(prompt), list(prompt), [], prompt=True)
     try:
         async with aclosing(state.orch.generate(prompt, params, deadline)) as events:
             async for ev in events:
                 now = time.perf_counter()
+                if isinstance(ev, PrefillReply):  # echo with logprobs: the prompt's, first
+                    yield Piece(state.tokenizer.decode(prompt), list(prompt), ev.prompt_logprobs, prompt=True)
+                    continue
                 if isinstance(ev, str):  # the finish reason
                     outcome = "completed"
-                    yield text.finish(), ids, ev
+                    yield Piece(text.finish(), ids, lps, ev)
                     return
                 if text.token_ids:
                     m.itl.observe(now - last)
                 else:
                     m.ttft.observe(now - start)
                 last, m.tokens = now, m.tokens + 1
-                ids.append(ev)
-                delta = text.add(ev)
+                ids.append(ev.token)
+                if ev.logprob is not None:
+                    lps.append(ev.logprob)
+                delta = text.add(ev.token)
                 if text.stopped:  # a stop string: closing `events` aborts both halves
                     outcome = "completed"
-                    yield delta, ids, "stop"
+                    yield Piece(delta, ids, lps, "stop")
                     return
                 if delta:
-                    yield delta, ids, None
-                    ids = []
+                    yield Piece(delta, ids, lps)
+                    ids, lps = [], []
     except NoInstance as e:
         outcome = "unavailable"
         raise P.ApiError(503, str(e)) from None
@@ -272,12 +307,19 @@ async def _first_piece(pieces):
 
 
 async def _collect(state, rid: str, chat: bool, body, prompt: list[int], pieces) -> dict:
-    texts, ids, reason = [], [], None
+    texts, ids, reason, lps = [], [], None, None
+    fmt = LogprobFormatter(state.tokenizer, chat)
     async with aclosing(pieces):
-        async for text, new_ids, reason in pieces:  # noqa: B007 (the last reason is the choice's)
-            texts.append(text)
-            ids += new_ids
-    choice = P.choice(chat, False, "".join(texts), reason, ids if body.return_token_ids else None)
+        async for piece in pieces:
+            texts.append(piece.text)
+            if not piece.prompt:
+                ids += piece.ids
+            reason = piece.reason
+            if piece.logprobs:
+                lps = merge_logprobs(lps, fmt.format(piece.ids, piece.logprobs))
+    choice = P.choice(
+        chat, False, "".join(texts), reason, ids if body.return_token_ids else None, logprobs=lps
+    )
     return {
         **P.envelope(rid, state.cfg.model_name, chat, False),
         "choices": [choice],
@@ -287,17 +329,24 @@ async def _collect(state, rid: str, chat: bool, body, prompt: list[int], pieces)
 
 async def _sse(state, rid: str, chat: bool, body, prompt_len: int, first, pieces):
     head = P.envelope(rid, state.cfg.model_name, chat, True)
-    n, piece = 0, first
+    n, piece, fmt = 0, first, LogprobFormatter(state.tokenizer, chat)
     async with aclosing(pieces):
         try:
             while True:
-                text, ids, reason = piece
-                n += len(ids)
+                if not piece.prompt:
+                    n += len(piece.ids)
+                lps = fmt.format(piece.ids, piece.logprobs) if piece.logprobs else None
                 c = P.choice(
-                    chat, True, text, reason, ids if body.return_token_ids else None, first=piece is first
+                    chat,
+                    True,
+                    piece.text,
+                    piece.reason,
+                    piece.ids if body.return_token_ids and not piece.prompt else None,
+                    first=piece is first,
+                    logprobs=lps,
                 )
                 yield _event({**head, "choices": [c]})
-                if reason is not None:
+                if piece.reason is not None:
                     break
                 piece = await anext(pieces)
         except P.ApiError as e:  # after the first token: an error event ends the stream

@@ -47,6 +47,23 @@ class GenParams:
     top_k: int = 0
     seed: int | None = None
     ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None  # the sampled tokens' and the top k
+    grammar: str | None = None  # llguidance's (engine/constraint.py grammar_for)
+    prompt_logprobs: int | None = None  # echo: the prefill's reply comes first in generate()
+
+    def sampling(self) -> dict:
+        """The fields both halves sample with (contracts._Sampling)."""
+        names = (
+            "temperature top_p top_k seed ignore_eos stop_token_ids min_tokens presence_penalty "
+            "frequency_penalty repetition_penalty logit_bias logprobs grammar"
+        ).split()
+        return {n: getattr(self, n) for n in names}
 
 
 class BadRequest(Exception):
@@ -89,7 +106,8 @@ class Orchestrator:
         self.pool.candidates("prefill", prompt_len, admit=False)
 
     async def generate(self, prompt: list[int], params: GenParams, deadline: float):
-        """Yields token ids, then one finish reason string ("stop" | "length" | "abort").
+        """Yields the prefill's PrefillReply first when params.prompt_logprobs is set, then one
+        TokenEvent per token (id, logprob), then one finish reason string ("stop" | "length" | "abort").
         `deadline` (time.monotonic()) bounds the whole request, every try and wait included."""
         avoid: set[str] = set()
         last: TryFailed | None = None
@@ -105,7 +123,7 @@ class Orchestrator:
             sent = False
             try:
                 async for event in self._try(prefill, decode, prompt, params, deadline):
-                    sent = sent or isinstance(event, int)
+                    sent = sent or isinstance(event, TokenEvent)
                     yield event
                 return
             except TryFailed as e:
@@ -154,19 +172,31 @@ class Orchestrator:
         d_task = self._guarded(
             decode, events, self._decode(decode, prefill.bootstrap, room, prompt, params, events)
         )
-        finished = False
+        finished, held = False, [] if params.prompt_logprobs is not None else None
         try:
             while True:
                 try:
                     kind, value = await asyncio.wait_for(events.get(), _left(deadline))
                 except asyncio.TimeoutError:
                     raise DeadlineExceeded("the request ran past its deadline") from None
-                if kind == "token":
+                if held is not None and kind in ("token", "finish"):  # the prompt's logprobs go first
+                    held.append((kind, value))
+                    continue
+                if kind == "prompt":
+                    yield value
+                    pending, held = held or [], None
+                    for kind, value in pending:
+                        if kind == "finish":  # before the yield: the consumer may stop there
+                            finished = True
+                            prefill.served, decode.served = prefill.served + 1, decode.served + 1
+                        yield value
+                        if finished:
+                            return
+                elif kind == "token":
                     yield value
                 elif kind == "finish":
                     finished = True
-                    prefill.served += 1
-                    decode.served += 1
+                    prefill.served, decode.served = prefill.served + 1, decode.served + 1
                     yield value
                     return
                 elif kind == "failed":
@@ -187,10 +217,8 @@ class Orchestrator:
             token_ids=prompt,
             request_id=room,
             handoff=True,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            seed=params.seed,
+            prompt_logprobs=params.prompt_logprobs,
+            **params.sampling(),
         )
         start = time.perf_counter()
         try:
@@ -204,11 +232,16 @@ class Orchestrator:
             events.put_nowait(("failed", TryFailed(inst, _error_text(r), overloaded=r.status_code == 429)))
             return
         try:
-            PrefillReply.model_validate_json(r.content)
+            reply = PrefillReply.model_validate_json(r.content)
         except ValueError as e:
             events.put_nowait(("failed", TryFailed(inst, f"malformed prefill answer: {_describe(e)}")))
             return
         self.metrics.observe_prefill(time.perf_counter() - start)
+        if params.prompt_logprobs is not None:
+            if reply.prompt_logprobs is None or len(reply.prompt_logprobs) != len(prompt):
+                events.put_nowait(("failed", TryFailed(inst, "the prefill answered no prompt logprobs")))
+                return
+            events.put_nowait(("prompt", reply))
 
     async def _decode(
         self,
@@ -222,11 +255,7 @@ class Orchestrator:
         body = GenerateRequest(
             token_ids=prompt,
             max_tokens=params.max_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            seed=params.seed,
-            ignore_eos=params.ignore_eos,
+            **params.sampling(),
             stream=True,
             request_id=room,
             bootstrap=bootstrap,
@@ -258,7 +287,12 @@ class Orchestrator:
                         )
                         return
                     if isinstance(event, TokenEvent):
-                        events.put_nowait(("token", event.token))
+                        if (event.logprob is None) != (params.logprobs is None):
+                            events.put_nowait(
+                                ("failed", TryFailed(inst, "a token without the logprobs asked for"))
+                            )
+                            return
+                        events.put_nowait(("token", event))
                     elif isinstance(event, FinishEvent):
                         events.put_nowait(("finish", event.finish_reason))
                         return

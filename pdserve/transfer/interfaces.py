@@ -20,6 +20,8 @@ from .rank_commands import RoomStatus
 class Prefilled(Protocol):
     token: int  # the first token, sampled by the prefill
     slots: list[int]  # where the prompt's rows sit in the source's pool
+    logprob: object  # the first token's TokenLogprob (engine/request.py) when asked for, else None
+    prompt_logprobs: list | None  # [TokenLogprob | None] per prompt position when asked for (echo)
 
 
 class KVSource(Protocol):

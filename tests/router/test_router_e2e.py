@@ -192,7 +192,7 @@ BAD = {
     "token id outside vocab": ({"model": "tiny", "prompt": [1, 10**6]}, 400, "prompt"),
     "no prompt": ({"model": "tiny"}, 400, "prompt"),
     "n 2": ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n"),
-    "logprobs": ({"model": "tiny", "prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    "logprobs 21": ({"model": "tiny", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
 }
 
 

@@ -78,7 +78,7 @@ class FakeSource:
 
     def prefill(self, room, token_ids, params=None):
         self.held.add(room)
-        return SimpleNamespace(token=7, slots=list(range(len(token_ids))))
+        return SimpleNamespace(token=7, slots=list(range(len(token_ids))), logprob=None, prompt_logprobs=None)
 
     def prefill_side(self, slots):
         return PrefillSide(1, "full", 2, (), slots)
