@@ -30,6 +30,7 @@ import time
 import uuid
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 from fastapi import FastAPI, Request
@@ -40,6 +41,7 @@ from ..engine.http_edge import RETRY_AFTER_S, install_edge, new_error_id
 from ..model.tokenizer import Tokenizer
 from . import protocol as P
 from .admin import admin_router
+from .chat import ChatShaper
 from .config import RouterConfig
 from .logprobs import LogprobFormatter
 from .logprobs import merge as merge_logprobs
@@ -49,6 +51,7 @@ from .pool import NoInstance, Pool, TooLong
 from .prompt import PromptLimits, chat_prompt, completion_prompt
 from .structured import response_grammar
 from .text import TextStream
+from .tools import forced_grammar, plan_tools, prompt_opens_reasoning
 
 DISCONNECT_POLL_S = 0.5
 log = logging.getLogger("pdserve.router")
@@ -60,6 +63,7 @@ class RouterState:
     def __init__(self, cfg: RouterConfig, client: httpx.AsyncClient):
         self.cfg, self.client = cfg, client
         self.tokenizer = Tokenizer.from_pretrained(cfg.model)
+        self.model_type = _model_type(cfg.model)  # picks the tool-call and reasoning markup
         self.pool = Pool(cfg.prefill, cfg.decode, cfg.policy, cfg.max_in_flight)
         self.metrics = Metrics()
         self.orch = Orchestrator(
@@ -73,6 +77,13 @@ class RouterState:
         )
         self.metrics.queued = lambda: self.orch.queued
         self.limits = PromptLimits(cfg.max_prompt_bytes, cfg.max_prompt_tokens)
+
+
+def _model_type(model_dir) -> str | None:
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError):
+        return None
 
 
 def create_app(cfg: RouterConfig) -> FastAPI:
@@ -132,14 +143,18 @@ def create_app(cfg: RouterConfig) -> FastAPI:
         state: RouterState = request.app.state.router
         _check_model(cfg, body.model)
         prompt = await completion_prompt(state.tokenizer, body.prompt, state.limits)
-        return await _serve(state, request, body, prompt, chat=False)
+        return await _serve(state, request, body, prompt, False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: P.ChatRequest, request: Request):
         state: RouterState = request.app.state.router
         _check_model(cfg, body.model)
-        prompt = await chat_prompt(state.tokenizer, body.messages, state.limits)
-        return await _serve(state, request, body, prompt, chat=True)
+        plan = plan_tools(body.tools, body.tool_choice, state.model_type)
+        kwargs = {**P.template_kwargs(body), **plan.template_kwargs()}
+        prompt, text = await chat_prompt(state.tokenizer, body.messages, state.limits, **kwargs)
+        in_reasoning = prompt_opens_reasoning(text)
+        forced = forced_grammar(plan, in_reasoning)
+        return await _serve(state, request, body, prompt, True, ChatShaper(plan, in_reasoning), forced)
 
     return app
 
@@ -175,11 +190,20 @@ def _check_model(cfg: RouterConfig, model: str) -> None:
         )
 
 
-async def _serve(state: RouterState, request: Request, body, prompt: list[int], chat: bool):
+async def _serve(
+    state: RouterState,
+    request: Request,
+    body,
+    prompt: list[int],
+    chat: bool,
+    shaper: ChatShaper | None = None,
+    tool_grammar: str | None = None,
+):
+    """shaper: a chat choice's reasoning / content / tool calls; tool_grammar: a forced tool call's."""
     try:
         params = GenParams(
             **P.check_sampling(body, state.cfg.default_max_tokens, state.tokenizer.vocab_size),
-            grammar=await response_grammar(body.response_format),
+            grammar=await response_grammar(body.response_format, tool_grammar),
         )
         if params.grammar is not None and params.ignore_eos:
             raise P.ApiError(400, "ignore_eos cannot be combined with response_format", "ignore_eos")
@@ -197,11 +221,11 @@ async def _serve(state: RouterState, request: Request, body, prompt: list[int], 
     deadline = time.monotonic() + state.cfg.request_timeout_s
     pieces = _pieces(state, prompt, params, body.stop_list(), deadline, getattr(body, "echo", False))
     if not body.stream:
-        return await _until_disconnect(request, _collect(state, rid, chat, body, prompt, pieces))
+        return await _until_disconnect(request, _collect(state, rid, shaper, body, prompt, pieces))
     # errors before any token keep their status
     first = await _until_disconnect(request, _first_piece(pieces))
     return StreamingResponse(
-        _sse(state, rid, chat, body, len(prompt), first, pieces), media_type="text/event-stream"
+        _sse(state, rid, shaper, body, len(prompt), first, pieces), media_type="text/event-stream"
     )
 
 
@@ -306,7 +330,8 @@ async def _first_piece(pieces):
     return await anext(pieces)
 
 
-async def _collect(state, rid: str, chat: bool, body, prompt: list[int], pieces) -> dict:
+async def _collect(state, rid: str, shaper: ChatShaper | None, body, prompt: list[int], pieces) -> dict:
+    chat = shaper is not None
     texts, ids, reason, lps = [], [], None, None
     fmt = LogprobFormatter(state.tokenizer, chat)
     async with aclosing(pieces):
@@ -317,9 +342,13 @@ async def _collect(state, rid: str, chat: bool, body, prompt: list[int], pieces)
             reason = piece.reason
             if piece.logprobs:
                 lps = merge_logprobs(lps, fmt.format(piece.ids, piece.logprobs))
-    choice = P.choice(
-        chat, False, "".join(texts), reason, ids if body.return_token_ids else None, logprobs=lps
-    )
+    text, ids_out = "".join(texts), ids if body.return_token_ids else None
+    if chat:
+        message = shaper.message(text)  # parsed first: it decides the finish reason
+        choice = P.choice(True, False, "", shaper.finish_reason(reason), ids_out, logprobs=lps)
+        choice["message"] = message
+    else:
+        choice = P.choice(False, False, text, reason, ids_out, logprobs=lps)
     return {
         **P.envelope(rid, state.cfg.model_name, chat, False),
         "choices": [choice],
@@ -327,7 +356,8 @@ async def _collect(state, rid: str, chat: bool, body, prompt: list[int], pieces)
     }
 
 
-async def _sse(state, rid: str, chat: bool, body, prompt_len: int, first, pieces):
+async def _sse(state, rid: str, shaper: ChatShaper | None, body, prompt_len: int, first, pieces):
+    chat = shaper is not None
     head = P.envelope(rid, state.cfg.model_name, chat, True)
     n, piece, fmt = 0, first, LogprobFormatter(state.tokenizer, chat)
     async with aclosing(pieces):
@@ -336,15 +366,13 @@ async def _sse(state, rid: str, chat: bool, body, prompt_len: int, first, pieces
                 if not piece.prompt:
                     n += len(piece.ids)
                 lps = fmt.format(piece.ids, piece.logprobs) if piece.logprobs else None
-                c = P.choice(
-                    chat,
-                    True,
-                    piece.text,
-                    piece.reason,
-                    piece.ids if body.return_token_ids and not piece.prompt else None,
-                    first=piece is first,
-                    logprobs=lps,
-                )
+                ids = piece.ids if body.return_token_ids and not piece.prompt else None
+                if chat:
+                    delta = shaper.delta(piece.text, piece.reason is not None)  # first: it decides the reason
+                    c = P.choice(True, True, "", shaper.finish_reason(piece.reason), ids, logprobs=lps)
+                    c["delta"] = {"role": "assistant", "content": "", **delta} if piece is first else delta
+                else:
+                    c = P.choice(False, True, piece.text, piece.reason, ids, logprobs=lps)
                 yield _event({**head, "choices": [c]})
                 if piece.reason is not None:
                     break

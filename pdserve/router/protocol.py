@@ -115,6 +115,26 @@ class ChatRequest(_Common):
     tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, bool | int | str | None] | None = Field(None, max_length=16)
+
+
+RESERVED_TEMPLATE_KWARGS = {
+    "messages",
+    "tools",
+    "add_generation_prompt",
+    "bos_token",
+    "eos_token",
+    "pad_token",
+}
+
+
+def template_kwargs(req: ChatRequest) -> dict:
+    """chat_template_kwargs (e.g. enable_thinking) for the template; the names the router sets are refused."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    clash = RESERVED_TEMPLATE_KWARGS & set(kwargs)
+    if clash:
+        raise ApiError(400, f"chat_template_kwargs must not set {sorted(clash)}", "chat_template_kwargs")
+    return kwargs
 
 
 def check_sampling(req: _Common, default_max_tokens: int, vocab: int) -> dict:
@@ -141,8 +161,6 @@ def check_sampling(req: _Common, default_max_tokens: int, vocab: int) -> dict:
         raise ApiError(400, "suffix is not supported", "suffix")
     if req.n != 1:
         raise ApiError(400, "only n = 1 is supported", "n")
-    if getattr(req, "tools", None) or getattr(req, "tool_choice", None) not in (None, "none"):
-        raise ApiError(400, "tools are not supported", "tools")
     return {
         "max_tokens": max_tokens,
         "temperature": temperature,

@@ -19,8 +19,20 @@ from .protocol import ApiError
 MAX_SPEC_CHARS = 1 << 18  # a regex or Lark grammar as the client sends it
 
 
-async def response_grammar(fmt: dict | None) -> str | None:
-    """The grammar of a request's response_format (None: unconstrained), or ApiError(400)."""
+async def response_grammar(fmt: dict | None, tool_grammar: str | None = None) -> str | None:
+    """The grammar of a request's response_format or of its forced tool call (a Lark grammar from
+    tools.py; None: unconstrained), or ApiError(400)."""
+    if tool_grammar is not None:
+        if fmt is not None and fmt.get("type") != "text":
+            raise ApiError(
+                400, "response_format cannot be combined with a forced tool_choice", "response_format"
+            )
+        try:
+            return await asyncio.to_thread(grammar_for, "lark", tool_grammar)
+        except GrammarError as e:
+            raise ApiError(
+                400, f"the tools' parameters cannot be compiled: {str(e)[:2000]}", "tools"
+            ) from None
     if fmt is None:
         return None
     kind, spec = _spec(fmt)

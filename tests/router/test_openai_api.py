@@ -8,6 +8,7 @@ are 400s naming them."""
 from __future__ import annotations
 
 import json
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -18,6 +19,7 @@ import torch
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.model.tokenizer import Tokenizer
 from tests.router.helpers import router_config, running_router
+from tests.router.test_tool_parsers import TEMPLATES, TOOLS
 from tests.servers import http
 
 TOL = 1e-4  # the float32 stack against the float32 single-rank engine (float64 and 1e-8: --deep)
@@ -219,3 +221,60 @@ def test_unknown_and_unsupported_fields_are_400s_naming_them(api):
     ):
         r = http.post(f"{api['url']}/v1/chat/completions", json={**chat, **extra}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+@pytest.fixture(scope="module")
+def glm_api(model_dir, instances, tmp_path_factory):
+    """The router with GLM-5's markup: the model directory with tests/data/templates/glm_moe_dsa.jinja."""
+    d = tmp_path_factory.mktemp("glm5") / "model"
+    shutil.copytree(model_dir, d)
+    shutil.copy(TEMPLATES / "glm_moe_dsa.jinja", d / "chat_template.jinja")
+    with running_router(router_config(d, *instances)) as (url, _):
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.mark.slow
+def test_forced_tool_call_parses_into_tool_calls_streamed_or_not(glm_api):
+    kw = dict(
+        model="tiny",
+        messages=[{"role": "user", "content": "weather in Paris?"}],
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=400,  # the tiny vocabulary spells the markup almost letter by letter
+        temperature=1.0,
+        seed=5,
+    )
+    r = glm_api.chat.completions.create(**kw)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    (call,) = c.message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert set(args) == {"city", "days", "units"} and 1 <= args["days"] <= 9 and args["units"] in ("c", "f")
+    assert isinstance(args["city"], str) and len(args["city"]) <= 8
+    assert c.message.model_extra.get("reasoning_content") is None  # forced: no reasoning
+    chunks = list(glm_api.chat.completions.create(**kw, stream=True))
+    streamed = [tc for ch in chunks for tc in ch.choices[0].delta.tool_calls or []]
+    assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in streamed] == [
+        (0, "get_weather", args)  # the same seed: the same call
+    ]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.slow
+def test_reasoning_content_is_split_out(glm_api):
+    kw = dict(
+        model="tiny",
+        messages=[{"role": "user", "content": "think"}],
+        max_tokens=24,
+        temperature=1.0,
+        seed=2,
+        extra_body={"response_format": {"type": "regex", "regex": "[a-z]{1,6}</think>[a-z]{1,6}"}},
+    )
+    m = glm_api.chat.completions.create(**kw).choices[0].message
+    reasoning = m.model_extra["reasoning_content"]
+    assert reasoning.isalpha() and m.content.isalpha() and "<" not in m.content
+    chunks = list(glm_api.chat.completions.create(**kw, stream=True))
+    deltas = [ch.choices[0].delta for ch in chunks]
+    assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == reasoning
+    assert "".join(d.content or "" for d in deltas) == m.content
