@@ -6,6 +6,7 @@ the router's OpenAI bodies, the instances' HTTP bodies and SamplingParams itself
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 import math
@@ -23,6 +24,7 @@ MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_BIAS = 100.0  # |logit_bias value|, OpenAI's range
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty|
 MAX_REPETITION_PENALTY = 10.0
+MAX_N = 128  # choices per request (n)
 MAX_GRAMMAR_CHARS = 1 << 20  # a compiled grammar (llguidance's JSON) travels in every body
 
 
@@ -48,6 +50,7 @@ class SamplingParams:
     grammar: str | None = None  # an llguidance grammar (engine/constraint.py): a token mask per step
     prompt_ids: tuple[int, ...] = ()  # the prompt, set only when repetition_penalty needs it
     prompt_logprobs: int | None = None  # prefill: each prompt token's logprob and the top k (echo)
+    n: int = 1  # choices sampled from one prompt's cache (choice_params(i) is choice i's)
 
     def __post_init__(self):
         if not 1 <= self.max_tokens <= MAX_OUTPUT_TOKENS:
@@ -85,12 +88,19 @@ class SamplingParams:
                 raise ValueError(
                     f"logit_bias entries must be (token id >= 0, bias in [-100, 100]), got {tok}: {bias}"
                 )
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and not 0 <= k <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
         if self.grammar is not None and not 0 < len(self.grammar) <= MAX_GRAMMAR_CHARS:
             raise ValueError(f"a grammar must have 1 to {MAX_GRAMMAR_CHARS} characters")
+
+    def choice_params(self, i: int) -> "SamplingParams":
+        """Choice i of n: its own seed stream, seed + i (choice 0 samples as the request with n = 1)."""
+        seed = None if self.seed is None else (self.seed + i) % SEED_LIMIT
+        return dataclasses.replace(self, n=1, seed=seed)
 
     @property
     def processes_logits(self) -> bool:
@@ -117,6 +127,11 @@ class SamplingParams:
         return None
 
 
+def choice_id(request_id: str, i: int) -> str:
+    """Choice i's request id (n > 1): the request's own for choice 0."""
+    return request_id if i == 0 else f"{request_id}/{i}"
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     """A sampled token's log-probability under the model: log-softmax of the raw logits, before
@@ -128,6 +143,10 @@ class TokenLogprob:
     def wire(self) -> list:
         """[logprob, [[id, logprob], ...]]: how TransferDone and the decode stream carry it."""
         return [self.logprob, [list(t) for t in self.top]]
+
+    @classmethod
+    def from_wire(cls, wire: list) -> "TokenLogprob | None":
+        return cls(float(wire[0]), tuple((int(i), float(v)) for i, v in wire[1])) if wire else None
 
 
 class Status(enum.Enum):

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from . import logits_process
-from .request import SamplingParams, TokenLogprob
+from .request import SamplingParams, TokenLogprob, choice_id
 
 
 class Sampler:
@@ -65,6 +65,17 @@ class Sampler:
             self._matchers[request_id].consume(token)
         lp = None if p.logprobs is None else logits_process.token_logprob(raw, token, p.logprobs)
         return token, lp
+
+    def sample_choices(
+        self, logits: torch.Tensor, p: SamplingParams, request_id: str
+    ) -> list[tuple[int, TokenLogprob | None]]:
+        """A prompt's first token for each of its p.n choices from the same [V] logits, choice i with
+        p.choice_params(i) under its own id (request.choice_id)."""
+        return [self.sample_row(logits, p.choice_params(i), choice_id(request_id, i)) for i in range(p.n)]
+
+    def forget_choices(self, request_id: str, n: int) -> None:
+        for i in range(n):
+            self.forget(choice_id(request_id, i))
 
     def _allowed(self, p: SamplingParams, request_id: str, output_ids: Sequence[int]) -> torch.Tensor | None:
         if p.grammar is None:

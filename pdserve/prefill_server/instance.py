@@ -8,7 +8,7 @@ prefill until `release()`: the KV hand-off reads them before they are freed.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from ..engine.launcher import LaunchConfig, RankGroup
 from ..engine.page_allocator import PageAllocator
@@ -31,9 +31,8 @@ class PrefillResult:
     rank_seconds: tuple[float, ...] = ()  # each rank's wall time in the prefill
     rank_comm_seconds: tuple[float, ...] = ()  # of which in the CP collectives
     logprob: object = None  # TokenLogprob of the first token, with params.logprobs
-    prompt_logprobs: list | None = (
-        None  # [TokenLogprob | None] per prompt position, with params.prompt_logprobs
-    )
+    prompt_logprobs: list | None = None  # [TokenLogprob | None] per position, with params.prompt_logprobs
+    more_first: list = field(default_factory=list)  # n > 1: [(token, TokenLogprob | None)] of choices 1..
 
 
 class PrefillInstance:
@@ -124,6 +123,7 @@ class PrefillInstance:
             tuple(r.comm_seconds for r in replies),
             owner.logprob,
             _merge_prompt_logprobs(replies, len(token_ids)),
+            owner.more,
         )
 
     def _pages_for(self, token_ids: list[int], prefix_of: str | None, cached_len: int) -> list[int]:

@@ -91,6 +91,7 @@ class PrefillRankReply:
     comm_seconds: float = 0.0  # of which in the CP collectives (CPBackend.comm_s)
     logprob: TokenLogprob | None = None  # the first token's, with params.logprobs
     prompt_logprobs: dict[int, TokenLogprob] | None = None  # position p -> of token p + 1, own positions
+    more: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)  # choices 1..n-1's first tokens
 
 
 @dataclass(frozen=True)
@@ -165,16 +166,16 @@ class PrefillRankWorker:
                 prompt_lp.update(self._prompt_logprobs(hidden, mine, cmd.token_ids, k))
             if c1 == n and mine and mine[-1] == n - 1:
                 last_hidden = hidden[-1:]
-        token, logits, lp = None, None, None
+        token, logits, lp, more = None, None, None, []
         if last_hidden is not None:
             logits = self.model.compute_logits(last_hidden)  # [1, vocab]
-            try:
-                token, lp = self.sampler.sample_row(logits[0], cmd.params, cmd.request_id)
+            try:  # n > 1: every choice's first token from these logits, each with its own seed stream
+                (token, lp), *more = self.sampler.sample_choices(logits[0], cmd.params, cmd.request_id)
             finally:
-                self.sampler.forget(cmd.request_id)
+                self.sampler.forget_choices(cmd.request_id, cmd.params.n)
             logits = logits[0].cpu() if cmd.want_logits else None
         seconds = time.perf_counter() - t_start
-        return PrefillRankReply(self.rank, token, logits, seconds, self.backend.comm_s, lp, prompt_lp)
+        return PrefillRankReply(self.rank, token, logits, seconds, self.backend.comm_s, lp, prompt_lp, more)
 
     def _prompt_logprobs(self, hidden, mine: list[int], token_ids: list[int], k: int) -> dict:
         """This rank's positions p < n - 1: the logprob of token p + 1 given the prompt up to p."""

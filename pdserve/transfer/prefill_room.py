@@ -100,8 +100,9 @@ class PrefillRoom:
             sums = self.source.send(room, room, reservation.ticket, plan, reservation.endpoints)
             self.result = result
             first_lp = [] if result.logprob is None else result.logprob.wire()
+            more = [[t, [] if lp is None else lp.wire()] for t, lp in result.more_first]
             msg: TransferDone | TransferFailed = TransferDone(
-                room, result.token, sums, fp, first_logprob=first_lp
+                room, result.token, sums, fp, first_logprob=first_lp, more_first=more
             )
         except _Failed as e:
             msg = TransferFailed(room, str(e))
