@@ -27,6 +27,7 @@ from .engine.request import (
     MAX_GRAMMAR_CHARS,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
+    MAX_N,
     MAX_OUTPUT_TOKENS,
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
@@ -60,6 +61,7 @@ class _Sampling(StrictModel):
     logit_bias: list[tuple[StrictInt, float]] = Field(default_factory=list, max_length=MAX_LOGIT_BIAS)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the sampled token's + the top k
     grammar: str | None = Field(None, min_length=1, max_length=MAX_GRAMMAR_CHARS)  # llguidance's
+    n: int = Field(1, ge=1, le=MAX_N)  # choices sampled from one prefill (seed + i for choice i)
 
     def sampling_params(self, vocab: int, max_tokens: int, **extra) -> SamplingParams:
         """The engine's SamplingParams; ValueError (a 400 at the edge) for ids outside the vocabulary
@@ -96,6 +98,7 @@ class _Sampling(StrictModel):
             logprobs=self.logprobs,
             grammar=self.grammar,
             prompt_ids=tuple(self.token_ids) if self.repetition_penalty != 1.0 else (),
+            n=self.n,
             **extra,
         )
 
@@ -148,11 +151,13 @@ class GenerateReply(StrictModel):
 class TokenEvent(StrictModel):
     token: StrictInt
     logprob: Logprob | None = None  # with the request's logprobs
+    index: int = Field(0, ge=0, lt=MAX_N)  # the choice (n > 1)
 
 
 class FinishEvent(StrictModel):
     finish_reason: FinishReason
     request_id: str
+    index: int = Field(0, ge=0, lt=MAX_N)  # the choice (n > 1): a stream ends after n of them
 
 
 class ErrorEvent(StrictModel):

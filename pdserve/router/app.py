@@ -28,29 +28,26 @@ import json
 import logging
 import time
 import uuid
-from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass, field
+from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from ..contracts import PrefillReply
-from ..engine.http_edge import RETRY_AFTER_S, install_edge, new_error_id
+from ..engine.http_edge import install_edge
 from ..model.tokenizer import Tokenizer
 from . import protocol as P
+from . import respond as R
 from .admin import admin_router
 from .chat import ChatShaper
 from .config import RouterConfig
-from .logprobs import LogprobFormatter
-from .logprobs import merge as merge_logprobs
 from .metrics import Metrics
-from .orchestrator import BadRequest, DeadlineExceeded, GenParams, Orchestrator, Overloaded, RequestFailed
+from .orchestrator import GenParams, Orchestrator
 from .pool import NoInstance, Pool, TooLong
 from .prompt import PromptLimits, chat_prompt, completion_prompt
 from .structured import response_grammar
-from .text import TextStream
 from .tools import forced_grammar, plan_tools, prompt_opens_reasoning
 
 DISCONNECT_POLL_S = 0.5
@@ -154,7 +151,8 @@ def create_app(cfg: RouterConfig) -> FastAPI:
         prompt, text = await chat_prompt(state.tokenizer, body.messages, state.limits, **kwargs)
         in_reasoning = prompt_opens_reasoning(text)
         forced = forced_grammar(plan, in_reasoning)
-        return await _serve(state, request, body, prompt, True, ChatShaper(plan, in_reasoning), forced)
+        shapers = partial(ChatShaper, plan, in_reasoning)  # one per choice
+        return await _serve(state, request, body, prompt, True, shapers, forced)
 
     return app
 
@@ -196,10 +194,11 @@ async def _serve(
     body,
     prompt: list[int],
     chat: bool,
-    shaper: ChatShaper | None = None,
+    make_shaper=None,
     tool_grammar: str | None = None,
 ):
-    """shaper: a chat choice's reasoning / content / tool calls; tool_grammar: a forced tool call's."""
+    """make_shaper: () -> a chat choice's ChatShaper (reasoning / content / tool calls); tool_grammar:
+    a forced tool call's."""
     try:
         params = GenParams(
             **P.check_sampling(body, state.cfg.default_max_tokens, state.tokenizer.vocab_size),
@@ -207,7 +206,7 @@ async def _serve(
         )
         if params.grammar is not None and params.ignore_eos:
             raise P.ApiError(400, "ignore_eos cannot be combined with response_format", "ignore_eos")
-        state.orch.check_fits(len(prompt), params.max_tokens)
+        state.orch.check_fits(len(prompt), params.max_tokens, params.n)
     except P.ApiError:
         state.metrics.finished("client_error")
         raise
@@ -219,96 +218,17 @@ async def _serve(
         raise P.ApiError(503, str(e)) from None
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     deadline = time.monotonic() + state.cfg.request_timeout_s
-    pieces = _pieces(state, prompt, params, body.stop_list(), deadline, getattr(body, "echo", False))
+    stream = R.pieces(state, prompt, params, body.stop_list(), deadline, getattr(body, "echo", False))
     if not body.stream:
-        return await _until_disconnect(request, _collect(state, rid, shaper, body, prompt, pieces))
+        return await _until_disconnect(
+            request, R.collect(state, rid, make_shaper, body, prompt, stream, params.n)
+        )
     # errors before any token keep their status
-    first = await _until_disconnect(request, _first_piece(pieces))
+    first = await _until_disconnect(request, R.first_piece(stream))
     return StreamingResponse(
-        _sse(state, rid, shaper, body, len(prompt), first, pieces), media_type="text/event-stream"
+        R.sse(state, rid, make_shaper, body, len(prompt), first, stream, params.n),
+        media_type="text/event-stream",
     )
-
-
-@dataclass
-class Piece:
-    """What may go to the client now: text, the token ids (and their logprobs) it came from, and the
-    finish reason on the last piece. `prompt`: the echoed prompt (its ids and logprobs)."""
-
-    text: str
-    ids: list[int]
-    logprobs: list = field(default_factory=list)  # contracts.Logprob | None per id, with logprobs
-    reason: str | None = None
-    prompt: bool = False
-
-
-async def _pieces(
-    state: RouterState, prompt: list[int], params: GenParams, stop: list[str], deadline: float, echo: bool
-):
-    """Yields Pieces; records the latency metrics and the outcome."""
-    m, text = state.metrics, TextStream(state.tokenizer, stop)
-    start = last = time.perf_counter()
-    ids: list[int] = []
-    lps: list = []
-    outcome = "aborted"  # a client that leaves ends here with a CancelledError / GeneratorExit
-    if echo and params.prompt_logprobs is None:
-        yield Piece(state.tokenizer.decode(prompt), list(prompt), [], prompt=True)
-    try:
-        async with aclosing(state.orch.generate(prompt, params, deadline)) as events:
-            async for ev in events:
-                now = time.perf_counter()
-                if isinstance(ev, PrefillReply):  # echo with logprobs: the prompt's, first
-                    yield Piece(state.tokenizer.decode(prompt), list(prompt), ev.prompt_logprobs, prompt=True)
-                    continue
-                if isinstance(ev, str):  # the finish reason
-                    outcome = "completed"
-                    yield Piece(text.finish(), ids, lps, ev)
-                    return
-                if text.token_ids:
-                    m.itl.observe(now - last)
-                else:
-                    m.ttft.observe(now - start)
-                last, m.tokens = now, m.tokens + 1
-                ids.append(ev.token)
-                if ev.logprob is not None:
-                    lps.append(ev.logprob)
-                delta = text.add(ev.token)
-                if text.stopped:  # a stop string: closing `events` aborts both halves
-                    outcome = "completed"
-                    yield Piece(delta, ids, lps, "stop")
-                    return
-                if delta:
-                    yield Piece(delta, ids, lps)
-                    ids, lps = [], []
-    except NoInstance as e:
-        outcome = "unavailable"
-        raise P.ApiError(503, str(e)) from None
-    except BadRequest as e:
-        outcome = "client_error"
-        raise P.ApiError(400, str(e)) from None
-    except Overloaded as e:
-        outcome = "rejected"
-        raise P.ApiError(
-            429, str(e), code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}
-        ) from None
-    except DeadlineExceeded as e:
-        outcome = "timeout"
-        raise P.ApiError(
-            504, f"{e} ({state.cfg.request_timeout_s:g} s, --request-timeout)", code="timeout"
-        ) from None
-    except RequestFailed as e:
-        outcome = "failed"
-        raise P.ApiError(502, str(e)) from None
-    except P.ApiError:
-        outcome = "failed"
-        raise
-    except Exception as e:  # a bug: the client still gets a clean error; the traceback goes to the log
-        outcome = "failed"
-        error_id = new_error_id()
-        log.error("error %s while serving a request", error_id, exc_info=e)
-        raise P.ApiError(500, f"internal error (error id {error_id})") from None
-    finally:
-        m.e2e.observe(time.perf_counter() - start)
-        m.finished(outcome)
 
 
 async def _until_disconnect(request: Request, coro):
@@ -324,69 +244,6 @@ async def _until_disconnect(request: Request, coro):
                 raise P.ApiError(499, "the client closed the request")
     finally:
         task.cancel()
-
-
-async def _first_piece(pieces):
-    return await anext(pieces)
-
-
-async def _collect(state, rid: str, shaper: ChatShaper | None, body, prompt: list[int], pieces) -> dict:
-    chat = shaper is not None
-    texts, ids, reason, lps = [], [], None, None
-    fmt = LogprobFormatter(state.tokenizer, chat)
-    async with aclosing(pieces):
-        async for piece in pieces:
-            texts.append(piece.text)
-            if not piece.prompt:
-                ids += piece.ids
-            reason = piece.reason
-            if piece.logprobs:
-                lps = merge_logprobs(lps, fmt.format(piece.ids, piece.logprobs))
-    text, ids_out = "".join(texts), ids if body.return_token_ids else None
-    if chat:
-        message = shaper.message(text)  # parsed first: it decides the finish reason
-        choice = P.choice(True, False, "", shaper.finish_reason(reason), ids_out, logprobs=lps)
-        choice["message"] = message
-    else:
-        choice = P.choice(False, False, text, reason, ids_out, logprobs=lps)
-    return {
-        **P.envelope(rid, state.cfg.model_name, chat, False),
-        "choices": [choice],
-        "usage": P.usage(len(prompt), len(ids)),
-    }
-
-
-async def _sse(state, rid: str, shaper: ChatShaper | None, body, prompt_len: int, first, pieces):
-    chat = shaper is not None
-    head = P.envelope(rid, state.cfg.model_name, chat, True)
-    n, piece, fmt = 0, first, LogprobFormatter(state.tokenizer, chat)
-    async with aclosing(pieces):
-        try:
-            while True:
-                if not piece.prompt:
-                    n += len(piece.ids)
-                lps = fmt.format(piece.ids, piece.logprobs) if piece.logprobs else None
-                ids = piece.ids if body.return_token_ids and not piece.prompt else None
-                if chat:
-                    delta = shaper.delta(piece.text, piece.reason is not None)  # first: it decides the reason
-                    c = P.choice(True, True, "", shaper.finish_reason(piece.reason), ids, logprobs=lps)
-                    c["delta"] = {"role": "assistant", "content": "", **delta} if piece is first else delta
-                else:
-                    c = P.choice(False, True, piece.text, piece.reason, ids, logprobs=lps)
-                yield _event({**head, "choices": [c]})
-                if piece.reason is not None:
-                    break
-                piece = await anext(pieces)
-        except P.ApiError as e:  # after the first token: an error event ends the stream
-            yield _event(P.error_body(e.message, e.type, e.param, e.code))
-            return
-    if body.stream_options is not None and body.stream_options.include_usage:
-        yield _event({**head, "choices": [], "usage": P.usage(prompt_len, n)})
-    yield "data: [DONE]\n\n"
-
-
-def _event(obj: dict) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
 
 
 def serve(cfg: RouterConfig) -> None:

@@ -56,12 +56,13 @@ class GenParams:
     logprobs: int | None = None  # the sampled tokens' and the top k
     grammar: str | None = None  # llguidance's (engine/constraint.py grammar_for)
     prompt_logprobs: int | None = None  # echo: the prefill's reply comes first in generate()
+    n: int = 1  # choices from one prefill (the decode copies the prompt's cache for each)
 
     def sampling(self) -> dict:
         """The fields both halves sample with (contracts._Sampling)."""
         names = (
             "temperature top_p top_k seed ignore_eos stop_token_ids min_tokens presence_penalty "
-            "frequency_penalty repetition_penalty logit_bias logprobs grammar"
+            "frequency_penalty repetition_penalty logit_bias logprobs grammar n"
         ).split()
         return {n: getattr(self, n) for n in names}
 
@@ -100,14 +101,15 @@ class Orchestrator:
         self.max_queue, self.queued = max_queue, 0
         self._background: set[asyncio.Task] = set()
 
-    def check_fits(self, prompt_len: int, max_tokens: int) -> None:
+    def check_fits(self, prompt_len: int, max_tokens: int, n: int = 1) -> None:
         """Raises pool.TooLong / NoInstance before anything is streamed (400 / 503)."""
-        self.pool.candidates("decode", prompt_len + max_tokens, admit=False)
+        self.pool.candidates("decode", n * (prompt_len + max_tokens), admit=False)
         self.pool.candidates("prefill", prompt_len, admit=False)
 
     async def generate(self, prompt: list[int], params: GenParams, deadline: float):
         """Yields the prefill's PrefillReply first when params.prompt_logprobs is set, then one
-        TokenEvent per token (id, logprob), then one finish reason string ("stop" | "length" | "abort").
+        TokenEvent per token (id, logprob, choice index) and one FinishEvent per choice (reason
+        "stop" | "length" | "abort"); the n-th FinishEvent is the last event.
         `deadline` (time.monotonic()) bounds the whole request, every try and wait included."""
         avoid: set[str] = set()
         last: TryFailed | None = None
@@ -115,7 +117,7 @@ class Orchestrator:
             if attempt:
                 await asyncio.sleep(min(self.backoff_s * 2 ** (attempt - 1), _left(deadline)))
             try:
-                prefill, decode = await self._pick(len(prompt), params.max_tokens, avoid, deadline)
+                prefill, decode = await self._pick(len(prompt), params, avoid, deadline)
             except NoInstance:
                 if last is None:
                     raise
@@ -138,13 +140,13 @@ class Orchestrator:
             raise Overloaded(f"every instance tried is full ({last})")
         raise RequestFailed(f"failed after {attempt + 1} tries: {last}")
 
-    async def _pick(self, prompt_len: int, max_tokens: int, avoid: set[str], deadline: float):
+    async def _pick(self, prompt_len: int, params: GenParams, avoid: set[str], deadline: float):
         """A (prefill, decode) pair with room, waiting for one while at most max_queue others wait."""
         queued = False
         try:
             while True:
                 try:
-                    decode = self.pool.pick("decode", prompt_len + max_tokens, avoid)
+                    decode = self.pool.pick("decode", params.n * (prompt_len + params.max_tokens), avoid)
                     return self.pool.pick("prefill", prompt_len, avoid), decode
                 except Saturated:
                     if not queued:
@@ -276,6 +278,7 @@ class Orchestrator:
                     await r.aread()
                     events.put_nowait(("failed", TryFailed(inst, _error_text(r))))
                     return
+                done: set[int] = set()  # choices finished
                 async for line in r.aiter_lines():
                     if not line:
                         continue
@@ -286,6 +289,9 @@ class Orchestrator:
                             ("failed", TryFailed(inst, f"malformed stream line: {_describe(e)}"))
                         )
                         return
+                    if isinstance(event, (TokenEvent, FinishEvent)) and event.index >= params.n:
+                        events.put_nowait(("failed", TryFailed(inst, f"choice {event.index} of {params.n}")))
+                        return
                     if isinstance(event, TokenEvent):
                         if (event.logprob is None) != (params.logprobs is None):
                             events.put_nowait(
@@ -294,8 +300,15 @@ class Orchestrator:
                             return
                         events.put_nowait(("token", event))
                     elif isinstance(event, FinishEvent):
-                        events.put_nowait(("finish", event.finish_reason))
-                        return
+                        if event.index in done:
+                            events.put_nowait(
+                                ("failed", TryFailed(inst, f"choice {event.index} finished twice"))
+                            )
+                            return
+                        done.add(event.index)  # the last choice's finish ends the request
+                        events.put_nowait(("finish" if len(done) == params.n else "token", event))
+                        if len(done) == params.n:
+                            return
                     else:
                         events.put_nowait(("failed", TryFailed(inst, event.error)))
                         return
