@@ -169,7 +169,8 @@ StreamEvent = Union[TokenEvent, FinishEvent, ErrorEvent]
 
 
 def event_line(event: StreamEvent) -> str:
-    return event.model_dump_json() + "\n"
+    """Defaults left out: a plain request's lines stay {"token": id} and {"finish_reason", "request_id"}."""
+    return event.model_dump_json(exclude_defaults=True) + "\n"
 
 
 def parse_event(line: str) -> StreamEvent:

@@ -30,7 +30,10 @@ class DecodeEngine:
         self._remote: set[str] = set()  # requests whose cache comes by KV hand-off (transfer/decode_room.py)
         # the local prefill's: first token's logprobs, other choices' (token, logprobs)
         self._firsts: dict[str, tuple[TokenLogprob | None, list]] = {}
-        self._pending: list[tuple[DecodeRequest, int | None]] = []  # choices 1.. started by a hand-off
+        self.pending: list[
+            tuple[DecodeRequest, int | None]
+        ] = []  # choices 1.. started by kv_ready: events of
+        # the next step() (the loop steps while there are any, even when every choice already finished)
         self.last_logits: dict[str, torch.Tensor] = {}  # request id -> [vocab] of the last step (for checks)
 
     def _local_prefill(self) -> LLMEngine:
@@ -99,7 +102,7 @@ class DecodeEngine:
                 raise
             except Exception as e:  # the other choices fail, choice 0 goes on
                 failed = self.scheduler.fail_children(req, f"copying the prompt's cache failed: {e}")
-                self._pending += [(c, None) for c in failed]
+                self.pending += [(c, None) for c in failed]
                 more_first = []
         self.scheduler.kv_ready(request_id, first_token, [t for t, _ in more_first])
         if first_logprob is not None:
@@ -107,7 +110,7 @@ class DecodeEngine:
         for child, (token, lp) in zip(req.children, more_first):
             if lp is not None:
                 child.logprobs.append(lp)
-            self._pending.append((child, token))
+            self.pending.append((child, token))
         if req.state == "finished":
             self.sampler.forget(request_id)
         return req
@@ -126,7 +129,7 @@ class DecodeEngine:
         Events are (request, token); a request that failed has token None, state "failed" and its
         `error` (docs/design.md invariant 9: the others go on). RankError (a broken rank group) propagates."""
         events = self.admit()  # may start choices 1.. of a request (pending, before their decode tokens)
-        events, self._pending = self._pending + events, []
+        events, self.pending = self.pending + events, []
         batch = list(self.scheduler.running)
         self.last_logits = {}
         if batch:

@@ -119,7 +119,7 @@ def create_app(cfg, instance, engine_loop, dead_rank, drain=None) -> FastAPI:
         watcher = asyncio.create_task(_abort_on_disconnect(request, request_id, engine_loop))
         if body.stream:
             return StreamingResponse(
-                _stream(request_id, events, engine_loop, watcher), media_type="application/x-ndjson"
+                _stream(request_id, events, engine_loop, watcher, params.n), media_type="application/x-ndjson"
             )
         return await _collect(request_id, events, watcher)
 
@@ -131,25 +131,33 @@ def create_app(cfg, instance, engine_loop, dead_rank, drain=None) -> FastAPI:
 
 
 def _sampling_params(body: GenerateRequest, vocab: int) -> SamplingParams:
+    if body.n > 1 and not body.stream:
+        raise HTTPException(400, "n > 1 needs stream: true (each line names its choice)")
     try:
         return body.sampling_params(vocab, body.max_tokens)
     except ValueError as e:
         raise HTTPException(400, str(e)) from None
 
 
-async def _stream(request_id: str, events: asyncio.Queue, engine_loop, watcher: asyncio.Task):
-    ended = False
+async def _stream(request_id: str, events: asyncio.Queue, engine_loop, watcher: asyncio.Task, n: int = 1):
+    """The NDJSON lines of every choice; the stream ends after the n-th finish (or any error)."""
+    ended, finished = False, set()
     try:
         while True:
-            kind, value, *lp = await events.get()
+            kind, value, *rest = await events.get()
+            lp, index = (rest[0] if rest else []), (rest[1] if len(rest) > 1 else 0)
             if kind == "token":
-                yield event_line(TokenEvent(token=value, logprob=Logprob.from_wire(lp[0] if lp else [])))
+                yield event_line(TokenEvent(token=value, logprob=Logprob.from_wire(lp), index=index))
+                continue
+            if kind == "finish":
+                finished.add(index)
+                ended = len(finished) == n
+                yield event_line(FinishEvent(finish_reason=value, request_id=request_id, index=index))
+                if ended:
+                    return
                 continue
             ended = True
-            if kind == "finish":
-                yield event_line(FinishEvent(finish_reason=value, request_id=request_id))
-            else:
-                yield event_line(ErrorEvent(error=str(value), request_id=request_id))
+            yield event_line(ErrorEvent(error=str(value), request_id=request_id))
             return
     finally:  # starlette cancels this generator when the client disconnects
         watcher.cancel()

@@ -25,7 +25,7 @@ import uvicorn
 from ..engine.auth import require_token
 from ..engine.drain import Drain, DrainingServer, install_exit_signals
 from ..engine.launcher import LaunchConfig
-from ..engine.request import Overloaded, SamplingParams
+from ..engine.request import Overloaded, SamplingParams, choice_id
 from ..engine.watchdog import start_watchdog, stop_instance
 from ..transfer.decode_rooms import DecodeRooms
 from ..transfer.frames import DEV_FRAME_KEY, cluster_frame_key
@@ -152,7 +152,7 @@ class EngineLoop:
                 # idle: sleep on the queue; only waiting for hand-offs: short naps; decoding: don't wait
                 self._drain(IDLE_WAIT_S if s.is_idle() else TRANSFER_POLL_S if not s.running else 0.0)
                 self.remote.poll()
-                if not s.is_idle():
+                if not s.is_idle() or self.engine.pending:  # pending: choices a hand-off started
                     self._dispatch(self.engine.step())  # admits: rooms it admitted are reserved now
                     self.remote.reserve_admitted()
                 self.stats = self._snapshot()
@@ -184,9 +184,8 @@ class EngineLoop:
         if isinstance(cmd, _Abort):
             was_remote = self.remote.abort(cmd.request_id)  # tells the prefill, forgets the room on the ranks
             was_local = self.engine.abort(cmd.request_id) is not None  # frees its pages at once
-            listener = self.listeners.pop(cmd.request_id, None)
-            if listener:
-                _send(listener, ("finish", "abort"))
+            for rid in self._choices(cmd.request_id):
+                _send(self.listeners.pop(rid), ("finish", "abort"))
             cmd.done.set_result(was_remote or was_local)
         elif cmd.request_id in self.listeners:
             cmd.accepted.set_exception(ValueError(f"request id {cmd.request_id!r} is already in use"))
@@ -200,7 +199,7 @@ class EngineLoop:
             except Exception as e:
                 cmd.accepted.set_exception(e)
                 return
-            self.listeners[cmd.request_id] = cmd.listener
+            self._listen(cmd.request_id, cmd.params.n, cmd.listener)
             cmd.accepted.set_result(None)
         else:
             try:  # without a cache the engine prefills locally, here on this thread (the KV hand-off replaces it)
@@ -209,7 +208,7 @@ class EngineLoop:
                 self.engine.abort(cmd.request_id)  # a failed local prefill must not leave the request queued
                 cmd.accepted.set_exception(e)
                 return
-            self.listeners[cmd.request_id] = cmd.listener
+            self._listen(cmd.request_id, cmd.params.n, cmd.listener)
             cmd.accepted.set_result(None)
 
     def _dispatch(self, events) -> None:
@@ -231,12 +230,24 @@ class EngineLoop:
                 _send(listener, event)
 
     def _emit(self, request_id: str, event: tuple[str, object]) -> None:
-        """An event from the hand-off path; a finish or an error is the request's last."""
-        listener = self.listeners.get(request_id)
-        if event[0] in ("finish", "error"):
-            self.listeners.pop(request_id, None)
-        if listener:
-            _send(listener, event)
+        """An event from the hand-off path; a finish or an error is the request's last (a failed
+        hand-off's error is every choice's: none of them started)."""
+        for rid in self._choices(request_id) if event[0] == "error" else [request_id]:
+            listener = self.listeners.get(rid)
+            if event[0] in ("finish", "error"):
+                self.listeners.pop(rid, None)
+            if listener:
+                _send(listener, event)
+
+    def _listen(self, request_id: str, n: int, listener: Listener) -> None:
+        """n > 1: choice i's events reach the request's listener tagged with i (its own id, choice_id)."""
+        self.listeners[request_id] = listener
+        for i in range(1, n):
+            self.listeners[choice_id(request_id, i)] = _tagged(listener, i)
+
+    def _choices(self, request_id: str) -> list[str]:
+        """The live listeners of a request's choices (ids never contain "/": choice i's is id/i)."""
+        return [rid for rid in self.listeners if rid == request_id or rid.startswith(request_id + "/")]
 
     def _fail_all(self, message: str) -> None:
         for room in list(self.remote.rooms):
@@ -269,6 +280,11 @@ def _refuse(cmd) -> None:
         cmd.accepted.set_exception(Unavailable("the decode instance is shutting down"))
     else:
         cmd.done.set_result(False)
+
+
+def _tagged(listener: Listener, index: int) -> Listener:
+    """Events of choice `index`: (kind, value, logprobs wire, index) (decode http_api._stream)."""
+    return lambda ev: listener((ev[0], ev[1], ev[2] if len(ev) > 2 else [], index))
 
 
 def _send(listener: Listener, event: tuple[str, object]) -> None:

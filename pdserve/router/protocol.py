@@ -22,6 +22,7 @@ from ..engine.request import (
     MAX_BIAS,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
+    MAX_N,
     MAX_OUTPUT_TOKENS,
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
@@ -34,7 +35,6 @@ from ..engine.request import (
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 MAX_MESSAGES = 4096
-MAX_N = 128
 MAX_TOOLS = 128
 
 
@@ -155,12 +155,10 @@ def check_sampling(req: _Common, default_max_tokens: int, vocab: int) -> dict:
         )
     if any(not 0 <= t < vocab for t in req.stop_token_ids or ()):
         raise ApiError(400, f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")
-    if getattr(req, "best_of", None) not in (None, 1):
-        raise ApiError(400, "only best_of = 1 is supported", "best_of")
+    if getattr(req, "best_of", None) not in (None, req.n):
+        raise ApiError(400, "best_of other than n is not supported (no ranking of extra samples)", "best_of")
     if getattr(req, "suffix", None):
         raise ApiError(400, "suffix is not supported", "suffix")
-    if req.n != 1:
-        raise ApiError(400, "only n = 1 is supported", "n")
     return {
         "max_tokens": max_tokens,
         "temperature": temperature,
@@ -174,6 +172,7 @@ def check_sampling(req: _Common, default_max_tokens: int, vocab: int) -> dict:
         "frequency_penalty": req.frequency_penalty or 0.0,
         "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
         "logit_bias": _logit_bias(req.logit_bias, vocab),
+        "n": req.n,
         **_logprobs(req),
     }
 

@@ -154,7 +154,7 @@ HOSTILE = [  # (path, JSON body or raw text, content type)
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": [""]}, None),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": "y" * 5000}, None),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": 123}, None),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 2}, None),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 2, "best_of": 5}, None),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 10**9}, None),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "logprobs": 50}, None),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "presence_penalty": 2.5}, None),
@@ -213,6 +213,8 @@ INSTANCE_HOSTILE = [  # (role, path, body)
     ("d", "/v1/generate", {"token_ids": [5], "logit_bias": [[VOCAB_PROBE, 1.0]]}),
     ("d", "/v1/generate", {"token_ids": [5], "logit_bias": [[5, 1e9]]}),
     ("d", "/v1/generate", {"token_ids": [5], "grammar": "not a grammar {"}),
+    ("d", "/v1/generate", {"token_ids": [5], "n": 3}),  # n > 1 needs stream: true
+    ("d", "/v1/generate", {"token_ids": [5], "n": 500, "stream": True}),
     ("p", "/v1/prefill", {"token_ids": [5], "grammar": "not a grammar {"}),
     ("p", "/v1/prefill", {"token_ids": [5], "logprobs": 21}),
     ("d", "/v1/generate", {"token_ids": [5], "bootstrap": "tcp://evil host:1"}),
@@ -259,8 +261,8 @@ def _steer_prompt(body: dict) -> None:
         ]
 
 
-UNSERVED = (  # refused (n > 1, suffix, tools) or valid only with values a schema cannot express
-    "n",
+UNSERVED = (  # refused (suffix, best_of != n) or valid only with values a schema cannot express
+    "n",  # served, but n x max_tokens of a drawn body may not fit the fixture's decode instance
     "best_of",
     "suffix",
     "logit_bias",

@@ -181,10 +181,52 @@ def test_sampling_controls_act(api):
     assert chunks[-1].usage.completion_tokens == 4 and chunks[-1].usage.total_tokens == 7
 
 
+def transfer_bytes(d_url: str) -> int:
+    return http.get(f"{d_url}/capacity").json()["transfer_bytes"]
+
+
+@pytest.mark.slow
+def test_n_choices_from_one_prefill_are_reproducible_and_transfer_once(api, instances):
+    client, d_url = api["client"], instances[1]
+    prompt = [9, 8, 7, 6, 5, 4, 3]
+    kw = dict(model="tiny", prompt=prompt, max_tokens=6, temperature=1.0, seed=21)
+    extra = {"ignore_eos": True, "return_token_ids": True}
+
+    def ids(r) -> list[list[int]]:
+        assert [c.index for c in r.choices] == list(range(len(r.choices)))
+        return [c.model_extra["token_ids"] for c in r.choices]
+
+    before = transfer_bytes(d_url)
+    one = client.completions.create(**kw, extra_body=extra)
+    single_bytes = transfer_bytes(d_url) - before
+    before = transfer_bytes(d_url)
+    four = client.completions.create(**kw, n=4, extra_body=extra)
+    assert transfer_bytes(d_url) - before == single_bytes > 0  # one prefill, one hand-off
+    assert ids(four)[0] == ids(one)[0] and len({tuple(x) for x in ids(four)}) == 4
+    assert four.usage.completion_tokens == 24
+    assert ids(client.completions.create(**kw, n=4, extra_body=extra)) == ids(four)  # reproducible
+    third = client.completions.create(**{**kw, "seed": 23}, extra_body=extra)
+    assert ids(third)[0] == ids(four)[2]  # choice i samples with seed + i
+    chunks = list(client.completions.create(**kw, n=4, stream=True, extra_body=extra))
+    streamed = [[] for _ in range(4)]
+    for ch in chunks:
+        for c in ch.choices:
+            streamed[c.index] += c.model_extra.get("token_ids") or []
+    assert streamed == ids(four)
+    assert sorted(c.choices[0].index for c in chunks if c.choices[0].finish_reason) == [0, 1, 2, 3]
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "n"}], max_tokens=3, n=2, seed=1, temperature=1.0
+    )
+    assert [c.index for c in chat.choices] == [0, 1] and all(
+        c.message.role == "assistant" for c in chat.choices
+    )
+
+
 BAD = {
     "unknown field": ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
     "suffix": ({"prompt": "x", "suffix": "y"}, "suffix"),
-    "n 2": ({"prompt": "x", "n": 2}, "n"),
+    "n 200": ({"prompt": "x", "n": 200}, "n"),
+    "best_of": ({"prompt": "x", "n": 2, "best_of": 3}, "best_of"),
     "logprobs 21": ({"prompt": "x", "logprobs": 21}, "logprobs"),
     "penalty nan": ({"prompt": "x", "presence_penalty": "NaN"}, "presence_penalty"),
     "bias key": ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
