@@ -58,6 +58,9 @@ class PrefillWorkerConfig:
             raise ValueError(f"unknown cache mode {self.cache!r} (allowed: {', '.join(CACHE_MODES)})")
 
 
+PROMPT_LOGPROB_ROWS = 64  # echo's prompt logprobs: logits of this many positions at once
+
+
 @dataclass(frozen=True)
 class PrefillCmd:
     request_id: str
@@ -180,11 +183,15 @@ class PrefillRankWorker:
     def _prompt_logprobs(self, hidden, mine: list[int], token_ids: list[int], k: int) -> dict:
         """This rank's positions p < n - 1: the logprob of token p + 1 given the prompt up to p."""
         rows = [i for i, p in enumerate(mine) if p + 1 < len(token_ids)]
-        if not rows:
-            return {}
-        logits = self.model.compute_logits(hidden[rows])  # [rows, vocab]
-        nxt = torch.tensor([token_ids[mine[i] + 1] for i in rows], dtype=torch.int64)
-        return dict(zip((mine[i] for i in rows), prompt_logprobs(logits, nxt, k)))
+        out: dict[int, TokenLogprob] = {}
+        for b in range(
+            0, len(rows), PROMPT_LOGPROB_ROWS
+        ):  # [block, vocab] logits at a time, not [chunk, vocab]
+            block = rows[b : b + PROMPT_LOGPROB_ROWS]
+            logits = self.model.compute_logits(hidden[block])
+            nxt = torch.tensor([token_ids[mine[i] + 1] for i in block], dtype=torch.int64)
+            out.update(zip((mine[i] for i in block), prompt_logprobs(logits, nxt, k)))
+        return out
 
     def dump(self, cmd: DumpCacheCmd) -> CacheDump:
         slots = torch.tensor(cmd.slots, dtype=torch.int64, device=self.device)

@@ -36,7 +36,7 @@ def client64(request, model_dir):
 
 def test_float64_logprobs_equal_the_single_rank_engine(client64, model_dir):
     engine = LLMEngine.from_pretrained(model_dir, "float64", float32_islands=False)
-    for prompt in ([7], [5, 17, 300, 42, 9, 77, 13, 2, 8, 19, 101]):
+    for prompt in ([7], [5, 17, 300, 42, 9, 77, 13, 2, 8, 19, 101], [(13 * i) % 500 + 4 for i in range(150)]):
         r = client64.completions.create(
             model="tiny",
             prompt=prompt,
