@@ -155,8 +155,11 @@ def check_sampling(req: _Common, default_max_tokens: int, vocab: int) -> dict:
         )
     if any(not 0 <= t < vocab for t in req.stop_token_ids or ()):
         raise ApiError(400, f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")
-    if getattr(req, "best_of", None) not in (None, req.n):
-        raise ApiError(400, "best_of other than n is not supported (no ranking of extra samples)", "best_of")
+    best_of = getattr(req, "best_of", None) or req.n
+    if best_of < req.n:
+        raise ApiError(400, f"best_of ({best_of}) must be at least n ({req.n})", "best_of")
+    if best_of > req.n and req.stream:
+        raise ApiError(400, "best_of > n cannot be streamed (the best are known only at the end)", "best_of")
     if getattr(req, "suffix", None):
         raise ApiError(400, "suffix is not supported", "suffix")
     return {
@@ -172,7 +175,7 @@ def check_sampling(req: _Common, default_max_tokens: int, vocab: int) -> dict:
         "frequency_penalty": req.frequency_penalty or 0.0,
         "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
         "logit_bias": _logit_bias(req.logit_bias, vocab),
-        "n": req.n,
+        "n": best_of,  # generated; the best n are returned (respond.collect)
         **_logprobs(req),
     }
 
@@ -197,7 +200,8 @@ def _logprobs(req: _Common) -> dict:
             raise ApiError(400, "top_logprobs needs logprobs = true", "top_logprobs")
         return {"logprobs": (req.top_logprobs or 0) if req.logprobs else None}
     echo_lp = req.logprobs if req.echo and req.logprobs is not None else None
-    return {"logprobs": req.logprobs, "prompt_logprobs": echo_lp}
+    ranked = (req.best_of or req.n) > req.n  # best_of ranks by the sampled tokens' summed logprobs
+    return {"logprobs": 0 if ranked and req.logprobs is None else req.logprobs, "prompt_logprobs": echo_lp}
 
 
 def _check_stop(stops: list[str]) -> None:

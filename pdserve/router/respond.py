@@ -127,10 +127,12 @@ async def first_piece(stream):
 
 
 async def collect(state, rid: str, make_shaper, body, prompt: list[int], stream, n: int) -> dict:
-    """make_shaper: () -> ChatShaper for a chat request, None for a completion."""
+    """make_shaper: () -> ChatShaper for a chat request, None for a completion. n choices were
+    generated; with best_of > body.n the body.n whose sampled tokens have the largest summed
+    logprob are returned (usage counts every generated token, as OpenAI bills best_of)."""
     chat = make_shaper is not None
     texts, ids = [[] for _ in range(n)], [[] for _ in range(n)]
-    reasons, lps = [None] * n, [None] * n
+    reasons, lps, scores = [None] * n, [None] * n, [0.0] * n
     fmts = [LogprobFormatter(state.tokenizer, chat) for _ in range(n)]
     async with aclosing(stream):
         async for piece in stream:
@@ -138,6 +140,7 @@ async def collect(state, rid: str, make_shaper, body, prompt: list[int], stream,
             texts[i].append(piece.text)
             if not piece.prompt:
                 ids[i] += piece.ids
+                scores[i] += sum(lp.logprob for lp in piece.logprobs)
             reasons[i] = piece.reason or reasons[i]
             if piece.logprobs:
                 lps[i] = merge_logprobs(lps[i], fmts[i].format(piece.ids, piece.logprobs))
@@ -152,6 +155,13 @@ async def collect(state, rid: str, make_shaper, body, prompt: list[int], stream,
         else:
             c = P.choice(False, False, text, reasons[i], ids_out, logprobs=lps[i])
         choices.append({**c, "index": i})
+    if n > body.n:  # best_of
+        best = sorted(range(n), key=lambda i: -scores[i])[: body.n]
+        keep = body.logprobs is not None
+        choices = [
+            {**choices[i], "index": j, "logprobs": choices[i]["logprobs"] if keep else None}
+            for j, i in enumerate(best)
+        ]
     return {
         **P.envelope(rid, state.cfg.model_name, chat, False),
         "choices": choices,

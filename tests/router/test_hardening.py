@@ -154,7 +154,7 @@ HOSTILE = [  # (path, JSON body or raw text, content type)
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": [""]}, None),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": "y" * 5000}, None),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": 123}, None),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 2, "best_of": 5}, None),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 2, "best_of": 1}, None),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 10**9}, None),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "logprobs": 50}, None),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "presence_penalty": 2.5}, None),

@@ -205,6 +205,13 @@ def test_n_choices_from_one_prefill_are_reproducible_and_transfer_once(api, inst
     assert ids(four)[0] == ids(one)[0] and len({tuple(x) for x in ids(four)}) == 4
     assert four.usage.completion_tokens == 24
     assert ids(client.completions.create(**kw, n=4, extra_body=extra)) == ids(four)  # reproducible
+    scored = client.completions.create(**kw, n=4, logprobs=0, extra_body=extra)
+    assert ids(scored) == ids(four)
+    sums = [sum(c.logprobs.token_logprobs) for c in scored.choices]
+    best = client.completions.create(**kw, n=2, best_of=4, extra_body=extra)
+    want = sorted(range(4), key=lambda i: -sums[i])[:2]
+    assert ids(best) == [ids(four)[i] for i in want] and best.choices[0].logprobs is None
+    assert best.usage.completion_tokens == 24  # every generated token counts
     third = client.completions.create(**{**kw, "seed": 23}, extra_body=extra)
     assert ids(third)[0] == ids(four)[2]  # choice i samples with seed + i
     chunks = list(client.completions.create(**kw, n=4, stream=True, extra_body=extra))
@@ -226,7 +233,8 @@ BAD = {
     "unknown field": ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
     "suffix": ({"prompt": "x", "suffix": "y"}, "suffix"),
     "n 200": ({"prompt": "x", "n": 200}, "n"),
-    "best_of": ({"prompt": "x", "n": 2, "best_of": 3}, "best_of"),
+    "best_of < n": ({"prompt": "x", "n": 2, "best_of": 1}, "best_of"),
+    "best_of streamed": ({"prompt": "x", "n": 2, "best_of": 3, "stream": True}, "best_of"),
     "logprobs 21": ({"prompt": "x", "logprobs": 21}, "logprobs"),
     "penalty nan": ({"prompt": "x", "presence_penalty": "NaN"}, "presence_penalty"),
     "bias key": ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
