@@ -261,7 +261,7 @@ def _steer_prompt(body: dict) -> None:
         ]
 
 
-UNSERVED = (  # refused (suffix, best_of != n) or valid only with values a schema cannot express
+UNSERVED = (  # refused (suffix, best_of < n) or valid only with values a schema cannot express
     "n",  # served, but n x max_tokens of a drawn body may not fit the fixture's decode instance
     "best_of",
     "suffix",
