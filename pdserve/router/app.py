@@ -14,7 +14,7 @@ A request: body size limit (413) -> validate (400 naming the field) -> tokenize 
 with byte and token limits (prompt.py) -> check that some decode instance can ever hold prompt +
 max_tokens (400) and that instances are up (503) -> Orchestrator.generate (admission: wait for an
 instance with room or 429; pair, room, both halves, retries; the whole request within
---request-timeout, else 504) -> TextStream (incremental text, stop strings) -> JSON or SSE. A
+--request-timeout, else 504) -> respond.py (text per choice, stop strings, tool calls) -> JSON or SSE. A
 streaming request waits for its first piece of text before the 200 goes out, so a request that
 fails before any token still gets a proper status code; after it, any failure is an SSE error
 event. An unexpected exception is a 500 with an error id (the traceback is logged under it). A
