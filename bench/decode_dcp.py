@@ -35,7 +35,7 @@ from common import free_port, machine_info, resolve_model  # bench/ is on sys.pa
 
 from pdserve.decode_server.instance import DecodeInstance
 from pdserve.decode_server.rank_worker import DecodeWorkerConfig
-from pdserve.engine import capacity
+from pdserve.engine import capacity, kv_cache
 from pdserve.engine.comm import CPU_COMMS
 from pdserve.engine.launcher import LaunchConfig
 from pdserve.model.config import ModelConfig
@@ -124,7 +124,7 @@ def capacity_table(model: str, budget: int) -> list[dict]:
                 # the server's own sizing (DecodeServerConfig.num_slots uses it), then the pool one rank
                 # allocates for it (the real KVPool class, on the meta device: shapes and bytes, no memory)
                 tokens = capacity.tokens_for_budget(cfg, budget, dcp, index, 64, kvd, dtype)
-                pool = capacity.pool_for_budget(cfg, budget, dcp, index, 64, dtype, kvd, device="meta")
+                pool = kv_cache.pool_for_budget(cfg, budget, dcp, index, 64, dtype, kvd, device="meta")
                 held = pool.num_slots * dcp  # tokens the group's pools hold: each rank keeps slots / C_d
                 per_byte = held / pool.nbytes
                 base = base or per_byte

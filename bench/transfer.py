@@ -252,7 +252,7 @@ def handoff(
             dec.expect(room, reservation.ticket, plan, pages)
             c0, t0 = [cpu_seconds(pid) for pid in pids], time.perf_counter()
             pre.send("bench", room, reservation.ticket, plan, reservation.endpoints)
-            while True:  # one status round trip per poll, as the decode engine thread does
+            while True:  # one status round trip per poll, as the decode loop thread does
                 status = dec.transfer_status(room)
                 if all(s["complete"] for s in status):
                     break

@@ -63,7 +63,7 @@ def prefill(
     if check_config:
         echo_plan(masked(asdict(cfg)), plan)
         return
-    from .prefill_server.server import serve
+    from .prefill_server.serve import serve
 
     serve(cfg)
 
@@ -110,6 +110,6 @@ def decode(
     if check_config:
         echo_plan(masked({**asdict(cfg), "num_slots": num_slots}), plan)
         return
-    from .decode_server.server import serve
+    from .decode_server.serve import serve
 
     serve(cfg)

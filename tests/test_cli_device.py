@@ -11,9 +11,9 @@ import torch
 from typer.testing import CliRunner
 
 from pdserve.cli import app
-from pdserve.decode_server.server import DecodeServerConfig
+from pdserve.decode_server.config import DecodeServerConfig
 from pdserve.model.random_checkpoint import make_model
-from pdserve.prefill_server.server import PrefillServerConfig
+from pdserve.prefill_server.config import PrefillServerConfig
 from pdserve.router.launch import Stack, StackConfig
 
 NO_CUDA = not torch.cuda.is_available()

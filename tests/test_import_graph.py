@@ -4,6 +4,9 @@ import statement, at module level or inside a function, counts.
   - transfer/ is a leaf under the servers: it imports nothing from prefill_server/ or decode_server/;
   - no package-level cycles: the graph of pdserve's subpackages (an edge A -> B when a module of A
     imports one of B) has no cycle;
+  - no module-level cycles inside a package: among the modules of one package, the imports (again
+    every one, inside functions too: a function-level import only hides a cycle, it does not remove
+    it) form no cycle;
   - no module is reachable only from tests: every module is imported, directly or not, from an entry
     point (the `pdserve` command, `python -m pdserve.docs_flags`).
 """
@@ -82,6 +85,42 @@ def test_no_package_level_cycles():
     assert (
         "pdserve.transfer" in edges["pdserve.prefill_server"]
     )  # the graph was read: servers import transfer
+
+
+def _find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the directed graph `edges`, as a path that ends where it starts, or None."""
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for dep in sorted(edges.get(node, ())):
+            if state.get(dep) == 1:
+                return path[path.index(dep) :] + [node, dep] if dep in path else path + [node, dep]
+            if dep not in state and (found := visit(dep, path + [node])):
+                return found
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (found := visit(node, [])):
+            return found
+    return None
+
+
+def test_find_cycle_finds_one():
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_module_cycles_inside_a_package():
+    g = graph()
+    packages = {m.rpartition(".")[0] for m in g if m.count(".") >= 2}
+    assert {"pdserve.prefill_server", "pdserve.decode_server", "pdserve.transfer"} <= packages
+    for pkg in sorted(packages):
+        inside = {m for m in g if m.rpartition(".")[0] == pkg}
+        edges = {m: {d for d in g[m] if d in inside and d != m} for m in inside}
+        cycle = _find_cycle(edges)
+        assert cycle is None, f"import cycle inside {pkg}: {' -> '.join(cycle)}"
 
 
 def test_every_module_is_reachable_from_an_entry_point():

@@ -1,7 +1,7 @@
 """`EngineDestination`: the decode engine as the KV destination of hand-offs (transfer/interfaces.py).
 
 The decode room machines (transfer/decode_room.py) reserve, inspect, commit and release through it;
-every call runs on the engine thread, which owns the DecodeEngine.
+every call runs on the decode loop thread (loop.py), which owns the DecodeStepDriver.
 """
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from __future__ import annotations
 from ..engine.request import SamplingParams, TokenLogprob
 from ..transfer.messages import DecodeReservation, Fingerprint
 from ..transfer.rank_commands import RoomStatus
-from .engine import DecodeEngine
 from .scheduler import DecodeRequest
+from .step_driver import DecodeStepDriver
 
 
 class EngineDestination:
-    def __init__(self, engine: DecodeEngine):
+    def __init__(self, engine: DecodeStepDriver):
         self.engine, self.instance = engine, engine.instance
 
     def submit(self, room: str, prompt_len: int, params: SamplingParams) -> None:

@@ -18,11 +18,11 @@ POST /v1/generate  {"token_ids": [...], "max_tokens": 16, "temperature", "top_p"
                    prefill for; a failed hand-off ends the request with an error (event).
 POST /v1/abort     {"request_id"} -> {"aborted": true | false (no such live request)}
 
-Request lifecycle (the engine thread in server.py owns the engine; handlers never touch it):
+Request lifecycle (the loop thread, loop.py, owns the instance; handlers never touch it):
 1. The handler validates the body (token ids inside the vocab, sampling params) and puts a submit
-   command on the engine thread's queue, with a callback that feeds this request's asyncio.Queue
+   command on the loop thread's queue, with a callback that feeds this request's asyncio.Queue
    through `loop.call_soon_threadsafe`.
-2. The engine thread takes the command at the top of its next iteration. The decode scheduler
+2. The loop thread takes the command at the top of its next iteration. The decode scheduler
    accepts it or rejects it (it can never fit this instance's KV slots: 400). Without a KV hand-off
    the engine prefills the prompt locally; the request then waits for pages for prompt + max_tokens.
    With one (`bootstrap`), it waits for pages, then for the prefill's rows (transfer/decode_room.py).
@@ -53,18 +53,16 @@ from ..contracts import (
     event_line,
 )
 from ..engine import capacity
-from ..engine.http_edge import install_edge, too_busy
+from ..engine.http_edge import instance_app, refuse_if_draining, too_busy
+from ..engine.instance_loop import Unavailable
 from ..engine.request import Overloaded, SamplingParams
-from ..engine.watchdog import add_health_route
-from .server import Unavailable
 
 DISCONNECT_POLL_S = 1.0  # how often a non-streaming handler checks whether its client is still there
 
 
 def create_app(cfg, instance, engine_loop, dead_rank, drain=None) -> FastAPI:
-    """cfg: DecodeServerConfig; engine_loop: server.EngineLoop; dead_rank() -> message or None;
+    """cfg: DecodeServerConfig; engine_loop: loop.DecodeLoop; dead_rank() -> message or None;
     drain: engine.drain.Drain (graceful shutdown) or None."""
-    app = FastAPI(title="pdserve decode instance")
     mcfg, alloc = instance.model_config, instance.allocator
     static = {  # fixed for the life of the instance
         "total_tokens": alloc.num_pages * alloc.page_size,
@@ -80,12 +78,7 @@ def create_app(cfg, instance, engine_loop, dead_rank, drain=None) -> FastAPI:
         "ranks": [RankInfo(rank=r.rank, pid=r.pid, cache_bytes=r.cache_bytes) for r in instance.rank_infos],
     }
 
-    install_edge(app, token=getattr(cfg, "internal_token", None))
-    add_health_route(app, dead_rank, drain and (lambda: drain.draining))
-
-    @app.get("/live")
-    def live():
-        return {"status": "ok"}
+    app = instance_app("pdserve decode instance", getattr(cfg, "internal_token", None), dead_rank, drain)
 
     @app.get("/capacity")
     def capacity_() -> DecodeCapacity:
@@ -93,8 +86,7 @@ def create_app(cfg, instance, engine_loop, dead_rank, drain=None) -> FastAPI:
 
     @app.post("/v1/generate")
     async def generate(body: GenerateRequest, request: Request):
-        if drain and drain.draining:
-            raise HTTPException(503, drain.refusal())
+        refuse_if_draining(drain)
         params = _sampling_params(body, mcfg.vocab_size)
         request_id = body.request_id or f"gen-{uuid.uuid4().hex}"
         loop, events = asyncio.get_running_loop(), asyncio.Queue()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.launcher import LaunchConfig, RankGroup
+from ..engine.launcher import LaunchConfig, RankGroup, RankInstance
 from ..engine.page_allocator import PageAllocator
 from ..model.config import ModelConfig
 from ..transfer.frames import new_ticket
@@ -36,7 +36,7 @@ from .rank_worker import (
 )
 
 
-class DecodeInstance:
+class DecodeInstance(RankInstance):
     def __init__(self, worker: DecodeWorkerConfig, launch: LaunchConfig, page_size: int = 16):
         if page_size % worker.dcp_size:
             raise ValueError(f"page size {page_size} must be a multiple of --dcp-size {worker.dcp_size}")
@@ -54,19 +54,6 @@ class DecodeInstance:
         self._last_plan: tuple[tuple, list[Transfer]] | None = (
             None  # reservation, expect_totals, handoff_bytes share it
         )
-
-    def start(self) -> "DecodeInstance":
-        self.rank_infos = self.ranks.start()
-        return self
-
-    def shutdown(self) -> None:
-        self.ranks.shutdown()
-
-    def __enter__(self) -> "DecodeInstance":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
 
     def slots(self, pages: list[int], n: int) -> list[int]:
         return self.allocator.slots(pages, 0, n)

@@ -18,6 +18,7 @@ from ..engine.comm import CPU_COMMS, make_comm
 from ..engine.device import check_devices, rank_device
 from ..engine.faults import check_fault
 from ..engine.kv_cache import KVPool
+from ..engine.launcher import RankWorker
 from ..engine.llm_engine import parse_dtype
 from ..model.weights import load_model
 from ..transfer.backends import check_transfer, make_receiver
@@ -126,7 +127,7 @@ class ReconfigureCmd:
     comm: str
 
 
-class DecodeRankWorker:
+class DecodeRankWorker(RankWorker):
     def __init__(self, rank: int, world: int, cfg: DecodeWorkerConfig):
         if world % cfg.dcp_size:
             raise ValueError(f"--dcp-size {cfg.dcp_size} must divide --tp-size {world}")
@@ -189,25 +190,22 @@ class DecodeRankWorker:
             self.receiver.endpoint if hasattr(self, "receiver") else None,
         )
 
-    def handle(self, cmd):
-        if isinstance(cmd, StepCmd):
-            return self.step(cmd)
-        if isinstance(cmd, LoadCmd):
-            return self.load(cmd)
-        if isinstance(cmd, CopyCmd):
-            return self.copy(cmd)
-        if isinstance(cmd, DumpCmd):
-            return self.dump(cmd)
-        if isinstance(cmd, ReconfigureCmd):
-            self._build(cmd.index_mode, cmd.comm)
-            return self.info()
-        if isinstance(cmd, TRANSFER_CMDS):
-            return self.receiver.handle(cmd)
-        if cmd == "info":
-            return self.info()
-        if cmd == "selections":  # the last step's selected positions per indexer layer (for checks)
-            return {layer: sel.cpu() for layer, sel in self.backend.selections.items()}
-        raise TypeError(f"unknown command {type(cmd).__name__}")
+    def commands(self) -> dict:
+        return {
+            StepCmd: self.step,
+            LoadCmd: self.load,
+            CopyCmd: self.copy,
+            DumpCmd: self.dump,
+            ReconfigureCmd: self._reconfigure,
+            TRANSFER_CMDS: lambda cmd: self.receiver.handle(cmd),
+            "info": lambda _: self.info(),
+            # the last step's selected positions per indexer layer (for checks)
+            "selections": lambda _: {layer: sel.cpu() for layer, sel in self.backend.selections.items()},
+        }
+
+    def _reconfigure(self, cmd: ReconfigureCmd) -> DecodeRankInfo:
+        self._build(cmd.index_mode, cmd.comm)
+        return self.info()
 
     def _own(self, slots: torch.Tensor) -> torch.Tensor:
         return slots % self.dcp.size == self.dcp.rank

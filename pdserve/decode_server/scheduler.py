@@ -8,7 +8,7 @@
 
 n > 1 choices: admission reserves pages for all n (each choice its own pages); the hand-off fills
 choice 0's only, and `kv_ready` starts every choice once the engine copied the prompt's rows into
-the children's pages (DecodeEngine, one CopyCmd). Choice i samples with seed + i; aborting the
+the children's pages (DecodeStepDriver, one CopyCmd). Choice i samples with seed + i; aborting the
 request aborts every choice.
     failed   <--(fail(): computing this request raised; `error` says why, its pages are freed)
 
@@ -22,6 +22,9 @@ request aborts every choice.
   requests join and leave between steps.
 The first output token comes with the cache (the prefill sampled it), so a request with
 max_tokens = 1, or whose first token is EOS, finishes without a decode step.
+
+Only the decode loop thread (loop.py, the skeleton of engine/instance_loop.py) touches it, through
+step_driver.py: submit and abort arrive there as commands; each iteration admits and steps once.
 """
 
 from __future__ import annotations

@@ -124,36 +124,6 @@ def tokens_for_budget(
     return max(int(budget_bytes), 0) // page * page_size
 
 
-def pool_for_budget(
-    cfg,
-    budget_bytes: int,
-    dcp_size: int = 1,
-    index_mode: str = "copy",
-    page_size: int = 64,
-    dtype=None,
-    kv_cache_dtype: str = "auto",
-    device="cpu",
-):
-    """The KVPool one decode rank would allocate for budget_bytes; its nbytes checks the formula.
-
-    Latent rows are slots / C_d; index rows are slots (copy) or slots / C_d (split)."""
-    import torch
-
-    from .kv_cache import KVPool
-
-    dtype = torch.bfloat16 if dtype is None else dtype
-    slots = tokens_for_budget(cfg, budget_bytes, dcp_size, index_mode, page_size, kv_cache_dtype, dtype)
-    rows = slots // dcp_size
-    return KVPool(
-        cfg,
-        rows,
-        dtype,
-        device=device,
-        kv_cache_dtype=kv_cache_dtype,
-        index_slots=slots if index_mode == "copy" else rows,
-    )
-
-
 def _check_dcp(dcp_size: int) -> None:
     if dcp_size < 1:
         raise ValueError(f"dcp_size must be >= 1, got {dcp_size}")

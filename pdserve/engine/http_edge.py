@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .auth import bearer_ok
+from .watchdog import add_health_route
 
 log = logging.getLogger("pdserve.http")
 
@@ -172,3 +173,24 @@ class BodyLimit:
     async def _refuse(self, scope, receive, send):
         response = error_response(413, f"the request body exceeds {self.max_bytes} bytes")
         await response(scope, receive, send)
+
+
+def instance_app(title: str, token: str | None, dead_rank, drain=None) -> FastAPI:
+    """The FastAPI app of a prefill or decode instance, with what both roles answer alike: the edge
+    (install_edge, `token` required but on /health and /live), GET /health (watchdog.add_health_route:
+    503 naming a dead rank, or draining) and GET /live (200 while the HTTP server runs)."""
+    app = FastAPI(title=title)
+    install_edge(app, token=token)
+    add_health_route(app, dead_rank, drain and (lambda: drain.draining))
+
+    @app.get("/live")
+    def live():
+        return {"status": "ok"}
+
+    return app
+
+
+def refuse_if_draining(drain) -> None:
+    """A new request while the instance drains: 503 naming another instance as the way out."""
+    if drain is not None and drain.draining:
+        raise StarletteHTTPException(503, drain.refusal())

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..model.config import ModelConfig
-from .capacity import check_kv_cache_dtype, entry_bytes, index_bytes
+from .capacity import check_kv_cache_dtype, entry_bytes, index_bytes, tokens_for_budget
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -169,6 +169,32 @@ class KVPool:
             return self.index_k[row, slots]
         scale = self.index_scale[row, slots].unsqueeze(-1)
         return (self.index_k[row, slots].float() * scale).to(self.dtype)
+
+
+def pool_for_budget(
+    cfg,
+    budget_bytes: int,
+    dcp_size: int = 1,
+    index_mode: str = "copy",
+    page_size: int = 64,
+    dtype=None,
+    kv_cache_dtype: str = "auto",
+    device="cpu",
+):
+    """The KVPool one decode rank would allocate for budget_bytes; its nbytes checks the formula.
+
+    Latent rows are slots / C_d (capacity.tokens_for_budget); index rows are slots (copy) or slots / C_d (split)."""
+    dtype = torch.bfloat16 if dtype is None else dtype
+    slots = tokens_for_budget(cfg, budget_bytes, dcp_size, index_mode, page_size, kv_cache_dtype, dtype)
+    rows = slots // dcp_size
+    return KVPool(
+        cfg,
+        rows,
+        dtype,
+        device=device,
+        kv_cache_dtype=kv_cache_dtype,
+        index_slots=slots if index_mode == "copy" else rows,
+    )
 
 
 def _on(index, table: torch.Tensor):

@@ -284,3 +284,38 @@ class RankGroup:
 def _last_line(text: str) -> str:
     lines = text.strip().splitlines()
     return lines[-1] if lines else "unknown error"
+
+
+class RankInstance:
+    """What a prefill and a decode instance share: their RankGroup (`self.ranks`) starts with the
+    instance, which is also a context manager; `rank_infos` holds each rank's readiness info."""
+
+    ranks: RankGroup
+    rank_infos: list
+
+    def start(self):
+        self.rank_infos = self.ranks.start()
+        return self
+
+    def shutdown(self) -> None:
+        self.ranks.shutdown()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+class RankWorker:
+    """What runs in a rank process (built by `factory(rank, world_size, payload)`): handle(cmd)
+    runs the handler that commands() registers for the command's type (or, for a str, its value)."""
+
+    def commands(self) -> dict[Any, Callable[[Any], Any]]:
+        raise NotImplementedError
+
+    def handle(self, cmd):
+        for kind, run in self.commands().items():
+            if cmd == kind if isinstance(kind, str) else isinstance(cmd, kind):
+                return run(cmd)
+        raise TypeError(f"unknown command {type(cmd).__name__}")

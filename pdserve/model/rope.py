@@ -55,17 +55,40 @@ def _correction_range(rope: RopeConfig, dim: int, base: float) -> tuple[float, f
 
 
 class RotaryEmbedding(torch.nn.Module):
-    def __init__(self, rope: RopeConfig):
+    """cos/sin of each position's angles, computed in float32 by the CPU's cos and sin.
+
+    On another device the angles' cos and sin come from a table the CPU computed once for every
+    position below max_positions: a GPU's float32 cos/sin differ from the CPU's by an ulp (1e-7
+    relative), which float64 equality checks against the CPU reference would see.
+    """
+
+    def __init__(self, rope: RopeConfig, max_positions: int = 0):
         super().__init__()
         # a plain attribute, not a buffer: it must survive model.to_empty() during loading
         self.inv_freq, self.attention_scaling = inv_freq_and_scale(rope)
+        self.max_positions = max_positions
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        return freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
+
+    def _table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._tables:
+            if self.max_positions <= 0:
+                raise ValueError("RotaryEmbedding on a non-CPU device needs max_positions")
+            cos, sin = self._angles(torch.arange(self.max_positions, device="cpu"))
+            self._tables[device] = (cos.to(device), sin.to(device))
+        return self._tables[device]
 
     @torch.no_grad()
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> (cos, sin), each [T, dim/2]: one angle per rotated pair."""
-        freqs = positions[:, None].float() * self.inv_freq.to(positions.device)[None, :]
-        cos = freqs.cos() * self.attention_scaling
-        sin = freqs.sin() * self.attention_scaling
+        if positions.device.type == "cpu":
+            cos, sin = self._angles(positions)
+        else:
+            cos_table, sin_table = self._table(positions.device)
+            cos, sin = cos_table[positions], sin_table[positions]
         return cos.to(dtype), sin.to(dtype)
 
 

@@ -48,7 +48,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.float32_islands)
-        self.rotary_emb = RotaryEmbedding(cfg.rope)
+        self.rotary_emb = RotaryEmbedding(cfg.rope, cfg.max_position_embeddings)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(ids)  # [T, hidden]

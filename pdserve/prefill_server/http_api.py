@@ -11,6 +11,11 @@ POST /v1/prefill  {"token_ids": [...], "temperature", "top_p", "top_k", "seed", 
                   With "handoff": true the request_id is a room: the cache goes to the decode instance
                   that reserves that room on this instance's side channel (/info "bootstrap"); the
                   answer comes after the transfer. A failed hand-off is a 502 naming the reason.
+
+A request: the handler checks the body, then submits it to the loop thread (loop.py, which alone
+owns the scheduler and the instance) and waits for its events: the accept (400 when the prompt can
+never fit, 429 when the queue is full, 503 while shutting down), then the first token and the
+finish, or an error. A client that leaves while its request waits aborts it.
 """
 
 from __future__ import annotations
@@ -21,40 +26,35 @@ import time
 from fastapi import FastAPI, HTTPException
 
 from ..contracts import Logprob, PrefillInfo, PrefillReply, PrefillRequest
-from ..engine.http_edge import install_edge, too_busy
+from ..engine.http_edge import instance_app, refuse_if_draining, too_busy
+from ..engine.instance_loop import Unavailable
 from ..engine.request import Overloaded
-from ..engine.watchdog import add_health_route
-from .scheduler import PrefillJob, PrefillScheduler
+from .loop import PrefillLoop
+from .scheduler import PrefillJob
 
 
 def create_app(
     instance,
-    scheduler: PrefillScheduler,
+    prefill_loop: PrefillLoop,
     dead_rank,
     bootstrap_timeout_s: float = 30.0,
     drain=None,
     token: str | None = None,
 ) -> FastAPI:
-    """dead_rank() -> message naming a dead rank, or None; drain: engine.drain.Drain or None;
+    """prefill_loop: the loop thread (handlers never touch the scheduler's state but to read it);
+    dead_rank() -> message naming a dead rank, or None; drain: engine.drain.Drain or None;
     token: the internal token every path but /health and /live requires (None: open, tests only)."""
-    app = FastAPI(title="pdserve prefill instance")
-    install_edge(app, token=token)
-    add_health_route(app, dead_rank, drain and (lambda: drain.draining))
-
-    @app.get("/live")
-    def live():
-        return {"status": "ok"}
+    app = instance_app("pdserve prefill instance", token, dead_rank, drain)
 
     @app.get("/info")
     def info() -> PrefillInfo:
-        bootstrap = scheduler.bootstrap.endpoint if scheduler.bootstrap is not None else None
-        queued = scheduler.queue_depth
+        bootstrap = prefill_loop.bootstrap.endpoint if prefill_loop.bootstrap is not None else None
+        queued = prefill_loop.scheduler.queue_depth
         return PrefillInfo(**instance.info(), queued=queued, queue_depth=queued, bootstrap=bootstrap)
 
     @app.post("/v1/prefill")
     async def prefill(body: PrefillRequest) -> PrefillReply:
-        if drain and drain.draining:
-            raise HTTPException(503, drain.refusal())
+        refuse_if_draining(drain)
         try:  # max_tokens 1: the prefill samples the first token only
             params = body.sampling_params(
                 instance.model_config.vocab_size, 1, prompt_logprobs=body.prompt_logprobs
@@ -63,37 +63,40 @@ def create_app(
             raise HTTPException(400, str(e)) from None
         if body.handoff and not body.request_id:
             raise HTTPException(400, "a hand-off needs the room as request_id")
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
         job = PrefillJob(
             list(body.token_ids),
             params,
             chunk_size=body.chunk_size,
-            on_done=lambda j: loop.call_soon_threadsafe(_resolve, done, j),
             handoff=body.handoff,
             bootstrap_timeout_s=bootstrap_timeout_s,
         )
         if body.request_id:
             job.request_id = body.request_id
         start = time.perf_counter()
+        accepted = prefill_loop.submit(job, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
         try:
-            scheduler.submit(job)
+            await asyncio.wrap_future(accepted)
         except ValueError as e:
             raise HTTPException(400, str(e)) from None
+        except Unavailable as e:
+            raise HTTPException(503, str(e)) from None
         except Overloaded as e:
             raise too_busy(str(e)) from None
+        first_token = None
         try:
-            await done
+            kind, value = await events.get()
+            while kind == "token":
+                first_token = value
+                kind, value = await events.get()
         except asyncio.CancelledError:  # the client went away
-            scheduler.abort(job.request_id)
+            prefill_loop.abort(job.request_id)
             raise
-        if job.error:
-            raise HTTPException(
-                502 if body.handoff else 500, f"prefill of {job.request_id} failed: {job.error}"
-            )
+        if kind == "error":
+            raise HTTPException(502 if body.handoff else 500, f"prefill of {job.request_id} failed: {value}")
         return PrefillReply(
             request_id=job.request_id,
-            first_token=job.first_token,
+            first_token=first_token,
             prompt_tokens=len(job.token_ids),
             seconds=time.perf_counter() - start,
             prompt_logprobs=_logprobs(job.prompt_logprobs),
@@ -106,8 +109,3 @@ def _logprobs(entries: list | None) -> list[Logprob | None] | None:
     if entries is None:
         return None
     return [None if e is None else Logprob.from_wire(e.wire()) for e in entries]
-
-
-def _resolve(fut: asyncio.Future, job: PrefillJob) -> None:
-    if not fut.done():
-        fut.set_result(job)

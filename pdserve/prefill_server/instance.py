@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict, dataclass, field
 
-from ..engine.launcher import LaunchConfig, RankGroup
+from ..engine.launcher import LaunchConfig, RankGroup, RankInstance
 from ..engine.page_allocator import PageAllocator
 from ..engine.request import SamplingParams
 from ..model.config import ModelConfig
@@ -35,7 +35,7 @@ class PrefillResult:
     more_first: list = field(default_factory=list)  # n > 1: [(token, TokenLogprob | None)] of choices 1..
 
 
-class PrefillInstance:
+class PrefillInstance(RankInstance):
     def __init__(
         self, worker: PrefillWorkerConfig, launch: LaunchConfig, page_size: int = 16, chunk_size: int = 4096
     ):
@@ -48,19 +48,6 @@ class PrefillInstance:
         self.ranks = RankGroup(PrefillRankWorker, worker, launch)
         self.held: dict[str, list[int]] = {}  # request id -> pages, until release()
         self.rank_infos: list[PrefillRankInfo] = []
-
-    def start(self) -> "PrefillInstance":
-        self.rank_infos = self.ranks.start()
-        return self
-
-    def shutdown(self) -> None:
-        self.ranks.shutdown()
-
-    def __enter__(self) -> "PrefillInstance":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
 
     def info(self) -> dict:
         return {

@@ -18,6 +18,7 @@ from ..engine.constraint import Grammars
 from ..engine.device import rank_device
 from ..engine.faults import check_fault
 from ..engine.kv_cache import KVPool
+from ..engine.launcher import RankWorker
 from ..engine.llm_engine import parse_dtype
 from ..engine.logits_process import prompt_logprobs
 from ..engine.request import SamplingParams, TokenLogprob
@@ -107,7 +108,7 @@ CacheDump = dict[
 ]  # layer -> (latent rows, index keys or None)
 
 
-class PrefillRankWorker:
+class PrefillRankWorker(RankWorker):
     def __init__(self, rank: int, world: int, cfg: PrefillWorkerConfig):
         self.rank, self.world, self.cfg = rank, world, cfg
         dtype = parse_dtype(cfg.dtype)
@@ -135,16 +136,13 @@ class PrefillRankWorker:
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return PrefillRankInfo(self.rank, os.getpid(), self.pool.nbytes, weights, list(self.pool.layers))
 
-    def handle(self, cmd):
-        if isinstance(cmd, PrefillCmd):
-            return self.prefill(cmd)
-        if isinstance(cmd, DumpCacheCmd):
-            return self.dump(cmd)
-        if isinstance(cmd, SendCmd):
-            return self.sender.send(cmd)
-        if isinstance(cmd, TransferStatusCmd):
-            return self.sender.status()
-        raise TypeError(f"unknown command {type(cmd).__name__}")
+    def commands(self) -> dict:
+        return {
+            PrefillCmd: self.prefill,
+            DumpCacheCmd: self.dump,
+            SendCmd: lambda cmd: self.sender.send(cmd),
+            TransferStatusCmd: lambda _: self.sender.status(),
+        }
 
     @torch.inference_mode()
     def prefill(self, cmd: PrefillCmd) -> PrefillRankReply:

@@ -21,14 +21,15 @@ Every request ends in exactly one of done (a first token) or failed (an error me
 The bootstrap side channel (BootstrapService) owns its socket in its own thread; the rooms read its
 tables and queue replies.
 
-The scheduler decides; `PrefillInstance` executes. `run_once()` is driven by one worker thread.
+The scheduler decides; `PrefillInstance` executes. Only the prefill loop thread (loop.py, the
+skeleton of engine/instance_loop.py) calls it: submit() and abort() arrive there as commands, and
+`run_once()` is called once per loop iteration; `on_finish(job)` tells the loop a request ended.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -65,7 +66,6 @@ class PrefillJob:
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = field(default_factory=lambda: f"prefill-{next(_ids)}")
     chunk_size: int | None = None
-    on_done: Callable[["PrefillJob"], None] | None = None  # called once, from the worker thread
     handoff: bool = False  # ship the cache to the decode instance that reserves room = request_id
     bootstrap_timeout_s: float = 30.0
     first_token: int | None = None
@@ -76,14 +76,19 @@ class PrefillJob:
 
 
 class PrefillScheduler:
-    def __init__(self, instance, bootstrap: BootstrapServer | None = None, max_queue: int = 256):
+    def __init__(
+        self,
+        instance,
+        bootstrap: BootstrapServer | None = None,
+        max_queue: int = 256,
+        on_finish: Callable[[PrefillJob], None] | None = None,
+    ):
         self.instance, self.bootstrap, self.max_queue = instance, bootstrap, max_queue
+        self.on_finish = on_finish  # called once per request, when it reaches done or failed
         self.waiting: deque[PrefillJob] = deque()
         self.rooms = PrefillRooms(instance, bootstrap) if bootstrap is not None else None
         self.blocked_on_pages = False  # the last run_once found the next request's pages held
         self.current: PrefillJob | None = None
-        self._cv = threading.Condition()
-        self._stopped = False
 
     def submit(self, job: PrefillJob) -> PrefillJob:
         capacity = self.instance.allocator.num_pages * self.instance.allocator.page_size
@@ -93,55 +98,46 @@ class PrefillScheduler:
             )
         if job.handoff and self.bootstrap is None:
             raise ValueError("this prefill instance has no bootstrap side channel for hand-offs")
-        with self._cv:
-            if len(self.waiting) >= self.max_queue:
-                raise Overloaded(f"the prefill queue is full ({self.max_queue} requests waiting)")
-            if job.handoff:
-                self.rooms.open(job.request_id, job.token_ids, job.params, job.bootstrap_timeout_s)
-            self.waiting.append(job)
-            self._cv.notify()
+        if len(self.waiting) >= self.max_queue:
+            raise Overloaded(f"the prefill queue is full ({self.max_queue} requests waiting)")
+        if job.handoff:
+            self.rooms.open(job.request_id, job.token_ids, job.params, job.bootstrap_timeout_s)
+        self.waiting.append(job)
         return job
 
     def abort(self, request_id: str) -> bool:
         """Removes a request that has not started; a running prefill finishes and is then released."""
-        with self._cv:
-            for job in self.waiting:
-                if job.request_id == request_id:
-                    self.waiting.remove(job)
-                    if job.handoff:
-                        self.rooms.abort(request_id)
-                    self._finish(job, error="aborted")
-                    return True
+        for job in self.waiting:
+            if job.request_id == request_id:
+                self.waiting.remove(job)
+                if job.handoff:
+                    self.rooms.abort(request_id)
+                self._finish(job, error="aborted")
+                return True
         return False
 
     def stop(self, reason: str | None = None) -> None:
-        """Fails every waiting request with `reason`; the one running finishes (the worker then stops)."""
-        with self._cv:
-            self._stopped = True
-            self._cv.notify_all()
-            while self.waiting:
-                job = self.waiting.popleft()
-                reason = reason or "the prefill instance is shutting down"
-                if job.handoff:
-                    self.rooms.abort(job.request_id, reason)
-                self._finish(job, error=reason)
+        """Fails every waiting request with `reason` (the running one has finished: same thread)."""
+        reason = reason or "the prefill instance is shutting down"
+        while self.waiting:
+            job = self.waiting.popleft()
+            if job.handoff:
+                self.rooms.abort(job.request_id, reason)
+            self._finish(job, error=reason)
 
     @property
     def queue_depth(self) -> int:
         return len(self.waiting) + (self.current is not None)
 
-    def run_once(self, timeout: float = 0.5) -> bool:
+    def run_once(self) -> bool:
         """Prefills the oldest ready request if its pages are free; False when nothing ran."""
-        with self._cv:
-            if not self.waiting and not self._stopped:
-                self._cv.wait(timeout)
-            if self._stopped or not self.waiting:
-                return False
-            job = self._next_ready()
-            self.blocked_on_pages = False
-            if job is not None:
-                self.waiting.remove(job)
-                self.current, job.state = job, JobState.prefilling
+        if not self.waiting:
+            return False
+        job = self._next_ready()
+        self.blocked_on_pages = False
+        if job is not None:
+            self.waiting.remove(job)
+            self.current, job.state = job, JobState.prefilling
         if job is None:  # every waiting request waits for its reservation: block on the socket briefly
             self.bootstrap.drain(BOOTSTRAP_POLL_MS)
             return False
@@ -164,7 +160,7 @@ class PrefillScheduler:
         return True
 
     def _next_ready(self) -> PrefillJob | None:
-        """(Under the lock.) The first waiting job that can run; fails hand-offs whose room failed
+        """The first waiting job that can run; fails hand-offs whose room failed
         (bootstrap timeout, decode abort)."""
         if self.rooms is not None:
             self.rooms.tidy()
@@ -199,7 +195,7 @@ class PrefillScheduler:
         return True
 
     def fail_current(self, reason: str) -> None:
-        """The worker's last resort after an unexpected error: the running job fails, its pages go back."""
+        """The loop's last resort after an unexpected error: the running job fails, its pages go back."""
         job, self.current = self.current, None
         if job is not None and job.state not in (JobState.done, JobState.failed):
             try:
@@ -211,11 +207,10 @@ class PrefillScheduler:
             self._finish(job, error=reason)
 
     def _requeue(self, job: PrefillJob) -> None:
-        with self._cv:
-            self.waiting.appendleft(job)
-            job.state, self.current, self.blocked_on_pages = JobState.waiting, None, True
+        self.waiting.appendleft(job)
+        job.state, self.current, self.blocked_on_pages = JobState.waiting, None, True
 
     def _finish(self, job: PrefillJob, error: str | None = None) -> None:
         job.state, job.error = (JobState.failed, error) if error else (JobState.done, None)
-        if job.on_done:
-            job.on_done(job)
+        if self.on_finish:
+            self.on_finish(job)

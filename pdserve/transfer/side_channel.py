@@ -352,7 +352,7 @@ class DecodeClient(_Endpoint):
                 msg = self._open(parts)
                 if msg is not None:
                     self._take(msg)
-            except Exception:  # never expected: the frame is dropped, the engine thread goes on
+            except Exception:  # never expected: the frame is dropped, the loop thread goes on
                 self.bad_frames += 1
 
     def _take(self, msg) -> None:

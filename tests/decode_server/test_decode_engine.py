@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from pdserve.decode_server.engine import DecodeEngine
 from pdserve.decode_server.instance import DecodeInstance
 from pdserve.decode_server.rank_worker import DecodeWorkerConfig
 from pdserve.decode_server.scheduler import DecodeRequest, DecodeScheduler
+from pdserve.decode_server.step_driver import DecodeStepDriver
 from pdserve.engine.launcher import LaunchConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.page_allocator import PageAllocator
@@ -50,7 +50,7 @@ def engine(tiny_checkpoints):
         path, num_slots=512, dcp_size=2, index_mode="split", dtype="float64", float32_islands=False
     )
     with DecodeInstance(worker, LaunchConfig(2, free_port()), page_size=4) as inst:
-        yield DecodeEngine(inst, max_batch=16)
+        yield DecodeStepDriver(inst, max_batch=16)
 
 
 @pytest.mark.slow
@@ -131,7 +131,7 @@ def test_fp8_cache_decodes_with_one_byte_entries(tiny_checkpoints):
         cfg = inst.model_config
         per_token = bytes_per_token_per_rank(cfg, 2, "split", "fp8_e4m3", "float32")
         assert inst.rank_infos[0].cache_bytes == pytest.approx(per_token * 256, rel=1e-9)
-        engine = DecodeEngine(inst)
+        engine = DecodeStepDriver(inst)
         ids = list(range(5, 45))
         req = engine.submit(ids, SamplingParams(max_tokens=6, ignore_eos=True))
         engine.step()  # admitted with the fp8 cache, then one decode step

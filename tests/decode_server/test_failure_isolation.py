@@ -7,7 +7,7 @@
   (float64, logits within 1e-8) and the instance stays healthy.
 - An injected exception in one request's decode step (engine/faults.py, a test-only hook that the
   last rank raises after its forward) fails only that request, with its message, through the
-  server's EngineLoop; the other requests finish with exact tokens and the instance keeps serving.
+  server's DecodeLoop; the other requests finish with exact tokens and the instance keeps serving.
 - The prefill side: a job whose prefill raises on the ranks (CommandFailed) fails alone; the next
   job on the same instance succeeds.
 """
@@ -21,10 +21,10 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from pdserve.decode_server.engine import DecodeEngine
 from pdserve.decode_server.instance import DecodeInstance
+from pdserve.decode_server.loop import DecodeLoop
 from pdserve.decode_server.rank_worker import DecodeWorkerConfig
-from pdserve.decode_server.server import EngineLoop
+from pdserve.decode_server.step_driver import DecodeStepDriver
 from pdserve.engine.faults import FAULT_ENV
 from pdserve.engine.launcher import LaunchConfig
 from pdserve.engine.llm_engine import LLMEngine
@@ -49,10 +49,10 @@ def single(path):
     return LLMEngine.from_pretrained(path, "float64", float32_islands=False, max_kv_tokens=256)
 
 
-def start_decode(path: str, w: int, c: int, monkeypatch) -> DecodeEngine:
+def start_decode(path: str, w: int, c: int, monkeypatch) -> DecodeStepDriver:
     monkeypatch.setenv(FAULT_ENV, FAULTY)  # the ranks inherit it; only this request id is hit
     cfg = DecodeWorkerConfig(path, num_slots=240, dcp_size=c, dtype="float64", float32_islands=False)
-    return DecodeEngine(DecodeInstance(cfg, LaunchConfig(w, free_port()), page_size=c).start())
+    return DecodeStepDriver(DecodeInstance(cfg, LaunchConfig(w, free_port()), page_size=c).start())
 
 
 @pytest.mark.parametrize("c", [3, 4])
@@ -87,9 +87,9 @@ def test_one_token_prompt_alone_decodes_exactly(path, single, monkeypatch, c):
         inst.shutdown()
 
 
-def run_loop(engine: DecodeEngine, requests: dict[str, list[int]]) -> dict[str, list]:
-    """Submits every request to a running EngineLoop; returns each request's events once it ended."""
-    loop = EngineLoop(engine, on_fatal=lambda msg: pytest.fail(f"the instance stopped: {msg}"))
+def run_loop(engine: DecodeStepDriver, requests: dict[str, list[int]]) -> dict[str, list]:
+    """Submits every request to a running DecodeLoop; returns each request's events once it ended."""
+    loop = DecodeLoop(engine, on_fatal=lambda msg: pytest.fail(f"the instance stopped: {msg}"))
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()
     events: dict[str, list] = {rid: [] for rid in requests}
@@ -151,7 +151,7 @@ def test_prefill_job_failure_stays_its_own(path, single, monkeypatch):
         good = sched.submit(PrefillJob([7, 8, 9, 10], request_id="fine"))
         deadline = time.monotonic() + 60
         while good.state not in ("done", "failed"):
-            sched.run_once(0.05)
+            sched.run_once()
             assert time.monotonic() < deadline
         assert bad.state == "failed" and "CommandFailed" in bad.error and "injected fault" in bad.error, (
             bad.error

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pdserve.engine import capacity as cap
+from pdserve.engine import kv_cache
 from pdserve.model.config import ModelConfig
 from pdserve.model.presets import glm53_like_config as glm53_dict
 from pdserve.model.presets import hf_config
@@ -57,7 +58,7 @@ def test_bad_arguments_are_clear_errors(glm53):
 @pytest.mark.parametrize("dcp", [1, 2, 4, 8])
 def test_pool_for_budget_agrees_with_the_formula(glm53, index_mode, dcp):
     budget, page = 64 * 2**20, 16
-    pool = cap.pool_for_budget(glm53, budget, dcp, index_mode, page, torch.bfloat16, "fp8_e4m3")
+    pool = kv_cache.pool_for_budget(glm53, budget, dcp, index_mode, page, torch.bfloat16, "fp8_e4m3")
     tokens = pool.num_slots * dcp  # latent rows per rank x ranks
     assert pool.nbytes <= budget
     assert (

@@ -9,6 +9,7 @@
 #   OUT_JSON   default: $OUT/device_check.json when $OUT is set (the device tool's output folder),
 #              else bench/results/device_check.json
 #   INSTALL_ONLY=1 in the environment: install and stop (an earlier call of a multi-call carry)
+#   PYTEST_ARGS, CHECK_TIMEOUT (default 270 s) in the environment: a selection (-k ...) and the limit
 # Exit status: pytest's (0 only when every collected check passed).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -78,7 +79,9 @@ json.dump(env, open(sys.argv[1], "w"))
 PYEOF
 
 JUNIT=$(mktemp --suffix .xml)
-timeout 270 $PY -m pytest tests/gpu -q -rA --confcutdir=tests/gpu -p no:cacheprovider --junitxml="$JUNIT"
+# SIGINT first: pytest then still writes its report (and the junit file) for what ran
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}  # flashinfer's JIT builds its kernels with this many jobs
+timeout -s INT -k 20 "${CHECK_TIMEOUT:-270}" $PY -m pytest tests/gpu ${PYTEST_ARGS:-} -v -rA --confcutdir=tests/gpu -p no:cacheprovider --junitxml="$JUNIT"
 RC=$?
 $PY tests/gpu/summary.py "$JUNIT" "$ENV_JSON" "$OUT_JSON" "$RC" "$(( $(date +%s) - START ))"
 exit $RC

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Prepares, on a machine with a package index, the wheels tests/gpu/device_check.sh installs on the
-# GPU machine (which reaches no index: Python 3.12, torch + CUDA + NCCL only). Each call of the
-# device tool carries at most 64 MiB, so the wheels come in parts to carry in separate calls while
-# the machine stays warm (device_check.sh installs into .gpu-site/, which persists between them):
-#   DIR/base        pytest and pdserve's rank-process imports (~6 MB)
-#   DIR/nixl        nixl-cu13 (~59 MB; the NIXL VRAM check)
-#   DIR/flashinfer  flashinfer-python split in two parts (~101 MB; its own dependencies --
-#                   apache-tvm-ffi, cuda-python, nvidia-cutlass-dsl, ... -- are NOT included: the
-#                   flashinfer checks skip unless they are present on the GPU machine)
+# GPU machine (which reaches no index: Python 3.12, torch + CUDA + NCCL + numpy only). Each call of
+# the device tool carries at most 64 MiB, so the wheels come in folders to carry in separate calls
+# while the machine stays warm (device_check.sh installs into .gpu-site/, which persists between them):
+#   DIR/base  pytest and pdserve's rank-process imports (~6 MB)
+#   DIR/nixl  nixl-cu13 (~57 MB; the NIXL VRAM check)
+#   DIR/fi1   base + the first half of flashinfer-python 0.7.4 (~56 MB)
+#   DIR/fi2   its second half + its small dependencies and cuda-bindings (~59 MB)
+#   DIR/fi3   the rest of its dependencies (~47 MB). nvidia-cutlass-dsl's CUDA libraries (92 MB)
+#             are left out: flashinfer 0.7.4 imported without them on the H200 run, and the kernels
+#             pdserve calls are JIT-built with nvcc
 # usage: tests/gpu/fetch_wheels.sh [DIR]   (default gpu-wheels/, gitignored)
 set -euo pipefail
 DIR=${1:-gpu-wheels}
@@ -16,11 +18,17 @@ PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --pl
 dl() {
     "$PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 "${PLATFORMS[@]}" -d "$@"
 }
-mkdir -p "$DIR/base" "$DIR/nixl" "$DIR/flashinfer"
+mkdir -p "$DIR/base" "$DIR/nixl" "$DIR/fi1" "$DIR/fi2" "$DIR/fi3"
 dl "$DIR/base" pytest pluggy iniconfig packaging safetensors tokenizers msgpack pyzmq jinja2 markupsafe
 dl "$DIR/nixl" nixl-cu13==1.5.1
-dl "$DIR/flashinfer" flashinfer-python==0.7.4
-for whl in "$DIR"/flashinfer/*.whl; do
+cp "$DIR"/base/*.whl "$DIR/fi1/"
+dl "$DIR/fi1" flashinfer-python==0.7.4
+for whl in "$DIR"/fi1/flashinfer_python-*.whl; do
     split -b 50M -d "$whl" "$whl.part-" && rm "$whl"  # NAME.whl.part-00, -01: device_check.sh joins them
+    mv "$whl.part-01" "$DIR/fi2/"
 done
+dl "$DIR/fi2" apache-tvm-ffi ninja einops click tabulate tqdm requests idna certifi urllib3 \
+    charset-normalizer nvidia-ml-py cuda-tile cuda-pathfinder cuda-bindings
+dl "$DIR/fi3" cuda-core nvidia-cudnn-frontend nccl4py nccl-extensions nvidia-cutlass-dsl-libs-core \
+    nvidia-cutlass-dsl-libs-base cuda-python nvidia-cutlass-dsl
 du -sh "$DIR"/*

@@ -2,7 +2,7 @@
 -> decode instance (real rank processes), driving both in-process as the hand-off tests do.
 
 `PairRunner(pair, path).run(case)` hands off every request of the case, decodes them together
-with `DecodeEngine.step` until all finished, and returns per request its output tokens, the logits
+with `DecodeStepDriver.step` until all finished, and returns per request its output tokens, the logits
 of every decode step and every step's selected positions (rank 0's; every rank must agree).
 """
 
@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.decode_server.engine import DecodeEngine
 from pdserve.decode_server.instance import DecodeInstance
 from pdserve.decode_server.rank_worker import DecodeWorkerConfig
+from pdserve.decode_server.step_driver import DecodeStepDriver
 from pdserve.engine.launcher import LaunchConfig
 from pdserve.engine.request import SamplingParams
 from pdserve.prefill_server.instance import PrefillInstance
@@ -59,7 +59,7 @@ class PairRunner:
             transfer_quarantine_s=1.0,
         )
         self.prefill = PrefillInstance(pw, LaunchConfig(pair.cp, free_port()), page_size=4)
-        self.decode = DecodeEngine(
+        self.decode = DecodeStepDriver(
             DecodeInstance(dw, LaunchConfig(pair.w, free_port()), page_size=pair.page_size)
         )
         try:

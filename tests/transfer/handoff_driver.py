@@ -3,7 +3,7 @@ a prefill instance and a decode engine in one test thread, over the real side ch
 (BootstrapService: its own thread, heartbeats) and the ranks' real data path (TCP or NIXL).
 
 `Driver.hand_off` steps both machines the way the two servers' threads do: the decode room is
-submitted, admitted and reserved (DecodeRooms, as the decode engine thread polls it), the prefill
+submitted, admitted and reserved (DecodeRooms, as the decode loop thread polls it), the prefill
 room claims the reservation and runs (as the prefill worker does), and the decode room is polled
 until it ends. A test injects a fault by wrapping the KVSource (`FaultySource`) or by stepping the
 machines itself between those calls.
@@ -17,8 +17,8 @@ import time
 from typing import Callable
 
 from pdserve.decode_server.destination import EngineDestination
-from pdserve.decode_server.engine import DecodeEngine
 from pdserve.decode_server.scheduler import DecodeRequest
+from pdserve.decode_server.step_driver import DecodeStepDriver
 from pdserve.engine.request import SamplingParams
 from pdserve.prefill_server.instance import PrefillInstance
 from pdserve.transfer.base import KVPoll
@@ -74,7 +74,7 @@ class FaultySource:
 
 
 class Driver:
-    def __init__(self, prefill: PrefillInstance, decode: DecodeEngine, heartbeat_timeout_s: float = 30.0):
+    def __init__(self, prefill: PrefillInstance, decode: DecodeStepDriver, heartbeat_timeout_s: float = 30.0):
         self.prefill, self.decode = prefill, decode
         self.server = BootstrapService()
         self.events: dict[str, list] = {}

@@ -6,9 +6,9 @@ import time
 
 import torch
 
-from pdserve.decode_server.engine import DecodeEngine
 from pdserve.decode_server.instance import DecodeInstance
 from pdserve.decode_server.rank_worker import DecodeWorkerConfig
+from pdserve.decode_server.step_driver import DecodeStepDriver
 from pdserve.engine.launcher import LaunchConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import SamplingParams
@@ -42,7 +42,7 @@ class Instances:
             self.prefill[transfer, cp, cache] = PrefillInstance(w, LaunchConfig(cp, free_port())).start()
         return self.prefill[transfer, cp, cache]
 
-    def get_decode(self, w: int, c: int, index_mode: str, transfer: str = "tcp") -> DecodeEngine:
+    def get_decode(self, w: int, c: int, index_mode: str, transfer: str = "tcp") -> DecodeStepDriver:
         if (transfer, w, c) not in self.decode:
             cfg = DecodeWorkerConfig(
                 self.path,
@@ -55,7 +55,7 @@ class Instances:
                 transfer_quarantine_s=QUARANTINE_S,
             )
             inst = DecodeInstance(cfg, LaunchConfig(w, free_port()), page_size=4)
-            self.decode[transfer, w, c] = DecodeEngine(inst.start())
+            self.decode[transfer, w, c] = DecodeStepDriver(inst.start())
         engine = self.decode[transfer, w, c]
         if engine.instance.index_mode != index_mode:
             engine.instance.reconfigure(index_mode, "a2a")
@@ -66,14 +66,14 @@ class Instances:
         for table in (self.prefill, self.decode):
             for key in [k for k in table if transfer in (None, k[0])]:
                 inst = table.pop(key)
-                (inst.instance if isinstance(inst, DecodeEngine) else inst).shutdown()
+                (inst.instance if isinstance(inst, DecodeStepDriver) else inst).shutdown()
 
 
 def prompt(n: int) -> list[int]:
     return torch.randint(4, 500, (n,), generator=torch.Generator().manual_seed(n)).tolist()
 
 
-def assert_idle(prefill: PrefillInstance, decode: DecodeEngine, wait_s: float = 5.0) -> None:
+def assert_idle(prefill: PrefillInstance, decode: DecodeStepDriver, wait_s: float = 5.0) -> None:
     """Pages, held requests and every data-path counter are back at idle (receivers store what is
     already notified on their own threads, hence the short wait)."""
     assert not prefill.held and prefill.allocator.num_free == prefill.allocator.num_pages
@@ -98,7 +98,7 @@ def assert_idle(prefill: PrefillInstance, decode: DecodeEngine, wait_s: float = 
     assert all(s.get("registered_regions", 1) == 1 for s in recv + send)  # registered once, never again
 
 
-def check_handoffs(prefill: PrefillInstance, decode: DecodeEngine, single: LLMEngine, tag: str) -> None:
+def check_handoffs(prefill: PrefillInstance, decode: DecodeStepDriver, single: LLMEngine, tag: str) -> None:
     """Hands off prompts of PROMPT_LENGTHS: rows exact (check_rows), MAX_TOKENS greedy tokens equal the
     single-rank engine's, both sides idle afterwards."""
     for n in PROMPT_LENGTHS:
@@ -115,7 +115,7 @@ def check_handoffs(prefill: PrefillInstance, decode: DecodeEngine, single: LLMEn
 
 def check_rows(
     prefill: PrefillInstance,
-    decode: DecodeEngine,
+    decode: DecodeStepDriver,
     single: LLMEngine,
     ids: list[int],
     pages: list[int],

@@ -2,7 +2,7 @@
 ENDPOINTS distinct bogus bootstrap endpoints (nothing answers there) go through DecodeRooms (the decode
 server's hand-off rooms) with a real decode instance; each fails cleanly, and the process's threads (OS threads: ZMQ's are not
 Python threads) and file descriptors stay within a bound -- side-channel clients share one ZMQ
-context, are cached per peer with an LRU bound and closed when idle. The engine thread's health
+context, are cached per peer with an LRU bound and closed when idle. The decode loop thread's health
 check of the ranks' receiver threads reports them alive."""
 
 from __future__ import annotations

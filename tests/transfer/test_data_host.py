@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from pdserve.decode_server.server import DecodeServerConfig
+from pdserve.decode_server.config import DecodeServerConfig
 from pdserve.engine.kv_cache import KVPool
 from pdserve.model.config import ModelConfig
 from pdserve.transfer.frames import new_ticket

@@ -22,9 +22,9 @@ import time
 import pytest
 import torch
 
-from pdserve.decode_server.engine import DecodeEngine
 from pdserve.decode_server.instance import DecodeInstance
 from pdserve.decode_server.rank_worker import DecodeWorkerConfig
+from pdserve.decode_server.step_driver import DecodeStepDriver
 from pdserve.engine.launcher import LaunchConfig
 from pdserve.engine.request import SamplingParams
 from pdserve.transfer.frames import new_ticket
@@ -155,7 +155,7 @@ def test_decode_rank_killed_mid_write(pair, model_path):
     cfg = DecodeWorkerConfig(
         model_path, num_slots=1024, dtype="float64", float32_islands=False, transfer="nixl"
     )
-    victim = DecodeEngine(DecodeInstance(cfg, LaunchConfig(1, free_port()), page_size=4).start())
+    victim = DecodeStepDriver(DecodeInstance(cfg, LaunchConfig(1, free_port()), page_size=4).start())
     try:
         ok = hand_off(
             prefill, victim, prompt(9), SamplingParams(max_tokens=1)

@@ -18,7 +18,7 @@ from .instance import DecodeInstance
 from .scheduler import DecodeRequest, DecodeScheduler
 
 
-class DecodeEngine:
+class DecodeStepDriver:
     def __init__(self, instance: DecodeInstance, max_batch: int = 64):
         self.instance = instance
         self.scheduler = DecodeScheduler(instance.allocator, instance.model_config.eos_token_ids, max_batch)

@@ -1,0 +1,75 @@
+"""`pdserve decode`: one process that owns the W rank processes, the decode loop and the HTTP API.
+
+The threads, the command queue and the shutdown are the skeleton both roles share
+(engine/instance_loop.py); decode_server/loop.py is this role's loop thread.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ..engine.auth import require_token
+from ..engine.instance_loop import serve_instance
+from ..engine.launcher import LaunchConfig
+from ..engine.watchdog import stop_instance
+from ..transfer.frames import cluster_frame_key
+from .config import DecodeServerConfig
+from .http_api import create_app
+from .instance import DecodeInstance
+from .loop import DecodeLoop
+from .rank_worker import DecodeWorkerConfig
+from .step_driver import DecodeStepDriver
+
+
+def build_instance(cfg: DecodeServerConfig) -> DecodeInstance:
+    worker = DecodeWorkerConfig(
+        cfg.model,
+        cfg.num_slots(),
+        cfg.dcp_size,
+        cfg.dcp_index,
+        cfg.dcp_comm,
+        cfg.replicate_q_proj,
+        cfg.dtype,
+        cfg.kv_cache_dtype,
+        cpu_comm=cfg.cpu_comm,
+        transfer=cfg.transfer,
+        data_host=cfg.data_host,
+        transfer_quarantine_s=cfg.transfer_quarantine_s,
+        frame_key=cluster_frame_key(cfg.internal_token),
+        device=cfg.device,
+        gpu_ids=cfg.gpu_ids,
+        attention_ops=cfg.attention_ops,
+        float32_islands=not cfg.exact_dtype,
+    )
+    launch = LaunchConfig.of_server(cfg, cfg.tp_size)
+    return DecodeInstance(worker, launch, page_size=cfg.page_size)
+
+
+def serve(cfg: DecodeServerConfig) -> None:
+    import torch
+
+    torch.set_num_threads(cfg.threads_per_rank)  # the local prefill must not take the ranks' cores
+    require_token(cfg.internal_token)
+    cfg.validate_model()
+    instance = build_instance(cfg)
+    print(
+        f"starting {cfg.tp_size} decode rank(s) (DCP {cfg.dcp_size}) for {cfg.model}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+    def make_loop() -> DecodeLoop:
+        return DecodeLoop(
+            DecodeStepDriver(instance, cfg.max_batch),
+            lambda msg: stop_instance(instance, "decode", msg),
+            cfg.transfer_timeout_s,
+            cfg.heartbeat_timeout_s,
+            cfg.max_queue,
+            cluster_frame_key(cfg.internal_token),
+        )
+
+    def make_app(loop: DecodeLoop, drain):
+        dead = lambda: instance.ranks.unhealthy() or loop.remote.unhealthy()  # noqa: E731
+        return create_app(cfg, instance, loop, dead, drain)
+
+    serve_instance(cfg, instance, make_loop, make_app)
