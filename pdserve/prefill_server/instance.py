@@ -8,7 +8,7 @@ prefill until `release()`: the KV hand-off reads them before they are freed.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from ..engine.launcher import LaunchConfig, RankGroup, RankInstance
 from ..engine.page_allocator import PageAllocator
@@ -30,6 +30,9 @@ class PrefillResult:
     slots: list[int]
     rank_seconds: tuple[float, ...] = ()  # each rank's wall time in the prefill
     rank_comm_seconds: tuple[float, ...] = ()  # of which in the CP collectives
+    logprob: object = None  # TokenLogprob of the first token, with params.logprobs
+    prompt_logprobs: list | None = None  # [TokenLogprob | None] per position, with params.prompt_logprobs
+    more_first: list = field(default_factory=list)  # n > 1: [(token, TokenLogprob | None)] of choices 1..
 
 
 class PrefillInstance(RankInstance):
@@ -105,6 +108,9 @@ class PrefillInstance(RankInstance):
             slots,
             tuple(r.seconds for r in replies),
             tuple(r.comm_seconds for r in replies),
+            owner.logprob,
+            _merge_prompt_logprobs(replies, len(token_ids)),
+            owner.more,
         )
 
     def _pages_for(self, token_ids: list[int], prefix_of: str | None, cached_len: int) -> list[int]:
@@ -175,3 +181,15 @@ class PrefillInstance(RankInstance):
     def transfer_status(self) -> list[dict]:
         """Every rank's sender counters (transfer/tcp.py, nixl.py): what a send holds after it returned."""
         return self.ranks.call(TransferStatusCmd(""))
+
+
+def _merge_prompt_logprobs(replies, n: int) -> list | None:
+    """[None (the first token has none), logprob of token 1, ...] from every rank's own positions;
+    positions served from a cached prefix stay None."""
+    if replies[0].prompt_logprobs is None:
+        return None
+    out: list = [None] * n
+    for r in replies:
+        for p, lp in r.prompt_logprobs.items():
+            out[p + 1] = lp
+    return out
