@@ -23,19 +23,85 @@ from typing import Literal, Union
 from pydantic import Field, StrictInt, model_validator
 
 from .engine.http_edge import REQUEST_ID, StrictModel
-from .engine.request import MAX_OUTPUT_TOKENS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MAX_TOP_K, SEED_LIMIT
+from .engine.request import (
+    MAX_BIAS,
+    MAX_GRAMMAR_CHARS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_OUTPUT_TOKENS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+    SEED_LIMIT,
+    SamplingParams,
+)
 
 BOOTSTRAP = r"^tcp://[A-Za-z0-9.\[\]-]{1,253}:[0-9]{1,5}$"  # a prefill's side channel, as /info gives it
 FinishReason = Literal["stop", "length", "abort"]
+TopLogprobs = list[tuple[StrictInt, float]]  # (token id, logprob), most likely first
 
 
 class _Sampling(StrictModel):
+    """What both halves sample with: the prefill samples the first token, the decode the rest."""
+
     token_ids: list[int] = Field(min_length=1)
     temperature: float = Field(0.0, ge=0, le=MAX_TEMPERATURE)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, le=MAX_TOP_K)
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     request_id: str | None = Field(None, pattern=REQUEST_ID)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, le=MAX_OUTPUT_TOKENS)
+    presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: float = Field(1.0, gt=0, le=MAX_REPETITION_PENALTY)
+    logit_bias: list[tuple[StrictInt, float]] = Field(default_factory=list, max_length=MAX_LOGIT_BIAS)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the sampled token's + the top k
+    grammar: str | None = Field(None, min_length=1, max_length=MAX_GRAMMAR_CHARS)  # llguidance's
+    n: int = Field(1, ge=1, le=MAX_N)  # choices sampled from one prefill (seed + i for choice i)
+
+    def sampling_params(self, vocab: int, max_tokens: int, **extra) -> SamplingParams:
+        """The engine's SamplingParams; ValueError (a 400 at the edge) for ids outside the vocabulary
+        or values SamplingParams refuses."""
+        if any(not 0 <= t < vocab for t in self.token_ids):
+            raise ValueError(f"token ids must be in [0, {vocab})")
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("logit_bias", [t for t, _ in self.logit_bias]),
+        ):
+            if any(not 0 <= t < vocab for t in ids):
+                raise ValueError(f"{name} token ids must be in [0, {vocab})")
+        if any(abs(b) > MAX_BIAS for _, b in self.logit_bias):
+            raise ValueError(f"logit_bias values must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}]")
+        if self.grammar is not None:
+            from .engine.constraint import grammar_error  # llguidance: only bodies with a grammar need it
+
+            error = grammar_error(self.grammar)
+            if error:
+                raise ValueError(f"grammar: {error[:2000]}")
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop_token_ids=tuple(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+            min_tokens=min(self.min_tokens, max_tokens),
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=tuple(self.logit_bias),
+            logprobs=self.logprobs,
+            grammar=self.grammar,
+            prompt_ids=tuple(self.token_ids) if self.repetition_penalty != 1.0 else (),
+            n=self.n,
+            **extra,
+        )
 
 
 # router -> prefill -------------------------------------------------------------------------------
@@ -44,6 +110,19 @@ class PrefillRequest(_Sampling):
 
     chunk_size: int | None = Field(default=None, ge=1, le=1 << 20)
     handoff: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # each prompt token's (echo)
+
+
+class Logprob(StrictModel):
+    """A token's log-probability (log-softmax of the raw logits) and the most likely alternatives."""
+
+    logprob: float
+    top: TopLogprobs = Field(default_factory=list)
+
+    @classmethod
+    def from_wire(cls, wire: list) -> "Logprob | None":
+        """From TokenLogprob.wire()'s [logprob, [[id, logprob], ...]] ([] -> None)."""
+        return cls(logprob=wire[0], top=[tuple(t) for t in wire[1]]) if wire else None
 
 
 class PrefillReply(StrictModel):
@@ -51,6 +130,7 @@ class PrefillReply(StrictModel):
     first_token: int
     prompt_tokens: int
     seconds: float
+    prompt_logprobs: list[Logprob | None] | None = None  # with prompt_logprobs: None for the first token
 
 
 # router -> decode --------------------------------------------------------------------------------
@@ -58,8 +138,6 @@ class GenerateRequest(_Sampling):
     """With `bootstrap` (a prefill's side channel) the cache comes by KV hand-off into room request_id."""
 
     max_tokens: int = Field(16, ge=1, le=MAX_OUTPUT_TOKENS)
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
-    ignore_eos: bool = False
     stream: bool = False
     bootstrap: str | None = Field(default=None, pattern=BOOTSTRAP)
 
@@ -68,15 +146,19 @@ class GenerateReply(StrictModel):
     request_id: str
     token_ids: list[int]
     finish_reason: FinishReason
+    logprobs: list[Logprob] | None = None  # one per token, with the request's logprobs
 
 
 class TokenEvent(StrictModel):
     token: StrictInt
+    logprob: Logprob | None = None  # with the request's logprobs
+    index: int = Field(0, ge=0, lt=MAX_N)  # the choice (n > 1)
 
 
 class FinishEvent(StrictModel):
     finish_reason: FinishReason
     request_id: str
+    index: int = Field(0, ge=0, lt=MAX_N)  # the choice (n > 1): a stream ends after n of them
 
 
 class ErrorEvent(StrictModel):
@@ -88,7 +170,8 @@ StreamEvent = Union[TokenEvent, FinishEvent, ErrorEvent]
 
 
 def event_line(event: StreamEvent) -> str:
-    return event.model_dump_json() + "\n"
+    """Defaults left out: a plain request's lines stay {"token": id} and {"finish_reason", "request_id"}."""
+    return event.model_dump_json(exclude_defaults=True) + "\n"
 
 
 def parse_event(line: str) -> StreamEvent:

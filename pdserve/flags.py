@@ -27,6 +27,10 @@ SHUTDOWN_GRACE_HELP = (
     "signal cuts it short."
 )
 DTYPE_HELP = "Weights, activations and KV cache dtype. Default: float32 on cpu, bfloat16 on cuda."
+EXACT_DTYPE_HELP = (
+    "Compute everything in --dtype: no float32 islands for norms, softmax, router and indexer scores "
+    "(the reference's default numerics); for true float64 checks against a float64 reference."
+)
 DEVICE_HELP = (
     "Where the ranks run: cpu, or cuda (rank r on the r-th GPU of --gpu-ids; NCCL between ranks on "
     "distinct GPUs, the host comm for ranks sharing one). A GPU that is missing is a startup error."

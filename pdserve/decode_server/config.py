@@ -24,6 +24,7 @@ from ..engine.placement import check_device_fields
 from ..flags import (
     ATTENTION_OPS_HELP,
     DEVICE_HELP,
+    EXACT_DTYPE_HELP,
     GPU_IDS_HELP,
     INTERNAL_TOKEN_HELP,
     MODEL_HELP,
@@ -98,6 +99,7 @@ class DecodeServerConfig:
         cli_type=Optional[ModelDType],
         cli_default=None,
     )
+    exact_dtype: bool = option(False, EXACT_DTYPE_HELP)
     device: str = option("cpu", DEVICE_HELP, choices=Device)
     gpu_ids: tuple[int, ...] = option((), GPU_IDS_HELP, cli_type=Optional[str], cli_default=None)
     attention_ops: str = option("auto", ATTENTION_OPS_HELP, choices=AttentionOps)

@@ -6,7 +6,7 @@ every call runs on the decode loop thread (loop.py), which owns the DecodeStepDr
 
 from __future__ import annotations
 
-from ..engine.request import SamplingParams
+from ..engine.request import SamplingParams, TokenLogprob
 from ..transfer.messages import DecodeReservation, Fingerprint
 from ..transfer.rank_commands import RoomStatus
 from .scheduler import DecodeRequest
@@ -54,8 +54,10 @@ class EngineDestination:
     def forget(self, room: str, quiesced: bool) -> float:
         return self.instance.forget(room, quiesced)
 
-    def commit(self, room: str, first_token: int) -> DecodeRequest:
-        return self.engine.kv_ready(room, first_token)
+    def commit(self, room: str, first_token: int, more_first: list = ()) -> DecodeRequest:
+        """more_first: [[token, logprobs wire], ...] of choices 1..n-1 (TransferDone.more_first)."""
+        more = [(token, TokenLogprob.from_wire(lp)) for token, lp in more_first]
+        return self.engine.kv_ready(room, first_token, more_first=more)
 
     def release(self, room: str, hold_s: float) -> None:
         self.engine.abort(room, hold_s)

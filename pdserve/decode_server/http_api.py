@@ -6,9 +6,11 @@ GET  /health       200 {"status": "ok"} while every rank lives; 503 {"error": "r
 GET  /capacity     total / free KV tokens, bytes per token per rank (docs/design.md invariant 6), index mode,
                    tp_size, dcp_size, kv_cache_dtype, page_size, running / queued requests, ranks (pid, cache bytes)
 POST /v1/generate  {"token_ids": [...], "max_tokens": 16, "temperature", "top_p", "top_k", "seed",
-                    "stop_token_ids": [], "ignore_eos": false, "stream": false, "request_id"?, "bootstrap"?}
-                   -> {"request_id", "token_ids", "finish_reason"}; with "stream": true, newline-delimited
-                   JSON: one {"token": id} line per token, then {"finish_reason", "request_id"}
+                    "stop_token_ids": [], "ignore_eos": false, "min_tokens", "presence_penalty",
+                    "frequency_penalty", "repetition_penalty", "logit_bias": [[id, bias]], "logprobs"?,
+                    "grammar"?, "stream": false, "request_id"?, "bootstrap"?}
+                   -> {"request_id", "token_ids", "finish_reason", "logprobs"?}; with "stream": true,
+                   newline-delimited JSON: one {"token": id, "logprob"?} line per token, then {"finish_reason", "request_id"}
                    (or {"error", "request_id"} if the instance failed). Bad input is a 400 with the reason.
                    (Bodies, answers and stream events: pdserve/contracts.py.)
                    With "bootstrap" (a prefill instance's side channel, tcp://host:port from its /info)
@@ -46,6 +48,7 @@ from ..contracts import (
     FinishEvent,
     GenerateReply,
     GenerateRequest,
+    Logprob,
     RankInfo,
     TokenEvent,
     event_line,
@@ -109,7 +112,7 @@ def create_app(cfg, instance, engine_loop, dead_rank, drain=None) -> FastAPI:
         watcher = asyncio.create_task(_abort_on_disconnect(request, request_id, engine_loop))
         if body.stream:
             return StreamingResponse(
-                _stream(request_id, events, engine_loop, watcher), media_type="application/x-ndjson"
+                _stream(request_id, events, engine_loop, watcher, params.n), media_type="application/x-ndjson"
             )
         return await _collect(request_id, events, watcher)
 
@@ -123,37 +126,33 @@ def create_app(cfg, instance, engine_loop, dead_rank, drain=None) -> FastAPI:
 
 
 def _sampling_params(body: GenerateRequest, vocab: int) -> SamplingParams:
-    if any(not 0 <= t < vocab for t in body.token_ids):
-        raise HTTPException(400, f"token ids must be in [0, {vocab})")
-    if any(not 0 <= t < vocab for t in body.stop_token_ids):
-        raise HTTPException(400, f"stop_token_ids must be in [0, {vocab})")
+    if body.n > 1 and not body.stream:
+        raise HTTPException(400, "n > 1 needs stream: true (each line names its choice)")
     try:
-        return SamplingParams(
-            max_tokens=body.max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
-            seed=body.seed,
-            stop_token_ids=tuple(body.stop_token_ids),
-            ignore_eos=body.ignore_eos,
-        )
+        return body.sampling_params(vocab, body.max_tokens)
     except ValueError as e:
         raise HTTPException(400, str(e)) from None
 
 
-async def _stream(request_id: str, events: asyncio.Queue, engine_loop, watcher: asyncio.Task):
-    ended = False
+async def _stream(request_id: str, events: asyncio.Queue, engine_loop, watcher: asyncio.Task, n: int = 1):
+    """The NDJSON lines of every choice; the stream ends after the n-th finish (or any error)."""
+    ended, finished = False, set()
     try:
         while True:
-            kind, value = await events.get()
+            kind, value, *rest = await events.get()
+            lp, index = (rest[0] if rest else []), (rest[1] if len(rest) > 1 else 0)
             if kind == "token":
-                yield event_line(TokenEvent(token=value))
+                yield event_line(TokenEvent(token=value, logprob=Logprob.from_wire(lp), index=index))
+                continue
+            if kind == "finish":
+                finished.add(index)
+                ended = len(finished) == n
+                yield event_line(FinishEvent(finish_reason=value, request_id=request_id, index=index))
+                if ended:
+                    return
                 continue
             ended = True
-            if kind == "finish":
-                yield event_line(FinishEvent(finish_reason=value, request_id=request_id))
-            else:
-                yield event_line(ErrorEvent(error=str(value), request_id=request_id))
+            yield event_line(ErrorEvent(error=str(value), request_id=request_id))
             return
     finally:  # starlette cancels this generator when the client disconnects
         watcher.cancel()
@@ -163,13 +162,18 @@ async def _stream(request_id: str, events: asyncio.Queue, engine_loop, watcher: 
 
 async def _collect(request_id: str, events: asyncio.Queue, watcher: asyncio.Task):
     tokens: list[int] = []
+    logprobs: list[Logprob] = []
     try:
         while True:
-            kind, value = await events.get()
+            kind, value, *lp = await events.get()
             if kind == "token":
                 tokens.append(value)
+                if lp and lp[0]:
+                    logprobs.append(Logprob.from_wire(lp[0]))
             elif kind == "finish":  # "abort" too, when the watcher saw the client leave
-                return GenerateReply(request_id=request_id, token_ids=tokens, finish_reason=value)
+                return GenerateReply(
+                    request_id=request_id, token_ids=tokens, finish_reason=value, logprobs=logprobs or None
+                )
             else:
                 raise HTTPException(500, f"request {request_id} failed: {value}")
     finally:

@@ -32,6 +32,7 @@ from ..transfer.rank_commands import (
 )
 from ..transfer.room import ANY_SRC, RoomSlots
 from .rank_worker import (
+    CopyCmd,
     DecodeRankInfo,
     DecodeRankWorker,
     DecodeWorkerConfig,
@@ -78,6 +79,13 @@ class DecodeInstance(RankInstance):
     def load(self, pages: list[int], kv: torch.Tensor, index: dict[int, torch.Tensor]) -> None:
         """Stores a prompt's cache ([L, P, c + rope] and index keys) in the pages reserved for it."""
         self.ranks.call(LoadCmd(self.slots(pages, kv.shape[1]), kv, index))
+
+    def copy_prompt(self, src_pages: list[int], dst_pages: list[list[int]], n_tokens: int) -> None:
+        """The first n_tokens positions of the request in src_pages copied into each dst page list."""
+        if dst_pages:
+            self.ranks.call(
+                CopyCmd(self.slots(src_pages, n_tokens), [self.slots(p, n_tokens) for p in dst_pages])
+            )
 
     def step(
         self,

@@ -7,11 +7,12 @@ request: decode_server/step_driver.py) and reserves the rooms it admitted in the
 
 from __future__ import annotations
 
+from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 from ..engine.instance_loop import IDLE_WAIT_S, InstanceLoop, Listener, Submit
-from ..engine.request import Overloaded, SamplingParams
+from ..engine.request import Overloaded, SamplingParams, choice_id
 from ..transfer.decode_rooms import DecodeRooms
 from ..transfer.frames import DEV_FRAME_KEY
 from .destination import EngineDestination
@@ -65,7 +66,7 @@ class DecodeLoop(InstanceLoop):
         # idle: sleep on the queue; only waiting for hand-offs: short naps; decoding: don't wait
         self.take_commands(IDLE_WAIT_S if s.is_idle() else TRANSFER_POLL_S if not s.running else 0.0)
         self.remote.poll()
-        if not s.is_idle():
+        if not s.is_idle() or self.engine.pending:  # pending: choices a hand-off started
             self._dispatch(self.engine.step())  # admits: rooms it admitted are reserved now
             self.remote.reserve_admitted()
         self.stats = self._snapshot()
@@ -78,23 +79,40 @@ class DecodeLoop(InstanceLoop):
             self.remote.submit(
                 cmd.request_id, len(req.prompt_ids), req.params, req.bootstrap, prompt_ids=req.prompt_ids
             )
-            return
-        try:  # without a cache the engine prefills locally, here on this thread (the KV hand-off replaces it)
-            self.engine.submit(req.prompt_ids, req.params, cmd.request_id)
-        except Exception:
-            self.engine.abort(cmd.request_id)  # a failed local prefill must not leave the request queued
-            raise
+        else:
+            try:  # without a cache the engine prefills locally, here on this thread (the KV hand-off replaces it)
+                self.engine.submit(req.prompt_ids, req.params, cmd.request_id)
+            except Exception:
+                self.engine.abort(cmd.request_id)  # a failed local prefill must not leave the request queued
+                raise
+        for i in range(1, req.params.n):  # choice i's events reach the request's listener tagged with i
+            self.listeners[choice_id(cmd.request_id, i)] = _tagged(cmd.listener, i)
 
     def cancel(self, request_id: str) -> bool:
         was_remote = self.remote.abort(request_id)  # tells the prefill, forgets the room on the ranks
-        was_local = self.engine.abort(request_id) is not None  # frees its pages at once
+        was_local = self.engine.abort(request_id) is not None  # frees its pages at once (every choice's)
+        for rid in self._choices(request_id):  # the request's own finish comes from the caller
+            self.emit(rid, ("finish", "abort"))
         return was_remote or was_local
+
+    def emit(self, request_id: str, event: tuple[str, object]) -> None:
+        """A failed hand-off's error is every choice's too: none of them started."""
+        if event[0] == "error":
+            for rid in self._choices(request_id):
+                super().emit(rid, event)
+        super().emit(request_id, event)
+
+    def _choices(self, request_id: str) -> list[str]:
+        """Live listeners of choices 1.. of a request (ids never contain "/": choice i's is id/i)."""
+        return [rid for rid in self.listeners if rid.startswith(request_id + "/")]
 
     def _dispatch(self, events) -> None:
         ended = {}
+        left = Counter(req.request_id for req, token in events if token is not None)
         for req, token in events:  # a request's end follows all of its tokens of this step
             if token is not None:
-                self.emit(req.request_id, ("token", token))
+                left[req.request_id] -= 1  # this step's tokens are the request's last ones, in order
+                self.emit(req.request_id, ("token", token, req.logprob_wire(left[req.request_id])))
             if req.state == "failed":  # computing it raised: only this request ends (step_driver.step)
                 ended[req.request_id] = ("error", f"decode step failed: {req.error}")
             elif req.state in ("finished", "aborted"):
@@ -129,3 +147,8 @@ class DecodeLoop(InstanceLoop):
             "transfer_seconds": self.remote.transfer_seconds,
             **self.engine.instance.cache_counters(),
         }
+
+
+def _tagged(listener: Listener, index: int) -> Listener:
+    """Events of choice `index`: (kind, value, logprobs wire, index) (decode http_api._stream)."""
+    return lambda ev: listener((ev[0], ev[1], ev[2] if len(ev) > 2 else [], index))

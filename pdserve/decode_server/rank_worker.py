@@ -73,6 +73,16 @@ class LoadCmd:
 
 
 @dataclass(frozen=True)
+class CopyCmd:
+    """Positions 0..P-1 of one request's cache copied into other requests' slots (n choices share
+    one prompt: one prefill, one hand-off). Position p sits on decode rank p % C_d in every request
+    (docs/design.md invariant 4), so each rank copies its own rows only."""
+
+    src: list[int]  # global slots of positions 0..P-1
+    dst: list[list[int]]  # per copy: the global slots of the same positions
+
+
+@dataclass(frozen=True)
 class StepCmd:
     token_ids: list[int]  # the newest token of each running request
     pages: list[list[int]]  # per request: its pages (page tables are small; slot lists would be O(context))
@@ -184,6 +194,7 @@ class DecodeRankWorker(RankWorker):
         return {
             StepCmd: self.step,
             LoadCmd: self.load,
+            CopyCmd: self.copy,
             DumpCmd: self.dump,
             ReconfigureCmd: self._reconfigure,
             TRANSFER_CMDS: lambda cmd: self.receiver.handle(cmd),
@@ -212,6 +223,21 @@ class DecodeRankWorker(RankWorker):
                     self.pool.write_index(layer, slots, index)
                 else:
                     self.pool.write_index(layer, rows, index[own])
+
+    def copy(self, cmd: CopyCmd) -> None:
+        src = torch.tensor(cmd.src, dtype=torch.int64, device=self.device)
+        own = self._own(src)
+        for dst_slots in cmd.dst:
+            dst = torch.tensor(dst_slots, dtype=torch.int64, device=self.device)
+            if len(dst) != len(src) or not torch.equal(self._own(dst), own):
+                raise ValueError("a copy's slots must hold the same positions on the same ranks")
+            for layer in self.pool.layers:
+                self.pool.copy_kv(layer, src[own] // self.dcp.size, dst[own] // self.dcp.size)
+            for layer in self.pool.index_row:
+                if self.cfg.index_mode == "copy":  # every rank keeps every slot's index key
+                    self.pool.copy_index(layer, src, dst)
+                else:
+                    self.pool.copy_index(layer, src[own] // self.dcp.size, dst[own] // self.dcp.size)
 
     @torch.inference_mode()
     def step(self, cmd: StepCmd):

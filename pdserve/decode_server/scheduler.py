@@ -5,6 +5,11 @@
     finished <--(EOS, a stop token id, max_tokens)--------------------------------------------+
     aborted  <--(abort(), from any state: the request's pages are freed at once, or held for hold_s
               when a failed NIXL hand-off's senders may still write into them)
+
+n > 1 choices: admission reserves pages for all n (each choice its own pages); the hand-off fills
+choice 0's only, and `kv_ready` starts every choice once the engine copied the prompt's rows into
+the children's pages (DecodeStepDriver, one CopyCmd). Choice i samples with seed + i; aborting the
+request aborts every choice.
     failed   <--(fail(): computing this request raised; `error` says why, its pages are freed)
 
 - queued: accepted, waiting for pages in arrival order (beyond max_queue a submit gets 429).
@@ -37,7 +42,7 @@ from enum import Enum
 
 from ..engine.page_allocator import PageAllocator
 from ..engine.radix_cache import Node, RadixCache
-from ..engine.request import SamplingParams
+from ..engine.request import SamplingParams, TokenLogprob, choice_id
 
 _ids = itertools.count()
 
@@ -61,12 +66,22 @@ class DecodeRequest:
     request_id: str = field(default_factory=lambda: f"decode-{next(_ids)}")
     pages: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)  # output_ids[0] is the prefill's first token
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # with params.logprobs: one per token this
+    # instance sampled (a hand-off's first token has its logprobs in the TransferDone, not here)
     state: RequestState = RequestState.new
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None  # why it failed (state "failed")
     prompt_ids: list[int] | None = None  # known: the prefix cache can serve and keep it
     cached_len: int = 0  # leading prompt tokens whose pages came from the prefix cache
     cache_node: Node | None = field(default=None, repr=False)  # locked while the request holds pages
+    choice: int = 0  # n > 1: which choice; choices 1.. are "children" of choice 0 (the request itself)
+    parent: str | None = None  # a child's: the request id of choice 0
+    children: list["DecodeRequest"] = field(default_factory=list)  # choices 1..n-1, pages reserved with it
+
+    def logprob_wire(self, later: int) -> list:
+        """The logprobs of the token with `later` tokens after it in `logprobs`, as the stream carries
+        them (TokenLogprob.wire); [] without logprobs."""
+        return self.logprobs[len(self.logprobs) - 1 - later].wire() if self.logprobs else []
 
     @property
     def num_slots_needed(self) -> int:
@@ -94,11 +109,16 @@ class DecodeScheduler:
     def capacity_tokens(self) -> int:
         return self.allocator.num_pages * self.allocator.page_size
 
+    def _tokens_for(self, req: DecodeRequest) -> int:
+        """Slots to reserve at admission: n choices, each in whole pages of its own."""
+        return self.allocator.pages_for(req.num_slots_needed) * self.allocator.page_size * req.params.n
+
     def check_fits(self, req: DecodeRequest) -> None:
-        if req.num_slots_needed > self.capacity_tokens:
+        if self._tokens_for(req) > self.capacity_tokens:
             raise ValueError(
                 f"request needs {req.num_slots_needed} KV slots (prompt {req.prompt_len} + max_tokens "
-                f"{req.params.max_tokens}); this instance holds {self.capacity_tokens}"
+                f"{req.params.max_tokens}) for each of {req.params.n} choices; this instance holds "
+                f"{self.capacity_tokens}"
             )
 
     def submit(self, req: DecodeRequest) -> None:
@@ -114,6 +134,18 @@ class DecodeScheduler:
             if not self._reserve(req):
                 break
             self.queued.popleft()
+            req.children = [
+                DecodeRequest(
+                    req.prompt_len,
+                    req.params.choice_params(i),
+                    choice_id(req.request_id, i),
+                    self.allocator.allocate(req.num_slots_needed),
+                    state=RequestState.waiting_for_kv,
+                    choice=i,
+                    parent=req.request_id,
+                )
+                for i in range(1, req.params.n)
+            ]
             req.state = RequestState.waiting_for_kv
             self.waiting_for_kv[req.request_id] = req
             admitted.append(req)
@@ -122,14 +154,14 @@ class DecodeScheduler:
     def _reserve(self, req: DecodeRequest) -> bool:
         """Pages for the request (its cached prefix locked first); False when they do not fit yet."""
         if self.cache is None or not req.prompt_ids:
-            if not self.allocator.can_allocate(req.num_slots_needed):
+            if not self.allocator.can_allocate(self._tokens_for(req)):
                 return False
             req.pages = self.allocator.allocate(req.num_slots_needed)
             return True
         match = self.cache.match(req.prompt_ids[: req.prompt_len - 1], count=False)
         self.cache.lock(match.node)
         cached = match.num_pages * self.allocator.page_size
-        if not self.allocator.can_allocate(req.num_slots_needed - cached):
+        if not self.allocator.can_allocate(self._tokens_for(req) - cached):  # choices 1.. get their own pages
             self.cache.unlock(match.node)
             return False
         self.cache.hit_tokens += cached
@@ -151,15 +183,21 @@ class DecodeScheduler:
             self.allocator.free(own, hold_s)
         self.cache.unlock(node)
 
-    def kv_ready(self, request_id: str, first_token: int) -> DecodeRequest:
-        """The cache is in place and the prefill sampled `first_token`; returns the request."""
+    def kv_ready(self, request_id: str, first_token: int, more_first: list[int] = ()) -> DecodeRequest:
+        """The cache is in place (copied into the children's pages for n > 1) and the prefill
+        sampled `first_token` (and each child's first token, `more_first`); returns the request."""
         req = self.waiting_for_kv.pop(request_id)
-        req.output_ids.append(first_token)
-        req.state = RequestState.running
-        self.running.append(req)
-        reason = req.params.finish_reason(first_token, len(req.output_ids), self.eos_ids)
-        if reason:
-            self._finish(req, reason)
+        if len(more_first) != len(req.children):
+            raise ValueError(
+                f"{len(req.children) + 1} choices need as many first tokens, got {len(more_first) + 1}"
+            )
+        for r, token in ((req, first_token), *zip(req.children, more_first)):
+            r.output_ids.append(token)
+            r.state = RequestState.running
+            self.running.append(r)
+            reason = r.params.finish_reason(token, len(r.output_ids), self.eos_ids)
+            if reason:
+                self._finish(r, reason)
         return req
 
     def postprocess(self, batch: list[DecodeRequest], tokens: list[int]) -> list[DecodeRequest]:
@@ -184,10 +222,23 @@ class DecodeScheduler:
         if req.pages:
             self._release(req, reason, hold_s)
             req.pages = []
+        for child in req.children:  # choices that never started share the request's fate
+            if child.state == RequestState.waiting_for_kv:
+                self.allocator.free(child.pages, hold_s)
+                child.pages, child.state, child.finish_reason = [], RequestState.aborted, "abort"
         req.state = {"abort": RequestState.aborted, "error": RequestState.failed}.get(
             reason, RequestState.finished
         )
         req.finish_reason = reason
+
+    def fail_children(self, req: DecodeRequest, message: str) -> list[DecodeRequest]:
+        """Choices 1..n-1 that cannot start (their copy of the prompt failed) fail; choice 0 goes on."""
+        dropped, req.children = req.children, []
+        for child in dropped:
+            self.allocator.free(child.pages)
+            child.pages, child.error = [], message
+            child.state, child.finish_reason = RequestState.failed, "error"
+        return dropped
 
     def fail(self, req: DecodeRequest, message: str) -> None:
         """Computing this request raised: it ends with `message`, its pages are freed."""
@@ -195,12 +246,15 @@ class DecodeScheduler:
         self._finish(req, "error")
 
     def abort(self, request_id: str, hold_s: float = 0.0) -> DecodeRequest | None:
-        """hold_s: its pages become reusable only that much later (see PageAllocator.free)."""
+        """hold_s: its pages become reusable only that much later (see PageAllocator.free). Aborting
+        a request with n > 1 aborts every choice still running."""
+        found = None
         for req in list(self.queued) + list(self.waiting_for_kv.values()) + self.running:
-            if req.request_id == request_id:
+            if req.request_id == request_id or req.parent == request_id:
                 self._finish(req, "abort", hold_s)
-                return req
-        return None
+                if found is None or req.request_id == request_id:
+                    found = req
+        return found
 
     def is_idle(self) -> bool:
         return not (self.queued or self.waiting_for_kv or self.running)

@@ -39,6 +39,7 @@ def build_instance(cfg: DecodeServerConfig) -> DecodeInstance:
         device=cfg.device,
         gpu_ids=cfg.gpu_ids,
         attention_ops=cfg.attention_ops,
+        float32_islands=not cfg.exact_dtype,
     )
     launch = LaunchConfig.of_server(cfg, cfg.tp_size)
     return DecodeInstance(worker, launch, page_size=cfg.page_size, prefix_cache=cfg.prefix_cache == "on")

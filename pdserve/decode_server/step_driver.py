@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from ..engine.constraint import Grammars
 from ..engine.launcher import RankError
 from ..engine.llm_engine import LLMEngine
-from ..engine.request import SamplingParams
+from ..engine.request import SamplingParams, TokenLogprob
 from ..engine.sampler import Sampler
 from .instance import DecodeInstance
 from .scheduler import DecodeRequest, DecodeScheduler
@@ -23,10 +24,18 @@ class DecodeStepDriver:
         self.scheduler = DecodeScheduler(
             instance.allocator, instance.model_config.eos_token_ids, max_batch, cache=instance.cache
         )
-        self.sampler = Sampler()
+        mcfg = instance.model_config
+        grammars = Grammars(instance.worker.model_dir, mcfg.vocab_size, mcfg.eos_token_ids)
+        self.sampler = Sampler(grammars, mcfg.eos_token_ids)
         self._caches: dict[str, tuple[torch.Tensor, dict[int, torch.Tensor], int]] = {}
         self._local: LLMEngine | None = None
         self._remote: set[str] = set()  # requests whose cache comes by KV hand-off (transfer/decode_room.py)
+        # the local prefill's: first token's logprobs, other choices' (token, logprobs)
+        self._firsts: dict[str, tuple[TokenLogprob | None, list]] = {}
+        self.pending: list[
+            tuple[DecodeRequest, int | None]
+        ] = []  # choices 1.. started by kv_ready: events of
+        # the next step() (the loop steps while there are any, even when every choice already finished)
         self.last_logits: dict[str, torch.Tensor] = {}  # request id -> [vocab] of the last step (for checks)
 
     def _local_prefill(self) -> LLMEngine:
@@ -55,8 +64,9 @@ class DecodeStepDriver:
         self.scheduler.check_fits(req)
         if cache is None:  # before queueing: a failed prefill must leave nothing behind
             logits, kv, index = self._local_prefill().prefill_with_cache(list(prompt_ids))
-            first = self.sampler.sample(logits[None], [params], [req.request_id])[0]
+            (first, lp), *more = self.sampler.sample_choices(logits, params, req.request_id)
             cache = (kv, index, first)
+            self._firsts[req.request_id] = (lp, more)
         self._caches[req.request_id] = cache
         self.scheduler.submit(req)
         return req
@@ -80,10 +90,36 @@ class DecodeStepDriver:
         self._remote.add(req.request_id)
         return req
 
-    def kv_ready(self, request_id: str, first_token: int) -> DecodeRequest:
-        """A hand-off delivered and verified this request's cache: it joins the running batch."""
+    def kv_ready(
+        self,
+        request_id: str,
+        first_token: int,
+        first_logprob: TokenLogprob | None = None,
+        more_first: list[tuple[int, TokenLogprob | None]] = (),
+    ) -> DecodeRequest:
+        """A hand-off delivered and verified this request's cache: it joins the running batch.
+        `first_logprob`: the local prefill's logprobs of the first token (a hand-off's come in its
+        TransferDone); `more_first`: n > 1, choices 1..n-1's first tokens: the prompt's rows are
+        copied into their pages first (one CopyCmd; no second transfer), then every choice runs.
+        Their first tokens are events of the next step()."""
         self._remote.discard(request_id)
-        req = self.scheduler.kv_ready(request_id, first_token)
+        req = self.scheduler.waiting_for_kv[request_id]
+        if req.children:
+            try:
+                self.instance.copy_prompt(req.pages, [c.pages for c in req.children], req.prompt_len)
+            except RankError:
+                raise
+            except Exception as e:  # the other choices fail, choice 0 goes on
+                failed = self.scheduler.fail_children(req, f"copying the prompt's cache failed: {e}")
+                self.pending += [(c, None) for c in failed]
+                more_first = []
+        self.scheduler.kv_ready(request_id, first_token, [t for t, _ in more_first])
+        if first_logprob is not None:
+            req.logprobs.append(first_logprob)
+        for child, (token, lp) in zip(req.children, more_first):
+            if lp is not None:
+                child.logprobs.append(lp)
+            self.pending.append((child, token))
         if req.state == "finished":
             self.sampler.forget(request_id)
         return req
@@ -92,14 +128,17 @@ class DecodeStepDriver:
         """hold_s > 0: a failed hand-off's senders may still WRITE into its pages (DecodeInstance.forget)."""
         self._remote.discard(request_id)
         self._caches.pop(request_id, None)
-        self.sampler.forget(request_id)
-        return self.scheduler.abort(request_id, hold_s)
+        self._firsts.pop(request_id, None)
+        req = self.scheduler.abort(request_id, hold_s)
+        self.sampler.forget_choices(request_id, req.params.n if req is not None and req.parent is None else 1)
+        return req
 
     def step(self) -> list[tuple[DecodeRequest, int | None]]:
         """Admits what fits (loading its cache), then decodes one token for every running request.
         Events are (request, token); a request that failed has token None, state "failed" and its
         `error` (docs/design.md invariant 9: the others go on). RankError (a broken rank group) propagates."""
-        events = self.admit()
+        events = self.admit()  # may start choices 1.. of a request (pending, before their decode tokens)
+        events, self.pending = self.pending + events, []
         batch = list(self.scheduler.running)
         self.last_logits = {}
         if batch:
@@ -149,7 +188,10 @@ class DecodeStepDriver:
         events, ok, tokens = [], [], []
         for i, req in enumerate(batch):
             try:
-                tokens.append(self.sampler.sample(logits[i : i + 1], [req.params], [req.request_id])[0])
+                token, lp = self.sampler.sample_row(logits[i], req.params, req.request_id, req.output_ids)
+                tokens.append(token)
+                if lp is not None:
+                    req.logprobs.append(lp)
                 ok.append(req)
                 self.last_logits[req.request_id] = logits[i]
             except Exception as e:
@@ -177,7 +219,8 @@ class DecodeStepDriver:
             except Exception as e:
                 events.append(self._fail(req, e))
                 continue
-            self.scheduler.kv_ready(req.request_id, first)
+            lp, more = self._firsts.pop(req.request_id, (None, []))
+            self.kv_ready(req.request_id, first, lp, more)
             events.append((req, first))
         return events
 

@@ -146,6 +146,20 @@ class KVPool:
             slots = torch.arange(*slots.indices(self.num_slots), device=self.kv.device)
         return slots % self.residues * self.block + torch.div(slots, self.residues, rounding_mode="floor")
 
+    def copy_kv(self, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Latent rows src -> dst as stored (no dequantizing): choices that share one prompt."""
+        table = self.kv[self.kv_row[layer]]
+        table[self._kv_rows(_on(dst, table))] = table[self._kv_rows(_on(src, table))]
+
+    def copy_index(self, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Index rows src -> dst as stored, with their fp8 scales."""
+        row = self.index_row[layer]
+        self.index_k[row, _on(dst, self.index_k)] = self.index_k[row, _on(src, self.index_k)]
+        if self.fp8:
+            self.index_scale[row, _on(dst, self.index_scale)] = self.index_scale[
+                row, _on(src, self.index_scale)
+            ]
+
     def read_kv(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         return self.kv[self.kv_row[layer], self._kv_rows(_on(slots, self.kv))].to(self.dtype)
 

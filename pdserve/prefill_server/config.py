@@ -13,6 +13,7 @@ from ..flags import (
     ATTENTION_OPS_HELP,
     DEVICE_HELP,
     DTYPE_HELP,
+    EXACT_DTYPE_HELP,
     GPU_IDS_HELP,
     INTERNAL_TOKEN_HELP,
     MODEL_HELP,
@@ -53,6 +54,7 @@ class PrefillServerConfig:
     dtype: str = option(  # "": float32 on cpu, bfloat16 on cuda (filled in by __post_init__)
         "", DTYPE_HELP, cli_type=Optional[ModelDType], cli_default=None
     )
+    exact_dtype: bool = option(False, EXACT_DTYPE_HELP)
     device: str = option("cpu", DEVICE_HELP, choices=Device)
     gpu_ids: tuple[int, ...] = option((), GPU_IDS_HELP, cli_type=Optional[str], cli_default=None)
     attention_ops: str = option("auto", ATTENTION_OPS_HELP, choices=AttentionOps)

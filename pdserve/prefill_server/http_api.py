@@ -26,10 +26,10 @@ import time
 
 from fastapi import FastAPI, HTTPException
 
-from ..contracts import PrefillInfo, PrefillReply, PrefillRequest
+from ..contracts import Logprob, PrefillInfo, PrefillReply, PrefillRequest
 from ..engine.http_edge import add_flush_route, instance_app, refuse_if_draining, too_busy
 from ..engine.instance_loop import Unavailable
-from ..engine.request import Overloaded, SamplingParams
+from ..engine.request import Overloaded
 from .loop import PrefillLoop
 from .scheduler import PrefillJob
 
@@ -58,15 +58,12 @@ def create_app(
     @app.post("/v1/prefill")
     async def prefill(body: PrefillRequest) -> PrefillReply:
         refuse_if_draining(drain)
-        try:
-            params = SamplingParams(
-                max_tokens=1, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed
+        try:  # max_tokens 1: the prefill samples the first token only
+            params = body.sampling_params(
+                instance.model_config.vocab_size, 1, prompt_logprobs=body.prompt_logprobs
             )
         except ValueError as e:
             raise HTTPException(400, str(e)) from None
-        vocab = instance.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in body.token_ids):
-            raise HTTPException(400, f"token ids must be in [0, {vocab})")
         if body.handoff and not body.request_id:
             raise HTTPException(400, "a hand-off needs the room as request_id")
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
@@ -105,6 +102,13 @@ def create_app(
             first_token=first_token,
             prompt_tokens=len(job.token_ids),
             seconds=time.perf_counter() - start,
+            prompt_logprobs=_logprobs(job.prompt_logprobs),
         )
 
     return app
+
+
+def _logprobs(entries: list | None) -> list[Logprob | None] | None:
+    if entries is None:
+        return None
+    return [None if e is None else Logprob.from_wire(e.wire()) for e in entries]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from ..engine.launcher import LaunchConfig, RankGroup, RankInstance
 from ..engine.page_allocator import PageAllocator
@@ -42,6 +42,9 @@ class PrefillResult:
     cached_len: int = 0  # leading positions read from the prefix cache, not computed
     rank_seconds: tuple[float, ...] = ()  # each rank's wall time in the prefill
     rank_comm_seconds: tuple[float, ...] = ()  # of which in the CP collectives
+    logprob: object = None  # TokenLogprob of the first token, with params.logprobs
+    prompt_logprobs: list | None = None  # [TokenLogprob | None] per position, with params.prompt_logprobs
+    more_first: list = field(default_factory=list)  # n > 1: [(token, TokenLogprob | None)] of choices 1..
 
 
 class PrefillInstance(RankInstance):
@@ -124,7 +127,9 @@ class PrefillInstance(RankInstance):
         if not token_ids or bad:
             raise ValueError("token_ids must be non-empty ids inside the vocabulary")
         if prefix_of is None and self.cache is not None:
-            pages, cached_len = self._cached_pages_for(request_id, token_ids)
+            # prompt logprobs (echo) need every position computed: such a prompt is cached, never served
+            reuse = params is None or params.prompt_logprobs is None
+            pages, cached_len = self._cached_pages_for(request_id, token_ids, reuse)
         else:
             with self._lock:
                 pages = self._pages_for(token_ids, prefix_of, cached_len)
@@ -153,6 +158,9 @@ class PrefillInstance(RankInstance):
             cached_len,
             tuple(r.seconds for r in replies),
             tuple(r.comm_seconds for r in replies),
+            owner.logprob,
+            _merge_prompt_logprobs(replies, len(token_ids)),
+            owner.more,
         )
 
     def _pages_for(self, token_ids: list[int], prefix_of: str | None, cached_len: int) -> list[int]:
@@ -171,10 +179,13 @@ class PrefillInstance(RankInstance):
         self.allocator.free(prefix_pages[cached_len // ps :])
         return keep + self.allocator.allocate(len(token_ids) - cached_len)
 
-    def _cached_pages_for(self, request_id: str, token_ids: list[int]) -> tuple[list[int], int]:
-        """(pages, cached_len): the cached whole pages of the longest prefix (locked) + new pages."""
+    def _cached_pages_for(
+        self, request_id: str, token_ids: list[int], reuse: bool = True
+    ) -> tuple[list[int], int]:
+        """(pages, cached_len): the cached whole pages of the longest prefix (locked; none without
+        reuse) + new pages."""
         with self._lock:
-            match = self.cache.match(token_ids[: len(token_ids) - 1], count=False)
+            match = self.cache.match(token_ids[: len(token_ids) - 1] if reuse else [], count=False)
             self.cache.lock(match.node)
             cached_len = match.num_pages * self.allocator.page_size
             try:
@@ -269,3 +280,15 @@ class PrefillInstance(RankInstance):
     def transfer_status(self) -> list[dict]:
         """Every rank's sender counters (transfer/tcp.py, nixl.py): what a send holds after it returned."""
         return self.ranks.call(TransferStatusCmd(""))
+
+
+def _merge_prompt_logprobs(replies, n: int) -> list | None:
+    """[None (the first token has none), logprob of token 1, ...] from every rank's own positions;
+    positions served from a cached prefix stay None."""
+    if replies[0].prompt_logprobs is None:
+        return None
+    out: list = [None] * n
+    for r in replies:
+        for p, lp in r.prompt_logprobs.items():
+            out[p + 1] = lp
+    return out

@@ -14,12 +14,14 @@ import torch
 
 from ..choices import CacheMode, values
 from ..engine.attn_ops import make_attention_ops
+from ..engine.constraint import Grammars
 from ..engine.device import rank_device
 from ..engine.faults import check_fault
 from ..engine.kv_cache import KVPool
 from ..engine.launcher import RankWorker
 from ..engine.llm_engine import parse_dtype
-from ..engine.request import SamplingParams
+from ..engine.logits_process import prompt_logprobs
+from ..engine.request import SamplingParams, TokenLogprob
 from ..engine.sampler import Sampler
 from ..model.weights import load_model
 from ..transfer.backends import check_transfer, make_sender
@@ -57,6 +59,9 @@ class PrefillWorkerConfig:
             raise ValueError(f"unknown cache mode {self.cache!r} (allowed: {', '.join(CACHE_MODES)})")
 
 
+PROMPT_LOGPROB_ROWS = 64  # echo's prompt logprobs: logits of this many positions at once
+
+
 @dataclass(frozen=True)
 class PrefillCmd:
     request_id: str
@@ -88,6 +93,9 @@ class PrefillRankReply:
     logits: torch.Tensor | None = None  # [vocab], with PrefillCmd.want_logits
     seconds: float = 0.0  # this rank's wall time in the command
     comm_seconds: float = 0.0  # of which in the CP collectives (CPBackend.comm_s)
+    logprob: TokenLogprob | None = None  # the first token's, with params.logprobs
+    prompt_logprobs: dict[int, TokenLogprob] | None = None  # position p -> of token p + 1, own positions
+    more: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)  # choices 1..n-1's first tokens
 
 
 @dataclass(frozen=True)
@@ -118,7 +126,8 @@ class PrefillRankWorker(RankWorker):
         )
         ops = make_attention_ops(cfg.attention_ops, dev, dtype, self.mcfg, who=f"prefill rank {rank} ({dev})")
         self.backend = CPBackend(self.mcfg, self.pool, rank, world, cfg.query_block, ops)
-        self.sampler = Sampler()
+        grammars = Grammars(cfg.model_dir, self.mcfg.vocab_size, self.mcfg.eos_token_ids)
+        self.sampler = Sampler(grammars, self.mcfg.eos_token_ids)
         self.sender = make_sender(
             cfg.transfer, rank, self.pool, cfg.frame_key
         )  # KV hand-off data path (transfer/tcp.py, nixl.py)
@@ -142,7 +151,8 @@ class PrefillRankWorker(RankWorker):
         n = len(cmd.token_ids)
         dev = self.device
         slots = torch.tensor(cmd.slots, dtype=torch.int64, device=dev)
-        last_hidden = None
+        last_hidden, k = None, cmd.params.prompt_logprobs
+        prompt_lp: dict[int, TokenLogprob] | None = None if k is None else {}
         for c0 in range(cmd.cached_len, n, cmd.chunk_size):
             c1 = min(n, c0 + cmd.chunk_size)
             plan = ChunkPlan(c0, c1, split_positions(self.cfg.layout, c0, c1, self.world), slots[:c1])
@@ -153,15 +163,33 @@ class PrefillRankWorker(RankWorker):
             positions = torch.tensor(mine, dtype=torch.int64, device=dev)
             hidden = self.model(ids, positions, self.backend)  # [len(mine), hidden]
             self.backend.finish()
+            if prompt_lp is not None:
+                prompt_lp.update(self._prompt_logprobs(hidden, mine, cmd.token_ids, k))
             if c1 == n and mine and mine[-1] == n - 1:
                 last_hidden = hidden[-1:]
-        token, logits = None, None
+        token, logits, lp, more = None, None, None, []
         if last_hidden is not None:
             logits = self.model.compute_logits(last_hidden)  # [1, vocab]
-            token = self.sampler.sample(logits, [cmd.params], [cmd.request_id])[0]
-            self.sampler.forget(cmd.request_id)
+            try:  # n > 1: every choice's first token from these logits, each with its own seed stream
+                (token, lp), *more = self.sampler.sample_choices(logits[0], cmd.params, cmd.request_id)
+            finally:
+                self.sampler.forget_choices(cmd.request_id, cmd.params.n)
             logits = logits[0].cpu() if cmd.want_logits else None
-        return PrefillRankReply(self.rank, token, logits, time.perf_counter() - t_start, self.backend.comm_s)
+        seconds = time.perf_counter() - t_start
+        return PrefillRankReply(self.rank, token, logits, seconds, self.backend.comm_s, lp, prompt_lp, more)
+
+    def _prompt_logprobs(self, hidden, mine: list[int], token_ids: list[int], k: int) -> dict:
+        """This rank's positions p < n - 1: the logprob of token p + 1 given the prompt up to p."""
+        rows = [i for i, p in enumerate(mine) if p + 1 < len(token_ids)]
+        out: dict[int, TokenLogprob] = {}
+        for b in range(
+            0, len(rows), PROMPT_LOGPROB_ROWS
+        ):  # [block, vocab] logits at a time, not [chunk, vocab]
+            block = rows[b : b + PROMPT_LOGPROB_ROWS]
+            logits = self.model.compute_logits(hidden[block])
+            nxt = torch.tensor([token_ids[mine[i] + 1] for i in block], dtype=torch.int64)
+            out.update(zip((mine[i] for i in block), prompt_logprobs(logits, nxt, k)))
+        return out
 
     def dump(self, cmd: DumpCacheCmd) -> CacheDump:
         slots = torch.tensor(cmd.slots, dtype=torch.int64, device=self.device)

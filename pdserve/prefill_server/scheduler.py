@@ -69,6 +69,7 @@ class PrefillJob:
     handoff: bool = False  # ship the cache to the decode instance that reserves room = request_id
     bootstrap_timeout_s: float = 30.0
     first_token: int | None = None
+    prompt_logprobs: list | None = None  # [TokenLogprob | None] per position, with params.prompt_logprobs
     error: str | None = None
     state: JobState = JobState.waiting
     submitted: float = field(default_factory=time.monotonic)
@@ -154,7 +155,7 @@ class PrefillScheduler:
             return True
         self.instance.release(job.request_id)  # no decode target: nothing to hand off
         self.current = None
-        job.first_token = result.token
+        job.first_token, job.prompt_logprobs = result.token, result.prompt_logprobs
         self._finish(job)
         return True
 
@@ -181,8 +182,10 @@ class PrefillScheduler:
             self._requeue(job)
             return False
         job.state = JobState.transferring
-        outcome = self.rooms.get(job.request_id).run()
+        room = self.rooms.get(job.request_id)
+        outcome = room.run()
         self.rooms.close(job.request_id)
+        job.prompt_logprobs = room.result.prompt_logprobs if room.result is not None else None
         self.current = None
         if isinstance(outcome, TransferDone):
             job.first_token = outcome.first_token

@@ -14,7 +14,7 @@ A request: body size limit (413) -> validate (400 naming the field) -> tokenize 
 with byte and token limits (prompt.py) -> check that some decode instance can ever hold prompt +
 max_tokens (400) and that instances are up (503) -> Orchestrator.generate (admission: wait for an
 instance with room or 429; pair, room, both halves, retries; the whole request within
---request-timeout, else 504) -> TextStream (incremental text, stop strings) -> JSON or SSE. A
+--request-timeout, else 504) -> respond.py (text per choice, stop strings, tool calls) -> JSON or SSE. A
 streaming request waits for its first piece of text before the 200 goes out, so a request that
 fails before any token still gets a proper status code; after it, any failure is an SSE error
 event. An unexpected exception is a 500 with an error id (the traceback is logged under it). A
@@ -28,22 +28,27 @@ import json
 import logging
 import time
 import uuid
-from contextlib import aclosing, asynccontextmanager
+from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from ..engine.http_edge import RETRY_AFTER_S, install_edge, new_error_id
+from ..engine.http_edge import install_edge
 from ..model.tokenizer import Tokenizer
 from . import protocol as P
+from . import respond as R
 from .admin import admin_router
+from .chat import ChatShaper
 from .config import RouterConfig
 from .metrics import Metrics
-from .orchestrator import BadRequest, DeadlineExceeded, GenParams, Orchestrator, Overloaded, RequestFailed
+from .orchestrator import GenParams, Orchestrator
 from .pool import NoInstance, Pool, TooLong
 from .prompt import PromptLimits, chat_prompt, completion_prompt
-from .text import TextStream
+from .structured import response_grammar
+from .tools import forced_grammar, plan_tools, prompt_opens_reasoning
 
 DISCONNECT_POLL_S = 0.5
 log = logging.getLogger("pdserve.router")
@@ -55,6 +60,7 @@ class RouterState:
     def __init__(self, cfg: RouterConfig, client: httpx.AsyncClient):
         self.cfg, self.client = cfg, client
         self.tokenizer = Tokenizer.from_pretrained(cfg.model)
+        self.model_type = _model_type(cfg.model)  # picks the tool-call and reasoning markup
         self.pool = Pool(cfg.prefill, cfg.decode, cfg.policy, cfg.max_in_flight, cfg.cache_balance_threshold)
         self.metrics = Metrics()
         self.metrics.cache_aware = self.pool.cache_aware
@@ -69,6 +75,13 @@ class RouterState:
         )
         self.metrics.queued = lambda: self.orch.queued
         self.limits = PromptLimits(cfg.max_prompt_bytes, cfg.max_prompt_tokens)
+
+
+def _model_type(model_dir) -> str | None:
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError):
+        return None
 
 
 def create_app(cfg: RouterConfig) -> FastAPI:
@@ -128,14 +141,19 @@ def create_app(cfg: RouterConfig) -> FastAPI:
         state: RouterState = request.app.state.router
         _check_model(cfg, body.model)
         prompt = await completion_prompt(state.tokenizer, body.prompt, state.limits)
-        return await _serve(state, request, body, prompt, chat=False)
+        return await _serve(state, request, body, prompt, False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: P.ChatRequest, request: Request):
         state: RouterState = request.app.state.router
         _check_model(cfg, body.model)
-        prompt = await chat_prompt(state.tokenizer, body.messages, state.limits)
-        return await _serve(state, request, body, prompt, chat=True)
+        plan = plan_tools(body.tools, body.tool_choice, state.model_type)
+        kwargs = {**P.template_kwargs(body), **plan.template_kwargs()}
+        prompt, text = await chat_prompt(state.tokenizer, body.messages, state.limits, **kwargs)
+        in_reasoning = prompt_opens_reasoning(text)
+        forced = forced_grammar(plan, in_reasoning)
+        shapers = partial(ChatShaper, plan, in_reasoning)  # one per choice
+        return await _serve(state, request, body, prompt, True, shapers, forced)
 
     return app
 
@@ -171,10 +189,28 @@ def _check_model(cfg: RouterConfig, model: str) -> None:
         )
 
 
-async def _serve(state: RouterState, request: Request, body, prompt: list[int], chat: bool):
-    params = GenParams(**P.check_sampling(body, state.cfg.default_max_tokens))
+async def _serve(
+    state: RouterState,
+    request: Request,
+    body,
+    prompt: list[int],
+    chat: bool,
+    make_shaper=None,
+    tool_grammar: str | None = None,
+):
+    """make_shaper: () -> a chat choice's ChatShaper (reasoning / content / tool calls); tool_grammar:
+    a forced tool call's."""
     try:
-        state.orch.check_fits(len(prompt), params.max_tokens)
+        params = GenParams(
+            **P.check_sampling(body, state.cfg.default_max_tokens, state.tokenizer.vocab_size),
+            grammar=await response_grammar(body.response_format, tool_grammar),
+        )
+        if params.grammar is not None and params.ignore_eos:
+            raise P.ApiError(400, "ignore_eos cannot be combined with response_format", "ignore_eos")
+        state.orch.check_fits(len(prompt), params.max_tokens, params.n)
+    except P.ApiError:
+        state.metrics.finished("client_error")
+        raise
     except TooLong as e:
         state.metrics.finished("client_error")
         raise P.ApiError(400, str(e), "prompt", "context_length_exceeded") from None
@@ -183,74 +219,17 @@ async def _serve(state: RouterState, request: Request, body, prompt: list[int], 
         raise P.ApiError(503, str(e)) from None
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     deadline = time.monotonic() + state.cfg.request_timeout_s
-    pieces = _pieces(state, prompt, params, body.stop_list(), deadline)
+    stream = R.pieces(state, prompt, params, body.stop_list(), deadline, getattr(body, "echo", False))
     if not body.stream:
-        return await _until_disconnect(request, _collect(state, rid, chat, body, prompt, pieces))
+        return await _until_disconnect(
+            request, R.collect(state, rid, make_shaper, body, prompt, stream, params.n)
+        )
     # errors before any token keep their status
-    first = await _until_disconnect(request, _first_piece(pieces))
+    first = await _until_disconnect(request, R.first_piece(stream))
     return StreamingResponse(
-        _sse(state, rid, chat, body, len(prompt), first, pieces), media_type="text/event-stream"
+        R.sse(state, rid, make_shaper, body, len(prompt), first, stream, params.n),
+        media_type="text/event-stream",
     )
-
-
-async def _pieces(state: RouterState, prompt: list[int], params: GenParams, stop: list[str], deadline: float):
-    """Yields (text, token_ids, finish_reason | None); records the latency metrics and the outcome."""
-    m, text = state.metrics, TextStream(state.tokenizer, stop)
-    start = last = time.perf_counter()
-    ids: list[int] = []
-    outcome = "aborted"  # a client that leaves ends here with a CancelledError / GeneratorExit
-    try:
-        async with aclosing(state.orch.generate(prompt, params, deadline)) as events:
-            async for ev in events:
-                now = time.perf_counter()
-                if isinstance(ev, str):  # the finish reason
-                    outcome = "completed"
-                    yield text.finish(), ids, ev
-                    return
-                if text.token_ids:
-                    m.itl.observe(now - last)
-                else:
-                    m.ttft.observe(now - start)
-                last, m.tokens = now, m.tokens + 1
-                ids.append(ev)
-                delta = text.add(ev)
-                if text.stopped:  # a stop string: closing `events` aborts both halves
-                    outcome = "completed"
-                    yield delta, ids, "stop"
-                    return
-                if delta:
-                    yield delta, ids, None
-                    ids = []
-    except NoInstance as e:
-        outcome = "unavailable"
-        raise P.ApiError(503, str(e)) from None
-    except BadRequest as e:
-        outcome = "client_error"
-        raise P.ApiError(400, str(e)) from None
-    except Overloaded as e:
-        outcome = "rejected"
-        raise P.ApiError(
-            429, str(e), code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}
-        ) from None
-    except DeadlineExceeded as e:
-        outcome = "timeout"
-        raise P.ApiError(
-            504, f"{e} ({state.cfg.request_timeout_s:g} s, --request-timeout)", code="timeout"
-        ) from None
-    except RequestFailed as e:
-        outcome = "failed"
-        raise P.ApiError(502, str(e)) from None
-    except P.ApiError:
-        outcome = "failed"
-        raise
-    except Exception as e:  # a bug: the client still gets a clean error; the traceback goes to the log
-        outcome = "failed"
-        error_id = new_error_id()
-        log.error("error %s while serving a request", error_id, exc_info=e)
-        raise P.ApiError(500, f"internal error (error id {error_id})") from None
-    finally:
-        m.e2e.observe(time.perf_counter() - start)
-        m.finished(outcome)
 
 
 async def _until_disconnect(request: Request, coro):
@@ -266,51 +245,6 @@ async def _until_disconnect(request: Request, coro):
                 raise P.ApiError(499, "the client closed the request")
     finally:
         task.cancel()
-
-
-async def _first_piece(pieces):
-    return await anext(pieces)
-
-
-async def _collect(state, rid: str, chat: bool, body, prompt: list[int], pieces) -> dict:
-    texts, ids, reason = [], [], None
-    async with aclosing(pieces):
-        async for text, new_ids, reason in pieces:  # noqa: B007 (the last reason is the choice's)
-            texts.append(text)
-            ids += new_ids
-    choice = P.choice(chat, False, "".join(texts), reason, ids if body.return_token_ids else None)
-    return {
-        **P.envelope(rid, state.cfg.model_name, chat, False),
-        "choices": [choice],
-        "usage": P.usage(len(prompt), len(ids)),
-    }
-
-
-async def _sse(state, rid: str, chat: bool, body, prompt_len: int, first, pieces):
-    head = P.envelope(rid, state.cfg.model_name, chat, True)
-    n, piece = 0, first
-    async with aclosing(pieces):
-        try:
-            while True:
-                text, ids, reason = piece
-                n += len(ids)
-                c = P.choice(
-                    chat, True, text, reason, ids if body.return_token_ids else None, first=piece is first
-                )
-                yield _event({**head, "choices": [c]})
-                if reason is not None:
-                    break
-                piece = await anext(pieces)
-        except P.ApiError as e:  # after the first token: an error event ends the stream
-            yield _event(P.error_body(e.message, e.type, e.param, e.code))
-            return
-    if body.stream_options is not None and body.stream_options.include_usage:
-        yield _event({**head, "choices": [], "usage": P.usage(prompt_len, n)})
-    yield "data: [DONE]\n\n"
-
-
-def _event(obj: dict) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
 
 
 def serve(cfg: RouterConfig) -> None:

@@ -47,6 +47,24 @@ class GenParams:
     top_k: int = 0
     seed: int | None = None
     ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None  # the sampled tokens' and the top k
+    grammar: str | None = None  # llguidance's (engine/constraint.py grammar_for)
+    prompt_logprobs: int | None = None  # echo: the prefill's reply comes first in generate()
+    n: int = 1  # choices from one prefill (the decode copies the prompt's cache for each)
+
+    def sampling(self) -> dict:
+        """The fields both halves sample with (contracts._Sampling)."""
+        names = (
+            "temperature top_p top_k seed ignore_eos stop_token_ids min_tokens presence_penalty "
+            "frequency_penalty repetition_penalty logit_bias logprobs grammar n"
+        ).split()
+        return {n: getattr(self, n) for n in names}
 
 
 class BadRequest(Exception):
@@ -83,13 +101,15 @@ class Orchestrator:
         self.max_queue, self.queued = max_queue, 0
         self._background: set[asyncio.Task] = set()
 
-    def check_fits(self, prompt_len: int, max_tokens: int) -> None:
+    def check_fits(self, prompt_len: int, max_tokens: int, n: int = 1) -> None:
         """Raises pool.TooLong / NoInstance before anything is streamed (400 / 503)."""
-        self.pool.candidates("decode", prompt_len + max_tokens, admit=False)
+        self.pool.candidates("decode", n * (prompt_len + max_tokens), admit=False)
         self.pool.candidates("prefill", prompt_len, admit=False)
 
     async def generate(self, prompt: list[int], params: GenParams, deadline: float):
-        """Yields token ids, then one finish reason string ("stop" | "length" | "abort").
+        """Yields the prefill's PrefillReply first when params.prompt_logprobs is set, then one
+        TokenEvent per token (id, logprob, choice index) and one FinishEvent per choice (reason
+        "stop" | "length" | "abort"); the n-th FinishEvent is the last event.
         `deadline` (time.monotonic()) bounds the whole request, every try and wait included."""
         avoid: set[str] = set()
         last: TryFailed | None = None
@@ -97,7 +117,7 @@ class Orchestrator:
             if attempt:
                 await asyncio.sleep(min(self.backoff_s * 2 ** (attempt - 1), _left(deadline)))
             try:
-                prefill, decode = await self._pick(prompt, params.max_tokens, avoid, deadline)
+                prefill, decode = await self._pick(prompt, params, avoid, deadline)
             except NoInstance:
                 if last is None:
                     raise
@@ -105,7 +125,7 @@ class Orchestrator:
             sent = False
             try:
                 async for event in self._try(prefill, decode, prompt, params, deadline):
-                    sent = sent or isinstance(event, int)
+                    sent = sent or isinstance(event, TokenEvent)
                     yield event
                 return
             except TryFailed as e:
@@ -120,13 +140,15 @@ class Orchestrator:
             raise Overloaded(f"every instance tried is full ({last})")
         raise RequestFailed(f"failed after {attempt + 1} tries: {last}")
 
-    async def _pick(self, prompt: list[int], max_tokens: int, avoid: set[str], deadline: float):
+    async def _pick(self, prompt: list[int], params: GenParams, avoid: set[str], deadline: float):
         """A (prefill, decode) pair with room, waiting for one while at most max_queue others wait."""
         queued, prompt_len = False, len(prompt)
         try:
             while True:
                 try:
-                    decode = self.pool.pick("decode", prompt_len + max_tokens, avoid, prompt)
+                    decode = self.pool.pick(
+                        "decode", params.n * (prompt_len + params.max_tokens), avoid, prompt
+                    )
                     return self.pool.pick("prefill", prompt_len, avoid, prompt), decode
                 except Saturated:
                     if not queued:
@@ -154,19 +176,31 @@ class Orchestrator:
         d_task = self._guarded(
             decode, events, self._decode(decode, prefill.bootstrap, room, prompt, params, events)
         )
-        finished = False
+        finished, held = False, [] if params.prompt_logprobs is not None else None
         try:
             while True:
                 try:
                     kind, value = await asyncio.wait_for(events.get(), _left(deadline))
                 except asyncio.TimeoutError:
                     raise DeadlineExceeded("the request ran past its deadline") from None
-                if kind == "token":
+                if held is not None and kind in ("token", "finish"):  # the prompt's logprobs go first
+                    held.append((kind, value))
+                    continue
+                if kind == "prompt":
+                    yield value
+                    pending, held = held or [], None
+                    for kind, value in pending:
+                        if kind == "finish":  # before the yield: the consumer may stop there
+                            finished = True
+                            prefill.served, decode.served = prefill.served + 1, decode.served + 1
+                        yield value
+                        if finished:
+                            return
+                elif kind == "token":
                     yield value
                 elif kind == "finish":
                     finished = True
-                    prefill.served += 1
-                    decode.served += 1
+                    prefill.served, decode.served = prefill.served + 1, decode.served + 1
                     yield value
                     return
                 elif kind == "failed":
@@ -187,10 +221,8 @@ class Orchestrator:
             token_ids=prompt,
             request_id=room,
             handoff=True,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            seed=params.seed,
+            prompt_logprobs=params.prompt_logprobs,
+            **params.sampling(),
         )
         start = time.perf_counter()
         try:
@@ -204,11 +236,16 @@ class Orchestrator:
             events.put_nowait(("failed", TryFailed(inst, _error_text(r), overloaded=r.status_code == 429)))
             return
         try:
-            PrefillReply.model_validate_json(r.content)
+            reply = PrefillReply.model_validate_json(r.content)
         except ValueError as e:
             events.put_nowait(("failed", TryFailed(inst, f"malformed prefill answer: {_describe(e)}")))
             return
         self.metrics.observe_prefill(time.perf_counter() - start)
+        if params.prompt_logprobs is not None:
+            if reply.prompt_logprobs is None or len(reply.prompt_logprobs) != len(prompt):
+                events.put_nowait(("failed", TryFailed(inst, "the prefill answered no prompt logprobs")))
+                return
+            events.put_nowait(("prompt", reply))
 
     async def _decode(
         self,
@@ -222,11 +259,7 @@ class Orchestrator:
         body = GenerateRequest(
             token_ids=prompt,
             max_tokens=params.max_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            seed=params.seed,
-            ignore_eos=params.ignore_eos,
+            **params.sampling(),
             stream=True,
             request_id=room,
             bootstrap=bootstrap,
@@ -247,6 +280,7 @@ class Orchestrator:
                     await r.aread()
                     events.put_nowait(("failed", TryFailed(inst, _error_text(r))))
                     return
+                done: set[int] = set()  # choices finished
                 async for line in r.aiter_lines():
                     if not line:
                         continue
@@ -257,11 +291,26 @@ class Orchestrator:
                             ("failed", TryFailed(inst, f"malformed stream line: {_describe(e)}"))
                         )
                         return
-                    if isinstance(event, TokenEvent):
-                        events.put_nowait(("token", event.token))
-                    elif isinstance(event, FinishEvent):
-                        events.put_nowait(("finish", event.finish_reason))
+                    if isinstance(event, (TokenEvent, FinishEvent)) and event.index >= params.n:
+                        events.put_nowait(("failed", TryFailed(inst, f"choice {event.index} of {params.n}")))
                         return
+                    if isinstance(event, TokenEvent):
+                        if (event.logprob is None) != (params.logprobs is None):
+                            events.put_nowait(
+                                ("failed", TryFailed(inst, "a token without the logprobs asked for"))
+                            )
+                            return
+                        events.put_nowait(("token", event))
+                    elif isinstance(event, FinishEvent):
+                        if event.index in done:
+                            events.put_nowait(
+                                ("failed", TryFailed(inst, f"choice {event.index} finished twice"))
+                            )
+                            return
+                        done.add(event.index)  # the last choice's finish ends the request
+                        events.put_nowait(("finish" if len(done) == params.n else "token", event))
+                        if len(done) == params.n:
+                            return
                     else:
                         events.put_nowait(("failed", TryFailed(inst, event.error)))
                         return

@@ -9,6 +9,7 @@ of other requests keep being served while a large prompt is processed.
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass
 
 from ..model.tokenizer import Tokenizer
@@ -34,15 +35,20 @@ async def completion_prompt(tok: Tokenizer, prompt, limits: PromptLimits) -> lis
     return await asyncio.to_thread(_check_ids, list(prompt), tok.vocab_size, limits)
 
 
-async def chat_prompt(tok: Tokenizer, messages: list[dict], limits: PromptLimits) -> list[int]:
+async def chat_prompt(
+    tok: Tokenizer, messages: list[dict], limits: PromptLimits, **template_kwargs
+) -> tuple[list[int], str]:
+    """(token ids, rendered text); template_kwargs (tools, enable_thinking, ...) reach the template."""
     flat = flatten_messages(messages)
-    _check_bytes(sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in flat), limits)
+    _check_bytes(
+        sum(len(json.dumps(m, ensure_ascii=False).encode("utf-8", "surrogatepass")) for m in flat), limits
+    )
     try:
-        text = await asyncio.to_thread(tok.apply_chat_template, flat, True)
+        text = await asyncio.to_thread(tok.apply_chat_template, flat, True, **template_kwargs)
     except Exception as e:  # jinja's raise_exception(), or no template
         raise ApiError(400, f"cannot apply the chat template: {e}", "messages") from None
     _check_bytes(len(text.encode("utf-8", "surrogatepass")), limits)
-    return await asyncio.to_thread(_encode_checked, tok, text, limits)
+    return await asyncio.to_thread(_encode_checked, tok, text, limits), text
 
 
 def _encode_checked(tok: Tokenizer, text: str, limits: PromptLimits) -> list[int]:
@@ -51,7 +57,8 @@ def _encode_checked(tok: Tokenizer, text: str, limits: PromptLimits) -> list[int
 
 
 def flatten_messages(messages: list[dict]) -> list[dict]:
-    """Each message as {"role", "content": str[, "name"]}; anything else in a message is a 400."""
+    """Each message as {"role", "content": str[, "name", "tool_calls" (arguments as objects, as
+    templates write them), "tool_call_id", "reasoning_content"]}; anything malformed is a 400."""
     if not messages:
         raise ApiError(400, "messages must not be empty", "messages")
     flat = []
@@ -77,8 +84,46 @@ def flatten_messages(messages: list[dict]) -> list[dict]:
         entry = {"role": role, "content": content}
         if isinstance(m.get("name"), str):
             entry["name"] = m["name"][:256]
+        for key in ("tool_call_id", "reasoning_content"):
+            if m.get(key) is not None:
+                if not isinstance(m[key], str):
+                    raise ApiError(400, f"messages[{i}].{key} must be a string", f"messages[{i}].{key}")
+                entry[key] = m[key]
+        if m.get("tool_calls"):
+            entry["tool_calls"] = _tool_calls(i, m["tool_calls"])
         flat.append(entry)
     return flat
+
+
+def _tool_calls(i: int, calls) -> list[dict]:
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise ApiError(400, f"{where} must be a list", where)
+    out = []
+    for j, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not (
+            isinstance(f, dict)
+            and isinstance(f.get("name"), str)
+            and isinstance(f.get("arguments", "{}"), str)
+        ):
+            raise ApiError(
+                400, f"{where}[{j}] must have a function with a name and arguments (a JSON string)", where
+            )
+        try:
+            args = json.loads(f.get("arguments", "{}") or "{}")
+        except ValueError:
+            raise ApiError(400, f"{where}[{j}].function.arguments is not JSON", where) from None
+        if not isinstance(args, dict):
+            raise ApiError(400, f"{where}[{j}].function.arguments must be a JSON object", where)
+        out.append(
+            {
+                "id": str(c.get("id", "")),
+                "type": "function",
+                "function": {"name": f["name"], "arguments": args},
+            }
+        )
+    return out
 
 
 def _check_bytes(n: int, limits: PromptLimits) -> None:

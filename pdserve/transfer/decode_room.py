@@ -158,7 +158,7 @@ class DecodeRoom:
             self.dest.forget(room, True)
             client.forget(room)
             self.s.advance(KVPoll.Success)
-            self.request = self.dest.commit(room, self.done.first_token)
+            self.request = self.dest.commit(room, self.done.first_token, self.done.more_first)
             return
         self.s.fail(failure)
         hold_s = 0.0

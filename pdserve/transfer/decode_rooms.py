@@ -122,7 +122,7 @@ class DecodeRooms:
             self.completed += 1
             self.bytes_received += r.nbytes
             self.transfer_seconds += time.monotonic() - r.sent
-            self.emit(r.room, ("token", r.done.first_token))
+            self.emit(r.room, ("token", r.done.first_token, r.done.first_logprob))
             if r.request.state == "finished":
                 self.emit(r.room, ("finish", r.request.finish_reason))
         else:

@@ -20,6 +20,9 @@ from .rank_commands import RoomStatus
 class Prefilled(Protocol):
     token: int  # the first token, sampled by the prefill
     slots: list[int]  # where the prompt's rows sit in the source's pool
+    logprob: object  # the first token's TokenLogprob (engine/request.py) when asked for, else None
+    prompt_logprobs: list | None  # [TokenLogprob | None] per prompt position when asked for (echo)
+    more_first: list  # n > 1: [(token, TokenLogprob | None)] of choices 1..n-1
 
 
 class KVSource(Protocol):
@@ -86,8 +89,9 @@ class KVDestination(Protocol):
         """Every rank drops the room; returns how long its pages must stay unused (quarantine)."""
         ...
 
-    def commit(self, room: str, first_token: int) -> Admitted:
-        """The rows arrived and were verified: the request joins the running batch."""
+    def commit(self, room: str, first_token: int, more_first: list = ()) -> Admitted:
+        """The rows arrived and were verified: the request joins the running batch. more_first:
+        TransferDone.more_first, the other choices' first tokens (n > 1)."""
         ...
 
     def release(self, room: str, hold_s: float) -> None:

@@ -121,6 +121,10 @@ class TransferDone:
     fingerprint: Fingerprint  # layout echo: the receiver re-checks it
     ticket: bytes = b""  # the reservation's (stamped by BootstrapServer.reply): an outcome of an earlier
     # use of the room id never counts for a later one
+    first_logprob: list = dataclasses.field(default_factory=list)  # [] or [logprob, [[id, logprob], ...]]:
+    # the first token's logprobs when the request asked for them (engine/request.py TokenLogprob)
+    more_first: list = dataclasses.field(default_factory=list)  # n > 1: [[token, first_logprob], ...] of
+    # choices 1..n-1, each sampled from the same logits with its own seed stream
 
     def __post_init__(self):
         object.__setattr__(self, "checksums", {int(k): int(v) for k, v in self.checksums.items()})
@@ -250,6 +254,41 @@ def _bool(v, name):
     return v
 
 
+MAX_TOP_LOGPROBS = 20
+
+
+def _logprob(v, name):
+    """[] or [logprob, [[token id, logprob], ...]] (at most MAX_TOP_LOGPROBS pairs)."""
+    if type(v) is not list or len(v) not in (0, 2):
+        _fail(f"{name}: expected [] or [logprob, top]")
+    if v:
+        _float(v[0], name)
+        top = v[1]
+        if type(top) is not list or len(top) > MAX_TOP_LOGPROBS:
+            _fail(f"{name}: expected at most {MAX_TOP_LOGPROBS} top entries")
+        for pair in top:
+            if type(pair) is not list or len(pair) != 2:
+                _fail(f"{name}: top entries are [token id, logprob]")
+            _int(0, 1 << 32)(pair[0], name)
+            _float(pair[1], name)
+    return v
+
+
+MAX_CHOICES = 128
+
+
+def _more_first(v, name):
+    """[[token, logprob wire], ...]: at most MAX_CHOICES - 1 other choices' first tokens."""
+    if type(v) is not list or len(v) >= MAX_CHOICES:
+        _fail(f"{name}: expected a list of at most {MAX_CHOICES - 1} [token, logprob]")
+    for item in v:
+        if type(item) is not list or len(item) != 2:
+            _fail(f"{name}: entries are [token, logprob]")
+        _int(0, 1 << 32)(item[0], name)
+        _logprob(item[1], name)
+    return v
+
+
 def _ticket(v, name):
     if type(v) is not bytes or len(v) not in (0, TICKET_BYTES):
         _fail(f"{name}: expected {TICKET_BYTES} bytes")
@@ -284,6 +323,8 @@ _SCHEMA: dict[type, dict[str, Callable]] = {
         "checksums": _rank_map(_int(0, 1 << 32)),
         "fingerprint": _nested(Fingerprint),
         "ticket": _ticket,
+        "first_logprob": _logprob,
+        "more_first": _more_first,
     },
     TransferFailed: {
         "room": _str(MAX_ROOM),

@@ -47,6 +47,7 @@ class PrefillRoom:
         self.deadline = clock() + bootstrap_timeout_s
         self.s = TransferState(room)
         self.reservation: DecodeReservation | None = None
+        self.result = None  # the source's PrefillResult once prefilled (its prompt logprobs, for echo)
         self.outcome: TransferDone | TransferFailed | None = None
 
     @property
@@ -102,7 +103,12 @@ class PrefillRoom:
             )
             sending = True
             sums = self.source.send(room, room, reservation.ticket, plan, reservation.endpoints)
-            msg: TransferDone | TransferFailed = TransferDone(room, result.token, sums, fp)
+            self.result = result
+            first_lp = [] if result.logprob is None else result.logprob.wire()
+            more = [[t, [] if lp is None else lp.wire()] for t, lp in result.more_first]
+            msg: TransferDone | TransferFailed = TransferDone(
+                room, result.token, sums, fp, first_logprob=first_lp, more_first=more
+            )
         except _Failed as e:
             msg = TransferFailed(room, str(e))
         except SendError as e:  # every rank returned: what it posted is done or cancelled

@@ -3,6 +3,7 @@ decode engine end to end on real ranks; nothing leaks after hundreds of random a
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -67,6 +68,35 @@ def test_continuous_batching_matches_single_rank_generate(tiny_checkpoints, engi
     engine.run_until_idle()
     assert [r.output_ids for r in reqs] == want
     assert all(r.finish_reason == "length" for r in reqs)
+
+
+@pytest.mark.slow
+def test_n_choices_share_one_prompt_cache_and_equal_separate_requests(engine):
+    """One prefill for n choices: choice i (its prompt rows copied into its own pages) samples exactly
+    as a separate request with seed + i; every page and generator is released, after an abort too."""
+    prompt = [7, 8, 9, 10, 11, 12, 13]  # 7 tokens: the last page is partly filled
+    base = SamplingParams(max_tokens=6, temperature=1.0, seed=11, ignore_eos=True, logprobs=2)
+    alloc = engine.instance.allocator
+    parent = engine.submit(prompt, dataclasses.replace(base, n=3))
+    engine.run_until_idle()
+    choices = [parent, *parent.children]
+    singles = [engine.submit(prompt, base.choice_params(i)) for i in range(3)]
+    engine.run_until_idle()
+    assert [c.output_ids for c in choices] == [s.output_ids for s in singles]
+    assert len({tuple(c.output_ids) for c in choices}) == 3  # three seed streams
+    for c, s in zip(choices, singles):
+        assert [lp.logprob for lp in c.logprobs] == pytest.approx(
+            [lp.logprob for lp in s.logprobs], abs=1e-10
+        )
+    parent = engine.submit(prompt, dataclasses.replace(base, n=4, max_tokens=20))
+    engine.step()
+    engine.step()
+    assert len(parent.children) == 3 and all(c.state == "running" for c in parent.children)
+    assert engine.abort(parent.request_id) is parent
+    assert all(c.state == "aborted" for c in [parent, *parent.children])
+    engine.run_until_idle()
+    alloc.check_integrity()
+    assert alloc.num_free == alloc.num_pages and not engine.sampler._generators
 
 
 @pytest.mark.slow

@@ -132,7 +132,7 @@ def test_injected_fault_fails_only_its_request(path, single, monkeypatch):
                 continue
             want = single.generate([ids], SamplingParams(max_tokens=TOKENS, ignore_eos=True))[0]
             assert events[rid][-1] == ("finish", "length"), (rid, events[rid][-3:])
-            assert [v for k, v in events[rid] if k == "token"] == want, rid
+            assert [v for k, v, *_ in events[rid] if k == "token"] == want, rid
         alloc = engine.instance.allocator
         assert engine.scheduler.is_idle() and alloc.num_free == alloc.num_pages
         assert engine.instance.ranks.unhealthy() is None

@@ -154,12 +154,19 @@ HOSTILE = [  # (path, JSON body or raw text, content type)
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": [""]}, None),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": "y" * 5000}, None),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": 123}, None),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 2}, None),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 2, "best_of": 1}, None),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 10**9}, None),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logprobs": 5}, None),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "presence_penalty": 0.5}, None),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logprobs": 50}, None),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "presence_penalty": 2.5}, None),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "frequency_penalty": 7}, None),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"5": 100}}, None),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"5": 1000}}, None),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"-5": 1}}, None),
+    (
+        "/v1/completions",
+        {"model": "tiny", "prompt": "hi", "response_format": {"type": "regex", "regex": "("}},
+        None,
+    ),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "unknown_field": 1}, None),
     (
         "/v1/completions",
         {"model": "tiny", "prompt": "hi", "stream_options": {"include_usage": "maybe"}},
@@ -203,6 +210,13 @@ INSTANCE_HOSTILE = [  # (role, path, body)
     ("d", "/v1/generate", {"token_ids": [5], "stop_token_ids": list(range(1000))}),
     ("d", "/v1/generate", {"token_ids": [5], "stop_token_ids": [VOCAB_PROBE]}),
     ("d", "/v1/generate", {"token_ids": [5], "request_id": "a b\nc"}),
+    ("d", "/v1/generate", {"token_ids": [5], "logit_bias": [[VOCAB_PROBE, 1.0]]}),
+    ("d", "/v1/generate", {"token_ids": [5], "logit_bias": [[5, 1e9]]}),
+    ("d", "/v1/generate", {"token_ids": [5], "grammar": "not a grammar {"}),
+    ("d", "/v1/generate", {"token_ids": [5], "n": 3}),  # n > 1 needs stream: true
+    ("d", "/v1/generate", {"token_ids": [5], "n": 500, "stream": True}),
+    ("p", "/v1/prefill", {"token_ids": [5], "grammar": "not a grammar {"}),
+    ("p", "/v1/prefill", {"token_ids": [5], "logprobs": 21}),
     ("d", "/v1/generate", {"token_ids": [5], "bootstrap": "tcp://evil host:1"}),
     ("d", "/v1/generate", {"token_ids": [5], "bootstrap": "http://x:1"}),
     ("d", "/v1/generate", {"token_ids": [[5]]}),
@@ -247,16 +261,17 @@ def _steer_prompt(body: dict) -> None:
         ]
 
 
-UNSERVED = (
-    "n",
+UNSERVED = (  # refused (suffix, best_of < n) or valid only with values a schema cannot express
+    "n",  # served, but n x max_tokens of a drawn body may not fit the fixture's decode instance
     "best_of",
-    "logprobs",
-    "echo",
     "suffix",
     "logit_bias",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "top_logprobs",
+    "min_tokens",
+    "stop_token_ids",
 )
 
 

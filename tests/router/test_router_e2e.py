@@ -191,8 +191,8 @@ BAD = {
     ),
     "token id outside vocab": ({"model": "tiny", "prompt": [1, 10**6]}, 400, "prompt"),
     "no prompt": ({"model": "tiny"}, 400, "prompt"),
-    "n 2": ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n"),
-    "logprobs": ({"model": "tiny", "prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    "n 0": ({"model": "tiny", "prompt": "x", "n": 0}, 400, "n"),
+    "logprobs 21": ({"model": "tiny", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
 }
 
 

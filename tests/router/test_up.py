@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import re
 import shlex
 import signal
@@ -52,6 +53,36 @@ def run_readme_quickstart(port: int, model: str) -> None:
     with contextlib.redirect_stdout(out):
         exec(python.replace("127.0.0.1:8000", f"127.0.0.1:{port}"), {})
     assert len(out.getvalue().strip()) > 0
+
+
+def check_openai_api_through_up(client, model: str, engine: LLMEngine) -> None:
+    """The OpenAI API beyond plain sampling through `pdserve up` (tests/router/test_openai_api.py has
+    the thorough checks): logprobs equal the single-rank engine's, n = 4 seeded choices repeat,
+    a JSON-schema answer validates."""
+    import jsonschema
+    import torch
+
+    kw = dict(
+        model=model, prompt=[5, 6, 7], max_tokens=4, extra_body={"ignore_eos": True, "return_token_ids": True}
+    )
+    r = client.completions.create(**kw, temperature=0, logprobs=3)
+    ids = [5, 6, 7] + r.choices[0].model_extra["token_ids"]
+    ref = torch.log_softmax(engine.prefill_logits(ids)[2:-1].double(), -1)
+    got = r.choices[0].logprobs.token_logprobs
+    assert all(abs(g - row[t].item()) < 1e-4 for g, row, t in zip(got, ref, ids[3:], strict=True))
+    four = [c.model_extra["token_ids"] for c in client.completions.create(**kw, n=4, seed=3).choices]
+    assert four == [c.model_extra["token_ids"] for c in client.completions.create(**kw, n=4, seed=3).choices]
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    m = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "x"}], max_tokens=32, seed=1, response_format=fmt
+    )
+    jsonschema.validate(json.loads(m.choices[0].message.content), schema)
 
 
 @pytest.mark.slow
@@ -136,6 +167,8 @@ def test_up_serves_and_stops_cleanly(model_dir, tmp_path, index, transfer, stop)
                 extra_body={"ignore_eos": True, "return_token_ids": True},
             )
             assert r.choices[0].model_extra["token_ids"] == want, n
+        if transfer == "nixl" and index == "copy":
+            check_openai_api_through_up(client, model, engine)
         chat = dict(
             model=model,
             messages=[{"role": "user", "content": "Hi"}],

@@ -48,7 +48,7 @@ class FakeDestination:
         self.rooms.pop(room, None)
         return 0.0 if quiesced else 1.5
 
-    def commit(self, room, first_token):
+    def commit(self, room, first_token, more_first=()):
         self.pages.pop(room)
         self.committed[room] = first_token
         return SimpleNamespace(state="running", finish_reason=None)
@@ -78,7 +78,9 @@ class FakeSource:
 
     def prefill(self, room, token_ids, params=None):
         self.held.add(room)
-        return SimpleNamespace(token=7, slots=list(range(len(token_ids))))
+        return SimpleNamespace(
+            token=7, slots=list(range(len(token_ids))), logprob=None, prompt_logprobs=None, more_first=[]
+        )
 
     def prefill_side(self, slots):
         return PrefillSide(1, "full", 2, (), slots)
