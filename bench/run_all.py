@@ -27,6 +27,7 @@ BENCHES = (
     ("decode_dcp.py", ["--contexts", "2048", "--batches", "1", "--steps", "4", "--rounds", "1"]),
     ("transfer.py", ["--sizes", "1,64", "--tokens", "2048", "--repeats", "2", "--handoff-repeats", "2"]),
     ("serve.py", ["--quick", "--idle-wait", "5"]),
+    ("prefix_cache.py", ["--quick", "--idle-wait", "5"]),
 )
 
 

@@ -250,8 +250,20 @@ def _router_call(ctx: typer.Context, method: str, path: str, body: dict | None, 
 
 
 def topology_table(rows: list[dict]) -> str:
-    """instance, role, ranks, CP or TP/DCP sizes, index mode, KV tokens free/total, in-flight, health."""
-    head = ["instance", "role", "ranks", "sizes", "index", "kv free/total", "in-flight", "health"]
+    """instance, role, ranks, CP or TP/DCP sizes, index mode, KV tokens free/total, cached (prefix
+    cache, unreferenced) and in use, in-flight, health."""
+    head = [
+        "instance",
+        "role",
+        "ranks",
+        "sizes",
+        "index",
+        "kv free/total",
+        "cached",
+        "in use",
+        "in-flight",
+        "health",
+    ]
     lines = [head]
     for r in rows:
         sizes = (
@@ -271,6 +283,8 @@ def topology_table(rows: list[dict]) -> str:
                 sizes,
                 r.get("index_mode") or "-",
                 kv,
+                _tokens(r.get("cached_tokens")),
+                _tokens(r.get("in_use_tokens")),
                 str(r["in_flight"]),
                 health,
             ]
@@ -279,6 +293,10 @@ def topology_table(rows: list[dict]) -> str:
     return "\n".join(
         "  ".join([*(c.ljust(w) for c, w in zip(line, widths)), line[-1]]).rstrip() for line in lines
     )
+
+
+def _tokens(n: int | None) -> str:
+    return "-" if n is None else f"{n:,}"
 
 
 _JSON_HELP = "Print the router's JSON answer instead of the table."
@@ -329,6 +347,11 @@ _instance_command(
     "drain",
     "Send no new requests to an instance; its running ones finish (undo with undrain).",
     "The base URL of the instance to drain.",
+)
+_instance_command(
+    "flush",
+    "Drop an instance's prefix cache: its unreferenced cached KV pages go back to the free pool.",
+    "The base URL of the instance whose prefix cache to drop.",
 )
 _instance_command(
     "undrain", "Let a drained instance take new requests again.", "The base URL of a drained instance."

@@ -83,6 +83,12 @@ class CpuComm(str, Enum):
 class Policy(str, Enum):
     round_robin = "round_robin"
     least_load = "least_load"
+    cache_aware = "cache_aware"
+
+
+class Switch(str, Enum):
+    on = "on"
+    off = "off"
 
 
 class Discovery(str, Enum):

@@ -1,6 +1,7 @@
 """The HTTP contracts between pdserve's processes, declared once (torch-free: the router imports it).
 
 Router -> prefill: POST /v1/prefill `PrefillRequest` -> `PrefillReply`; GET /info -> `PrefillInfo`.
+Router -> either:  POST /flush_cache -> `FlushReply` (drops the instance's unreferenced prefix-cache pages).
 Router -> decode:  POST /v1/generate `GenerateRequest` -> `GenerateReply`, or with "stream": true
                    NDJSON lines `TokenEvent`* then one `FinishEvent` or `ErrorEvent` (`parse_event`);
                    POST /v1/abort `AbortRequest` -> `AbortReply`; GET /capacity -> `DecodeCapacity`.
@@ -192,6 +193,10 @@ class AbortReply(StrictModel):
     aborted: bool  # false: no such live request
 
 
+class FlushReply(StrictModel):
+    flushed_tokens: int = Field(ge=0)  # KV tokens the prefix cache gave back to the free pool
+
+
 # load answers ------------------------------------------------------------------------------------
 class RankInfo(StrictModel):
     rank: int = Field(ge=0)
@@ -208,6 +213,12 @@ class LoadAnswer(StrictModel):
     free_tokens: int | None = Field(None, ge=0)
     queued: int = Field(0, ge=0)  # requests waiting on the instance
     ranks: list[RankInfo] = Field(default_factory=list)
+    # prefix cache (engine/radix_cache.py): free + cached + in use = total
+    cached_tokens: int | None = Field(None, ge=0)  # in the prefix cache, unreferenced (evicted on demand)
+    in_use_tokens: int | None = Field(None, ge=0)  # held by requests (cached prefixes they read included)
+    prefix_cache: bool | None = None
+    prefix_hit_tokens: int | None = Field(None, ge=0)  # cumulative: prompt tokens served from the cache
+    evicted_tokens: int | None = Field(None, ge=0)  # cumulative: the router ages its model of the tree by it
 
 
 class PrefillInfo(LoadAnswer):
@@ -248,6 +259,7 @@ class DecodeCapacity(LoadAnswer):
     transfers_failed: int | None = None
     transfer_bytes: int | None = None
     transfer_seconds: float | None = None
+    transfer_skipped_bytes: int | None = None  # payload the prefix cache kept off the wire
 
 
 LOAD_PATHS = {"prefill": ("/info", PrefillInfo), "decode": ("/capacity", DecodeCapacity)}

@@ -44,6 +44,11 @@ ATTENTION_OPS_HELP = (
     "flashinfer-python installed) or auto (flashinfer where it can run, else torch). The choice and its "
     "reason are printed at startup; flashinfer where it cannot run is an error."
 )
+PREFIX_CACHE_HELP = (
+    "Prefix cache: a radix tree over token ids keeps the KV pages of finished prompts, so a prompt "
+    "that starts with a cached prefix (a shared system prompt, an earlier turn) computes only the "
+    "rest; unreferenced cached pages are evicted, least recently used first, when memory runs short."
+)
 INTERNAL_TOKEN_HELP = (
     "The internal token that authenticates pdserve's own processes to each other (instance HTTP "
     "APIs, side channel, data path); the same on the router and every instance. Default: "

@@ -15,6 +15,7 @@ from ..choices import (
     Device,
     KVCacheDType,
     ModelDType,
+    Switch,
     Transfer,
     check,
 )
@@ -27,6 +28,7 @@ from ..flags import (
     GPU_IDS_HELP,
     INTERNAL_TOKEN_HELP,
     MODEL_HELP,
+    PREFIX_CACHE_HELP,
     SHUTDOWN_GRACE_HELP,
     option,
 )
@@ -80,6 +82,12 @@ class DecodeServerConfig:
     )
     page_size: int = option(
         64, "KV slots per page; must be a multiple of --dcp-size (pages are C_d-wide).", min=1
+    )
+    prefix_cache: str = option(
+        "on",
+        PREFIX_CACHE_HELP
+        + " Here the cached pages also keep generated tokens, and a hand-off ships only the rows this instance does not hold.",
+        choices=Switch,
     )
     host: str = option("127.0.0.1", "Address the HTTP API listens on.")
     port: int = option(8200, "Port of the HTTP API.")
@@ -166,6 +174,7 @@ class DecodeServerConfig:
                 "--transfer-timeout, --heartbeat-timeout and --transfer-quarantine must be positive"
             )
         check(self.transfer, Transfer, "--transfer")
+        check(self.prefix_cache, Switch, "--prefix-cache")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"--shutdown-grace must be >= 0, got {self.shutdown_grace_s}")
         if self.data_host in _WILDCARDS:

@@ -17,18 +17,33 @@ class EngineDestination:
     def __init__(self, engine: DecodeStepDriver):
         self.engine, self.instance = engine, engine.instance
 
-    def submit(self, room: str, prompt_len: int, params: SamplingParams) -> None:
-        self.engine.submit_remote(prompt_len, params, request_id=room)
+    def submit(
+        self, room: str, prompt_len: int, params: SamplingParams, prompt_ids: list[int] | None = None
+    ) -> None:
+        self.engine.submit_remote(prompt_len, params, request_id=room, prompt_ids=prompt_ids)
 
     def admitted_pages(self, room: str) -> list[int] | None:
         req = self.engine.scheduler.waiting_for_kv.get(room)
         return None if req is None else req.pages
 
     def reserve(self, room: str, pages: list[int], prompt_len: int) -> DecodeReservation:
-        return self.instance.reservation(room, pages, prompt_len=prompt_len, expect=True)
+        """The reservation names the prompt's leading tokens this instance holds (its prefix cache):
+        the prefill sends only the rest."""
+        cached = self._cached_len(room)
+        reservation = self.instance.reservation(
+            room, pages, prompt_len=prompt_len, expect=True, cached_len=cached
+        )
+        if cached:  # what a hand-off of the cached positions alone would have carried
+            ps = self.instance.allocator.page_size
+            self.instance.handoff_skipped_bytes += self.instance.handoff_bytes(pages[: cached // ps], cached)
+        return reservation
 
-    def handoff_bytes(self, pages: list[int], prompt_len: int) -> int:
-        return self.instance.handoff_bytes(pages, prompt_len)
+    def handoff_bytes(self, pages: list[int], prompt_len: int, room: str | None = None) -> int:
+        return self.instance.handoff_bytes(pages, prompt_len, self._cached_len(room))
+
+    def _cached_len(self, room: str | None) -> int:
+        req = self.engine.scheduler.waiting_for_kv.get(room) if room is not None else None
+        return req.cached_len if req is not None else 0
 
     def fingerprint(self) -> Fingerprint:
         return self.instance.fingerprint()

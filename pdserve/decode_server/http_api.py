@@ -17,6 +17,7 @@ POST /v1/generate  {"token_ids": [...], "max_tokens": 16, "temperature", "top_p"
                    the cache comes by KV hand-off: request_id is the room the prefill is asked to
                    prefill for; a failed hand-off ends the request with an error (event).
 POST /v1/abort     {"request_id"} -> {"aborted": true | false (no such live request)}
+POST /flush_cache  -> {"flushed_tokens"}: the prefix cache's unreferenced pages go back (on the loop thread)
 
 Request lifecycle (the loop thread, loop.py, owns the instance; handlers never touch it):
 1. The handler validates the body (token ids inside the vocab, sampling params) and puts a submit
@@ -53,7 +54,7 @@ from ..contracts import (
     event_line,
 )
 from ..engine import capacity
-from ..engine.http_edge import instance_app, refuse_if_draining, too_busy
+from ..engine.http_edge import add_flush_route, instance_app, refuse_if_draining, too_busy
 from ..engine.instance_loop import Unavailable
 from ..engine.request import Overloaded, SamplingParams
 
@@ -118,6 +119,8 @@ def create_app(cfg, instance, engine_loop, dead_rank, drain=None) -> FastAPI:
     @app.post("/v1/abort")
     async def abort(body: AbortRequest) -> AbortReply:
         return AbortReply(aborted=await asyncio.wrap_future(engine_loop.abort(body.request_id)))
+
+    add_flush_route(app, engine_loop, instance.flush_cache)
 
     return app
 

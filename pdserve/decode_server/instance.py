@@ -3,6 +3,12 @@
 One global slot numbering for the whole instance (docs/design.md invariant 4): pages are page_size
 slots, page_size a multiple of C_d, so a page's slots are spread evenly over the DCP group and a
 request's token p lands on group rank p % C_d. The scheduler decides; this class executes.
+
+Prefix cache (`--prefix-cache on`, engine/radix_cache.py): the tree holds whole pages of finished
+requests (prompt and generated tokens); the scheduler locks a new request's cached prefix and
+reserves the rest, and the reservation tells the prefill side how many leading tokens it holds
+(`cached_len`, whole pages), so the hand-off ships only the rest. Cached rows stay on their ranks
+(slot s on rank s % C_d) and the new slots continue the numbering, since pages are C_d-aligned.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import torch
 
 from ..engine.launcher import LaunchConfig, RankGroup, RankInstance
 from ..engine.page_allocator import PageAllocator
+from ..engine.radix_cache import RadixCache
 from ..model.config import ModelConfig
 from ..transfer.frames import new_ticket
 from ..transfer.messages import DecodeReservation, Fingerprint, model_hash
@@ -37,7 +44,13 @@ from .rank_worker import (
 
 
 class DecodeInstance(RankInstance):
-    def __init__(self, worker: DecodeWorkerConfig, launch: LaunchConfig, page_size: int = 16):
+    def __init__(
+        self,
+        worker: DecodeWorkerConfig,
+        launch: LaunchConfig,
+        page_size: int = 16,
+        prefix_cache: bool = False,
+    ):
         if page_size % worker.dcp_size:
             raise ValueError(f"page size {page_size} must be a multiple of --dcp-size {worker.dcp_size}")
         if launch.world_size % worker.dcp_size:
@@ -49,6 +62,11 @@ class DecodeInstance(RankInstance):
             )
         self.worker, self.launch = worker, launch
         self.allocator = PageAllocator(worker.num_slots // page_size, page_size)
+        self.cache: RadixCache | None = None
+        if prefix_cache:
+            self.cache = RadixCache(page_size, self.allocator.free)
+            self.allocator.evictor = self.cache
+        self.handoff_skipped_bytes = 0  # payload the prefix cache kept off the wire (reservations)
         self.ranks = RankGroup(DecodeRankWorker, worker, launch)
         self.rank_infos: list[DecodeRankInfo] = []
         self._last_plan: tuple[tuple, list[Transfer]] | None = (
@@ -120,19 +138,22 @@ class DecodeInstance(RankInstance):
         generation: int = 0,
         prompt_len: int | None = None,
         expect: bool = False,
+        cached_len: int = 0,
     ) -> DecodeReservation:
         """A new ticket for the room, and every rank staged for it (StageCmd): each rank's endpoint,
         NIXL's with a receive region sized for the rows it stores of a prompt_len-token prompt
         (default: every reserved slot). expect: in the same round trip every rank also expects its
-        row total (expect_totals). RuntimeError, with nothing left staged, when a rank cannot."""
+        row total (expect_totals). cached_len: the first positions are held already (prefix cache,
+        whole pages): neither expected nor writable by the room. RuntimeError, with nothing left
+        staged, when a rank cannot."""
         ticket = new_ticket()  # 128 random bits: late frames of an earlier use of a room id, or frames
         # of a sender that holds another room's ticket, never match it
         n = len(pages) * self.allocator.page_size if prompt_len is None else prompt_len
         rows: dict[int, dict[str, int]] = {}
-        for t in self._any_prefill_plan(pages, n):
+        for t in self._any_prefill_plan(pages, n, cached_len):
             per = rows.setdefault(t.dst_rank, {})
             per[t.kind] = per.get(t.kind, 0) + t.rows
-        totals = self._expect_totals_cmd(room, ticket, pages, n) if expect else None
+        totals = self._expect_totals_cmd(room, ticket, pages, n, cached_len) if expect else None
         replies = self.ranks.call(StageCmd(room, ticket, rows, totals))
         errors = [f"decode rank {rank}: {r['error']}" for rank, r in enumerate(replies) if r["error"]]
         if errors:
@@ -148,6 +169,7 @@ class DecodeInstance(RankInstance):
             tuple(pages),
             {rank: r["endpoint"] for rank, r in enumerate(replies)},
             ticket,
+            cached_len,
         )
 
     def decode_side(self, pages: list[int]) -> DecodeSide:
@@ -172,32 +194,56 @@ class DecodeInstance(RankInstance):
         layout alone (a one-rank prefill plan has the same rows per destination as any other)."""
         self.ranks.call(self._expect_totals_cmd(room, ticket, pages, prompt_len))
 
-    def _expect_totals_cmd(self, room: str, ticket: bytes, pages: list[int], prompt_len: int) -> ExpectCmd:
+    def _expect_totals_cmd(
+        self, room: str, ticket: bytes, pages: list[int], prompt_len: int, cached_len: int = 0
+    ) -> ExpectCmd:
         totals: dict[int, dict[int, int]] = {}
-        for t in self._any_prefill_plan(pages, prompt_len):
+        for t in self._any_prefill_plan(pages, prompt_len, cached_len):
             per = totals.setdefault(t.dst_rank, {ANY_SRC: 0})
             per[ANY_SRC] += t.rows
-        return ExpectCmd(room, ticket, totals, self.room_slots(pages))
+        # the cached pages are shared with other requests: no frame of this room may land in them
+        return ExpectCmd(
+            room, ticket, totals, self.room_slots(pages[cached_len // self.allocator.page_size :])
+        )
 
-    def _any_prefill_plan(self, pages: list[int], prompt_len: int) -> list[Transfer]:
+    def _any_prefill_plan(self, pages: list[int], prompt_len: int, cached_len: int = 0) -> list[Transfer]:
         """A one-rank prefill's plan into these pages (rows per decode rank are the same for any prefill
         layout); the last one is kept, as a room's reservation asks for the same plan three times."""
-        key = (tuple(pages), prompt_len, self.index_mode)
+        key = (tuple(pages), prompt_len, cached_len, self.index_mode)
         if self._last_plan is None or self._last_plan[0] != key:
             cfg = self.model_config
             any_prefill = PrefillSide(1, "full", cfg.num_layers, cfg.indexer_layers, range(prompt_len))
-            self._last_plan = (key, plan_transfer(any_prefill, self.decode_side(pages), prompt_len))
+            plan = plan_transfer(any_prefill, self.decode_side(pages), prompt_len, cached_len)
+            self._last_plan = (key, plan)
         return self._last_plan[1]
 
-    def handoff_bytes(self, pages: list[int], prompt_len: int) -> int:
-        """Payload bytes a hand-off of a prompt_len-token prompt into these pages carries (rows travel
-        in the model dtype, whatever the cache stores)."""
+    def handoff_bytes(self, pages: list[int], prompt_len: int, cached_len: int = 0) -> int:
+        """Payload bytes a hand-off of positions [cached_len, prompt_len) into these pages carries
+        (rows travel in the model dtype, whatever the cache stores)."""
         cfg, itemsize = (
             self.model_config,
             torch.empty(0, dtype=getattr(torch, self.worker.dtype)).element_size(),
         )
         width = {"kv": cfg.kv_entry_dim, "index": cfg.index_head_dim}
-        return sum(t.rows * width[t.kind] * itemsize for t in self._any_prefill_plan(pages, prompt_len))
+        plan = self._any_prefill_plan(pages, prompt_len, cached_len)
+        return sum(t.rows * width[t.kind] * itemsize for t in plan)
+
+    def flush_cache(self) -> int:
+        """Drops every unreferenced page of the prefix cache (engine thread); returns the tokens freed."""
+        return self.cache.flush() * self.allocator.page_size if self.cache else 0
+
+    def cache_counters(self) -> dict:
+        """The load answer's prefix-cache fields (engine thread): free + cached + in use = total."""
+        a, cache, ps = self.allocator, self.cache, self.allocator.page_size
+        free, cached = a.num_free, cache.evictable_pages if cache else 0
+        return {
+            "cached_tokens": cached * ps,
+            "in_use_tokens": (a.num_pages - free - cached) * ps,
+            "prefix_cache": cache is not None,
+            "prefix_hit_tokens": cache.hit_tokens if cache else 0,
+            "evicted_tokens": cache.evicted_pages * ps if cache else 0,
+            "transfer_skipped_bytes": self.handoff_skipped_bytes,
+        }
 
     def transfer_status(self, room: str) -> list[dict]:
         """Every rank's receiver counters and its view of the room (the raw replies)."""

@@ -76,7 +76,9 @@ class DecodeLoop(InstanceLoop):
         if len(self.engine.scheduler.queued) >= self.max_queue:
             raise Overloaded(f"the decode queue is full ({self.max_queue} requests waiting)")
         if req.bootstrap:
-            self.remote.submit(cmd.request_id, len(req.prompt_ids), req.params, req.bootstrap)
+            self.remote.submit(
+                cmd.request_id, len(req.prompt_ids), req.params, req.bootstrap, prompt_ids=req.prompt_ids
+            )
         else:
             try:  # without a cache the engine prefills locally, here on this thread (the KV hand-off replaces it)
                 self.engine.submit(req.prompt_ids, req.params, cmd.request_id)
@@ -143,6 +145,7 @@ class DecodeLoop(InstanceLoop):
             "transfers_failed": self.remote.failed,
             "transfer_bytes": self.remote.bytes_received,
             "transfer_seconds": self.remote.transfer_seconds,
+            **self.engine.instance.cache_counters(),
         }
 
 

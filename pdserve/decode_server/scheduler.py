@@ -25,6 +25,12 @@ max_tokens = 1, or whose first token is EOS, finishes without a decode step.
 
 Only the decode loop thread (loop.py, the skeleton of engine/instance_loop.py) touches it, through
 step_driver.py: submit and abort arrive there as commands; each iteration admits and steps once.
+
+With a prefix cache (engine/radix_cache.py) and the prompt's token ids known, admission first locks
+the longest cached run of whole pages of the prompt (at most prompt_len - 1 tokens; `cached_len`)
+and reserves only the rest; the request's pages are the cached ones, then its own. A request that
+finishes (stop | length) puts the whole pages of prompt + output tokens whose cache it computed
+into the tree; an aborted or failed one only frees its own pages. Either way it unlocks its prefix.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from ..engine.page_allocator import PageAllocator
+from ..engine.radix_cache import Node, RadixCache
 from ..engine.request import SamplingParams, TokenLogprob, choice_id
 
 _ids = itertools.count()
@@ -64,6 +71,9 @@ class DecodeRequest:
     state: RequestState = RequestState.new
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None  # why it failed (state "failed")
+    prompt_ids: list[int] | None = None  # known: the prefix cache can serve and keep it
+    cached_len: int = 0  # leading prompt tokens whose pages came from the prefix cache
+    cache_node: Node | None = field(default=None, repr=False)  # locked while the request holds pages
     choice: int = 0  # n > 1: which choice; choices 1.. are "children" of choice 0 (the request itself)
     parent: str | None = None  # a child's: the request id of choice 0
     children: list["DecodeRequest"] = field(default_factory=list)  # choices 1..n-1, pages reserved with it
@@ -83,8 +93,14 @@ class DecodeRequest:
 
 
 class DecodeScheduler:
-    def __init__(self, allocator: PageAllocator, eos_ids: tuple[int, ...], max_batch: int = 64):
-        self.allocator, self.eos_ids, self.max_batch = allocator, set(eos_ids), max_batch
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        eos_ids: tuple[int, ...],
+        max_batch: int = 64,
+        cache: RadixCache | None = None,
+    ):
+        self.allocator, self.eos_ids, self.max_batch, self.cache = allocator, set(eos_ids), max_batch, cache
         self.queued: deque[DecodeRequest] = deque()  # accepted, no pages yet
         self.waiting_for_kv: dict[str, DecodeRequest] = {}
         self.running: list[DecodeRequest] = []
@@ -115,10 +131,9 @@ class DecodeScheduler:
         admitted = []
         while self.queued and len(self.running) + len(self.waiting_for_kv) < self.max_batch:
             req = self.queued[0]
-            if not self.allocator.can_allocate(self._tokens_for(req)):
+            if not self._reserve(req):
                 break
             self.queued.popleft()
-            req.pages = self.allocator.allocate(req.num_slots_needed)
             req.children = [
                 DecodeRequest(
                     req.prompt_len,
@@ -135,6 +150,38 @@ class DecodeScheduler:
             self.waiting_for_kv[req.request_id] = req
             admitted.append(req)
         return admitted
+
+    def _reserve(self, req: DecodeRequest) -> bool:
+        """Pages for the request (its cached prefix locked first); False when they do not fit yet."""
+        if self.cache is None or not req.prompt_ids:
+            if not self.allocator.can_allocate(self._tokens_for(req)):
+                return False
+            req.pages = self.allocator.allocate(req.num_slots_needed)
+            return True
+        match = self.cache.match(req.prompt_ids[: req.prompt_len - 1], count=False)
+        self.cache.lock(match.node)
+        cached = match.num_pages * self.allocator.page_size
+        if not self.allocator.can_allocate(self._tokens_for(req) - cached):  # choices 1.. get their own pages
+            self.cache.unlock(match.node)
+            return False
+        self.cache.hit_tokens += cached
+        req.pages = match.pages + self.allocator.allocate(req.num_slots_needed - cached)
+        req.cached_len, req.cache_node = cached, match.node
+        return True
+
+    def _release(self, req: DecodeRequest, reason: str, hold_s: float) -> None:
+        """The request's own pages go back (or, finished, its computed whole pages join the tree)."""
+        node, req.cache_node = req.cache_node, None
+        if node is None:
+            self.allocator.free(req.pages, hold_s)
+            return
+        own = req.pages[req.cached_len // self.allocator.page_size :]
+        if reason in ("stop", "length") and hold_s == 0:
+            computed = req.prompt_ids + req.output_ids[:-1]  # the last token is never cached
+            self.allocator.free(self.cache.insert(computed, req.pages))
+        else:
+            self.allocator.free(own, hold_s)
+        self.cache.unlock(node)
 
     def kv_ready(self, request_id: str, first_token: int, more_first: list[int] = ()) -> DecodeRequest:
         """The cache is in place (copied into the children's pages for n > 1) and the prefill
@@ -173,7 +220,7 @@ class DecodeScheduler:
         if req in self.queued:
             self.queued.remove(req)
         if req.pages:
-            self.allocator.free(req.pages, hold_s)
+            self._release(req, reason, hold_s)
             req.pages = []
         for child in req.children:  # choices that never started share the request's fate
             if child.state == RequestState.waiting_for_kv:

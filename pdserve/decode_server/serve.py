@@ -42,7 +42,7 @@ def build_instance(cfg: DecodeServerConfig) -> DecodeInstance:
         float32_islands=not cfg.exact_dtype,
     )
     launch = LaunchConfig.of_server(cfg, cfg.tp_size)
-    return DecodeInstance(worker, launch, page_size=cfg.page_size)
+    return DecodeInstance(worker, launch, page_size=cfg.page_size, prefix_cache=cfg.prefix_cache == "on")
 
 
 def serve(cfg: DecodeServerConfig) -> None:

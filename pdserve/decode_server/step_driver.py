@@ -21,7 +21,9 @@ from .scheduler import DecodeRequest, DecodeScheduler
 class DecodeStepDriver:
     def __init__(self, instance: DecodeInstance, max_batch: int = 64):
         self.instance = instance
-        self.scheduler = DecodeScheduler(instance.allocator, instance.model_config.eos_token_ids, max_batch)
+        self.scheduler = DecodeScheduler(
+            instance.allocator, instance.model_config.eos_token_ids, max_batch, cache=instance.cache
+        )
         mcfg = instance.model_config
         grammars = Grammars(instance.worker.model_dir, mcfg.vocab_size, mcfg.eos_token_ids)
         self.sampler = Sampler(grammars, mcfg.eos_token_ids)
@@ -70,11 +72,18 @@ class DecodeStepDriver:
         return req
 
     def submit_remote(
-        self, prompt_len: int, params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt_len: int,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        prompt_ids: list[int] | None = None,
     ) -> DecodeRequest:
         """Accepts a request whose cache a KV hand-off will deliver: once admitted it waits in
-        waiting_for_kv until `kv_ready()` (after a verified transfer) or `abort()`."""
-        req = DecodeRequest(prompt_len, params or SamplingParams())
+        waiting_for_kv until `kv_ready()` (after a verified transfer) or `abort()`. prompt_ids (its
+        length prompt_len): the prefix cache may serve its leading pages (decode_server/scheduler.py)."""
+        if prompt_ids is not None and len(prompt_ids) != prompt_len:
+            raise ValueError(f"{len(prompt_ids)} prompt ids for a {prompt_len}-token prompt")
+        req = DecodeRequest(prompt_len, params or SamplingParams(), prompt_ids=prompt_ids)
         if request_id:
             req.request_id = request_id
         self.scheduler.submit(req)

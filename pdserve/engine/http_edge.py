@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .auth import bearer_ok
+from .instance_loop import Unavailable
 from .watchdog import add_health_route
 
 log = logging.getLogger("pdserve.http")
@@ -188,6 +190,19 @@ def instance_app(title: str, token: str | None, dead_rank, drain=None) -> FastAP
         return {"status": "ok"}
 
     return app
+
+
+def add_flush_route(app: FastAPI, loop, flush: Callable[[], int]) -> None:
+    """POST /flush_cache -> {"flushed_tokens"} (contracts.FlushReply): flush() -- the prefix cache's
+    unreferenced pages go back to the free pool -- runs on the instance's loop thread, which alone
+    owns the instance (engine/instance_loop.py `call`); 503 once the loop has stopped."""
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> dict:
+        try:
+            return {"flushed_tokens": int(await asyncio.wrap_future(loop.call(flush)))}
+        except Unavailable as e:
+            raise StarletteHTTPException(503, str(e)) from None
 
 
 def refuse_if_draining(drain) -> None:

@@ -50,6 +50,12 @@ class Abort:
     done: Future  # True when the request was live
 
 
+@dataclass
+class Call:
+    fn: Callable[[], object]  # runs on the loop thread (it owns the instance), e.g. a prefix-cache flush
+    done: Future  # fn's result, or its exception (Unavailable when the loop has stopped)
+
+
 class InstanceLoop:
     """The loop thread. submit(), abort(), busy() and stop() are thread-safe; the rest runs on the thread.
 
@@ -76,6 +82,10 @@ class InstanceLoop:
     def abort(self, request_id: str) -> Future:
         return self._put(Abort(request_id, Future()))
 
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Runs fn() on the loop thread between two iterations; its Future holds the result."""
+        return self._put(Call(fn, Future()))
+
     def busy(self) -> int:
         """Requests accepted or on their way in: a draining server waits for 0."""
         return len(self.listeners) + self.commands.qsize()
@@ -96,7 +106,7 @@ class InstanceLoop:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def _put(self, cmd: Submit | Abort) -> Future:
+    def _put(self, cmd: Submit | Abort | Call) -> Future:
         with self._lock:
             if self._closed:
                 self._refuse(cmd)
@@ -104,9 +114,11 @@ class InstanceLoop:
                 self.commands.put(cmd)
         return cmd.accepted if isinstance(cmd, Submit) else cmd.done
 
-    def _refuse(self, cmd: Submit | Abort) -> None:
+    def _refuse(self, cmd: Submit | Abort | Call) -> None:
         if isinstance(cmd, Submit):
             cmd.accepted.set_exception(Unavailable(f"the {self.role} instance is shutting down"))
+        elif isinstance(cmd, Call):
+            cmd.done.set_exception(Unavailable(f"the {self.role} instance is shutting down"))
         else:
             cmd.done.set_result(False)
 
@@ -141,7 +153,13 @@ class InstanceLoop:
         except queue.Empty:
             pass
 
-    def _handle(self, cmd: Submit | Abort) -> None:
+    def _handle(self, cmd: Submit | Abort | Call) -> None:
+        if isinstance(cmd, Call):
+            try:
+                cmd.done.set_result(cmd.fn())
+            except Exception as e:
+                cmd.done.set_exception(e)
+            return
         if isinstance(cmd, Abort):
             was_live = self.cancel(cmd.request_id)
             self.emit(cmd.request_id, ("finish", "abort"))

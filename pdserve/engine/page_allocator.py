@@ -21,6 +21,9 @@ class PageAllocator:
         self._free: deque[int] = deque(range(num_pages))
         self._used: set[int] = set()
         self._held: list[tuple[float, list[int]]] = []  # (until, pages): freed, not yet reusable
+        # A prefix cache (engine/radix_cache.py) whose unreferenced pages count as available: when
+        # the free list runs short, allocate() asks it to evict (it frees them back here).
+        self.evictor = None
 
     @property
     def num_free(self) -> int:
@@ -35,12 +38,19 @@ class PageAllocator:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    @property
+    def num_available(self) -> int:
+        """Free pages plus the ones a prefix cache would evict on demand."""
+        return self.num_free + (self.evictor.evictable_pages if self.evictor is not None else 0)
+
     def can_allocate(self, num_tokens: int) -> bool:
-        return self.pages_for(num_tokens) <= self.num_free
+        return self.pages_for(num_tokens) <= self.num_available
 
     def allocate(self, num_tokens: int) -> list[int]:
         self._reclaim()
         n = self.pages_for(num_tokens)
+        if n > len(self._free) and self.evictor is not None:
+            self.evictor.evict(n - len(self._free))
         if n > len(self._free):
             raise OutOfPages(f"need {n} pages for {num_tokens} tokens, {len(self._free)} free")
         pages = [self._free.popleft() for _ in range(n)]

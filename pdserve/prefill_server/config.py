@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from ..choices import AttentionOps, CacheMode, Device, Layout, ModelDType, Transfer, check
+from ..choices import AttentionOps, CacheMode, Device, Layout, ModelDType, Switch, Transfer, check
 from ..engine.placement import check_device_fields
 from ..flags import (
     ATTENTION_OPS_HELP,
@@ -17,6 +17,7 @@ from ..flags import (
     GPU_IDS_HELP,
     INTERNAL_TOKEN_HELP,
     MODEL_HELP,
+    PREFIX_CACHE_HELP,
     SHUTDOWN_GRACE_HELP,
     option,
 )
@@ -42,6 +43,7 @@ class PrefillServerConfig:
         "Prompt tokens per prefill chunk; each chunk is split across the ranks, earlier chunks are read from the cache.",
         min=1,
     )
+    prefix_cache: str = option("on", PREFIX_CACHE_HELP, choices=Switch)
     moe_tp: bool = option(
         False,
         "Split MLP/MoE weights across the ranks (all-gather tokens, reduce-scatter outputs) instead of replicating them.",
@@ -94,6 +96,7 @@ class PrefillServerConfig:
             raise ValueError(f"--cp-size must be >= 1, got {self.cp_size}")
         check(self.cache, CacheMode, "--cache")
         check(self.cp_layout, Layout, "--cp-layout")
+        check(self.prefix_cache, Switch, "--prefix-cache")
         check(self.transfer, Transfer, "--transfer")
         check_device_fields(self, self.cp_size)  # fills dtype "" with the device's default
         check(self.dtype, ModelDType, "--dtype")

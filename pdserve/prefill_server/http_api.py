@@ -5,6 +5,7 @@ GET  /health      200 when every rank is alive, 503 with the failed rank otherwi
                   {"status": "draining"} after SIGTERM (new requests get 503, running ones finish)
 GET  /info        model, ranks (pid, cache bytes, layers held), layout, storage, free / total KV tokens,
                   queued requests (also as `queue_depth`, the old name, for one release)
+POST /flush_cache -> {"flushed_tokens"}: the prefix cache's unreferenced pages go back to the free pool
 POST /v1/prefill  {"token_ids": [...], "temperature", "top_p", "top_k", "seed", "request_id"?,
                    "chunk_size"?, "handoff"?} -> {"request_id", "first_token", "prompt_tokens", "seconds"}
                   (bodies and answers: pdserve/contracts.py)
@@ -26,7 +27,7 @@ import time
 from fastapi import FastAPI, HTTPException
 
 from ..contracts import Logprob, PrefillInfo, PrefillReply, PrefillRequest
-from ..engine.http_edge import instance_app, refuse_if_draining, too_busy
+from ..engine.http_edge import add_flush_route, instance_app, refuse_if_draining, too_busy
 from ..engine.instance_loop import Unavailable
 from ..engine.request import Overloaded
 from .loop import PrefillLoop
@@ -51,6 +52,8 @@ def create_app(
         bootstrap = prefill_loop.bootstrap.endpoint if prefill_loop.bootstrap is not None else None
         queued = prefill_loop.scheduler.queue_depth
         return PrefillInfo(**instance.info(), queued=queued, queue_depth=queued, bootstrap=bootstrap)
+
+    add_flush_route(app, prefill_loop, instance.flush_cache)
 
     @app.post("/v1/prefill")
     async def prefill(body: PrefillRequest) -> PrefillReply:

@@ -3,15 +3,26 @@
 Every rank holds the same slot numbering (full cache) or the same numbering for its own layers
 (layer-split), so one PageAllocator here serves all of them. A request's pages stay held after its
 prefill until `release()`: the KV hand-off reads them before they are freed.
+
+Prefix cache (`--prefix-cache on`, engine/radix_cache.py): `prefill()` looks the prompt up in the
+radix tree, locks the longest cached run of whole pages (at most len - 1 tokens: the last position
+is always computed, it gives the first token) and prefills only the rest, split across the ranks by
+the layout as any chunk is (the cached positions are read, never recomputed). `release()` inserts
+the prompt's whole pages into the tree (the pages of a prefix it already held are freed as
+duplicates, as is the partial last page) and unlocks. Unreferenced cached pages count as available:
+the allocator evicts the least recently used ones when it runs short. The tree is touched by the
+worker thread and by admin calls (`capacity`, `flush_cache`), so every change holds `_lock`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from dataclasses import asdict, dataclass, field
 
 from ..engine.launcher import LaunchConfig, RankGroup, RankInstance
 from ..engine.page_allocator import PageAllocator
+from ..engine.radix_cache import Node, RadixCache
 from ..engine.request import SamplingParams
 from ..model.config import ModelConfig
 from ..transfer.messages import DecodeReservation, Fingerprint, model_hash
@@ -28,6 +39,7 @@ class PrefillResult:
     token: int
     logits: object  # torch.Tensor [vocab] when asked for, else None
     slots: list[int]
+    cached_len: int = 0  # leading positions read from the prefix cache, not computed
     rank_seconds: tuple[float, ...] = ()  # each rank's wall time in the prefill
     rank_comm_seconds: tuple[float, ...] = ()  # of which in the CP collectives
     logprob: object = None  # TokenLogprob of the first token, with params.logprobs
@@ -37,7 +49,12 @@ class PrefillResult:
 
 class PrefillInstance(RankInstance):
     def __init__(
-        self, worker: PrefillWorkerConfig, launch: LaunchConfig, page_size: int = 16, chunk_size: int = 4096
+        self,
+        worker: PrefillWorkerConfig,
+        launch: LaunchConfig,
+        page_size: int = 16,
+        chunk_size: int = 4096,
+        prefix_cache: bool = False,
     ):
         self.model_config = ModelConfig.from_pretrained(worker.model_dir)
         check_layout_allowed(self.model_config.model_type, worker.layout)
@@ -48,6 +65,12 @@ class PrefillInstance(RankInstance):
         self.ranks = RankGroup(PrefillRankWorker, worker, launch)
         self.held: dict[str, list[int]] = {}  # request id -> pages, until release()
         self.rank_infos: list[PrefillRankInfo] = []
+        self.cache: RadixCache | None = None
+        if prefix_cache:
+            self.cache = RadixCache(page_size, self.allocator.free)
+            self.allocator.evictor = self.cache
+        self._cached: dict[str, tuple[list[int], Node]] = {}  # held request -> (prompt, locked node)
+        self._lock = threading.RLock()
 
     def info(self) -> dict:
         return {
@@ -59,9 +82,29 @@ class PrefillInstance(RankInstance):
             "chunk_size": self.chunk_size,
             "dtype": self.worker.dtype,
             "ranks": [asdict(r) for r in self.rank_infos],
-            "free_tokens": self.allocator.num_free * self.allocator.page_size,
-            "total_tokens": self.allocator.num_pages * self.allocator.page_size,
+            **self.capacity(),
         }
+
+    def capacity(self) -> dict:
+        """KV tokens: total = free + cached (in the prefix cache, unreferenced: evicted on demand)
+        + in use (held by requests, cached prefixes they read included); prefix counters."""
+        with self._lock:
+            a, cache, ps = self.allocator, self.cache, self.allocator.page_size
+            free, cached = a.num_free, cache.evictable_pages if cache else 0
+            return {
+                "free_tokens": free * ps,
+                "total_tokens": a.num_pages * ps,
+                "cached_tokens": cached * ps,
+                "in_use_tokens": (a.num_pages - free - cached) * ps,
+                "prefix_cache": cache is not None,
+                "prefix_hit_tokens": cache.hit_tokens if cache else 0,
+                "evicted_tokens": cache.evicted_pages * ps if cache else 0,
+            }
+
+    def flush_cache(self) -> int:
+        """Drops every unreferenced page of the prefix cache; returns the tokens freed."""
+        with self._lock:
+            return self.cache.flush() * self.allocator.page_size if self.cache else 0
 
     def prefill(
         self,
@@ -83,7 +126,13 @@ class PrefillInstance(RankInstance):
         bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
         if not token_ids or bad:
             raise ValueError("token_ids must be non-empty ids inside the vocabulary")
-        pages = self._pages_for(token_ids, prefix_of, cached_len)
+        if prefix_of is None and self.cache is not None:
+            # prompt logprobs (echo) need every position computed: such a prompt is cached, never served
+            reuse = params is None or params.prompt_logprobs is None
+            pages, cached_len = self._cached_pages_for(request_id, token_ids, reuse)
+        else:
+            with self._lock:
+                pages = self._pages_for(token_ids, prefix_of, cached_len)
         try:
             slots = self.allocator.slots(pages, 0, len(token_ids))
             cmd = PrefillCmd(
@@ -97,7 +146,7 @@ class PrefillInstance(RankInstance):
             )
             replies = self.ranks.call(cmd)
         except BaseException:
-            self.allocator.free(pages)
+            self._drop(request_id, pages, cached_len)
             raise
         self.held[request_id] = pages
         owner = next(r for r in replies if r.token is not None)
@@ -106,6 +155,7 @@ class PrefillInstance(RankInstance):
             owner.token,
             owner.logits,
             slots,
+            cached_len,
             tuple(r.seconds for r in replies),
             tuple(r.comm_seconds for r in replies),
             owner.logprob,
@@ -129,10 +179,59 @@ class PrefillInstance(RankInstance):
         self.allocator.free(prefix_pages[cached_len // ps :])
         return keep + self.allocator.allocate(len(token_ids) - cached_len)
 
+    def _cached_pages_for(
+        self, request_id: str, token_ids: list[int], reuse: bool = True
+    ) -> tuple[list[int], int]:
+        """(pages, cached_len): the cached whole pages of the longest prefix (locked; none without
+        reuse) + new pages."""
+        with self._lock:
+            match = self.cache.match(token_ids[: len(token_ids) - 1] if reuse else [], count=False)
+            self.cache.lock(match.node)
+            cached_len = match.num_pages * self.allocator.page_size
+            try:
+                pages = match.pages + self.allocator.allocate(len(token_ids) - cached_len)
+            except BaseException:  # OutOfPages: the scheduler retries later (counted once, then)
+                self.cache.unlock(match.node)
+                raise
+            self.cache.hit_tokens += cached_len
+            self._cached[request_id] = (list(token_ids), match.node)
+            return pages, cached_len
+
+    def _drop(self, request_id: str, pages: list[int], cached_len: int) -> None:
+        """A prefill that failed: its own pages go back, its cached prefix is unlocked."""
+        with self._lock:
+            cached = self._cached.pop(request_id, None)
+            if cached is None:
+                self.allocator.free(pages)
+                return
+            self.allocator.free(pages[cached_len // self.allocator.page_size :])
+            self.cache.unlock(cached[1])
+
     def release(self, request_id: str) -> None:
-        pages = self.held.pop(request_id, None)
-        if pages is not None:
-            self.allocator.free(pages)
+        """The request's pages go back; with the prefix cache its whole pages join the tree."""
+        with self._lock:
+            pages = self.held.pop(request_id, None)
+            if pages is None:
+                return
+            cached = self._cached.pop(request_id, None)
+            if cached is None:
+                self.allocator.free(pages)
+                return
+            token_ids, node = cached
+            self.allocator.free(self.cache.insert(token_ids, pages))
+            self.cache.unlock(node)
+
+    def check_idle(self) -> None:
+        """No request holds a page: every page is free or in the prefix cache, unreferenced
+        (docs/design.md invariant 7). AssertionError otherwise."""
+        with self._lock:
+            self.allocator.check_integrity()
+            assert not self.held and not self._cached, f"requests still hold pages: {sorted(self.held)}"
+            cached = self.cache.cached_pages if self.cache else 0
+            assert self.cache is None or self.cache.protected_pages == 0, "a cached prefix is still locked"
+            if self.cache is not None:
+                self.cache.check_integrity()
+            assert self.allocator.num_free + self.allocator.num_held + cached == self.allocator.num_pages
 
     def dump_cache(self, slots: list[int]) -> list[dict]:
         """Every rank's cache entries at these slots, per layer it holds (for checks)."""

@@ -39,7 +39,13 @@ def build_instance(cfg: PrefillServerConfig) -> PrefillInstance:
         float32_islands=not cfg.exact_dtype,
     )
     launch = LaunchConfig.of_server(cfg, cfg.cp_size)
-    return PrefillInstance(worker, launch, page_size=cfg.page_size, chunk_size=cfg.chunk_size)
+    return PrefillInstance(
+        worker,
+        launch,
+        page_size=cfg.page_size,
+        chunk_size=cfg.chunk_size,
+        prefix_cache=cfg.prefix_cache == "on",
+    )
 
 
 def serve(cfg: PrefillServerConfig) -> None:

@@ -6,6 +6,8 @@ POST /admin/add       {"role": "prefill" | "decode", "url"} -> the new row (poll
 POST /admin/remove    {"url"} -> the removed row; its running requests finish
 POST /admin/drain     {"url"} -> the row; no new requests go to it, running ones finish
 POST /admin/undrain   {"url"} -> the row; it takes requests again
+POST /admin/flush     {"url"} -> the row (polled after) + "flushed_tokens": the instance drops its
+                      prefix cache's unreferenced pages (POST /flush_cache), the router its model of it
 
 Without a configured token (--admin-token / PDSERVE_ADMIN_TOKEN) every route answers 404; with
 one, a missing or wrong `Authorization: Bearer <token>` gets 401.
@@ -18,6 +20,7 @@ import secrets
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel
 
+from ..contracts import FlushReply
 from .protocol import ApiError
 
 
@@ -89,6 +92,20 @@ def admin_router(token: str | None) -> APIRouter:
         inst = _lookup(pool(request).get, body.url)
         inst.draining = False
         return inst.summary()
+
+    @router.post("/flush")
+    async def flush(body: UrlBody, request: Request):
+        inst, client = _lookup(pool(request).get, body.url), request.app.state.router.client
+        try:
+            r = await client.post(f"{inst.url}/flush_cache", timeout=30)
+            r.raise_for_status()
+            flushed = FlushReply.model_validate_json(r.content).flushed_tokens
+        except Exception as e:  # unreachable, an error answer, or not the contract
+            raise ApiError(502, f"flush of {inst.url} failed: {type(e).__name__}: {e}"[:500]) from None
+        if pool(request).cache_aware is not None:
+            pool(request).cache_aware.forget(inst.url)
+        await pool(request).poll(client, inst)
+        return {**inst.summary(), "flushed_tokens": flushed}
 
     return router
 

@@ -61,8 +61,9 @@ class RouterState:
         self.cfg, self.client = cfg, client
         self.tokenizer = Tokenizer.from_pretrained(cfg.model)
         self.model_type = _model_type(cfg.model)  # picks the tool-call and reasoning markup
-        self.pool = Pool(cfg.prefill, cfg.decode, cfg.policy, cfg.max_in_flight)
+        self.pool = Pool(cfg.prefill, cfg.decode, cfg.policy, cfg.max_in_flight, cfg.cache_balance_threshold)
         self.metrics = Metrics()
+        self.metrics.cache_aware = self.pool.cache_aware
         self.orch = Orchestrator(
             self.pool,
             client,

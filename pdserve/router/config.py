@@ -41,8 +41,13 @@ class RouterConfig:
     )
     policy: str = option(
         "round_robin",
-        "How an instance is chosen: round_robin, or least_load (fewest in-flight requests, then shortest queue / most free KV tokens).",
+        "How an instance is chosen: round_robin; least_load (fewest in-flight requests, then shortest queue / most free KV tokens); or cache_aware (the instance whose prefix cache is expected to hold the longest prefix of the prompt, from the prompts routed there and the evictions it reports, unless it is overloaded; else least_load).",
         choices=Policy,
+    )
+    cache_balance_threshold: int = option(
+        4,
+        "cache_aware: the best-matching instance is passed over for least_load's choice when its load (requests in flight + queued) exceeds the least loaded one's by more than this.",
+        min=0,
     )
     host: str = option("127.0.0.1", "Address the OpenAI-compatible API listens on.")
     port: int = option(8000, "Port of the OpenAI-compatible API.")

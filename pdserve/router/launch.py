@@ -28,7 +28,7 @@ from typing import Optional
 
 import httpx
 
-from ..choices import AttentionOps, DcpIndex, Device, Policy, Restart, Transfer
+from ..choices import AttentionOps, DcpIndex, Device, Policy, Restart, Switch, Transfer
 from ..engine.auth import INTERNAL_TOKEN_ENV, new_token
 from ..engine.placement import check_attention_ops, check_device, parse_gpu_ids
 from ..flags import ATTENTION_OPS_HELP, DEVICE_HELP, option
@@ -71,8 +71,11 @@ class StackConfig:
         cli_type=Optional[int],
     )
     policy: str = option(
-        "round_robin", "The router's choice of instances: round_robin or least_load.", choices=Policy
+        "round_robin",
+        "The router's choice of instances: round_robin, least_load or cache_aware (longest expected prefix-cache match unless overloaded).",
+        choices=Policy,
     )
+    prefix_cache: str = option("on", "Every instance's --prefix-cache: on or off.", choices=Switch)
     host: str = option("127.0.0.1", "Address the router's OpenAI-compatible API listens on.")
     port: int = option(8000, "Port of the router's OpenAI-compatible API.")
     admin_token: str | None = option(  # reaches the router through its environment
@@ -256,7 +259,9 @@ class Stack:
 
     def _prefill_args(self) -> list[str]:
         # residues = C_d: each decode rank's rows are contiguous in the prefill cache
-        return ["prefill", "--cp-size", str(self.cfg.prefill_cp), "--kv-residues", str(self.cfg.decode_dcp)]
+        c = self.cfg
+        args = ["prefill", "--cp-size", str(c.prefill_cp), "--kv-residues", str(c.decode_dcp)]
+        return args + ["--prefix-cache", c.prefix_cache]
 
     def _decode_args(self) -> list[str]:
         c = self.cfg
@@ -271,6 +276,8 @@ class Stack:
             c.dcp_index,
             "--page-size",
             str(page),
+            "--prefix-cache",
+            c.prefix_cache,
         ]
 
     def start_router(self, prefill: list[Child], decode: list[Child]) -> Child:

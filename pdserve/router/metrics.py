@@ -2,8 +2,10 @@
 
 Histograms: time to first token, inter-token latency, end-to-end latency, prefill answer time
 (prefill request sent -> cache shipped). Counters: requests by outcome, retries by the role that
-failed. Gauges come from the pool's last poll at scrape time: health, queue depth, free and
-total KV tokens, in-flight and served requests, completed and failed KV hand-offs per instance.
+failed. Gauges come from the pool's last poll at scrape time: health, queue depth, free, cached and
+total KV tokens, in-flight and served requests, completed and failed KV hand-offs per instance, and
+the prefix caches' hit tokens and the hand-off bytes they kept off the wire; with `cache_aware`, the
+prefix tokens its choices expected to hit.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class Metrics:
         self.rejections = {r: 0 for r in REJECTIONS}
         self.tokens = 0
         self.queued = lambda: 0  # requests waiting for an instance with room (set by the app)
+        self.cache_aware = None  # router/cache_aware.py's policy, when --policy cache_aware (set by the app)
 
     def finished(self, outcome: str) -> None:
         self.requests[outcome] += 1
@@ -108,6 +111,15 @@ class Metrics:
             "# TYPE pdserve_router_generated_tokens_total counter",
             f"pdserve_router_generated_tokens_total {self.tokens}",
         ]
+        if self.cache_aware is not None:
+            lines += [
+                "# HELP pdserve_router_prefix_match_tokens_total Prompt tokens cache_aware expected the chosen instances' prefix caches to hold.",
+                "# TYPE pdserve_router_prefix_match_tokens_total counter",
+                f"pdserve_router_prefix_match_tokens_total {self.cache_aware.match_tokens}",
+                "# HELP pdserve_router_cache_aware_balanced_total Choices where the best match was overloaded and least_load chose.",
+                "# TYPE pdserve_router_cache_aware_balanced_total counter",
+                f"pdserve_router_cache_aware_balanced_total {self.cache_aware.balanced}",
+            ]
         lines += _instance_gauges(list(instances))
         return "\n".join(lines) + "\n"
 
@@ -143,6 +155,21 @@ def _instance_gauges(instances) -> list[str]:
             "pdserve_instance_kv_free_tokens",
             "Free KV cache tokens at the last poll.",
             lambda i: i.value("free_tokens"),
+        ),
+        (
+            "pdserve_instance_kv_cached_tokens",
+            "KV tokens in the instance's prefix cache, unreferenced (evicted on demand), at the last poll.",
+            lambda i: i.value("cached_tokens"),
+        ),
+        (
+            "pdserve_instance_prefix_hit_tokens",
+            "Prompt tokens the instance's prefix cache served (its own count).",
+            lambda i: i.value("prefix_hit_tokens"),
+        ),
+        (
+            "pdserve_instance_transfer_skipped_bytes",
+            "KV cache bytes hand-offs did not ship because the decode instance's prefix cache held them.",
+            lambda i: i.value("transfer_skipped_bytes"),
         ),
         (
             "pdserve_instance_kv_total_tokens",

@@ -117,7 +117,7 @@ class Orchestrator:
             if attempt:
                 await asyncio.sleep(min(self.backoff_s * 2 ** (attempt - 1), _left(deadline)))
             try:
-                prefill, decode = await self._pick(len(prompt), params, avoid, deadline)
+                prefill, decode = await self._pick(prompt, params, avoid, deadline)
             except NoInstance:
                 if last is None:
                     raise
@@ -140,14 +140,16 @@ class Orchestrator:
             raise Overloaded(f"every instance tried is full ({last})")
         raise RequestFailed(f"failed after {attempt + 1} tries: {last}")
 
-    async def _pick(self, prompt_len: int, params: GenParams, avoid: set[str], deadline: float):
+    async def _pick(self, prompt: list[int], params: GenParams, avoid: set[str], deadline: float):
         """A (prefill, decode) pair with room, waiting for one while at most max_queue others wait."""
-        queued = False
+        queued, prompt_len = False, len(prompt)
         try:
             while True:
                 try:
-                    decode = self.pool.pick("decode", params.n * (prompt_len + params.max_tokens), avoid)
-                    return self.pool.pick("prefill", prompt_len, avoid), decode
+                    decode = self.pool.pick(
+                        "decode", params.n * (prompt_len + params.max_tokens), avoid, prompt
+                    )
+                    return self.pool.pick("prefill", prompt_len, avoid, prompt), decode
                 except Saturated:
                     if not queued:
                         if self.queued >= self.max_queue:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import httpx
 
 from ..contracts import LOAD_PATHS, LoadAnswer
+from .cache_aware import CacheAwarePolicy, prefix_hashes
 
 ROLES = ("prefill", "decode")
 
@@ -68,7 +69,7 @@ class Instance:
         queued = self.value("queued") or 0
         if self.role == "prefill":
             return (self.in_flight, queued)
-        return (self.in_flight, queued, -(self.value("free_tokens") or 0))
+        return (self.in_flight, queued, -_available(self))
 
     def summary(self) -> dict:
         """One topology row (the admin API's and `pdserve admin topology`'s)."""
@@ -83,6 +84,9 @@ class Instance:
             "served": self.served,
             "ranks": len(v("ranks") or []),
             "free_tokens": v("free_tokens"),
+            "cached_tokens": v("cached_tokens"),  # prefix cache, unreferenced
+            "in_use_tokens": v("in_use_tokens"),
+            "prefix_hit_tokens": v("prefix_hit_tokens"),
             "total_tokens": v("total_tokens"),
             "queued": v("queued"),
         }
@@ -99,10 +103,16 @@ class Pool:
     """All instances of both roles, the selection policy, and the health loop."""
 
     def __init__(
-        self, prefill: tuple[str, ...], decode: tuple[str, ...], policy: str, max_in_flight: int = 1 << 30
+        self,
+        prefill: tuple[str, ...],
+        decode: tuple[str, ...],
+        policy: str,
+        max_in_flight: int = 1 << 30,
+        balance_threshold: int = 4,
     ):
         self.instances: dict[str, Instance] = {}
         self.policy, self.max_in_flight = policy, max_in_flight
+        self.cache_aware = CacheAwarePolicy(balance_threshold) if policy == "cache_aware" else None
         self._room: asyncio.Event | None = None  # set (and replaced) whenever a request leaves an instance
         self._turn = {role: itertools.count() for role in ROLES}
         for role, urls in (("prefill", prefill), ("decode", decode)):
@@ -130,6 +140,8 @@ class Pool:
     def remove(self, url: str) -> Instance:
         inst = self.get(url)
         del self.instances[inst.url]
+        if self.cache_aware is not None:
+            self.cache_aware.forget(inst.url)
         return inst
 
     def of(self, role: str) -> list[Instance]:
@@ -139,10 +151,15 @@ class Pool:
         return all(any(i.usable for i in self.of(role)) for role in ROLES)
 
     # choice -------------------------------------------------------------------------------
-    def pick(self, role: str, need_tokens: int, avoid: set[str] = frozenset()) -> Instance:
-        """An instance of `role` for a request of `need_tokens` KV slots (prompt + max_tokens on a decode)."""
+    def pick(
+        self, role: str, need_tokens: int, avoid: set[str] = frozenset(), prompt: list[int] | None = None
+    ) -> Instance:
+        """An instance of `role` for a request of `need_tokens` KV slots (prompt + max_tokens on a
+        decode); `prompt` (its token ids): for cache_aware (router/cache_aware.py)."""
         fresh = self.candidates(role, need_tokens, avoid)
-        if self.policy == "least_load":
+        if self.cache_aware is not None and prompt is not None:
+            return self.cache_aware.choose(fresh, prefix_hashes(prompt), Instance.load, _busy)
+        if self.policy in ("least_load", "cache_aware"):
             return min(fresh, key=Instance.load)
         return fresh[next(self._turn[role]) % len(fresh)]
 
@@ -165,7 +182,7 @@ class Pool:
             if not fresh:
                 raise Saturated(f"every {role} instance has {self.max_in_flight} requests running")
         if role == "decode":  # prefer instances with room now; the others queue the request
-            fresh = [i for i in fresh if (i.value("free_tokens") or 0) >= need_tokens] or fresh
+            fresh = [i for i in fresh if _available(i) >= need_tokens] or fresh
         return fresh
 
     def released(self) -> None:
@@ -195,6 +212,10 @@ class Pool:
             if load.status_code != 200:
                 raise RuntimeError(f"{path}: {_detail(load)}")
             inst.info, inst.healthy, inst.error = answer.model_validate_json(load.content), True, None
+            if self.cache_aware is not None:  # the instance's evictions age the router's model of it
+                self.cache_aware.model(inst.url).observe(
+                    inst.value("total_tokens"), inst.value("evicted_tokens"), inst.value("prefix_cache")
+                )
         except (httpx.HTTPError, RuntimeError, ValueError) as e:
             inst.healthy, inst.error = False, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         inst.last_poll = time.time()
@@ -210,6 +231,16 @@ class Pool:
         while True:
             await self.poll_all(client)
             await asyncio.sleep(interval_s)
+
+
+def _available(inst: Instance) -> int:
+    """KV tokens a request can get now: free, plus prefix-cache pages evicted on demand."""
+    return (inst.value("free_tokens") or 0) + (inst.value("cached_tokens") or 0)
+
+
+def _busy(inst: Instance) -> int:
+    """cache_aware's balance measure: the router's requests on it plus the instance's own queue."""
+    return inst.in_flight + (inst.value("queued") or 0)
 
 
 def _says_draining(resp: httpx.Response) -> bool:

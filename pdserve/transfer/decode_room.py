@@ -95,7 +95,7 @@ class DecodeRoom:
             self.reservation = self.dest.reserve(self.room, pages, self.prompt_len)
         except RuntimeError as e:  # a rank could not stage the room
             raise RoomFailure(str(e)) from None
-        self.nbytes = self.dest.handoff_bytes(pages, self.prompt_len)
+        self.nbytes = self.dest.handoff_bytes(pages, self.prompt_len, self.room)
         client.send(self.reservation)
         self.sent = self.clock()
         self.deadline = self.sent + self.timeout_s

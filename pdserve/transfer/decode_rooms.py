@@ -71,11 +71,16 @@ class DecodeRooms:
         params: SamplingParams,
         bootstrap: str,
         timeout_s: float | None = None,
+        prompt_ids: list[int] | None = None,
     ) -> DecodeRoom:
-        """Queues the request; ValueError when it can never fit (nothing is kept then)."""
+        """Queues the request; ValueError when it can never fit (nothing is kept then). prompt_ids:
+        for the destination's prefix cache."""
         if room in self.rooms:
             raise ValueError(f"room {room!r} is already in use")
-        self.dest.submit(room, prompt_len, params)
+        if prompt_ids is None:
+            self.dest.submit(room, prompt_len, params)
+        else:
+            self.dest.submit(room, prompt_len, params, prompt_ids)
         r = self.rooms[room] = DecodeRoom(
             self.dest, room, prompt_len, bootstrap, timeout_s or self.transfer_timeout_s
         )

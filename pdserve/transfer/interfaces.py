@@ -59,8 +59,11 @@ class KVDestination(Protocol):
     """A decode instance: reserves rows for a room, says where they land and how many arrived,
     then starts the request (commit) or releases everything."""
 
-    def submit(self, room: str, prompt_len: int, params: SamplingParams) -> None:
-        """Queues the room for pages; ValueError when it can never fit (nothing is kept)."""
+    def submit(
+        self, room: str, prompt_len: int, params: SamplingParams, prompt_ids: list[int] | None = None
+    ) -> None:
+        """Queues the room for pages; ValueError when it can never fit (nothing is kept). prompt_ids:
+        a prefix cache may hold its leading pages (the reservation then says how many tokens)."""
         ...
 
     def admitted_pages(self, room: str) -> list[int] | None:
@@ -72,7 +75,9 @@ class KVDestination(Protocol):
         trip, before anything can be sent. RuntimeError (nothing left staged) when a rank cannot."""
         ...
 
-    def handoff_bytes(self, pages: list[int], prompt_len: int) -> int: ...
+    def handoff_bytes(self, pages: list[int], prompt_len: int, room: str | None = None) -> int:
+        """Payload the room's hand-off carries (without the rows the room's prefix cache holds)."""
+        ...
 
     def fingerprint(self) -> Fingerprint: ...
 

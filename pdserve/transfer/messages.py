@@ -103,6 +103,8 @@ class DecodeReservation:
     endpoints: dict[int, str] = field(default_factory=dict)  # decode rank -> "tcp://host:port"
     ticket: bytes = b""  # 128 random bits per reservation (frames.new_ticket): frames of an earlier use
     # of the same room id, or of another room, are dropped
+    cached_len: int = 0  # leading prompt tokens the decode instance already holds (its prefix cache,
+    # whole pages): the prefill sends only positions [cached_len, prompt_len)
 
     def __post_init__(self):
         _tuple(self, "pages")
@@ -313,6 +315,7 @@ _SCHEMA: dict[type, dict[str, Callable]] = {
         "pages": _pages,
         "endpoints": _rank_map(_str(MAX_ENDPOINT)),
         "ticket": _bytes(TICKET_BYTES),
+        "cached_len": _int(0, 1 << 40),
     },
     TransferDone: {
         "room": _str(MAX_ROOM),

@@ -120,13 +120,21 @@ class Transfer:
         return sum(r.length for r in self.runs)
 
 
-def plan_transfer(prefill: PrefillSide, decode: DecodeSide, prompt_len: int) -> list[Transfer]:
-    """Every row of the prompt's cache that the decode instance stores, with its source; sorted by
-    (src_rank, dst_rank, layer, kind)."""
+def plan_transfer(
+    prefill: PrefillSide, decode: DecodeSide, prompt_len: int, start: int = 0
+) -> list[Transfer]:
+    """Every row of positions [start, prompt_len) of the prompt's cache that the decode instance
+    stores, with its source; sorted by (src_rank, dst_rank, layer, kind). start > 0: the decode
+    instance already holds the first `start` positions (its prefix cache, whole pages) in the
+    leading reserved pages, on the ranks their slots name, so they are not sent."""
     _check_room(prefill, decode, prompt_len)
-    if prompt_len == 0:
+    if not 0 <= start <= prompt_len or start % decode.page_size:
+        raise ValueError(
+            f"start {start} must be a multiple of the page size {decode.page_size} in [0, {prompt_len}]"
+        )
+    if prompt_len == start:
         return []
-    member_runs, all_runs = _runs(prefill, decode, prompt_len)
+    member_runs, all_runs = _runs(prefill, decode, prompt_len, start)
     C, indexer = decode.dcp_size, set(prefill.indexer_layers)
     pairs: dict[tuple[int, int], dict[str, tuple[Run, ...]]] = {}  # (layer, dst) -> kind -> runs
     for layer in range(prefill.num_layers):
@@ -184,13 +192,13 @@ def _check_room(prefill: PrefillSide, decode: DecodeSide, n: int) -> None:
         raise ValueError("decode pages of the prompt must be distinct and >= 0")
 
 
-def _runs(prefill: PrefillSide, decode: DecodeSide, n: int):
+def _runs(prefill: PrefillSide, decode: DecodeSide, n: int, start: int = 0):
     """Merged runs of the rows each DCP group member stores (row s // C_d), and of all positions
-    at row s (copied index). Shared by every layer and every group."""
+    at row s (copied index), for positions [start, n). Shared by every layer and every group."""
     C, ps = decode.dcp_size, decode.page_size
     member: list[list[tuple[int, int]]] = [[] for _ in range(C)]
     every: list[tuple[int, int]] = []
-    for p in range(n):
+    for p in range(start, n):
         s = decode.pages[p // ps] * ps + p % ps
         member[s % C].append((prefill.slots[p], s // C))
         every.append((prefill.slots[p], s))

@@ -84,6 +84,9 @@ class PrefillRoom:
         try:
             fp = self.source.handoff_fingerprint(reservation)
             fp.check_compatible(reservation.fingerprint)
+            cached = reservation.cached_len  # rows the decode side holds already (its prefix cache)
+            if cached >= len(self.prompt_ids) or cached % reservation.page_size:
+                raise _Failed(f"reservation: cached_len {cached} is not whole pages of the prompt")
             result = self.source.prefill(room, self.prompt_ids, self.params)
             self.server.drain()
             if room in self.server.aborted:
@@ -95,7 +98,9 @@ class PrefillRoom:
                 reservation.page_size,
                 reservation.pages,
             )
-            plan = plan_transfer(self.source.prefill_side(result.slots), decode_side, len(self.prompt_ids))
+            plan = plan_transfer(
+                self.source.prefill_side(result.slots), decode_side, len(self.prompt_ids), cached
+            )
             sending = True
             sums = self.source.send(room, room, reservation.ticket, plan, reservation.endpoints)
             self.result = result

@@ -104,3 +104,20 @@ def test_a_failing_iteration_fails_every_request_and_calls_on_fatal():
     assert ended.wait(5) and events[-1] == ("error", "test step failed: RuntimeError: rank 1 died")
     loop.join(5)
     assert fatal == ["test step failed: RuntimeError: rank 1 died"]
+
+
+def test_call_runs_on_the_loop_thread_and_is_refused_after_stop():
+    """`call` (the prefix-cache flush): the function runs on the loop thread, its result or its
+    exception comes back in the Future; once the loop has stopped it is refused (503)."""
+    loop = CountingLoop()
+    loop.start()
+    try:
+        assert loop.call(lambda: threading.current_thread().name).result(5) == "test-loop"
+        with pytest.raises(ZeroDivisionError):
+            loop.call(lambda: 1 / 0).result(5)
+        assert loop.call(lambda: 7).result(5) == 7  # a raising call does not stop the loop
+    finally:
+        loop.stop()
+        loop.join(5)
+    with pytest.raises(Unavailable):
+        loop.call(lambda: 0).result(5)

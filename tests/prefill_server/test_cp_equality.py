@@ -20,7 +20,7 @@ from pdserve.engine.request import SamplingParams
 from pdserve.prefill_server.instance import PrefillInstance
 from pdserve.prefill_server.layouts import ALLOWED_LAYOUTS
 from pdserve.prefill_server.rank_worker import PrefillWorkerConfig
-from tests.reference import assert_close, free_port
+from tests.reference import assert_close, assert_prefill_cache, free_port
 from tests.reference import reference_prefill as reference
 
 TOPK = 8
@@ -56,13 +56,7 @@ def check_instance(inst: PrefillInstance, engine: LLMEngine, ids: list[int], chu
     res = inst.prefill(f"r-{tag}", ids, SamplingParams(), chunk_size=chunk, want_logits=True)
     assert_close(res.logits, want_logits, f"{tag} logits")
     assert res.token == int(want_logits.argmax())
-    held = set()
-    for rank, dump in enumerate(inst.dump_cache(res.slots)):
-        for layer, (kv, idx) in dump.items():
-            held.add(layer)
-            assert_close(kv, want_entries[layer][0], f"{tag} rank {rank} layer {layer} latent")
-            if want_entries[layer][1] is not None:
-                assert_close(idx, want_entries[layer][1], f"{tag} rank {rank} layer {layer} index keys")
+    held = assert_prefill_cache(inst, res.slots, want_entries, tag)
     assert held == set(range(engine.config.num_layers)), f"{tag}: layers held {sorted(held)}"
     inst.release(res.request_id)
 

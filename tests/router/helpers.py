@@ -61,7 +61,7 @@ def wait_until(predicate, what: str, timeout_s: float = 30.0):
 def decode_idle(d_url: str) -> bool:
     cap = http.get(f"{d_url}/capacity").json()
     return (
-        cap["free_tokens"] == cap["total_tokens"]
+        cap["free_tokens"] + (cap.get("cached_tokens") or 0) == cap["total_tokens"]
         and cap["running"] == 0
         and cap["queued"] == 0
         and cap["transfers_pending"] == 0

@@ -119,8 +119,8 @@ def _idle(urls: dict[str, str]) -> bool:
             info = http.get(f"{url}/{'info' if name.startswith('prefill') else 'capacity'}", timeout=5).json()
         except httpx.HTTPError:
             return False
-        if info["free_tokens"] != info["total_tokens"]:
-            return False
+        if info["free_tokens"] + (info.get("cached_tokens") or 0) != info["total_tokens"]:
+            return False  # every page free or in a prefix cache, unreferenced
         if name.startswith("decode") and (
             info["running"] or info["queued"] or info["transfers_pending"] or info.get("held_tokens")
         ):

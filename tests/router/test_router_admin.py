@@ -203,6 +203,46 @@ def test_metrics_are_prometheus_text(topo):
 
 
 @pytest.mark.slow
+def test_capacity_shows_cached_tokens_and_flush_returns_them(topo):
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+
+    def rows() -> dict:
+        cap = http.get(f"{topo['url']}/admin/capacity", headers=auth, timeout=30).json()
+        return {r["url"]: r for r in cap["instances"]}
+
+    before = rows()
+    body = {
+        "model": "tiny",
+        "prompt": list(range(10, 50)),
+        "max_tokens": 3,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    assert http.post(f"{topo['url']}/v1/completions", json=body, timeout=60).status_code == 200
+    wait_until(lambda: decode_idle(topo["d"]), "the decode instance to finish")
+    after = rows()
+    d = after[topo["d"]]  # prompt + 2 computed output tokens, whole pages of 4
+    assert d["cached_tokens"] - before[topo["d"]]["cached_tokens"] == 40
+    assert d["free_tokens"] + d["cached_tokens"] + d["in_use_tokens"] == d["total_tokens"]
+    grew = sum(after[u]["cached_tokens"] - before[u]["cached_tokens"] for u in (topo["a"], topo["b"]))
+    assert grew == 32  # the prompt's whole 16-token pages, on the prefill instance that served it
+    table = admin(topo, "capacity").stdout  # the CLI's table and its flush command
+    assert "cached" in table.splitlines()[0] and f"{d['cached_tokens']:,}" in table
+    out = admin(topo, "flush", topo["d"], "--json")
+    assert out.returncode == 0, out.stderr
+    flushed = {topo["d"]: json.loads(out.stdout)}
+    for url in (topo["a"], topo["b"]):
+        r = http.post(f"{topo['url']}/admin/flush", json={"url": url}, headers=auth, timeout=30)
+        assert r.status_code == 200, r.text
+        flushed[url] = r.json()
+    for url, row in flushed.items():
+        assert row["flushed_tokens"] == after[url]["cached_tokens"] and row["cached_tokens"] == 0
+        assert row["free_tokens"] == row["total_tokens"]
+    missing = http.post(f"{topo['url']}/admin/flush", json={"url": "http://127.0.0.1:9"}, headers=auth)
+    assert missing.status_code == 404
+
+
+@pytest.mark.slow
 def test_dead_prefill_instance_costs_a_retry_not_a_failure(topo):
     victim = topo["procs"]["b"]
     victim.terminate()

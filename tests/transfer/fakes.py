@@ -34,7 +34,7 @@ class FakeDestination:
         self.rooms[room] = {"ticket": ticket, "expected": prompt_len * 2, "rows": 0}  # 2 layers of kv
         return DecodeReservation(room, self.fp, 0, 1, 1, 4, tuple(pages), {0: "fake://0"}, ticket)
 
-    def handoff_bytes(self, pages, prompt_len):
+    def handoff_bytes(self, pages, prompt_len, room=None):
         return prompt_len
 
     def fingerprint(self):

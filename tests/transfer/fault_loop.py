@@ -126,17 +126,19 @@ def heartbeat_case(driver: Driver, ids: list[int]) -> None:
     assert p.abort("the side channel closed") and not driver.prefill.held
 
 
-def run_mixed_faults(driver: Driver, cases: int, seed: int, quarantine: bool) -> dict[str, int]:
+def run_mixed_faults(driver: Driver, cases: int, seed: int, quarantine: bool, prompt=None) -> dict[str, int]:
+    """prompt(rng) -> token ids (default: random, 1-30 tokens)."""
     rng = random.Random(seed)
+    _prompt_of = prompt or _prompt
     counts = dict.fromkeys(KINDS, 0)
     beat_at = rng.randrange(cases)
     for i in range(cases):
         if i == beat_at:
-            heartbeat_case(driver, _prompt(rng))
+            heartbeat_case(driver, _prompt_of(rng))
         kind, room = rng.choice(list(KINDS)), rng.choice(ROOMS)
 
         try:
-            run_case(driver, kind, room, _prompt(rng), quarantine)
+            run_case(driver, kind, room, _prompt_of(rng), quarantine)
             assert KINDS[kind] is None, f"{kind} succeeded"
         except TransferError as e:
             assert KINDS[kind] and KINDS[kind] in e.reason, (kind, e.reason)

@@ -98,7 +98,9 @@ class Driver:
         timeout_s: float,
         bootstrap: str | None = None,
     ) -> DecodeRoom:
-        r = self.rooms.submit(room, len(ids), params, bootstrap or self.server.endpoint, timeout_s)
+        r = self.rooms.submit(
+            room, len(ids), params, bootstrap or self.server.endpoint, timeout_s, prompt_ids=list(ids)
+        )
         self.decode.admit()  # the engine step's admit (only hand-offs are queued in these tests)
         self.rooms.reserve_admitted()
         return r

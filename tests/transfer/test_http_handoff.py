@@ -86,18 +86,20 @@ def prefill(p_url: str, room: str, ids: list[int], delay_s: float = 0.0) -> http
 
 
 def assert_idle(p_url: str, d_url: str) -> None:
+    """Both instances idle: every decode page free or in the prefix cache, unreferenced."""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         cap, info = http.get(f"{d_url}/capacity").json(), http.get(f"{p_url}/info").json()
         if (
-            cap["free_tokens"] == cap["total_tokens"]
+            cap["free_tokens"] + cap["cached_tokens"] == cap["total_tokens"]
             and cap["transfers_pending"] == 0
             and cap["queued"] == 0
             and info["queue_depth"] == 0
         ):
             break
         time.sleep(0.1)
-    assert cap["free_tokens"] == cap["total_tokens"] and cap["transfers_pending"] == 0, cap
+    assert cap["free_tokens"] + cap["cached_tokens"] == cap["total_tokens"], cap
+    assert cap["transfers_pending"] == 0 and cap["in_use_tokens"] == 0, cap
     assert info["queue_depth"] == 0, info
     assert http.get(f"{p_url}/health").status_code == http.get(f"{d_url}/health").status_code == 200
 

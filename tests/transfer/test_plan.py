@@ -232,3 +232,34 @@ def test_layer_owners_match_prefill_backend():
 def test_invalid_inputs(build, match):
     with pytest.raises(ValueError, match=match):
         build()
+
+
+@pytest.mark.parametrize("W,C", [(1, 1), (2, 2), (4, 2)])
+@pytest.mark.parametrize("index_mode", ["copy", "split"])
+def test_a_cached_prefix_on_the_decode_side_is_not_sent(W, C, index_mode):
+    """start = the decode instance's cached whole pages: exactly the rows of positions >= start go,
+    each to the rank and row of the full plan (cached rows stay where slot s % C_d puts them)."""
+    n, ps = 45, 4
+    slots, pages = layouts(n, ps, f"{W}-{C}-{index_mode}")
+    prefill, decode = (
+        PrefillSide(2, "full", NUM_LAYERS, INDEXER, slots),
+        DecodeSide(W, C, index_mode, ps, pages),
+    )
+
+    def rows(plan):  # (dst rank, layer, kind, dst row, src slot)
+        return {
+            (t.dst_rank, t.layer, t.kind, r.dst + i, s)
+            for t in plan
+            for r in t.runs
+            for i, s in enumerate(r.src_rows())
+        }
+
+    full = rows(plan_transfer(prefill, decode, n))
+    for start in (4, 20, 44):
+        sent = rows(plan_transfer(prefill, decode, n, start))
+        kept = {slots[p] for p in range(start, n)}
+        assert sent == {row for row in full if row[4] in kept}, start
+    assert plan_transfer(prefill, decode, 4, 4) == []
+    for bad in (3, 48):
+        with pytest.raises(ValueError):
+            plan_transfer(prefill, decode, n, bad)

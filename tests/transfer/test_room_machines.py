@@ -144,3 +144,27 @@ def test_outcome_of_an_earlier_use_of_the_room_id_is_ignored(world):
     p2.run()
     until(lambda: d2.poll(client, 5) is KVPoll.Success, server)
     assert dest.committed == {"r1": 7}
+
+
+@pytest.mark.parametrize("cached,ok", [(4, True), (8, True), (3, False), (9, False)])
+def test_a_reservation_with_cached_rows_ships_only_the_rest(world, monkeypatch, cached, ok):
+    """DecodeReservation.cached_len (the decode side's prefix cache): whole pages below the prompt's
+    length are not sent; anything else is refused on both sides, before the prefill runs."""
+    server, client, dest, source = world
+    reserve = dest.reserve
+
+    def reserve_cached(room, pages, prompt_len):
+        r = reserve(room, pages, prompt_len)
+        dest.rooms[room]["expected"] = (prompt_len - cached) * 2  # 2 layers of kv rows per position
+        return dataclasses.replace(r, cached_len=cached)
+
+    monkeypatch.setattr(dest, "reserve", reserve_cached)
+    _, p, d = reserved(world)
+    outcome = p.run()
+    if ok:
+        until(lambda: d.poll(client, 5) is KVPoll.Success, server)
+        assert dest.rooms == {} and dest.committed == {"r1": 7}
+    else:
+        assert "cached_len" in outcome.reason and not source.held
+        until(lambda: d.poll(client, 5) is KVPoll.Failed, server)
+        assert "cached_len" in d.s.reason
