@@ -131,6 +131,7 @@ class PrefillReply(StrictModel):
     prompt_tokens: int
     seconds: float
     prompt_logprobs: list[Logprob | None] | None = None  # with prompt_logprobs: None for the first token
+    cached_tokens: int = Field(0, ge=0)  # leading prompt tokens the prefix cache served (usage)
 
 
 # router -> decode --------------------------------------------------------------------------------

@@ -103,6 +103,7 @@ def create_app(
             prompt_tokens=len(job.token_ids),
             seconds=time.perf_counter() - start,
             prompt_logprobs=_logprobs(job.prompt_logprobs),
+            cached_tokens=job.cached_tokens,
         )
 
     return app

@@ -70,6 +70,7 @@ class PrefillJob:
     bootstrap_timeout_s: float = 30.0
     first_token: int | None = None
     prompt_logprobs: list | None = None  # [TokenLogprob | None] per position, with params.prompt_logprobs
+    cached_tokens: int = 0  # leading prompt tokens read from the prefix cache, not computed
     error: str | None = None
     state: JobState = JobState.waiting
     submitted: float = field(default_factory=time.monotonic)
@@ -156,6 +157,7 @@ class PrefillScheduler:
         self.instance.release(job.request_id)  # no decode target: nothing to hand off
         self.current = None
         job.first_token, job.prompt_logprobs = result.token, result.prompt_logprobs
+        job.cached_tokens = result.cached_len
         self._finish(job)
         return True
 
@@ -185,7 +187,8 @@ class PrefillScheduler:
         room = self.rooms.get(job.request_id)
         outcome = room.run()
         self.rooms.close(job.request_id)
-        job.prompt_logprobs = room.result.prompt_logprobs if room.result is not None else None
+        if room.result is not None:
+            job.prompt_logprobs, job.cached_tokens = room.result.prompt_logprobs, room.result.cached_len
         self.current = None
         if isinstance(outcome, TransferDone):
             job.first_token = outcome.first_token

@@ -219,15 +219,16 @@ async def _serve(
         raise P.ApiError(503, str(e)) from None
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     deadline = time.monotonic() + state.cfg.request_timeout_s
-    stream = R.pieces(state, prompt, params, body.stop_list(), deadline, getattr(body, "echo", False))
+    counts = R.Counts()
+    stream = R.pieces(state, prompt, params, body.stop_list(), deadline, getattr(body, "echo", False), counts)
     if not body.stream:
         return await _until_disconnect(
-            request, R.collect(state, rid, make_shaper, body, prompt, stream, params.n)
+            request, R.collect(state, rid, make_shaper, body, prompt, stream, params.n, counts)
         )
     # errors before any token keep their status
     first = await _until_disconnect(request, R.first_piece(stream))
     return StreamingResponse(
-        R.sse(state, rid, make_shaper, body, len(prompt), first, stream, params.n),
+        R.sse(state, rid, make_shaper, body, len(prompt), first, stream, params.n, counts),
         media_type="text/event-stream",
     )
 

@@ -38,6 +38,8 @@ from ..engine.request import Overloaded  # the router's queue is full, or every 
 from .metrics import Metrics
 from .pool import Instance, NoInstance, Pool, Saturated, error_message
 
+PREFILL_ANSWER_GRACE_S = 1.0  # how long the last finish waits for a late prefill answer (usage)
+
 
 @dataclass(frozen=True)
 class GenParams:
@@ -107,9 +109,10 @@ class Orchestrator:
         self.pool.candidates("prefill", prompt_len, admit=False)
 
     async def generate(self, prompt: list[int], params: GenParams, deadline: float):
-        """Yields the prefill's PrefillReply first when params.prompt_logprobs is set, then one
-        TokenEvent per token (id, logprob, choice index) and one FinishEvent per choice (reason
-        "stop" | "length" | "abort"); the n-th FinishEvent is the last event.
+        """Yields the prefill's PrefillReply first when params.prompt_logprobs is set (else before
+        the last FinishEvent, when it came: usage's cached tokens), one TokenEvent per token (id,
+        logprob, choice index) and one FinishEvent per choice (reason "stop" | "length" | "abort");
+        the n-th FinishEvent is the last event.
         `deadline` (time.monotonic()) bounds the whole request, every try and wait included."""
         avoid: set[str] = set()
         last: TryFailed | None = None
@@ -176,7 +179,7 @@ class Orchestrator:
         d_task = self._guarded(
             decode, events, self._decode(decode, prefill.bootstrap, room, prompt, params, events)
         )
-        finished, held = False, [] if params.prompt_logprobs is not None else None
+        finished, answered, held = False, False, [] if params.prompt_logprobs is not None else None
         try:
             while True:
                 try:
@@ -187,6 +190,7 @@ class Orchestrator:
                     held.append((kind, value))
                     continue
                 if kind == "prompt":
+                    answered = True
                     yield value
                     pending, held = held or [], None
                     for kind, value in pending:
@@ -201,6 +205,8 @@ class Orchestrator:
                 elif kind == "finish":
                     finished = True
                     prefill.served, decode.served = prefill.served + 1, decode.served + 1
+                    if not answered and (reply := await _late_answer(events, deadline)) is not None:
+                        yield reply  # usage's cached tokens; the consumer stops at the last finish
                     yield value
                     return
                 elif kind == "failed":
@@ -241,11 +247,12 @@ class Orchestrator:
             events.put_nowait(("failed", TryFailed(inst, f"malformed prefill answer: {_describe(e)}")))
             return
         self.metrics.observe_prefill(time.perf_counter() - start)
-        if params.prompt_logprobs is not None:
-            if reply.prompt_logprobs is None or len(reply.prompt_logprobs) != len(prompt):
-                events.put_nowait(("failed", TryFailed(inst, "the prefill answered no prompt logprobs")))
-                return
-            events.put_nowait(("prompt", reply))
+        if params.prompt_logprobs is not None and (
+            reply.prompt_logprobs is None or len(reply.prompt_logprobs) != len(prompt)
+        ):
+            events.put_nowait(("failed", TryFailed(inst, "the prefill answered no prompt logprobs")))
+            return
+        events.put_nowait(("prompt", reply))
 
     async def _decode(
         self,
@@ -362,3 +369,17 @@ def _error_text(r: httpx.Response) -> str:
 
 def _left(deadline: float) -> float:
     return max(0.0, deadline - time.monotonic())
+
+
+async def _late_answer(events: asyncio.Queue, deadline: float) -> PrefillReply | None:
+    """The prefill's answer if it comes within PREFILL_ANSWER_GRACE_S of the decode's last token
+    (it normally comes first: the prefill answers once its hand-off is done); else None."""
+    end = min(time.monotonic() + PREFILL_ANSWER_GRACE_S, deadline)
+    while (left := end - time.monotonic()) > 0:
+        try:
+            kind, value = await asyncio.wait_for(events.get(), left)
+        except asyncio.TimeoutError:
+            return None
+        if kind == "prompt":
+            return value
+    return None

@@ -212,12 +212,16 @@ def _check_stop(stops: list[str]) -> None:
             raise ApiError(400, f"each stop string must have 1 to {MAX_STOP_CHARS} characters", "stop")
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage; prompt_tokens_details.cached_tokens when the prefill reported its cache hit."""
+    out = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def envelope(request_id: str, model: str, chat: bool, chunk: bool) -> dict:

@@ -44,6 +44,13 @@ class Piece:
 
 
 @dataclass
+class Counts:
+    """What usage reports beyond the token counts, filled in by `pieces` as the answer comes."""
+
+    cached_tokens: int | None = None  # prompt tokens the prefill's prefix cache served
+
+
+@dataclass
 class _Choice:
     text: TextStream
     ids: list[int] = field(default_factory=list)  # not yet released with a piece
@@ -51,8 +58,10 @@ class _Choice:
     done: bool = False
 
 
-async def pieces(state, prompt: list[int], params: GenParams, stop: list[str], deadline: float, echo: bool):
-    """Yields Pieces; records the latency metrics and the outcome."""
+async def pieces(
+    state, prompt: list[int], params: GenParams, stop: list[str], deadline: float, echo: bool, counts: Counts
+):
+    """Yields Pieces; records the latency metrics, the outcome and `counts`."""
     m = state.metrics
     choices = [_Choice(TextStream(state.tokenizer, stop)) for _ in range(params.n)]
     start = last = time.perf_counter()
@@ -63,8 +72,9 @@ async def pieces(state, prompt: list[int], params: GenParams, stop: list[str], d
     try:
         async with aclosing(state.orch.generate(prompt, params, deadline)) as events:
             async for ev in events:
-                if isinstance(ev, PrefillReply):  # echo with logprobs: the prompt's, first
-                    for i in range(params.n):
+                if isinstance(ev, PrefillReply):
+                    counts.cached_tokens = ev.cached_tokens
+                    for i in range(params.n if params.prompt_logprobs is not None else 0):  # echo
                         text = state.tokenizer.decode(prompt)
                         yield Piece(text, list(prompt), ev.prompt_logprobs, prompt=True, index=i)
                     continue
@@ -126,7 +136,9 @@ async def first_piece(stream):
     return await anext(stream)
 
 
-async def collect(state, rid: str, make_shaper, body, prompt: list[int], stream, n: int) -> dict:
+async def collect(
+    state, rid: str, make_shaper, body, prompt: list[int], stream, n: int, counts: Counts
+) -> dict:
     """make_shaper: () -> ChatShaper for a chat request, None for a completion. n choices were
     generated; with best_of > body.n the body.n whose sampled tokens have the largest summed
     logprob are returned (usage counts every generated token, as OpenAI bills best_of)."""
@@ -165,11 +177,11 @@ async def collect(state, rid: str, make_shaper, body, prompt: list[int], stream,
     return {
         **P.envelope(rid, state.cfg.model_name, chat, False),
         "choices": choices,
-        "usage": P.usage(len(prompt), sum(map(len, ids))),
+        "usage": P.usage(len(prompt), sum(map(len, ids)), counts.cached_tokens),
     }
 
 
-async def sse(state, rid: str, make_shaper, body, prompt_len: int, first, stream, n: int):
+async def sse(state, rid: str, make_shaper, body, prompt_len: int, first, stream, n: int, counts: Counts):
     chat = make_shaper is not None
     head = P.envelope(rid, state.cfg.model_name, chat, True)
     fmts = [LogprobFormatter(state.tokenizer, chat) for _ in range(n)]
@@ -187,7 +199,7 @@ async def sse(state, rid: str, make_shaper, body, prompt_len: int, first, stream
             yield _event(P.error_body(e.message, e.type, e.param, e.code))
             return
     if body.stream_options is not None and body.stream_options.include_usage:
-        yield _event({**head, "choices": [], "usage": P.usage(prompt_len, tokens)})
+        yield _event({**head, "choices": [], "usage": P.usage(prompt_len, tokens, counts.cached_tokens)})
     yield "data: [DONE]\n\n"
 
 

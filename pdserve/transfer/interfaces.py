@@ -23,6 +23,7 @@ class Prefilled(Protocol):
     logprob: object  # the first token's TokenLogprob (engine/request.py) when asked for, else None
     prompt_logprobs: list | None  # [TokenLogprob | None] per prompt position when asked for (echo)
     more_first: list  # n > 1: [(token, TokenLogprob | None)] of choices 1..n-1
+    cached_len: int  # leading prompt positions the source's prefix cache served (not computed)
 
 
 class KVSource(Protocol):

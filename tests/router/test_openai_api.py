@@ -181,6 +181,20 @@ def test_sampling_controls_act(api):
     assert chunks[-1].usage.completion_tokens == 4 and chunks[-1].usage.total_tokens == 7
 
 
+def test_usage_reports_the_prefill_prefix_cache_hit(api):
+    """usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefill's prefix cache served
+    (whole 16-token pages of all but the last prompt token), streamed and not."""
+    client = api["client"]
+    kw = dict(model="tiny", prompt=list(range(300, 340)), max_tokens=2, temperature=0.0)
+    first = client.completions.create(**kw)
+    again = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 32
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 32
+    assert again.choices[0].text == first.choices[0].text
+
+
 def transfer_bytes(d_url: str) -> int:
     """The hand-offs' payload: rows sent, plus those the decode instance's prefix cache already held."""
     cap = http.get(f"{d_url}/capacity").json()

@@ -79,7 +79,12 @@ class FakeSource:
     def prefill(self, room, token_ids, params=None):
         self.held.add(room)
         return SimpleNamespace(
-            token=7, slots=list(range(len(token_ids))), logprob=None, prompt_logprobs=None, more_first=[]
+            token=7,
+            slots=list(range(len(token_ids))),
+            logprob=None,
+            prompt_logprobs=None,
+            more_first=[],
+            cached_len=0,
         )
 
     def prefill_side(self, slots):
