@@ -1,4 +1,4 @@
-"""--deep: logprobs through the whole stack in float64 (prefill C_p = 2 -> decode W = C_d = 2, TCP
+"""Logprobs through the whole stack in float64 (prefill C_p = 2 -> decode W = C_d = 2, TCP
 hand-off) equal the single-rank engine's log-softmax to 1e-8: echo's prompt logprobs (prefill ranks'
 own positions), the first token's (prefill, through TransferDone) and the rest (decode ranks)."""
 
@@ -16,9 +16,7 @@ TOL = 1e-8
 
 
 @pytest.fixture(scope="module")
-def client64(request, model_dir):
-    if not request.config.getoption("--deep"):
-        pytest.skip("float64 stack: --deep")
+def client64(model_dir):
     f64 = ("--dtype", "float64", "--exact-dtype")  # true float64 on both sides
     started = start_servers(
         model_dir,

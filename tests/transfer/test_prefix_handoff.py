@@ -29,9 +29,8 @@ from tests.transfer.handoff_helpers import check_rows, prompt
 
 pytestmark = pytest.mark.slow
 PS = 4
-CI = [((2, "layer-split"), (2, 2), "split", "tcp")]
+CI = [((2, "layer-split"), (2, 2), "split", "tcp"), ((1, "full"), (1, 1), "copy", "tcp")]
 DEEP = [
-    ((1, "full"), (1, 1), "copy", "tcp"),
     ((2, "full"), (2, 2), "copy", "tcp"),
     ((1, "full"), (2, 2), "split", "tcp"),
     ((2, "full"), (2, 2), "copy", "nixl"),
