@@ -20,6 +20,7 @@ import queue
 import signal
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -56,7 +57,7 @@ class Call:
     done: Future  # fn's result, or its exception (Unavailable when the loop has stopped)
 
 
-class InstanceLoop:
+class InstanceLoop(ABC):
     """The loop thread. submit(), abort(), busy() and stop() are thread-safe; the rest runs on the thread.
 
     A role implements iterate() (one pass: take commands with take_commands(), then advance the
@@ -193,22 +194,25 @@ class InstanceLoop:
         for request_id in list(self.listeners):
             self.emit(request_id, ("error", message))
 
-    # --- what a role implements --------------------------------------------------------------
+    # --- what a role implements (a role missing one of these cannot be instantiated) ---------
 
+    @abstractmethod
     def iterate(self) -> None:
-        raise NotImplementedError
+        """One pass of the loop: take commands (take_commands), then advance the instance."""
 
+    @abstractmethod
     def accept(self, cmd: Submit) -> None:
-        raise NotImplementedError
+        """Admits a submitted request; raises ValueError (400), Overloaded (429) or Unavailable (503)."""
 
+    @abstractmethod
     def cancel(self, request_id: str) -> bool:
-        raise NotImplementedError
+        """Aborts a request; False when it is unknown (already finished)."""
 
     def fail_all(self, message: str) -> None:
         self.fail_listeners(message)
 
-    def close(self) -> None:
-        pass
+    def close(self) -> None:  # noqa: B027 (optional: a role with nothing to close keeps this)
+        """Releases what the role holds besides the instance (after the loop ended)."""
 
 
 def serve_instance(

@@ -24,6 +24,7 @@ import os
 import signal
 import time
 import traceback
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -307,12 +308,13 @@ class RankInstance:
         self.shutdown()
 
 
-class RankWorker:
+class RankWorker(ABC):
     """What runs in a rank process (built by `factory(rank, world_size, payload)`): handle(cmd)
     runs the handler that commands() registers for the command's type (or, for a str, its value)."""
 
+    @abstractmethod
     def commands(self) -> dict[Any, Callable[[Any], Any]]:
-        raise NotImplementedError
+        """{command type (or str value): its handler} of this worker."""
 
     def handle(self, cmd):
         for kind, run in self.commands().items():

@@ -121,3 +121,13 @@ def test_call_runs_on_the_loop_thread_and_is_refused_after_stop():
         loop.join(5)
     with pytest.raises(Unavailable):
         loop.call(lambda: 0).result(5)
+
+
+def test_a_role_missing_a_method_cannot_be_built():
+    class NoCancel(InstanceLoop):
+        def iterate(self) -> None: ...
+
+        def accept(self, cmd: Submit) -> None: ...
+
+    with pytest.raises(TypeError, match="cancel"):
+        NoCancel()
