@@ -76,8 +76,8 @@ def test_500_requests_leave_only_cached_pages(model_path):
     def slots(req, n):
         return dalloc.slots(req.pages, 0, n)
 
-    def step_decode():
-        """Admit, then move one random live request forward to its end."""
+    def step_decode(finish: bool = False):
+        """Admit, then move one random live request forward to its end (`finish`: no abort, no failure)."""
         for req in sched.admit():
             for p, s in enumerate(slots(req, req.cached_len)):
                 assert content.get(s) == req.prompt_ids[p], f"{req.request_id}: stale decode page"
@@ -87,11 +87,11 @@ def test_500_requests_leave_only_cached_pages(model_path):
         req = next(
             (r for r in [*sched.queued, *sched.waiting_for_kv.values()] if r.request_id == lv.rid), None
         )
-        if req.state == "queued":
+        if req.state == "queued" and not finish:
             assert decode.abort(lv.rid) is req
             outcomes["abort queued"] += 1
             return
-        draw = rng.random()
+        draw = 1.0 if finish else rng.random()
         if draw < 0.15:  # a failed hand-off: the pages are held for the quarantine
             decode.abort(lv.rid, hold_s=rng.choice([0.0, 0.02]))
             outcomes["abort waiting"] += 1
@@ -110,19 +110,19 @@ def test_500_requests_leave_only_cached_pages(model_path):
         outcomes["finished"] += 1
         history.append(req.prompt_ids + req.output_ids)
 
-    for i in range(500):
+    def submit(i: int, may_fail: bool = True) -> None:
         if history and rng.random() < 0.4:  # a conversation comes back with its history
             ids = rng.choice(history) + [rng.randrange(4, 500) for _ in range(rng.randint(1, 9))]
         else:
             ids = rng.choice(systems) + [rng.randrange(4, 500) for _ in range(rng.randint(0, 12))]
         ids = ids[:100]  # keep within both pools
         rid = f"r{i}"
-        prefill.ranks.fail_next = rng.random() < 0.05
+        prefill.ranks.fail_next = rng.random() < 0.05 and may_fail
         try:
             prefill.prefill(rid, ids)
         except CommandFailed:
             outcomes["prefill failed"] += 1
-            continue
+            return
         except OutOfPages:
             pytest.fail("the prefill pool ran out with one request at a time")
         prefill.release(rid)
@@ -130,6 +130,9 @@ def test_500_requests_leave_only_cached_pages(model_path):
         max_tokens = rng.randint(1, 6)
         decode.submit_remote(len(ids), SamplingParams(max_tokens=max_tokens, ignore_eos=True), rid, ids)
         live.append(Live(rid, ids, max_tokens))
+
+    for i in range(500):
+        submit(i)
         while len(live) > rng.randint(0, 4):
             step_decode()
     while live:
@@ -142,6 +145,12 @@ def test_500_requests_leave_only_cached_pages(model_path):
     while dalloc.num_held:  # the quarantine holds expire
         assert time.monotonic() < deadline
         time.sleep(0.01)
+    # How much the decode cache still holds depends on when the holds expired (they decide what was
+    # evicted); one last conversation run to its end makes sure both caches hold pages to flush.
+    submit(500, may_fail=False)
+    finished = outcomes["finished"]
+    step_decode(finish=True)
+    assert outcomes["finished"] == finished + 1 and not live
     dalloc.check_integrity()
     assert dalloc.num_free + dcache.cached_pages == dalloc.num_pages
     assert prefill.flush_cache() > 0 and decode.instance.flush_cache() > 0
