@@ -2,7 +2,8 @@
 
 A config field that is also a command-line option is declared with `option(default, help, ...)`:
 the field's default, its help text, its flag name (default: `--` + the field name with dashes),
-its lower bound and its choice set (a `choices.py` Enum) live in that one place. `config_command`
+its lower bound and its choice set (a `choices.py` Enum, whose docstring is the help where the
+field gives none) live in that one place. `config_command`
 turns a config class into the typer signature of a subcommand: one option per such field, in field
 order, followed by the command's own extra parameters (`after` places one behind a given field). The
 command receives the fields' values as a dict (choices as their plain values), adds what needs more
@@ -26,7 +27,10 @@ SHUTDOWN_GRACE_HELP = (
     "(draining) at once; what still runs at the end gets an error; then exit 0. A second "
     "signal cuts it short."
 )
-DTYPE_HELP = "Weights, activations and KV cache dtype. Default: float32 on cpu, bfloat16 on cuda."
+DTYPE_HELP = (
+    "Weights, activations and KV cache dtype (decode: the cache's unless --kv-cache-dtype says "
+    "otherwise). Default: float32 on cpu, bfloat16 on cuda."
+)
 EXACT_DTYPE_HELP = (
     "Compute everything in --dtype: no float32 islands for norms, softmax, router and indexer scores "
     "(the reference's default numerics); for true float64 checks against a float64 reference."
@@ -47,7 +51,9 @@ ATTENTION_OPS_HELP = (
 PREFIX_CACHE_HELP = (
     "Prefix cache: a radix tree over token ids keeps the KV pages of finished prompts, so a prompt "
     "that starts with a cached prefix (a shared system prompt, an earlier turn) computes only the "
-    "rest; unreferenced cached pages are evicted, least recently used first, when memory runs short."
+    "rest; unreferenced cached pages are evicted, least recently used first, when memory runs short. "
+    "On a decode instance the cached pages also keep generated tokens, and a hand-off ships only "
+    "the rows it does not hold."
 )
 INTERNAL_TOKEN_HELP = (
     "The internal token that authenticates pdserve's own processes to each other (instance HTTP "
@@ -87,6 +93,8 @@ def option(
 ) -> Any:
     """A dataclass field that is also a command-line option (see the module docstring)."""
     has = cli_default is not MISSING
+    if not help and choices is not None and choices.__doc__ != Enum.__doc__:  # the set's own help
+        help = " ".join(inspect.cleandoc(choices.__doc__ or "").split())
     flag = Flag(help, name, min, choices, cli_type, cli_default if has else None, has)
     if choices is not None and default is not MISSING and default is not None:
         default = choices(default).value  # a typo in a default fails at import

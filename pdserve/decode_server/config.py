@@ -4,34 +4,12 @@ flags (pdserve/flags.py). Torch-free, so the CLI builds its options without impo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
-from ..choices import (
-    AttentionOps,
-    CpuComm,
-    DcpComm,
-    DcpIndex,
-    Device,
-    KVCacheDType,
-    ModelDType,
-    Switch,
-    Transfer,
-    check,
-)
+from ..choices import CpuComm, DcpComm, DcpIndex, KVCacheDType, check
 from ..engine import capacity
-from ..engine.placement import check_device_fields
-from ..flags import (
-    ATTENTION_OPS_HELP,
-    DEVICE_HELP,
-    EXACT_DTYPE_HELP,
-    GPU_IDS_HELP,
-    INTERNAL_TOKEN_HELP,
-    MODEL_HELP,
-    PREFIX_CACHE_HELP,
-    SHUTDOWN_GRACE_HELP,
-    option,
-)
+from ..flags import option
+from ..instance_options import InstanceOptions
 from ..model.config import ModelConfig
 
 DEFAULT_MAX_KV_TOKENS = 65536
@@ -39,8 +17,9 @@ _WILDCARDS = ("0.0.0.0", "::", "*", "")
 
 
 @dataclass(frozen=True)
-class DecodeServerConfig:
-    model: str = option(help=MODEL_HELP, cli_type=Optional[Path], cli_default=None)
+class DecodeServerConfig(InstanceOptions):
+    port: int = option(8200, "Port of the instance's HTTP API.")
+    dist_port: int = option(29600, "TCP port the ranks use to form their torch.distributed group.")
     tp_size: int = option(
         1, "Decode ranks W: attention heads are split across them (tensor parallel).", min=1
     )
@@ -49,25 +28,13 @@ class DecodeServerConfig:
         "Decode context-parallel size C_d (must divide --tp-size): each group of C_d ranks splits the KV cache by token.",
         min=1,
     )
-    dcp_index: str = option(
-        "copy",
-        "Sparse-attention index keys: copy (every rank keeps all) or split (by token like the cache; ranks merge top-k candidates).",
-        choices=DcpIndex,
-    )
-    dcp_comm: str = option(
-        "a2a",
-        "How partial attention results are merged: a2a (all-to-all) or ag_rs (all-gather + reduce-scatter).",
-        choices=DcpComm,
-    )
+    dcp_index: str = option("copy", choices=DcpIndex)
+    dcp_comm: str = option("a2a", choices=DcpComm)
     replicate_q_proj: bool = option(
         False,
         "Each rank keeps the query projection for every head slice of its DCP group, so queries need no all-gather (more weight memory).",
     )
-    kv_cache_dtype: str = option(
-        "auto",
-        "KV cache storage: auto (the model dtype) or fp8_e4m3 (1 byte per value, index keys with a float32 scale).",
-        choices=KVCacheDType,
-    )
+    kv_cache_dtype: str = option("auto", choices=KVCacheDType)
     # KV budget in bytes per rank (the CLI takes text such as 80GiB); at most one of this and max_kv_tokens
     kv_memory: int | None = option(
         None,
@@ -83,40 +50,8 @@ class DecodeServerConfig:
     page_size: int = option(
         64, "KV slots per page; must be a multiple of --dcp-size (pages are C_d-wide).", min=1
     )
-    prefix_cache: str = option(
-        "on",
-        PREFIX_CACHE_HELP
-        + " Here the cached pages also keep generated tokens, and a hand-off ships only the rows this instance does not hold.",
-        choices=Switch,
-    )
-    host: str = option("127.0.0.1", "Address the HTTP API listens on.")
-    port: int = option(8200, "Port of the HTTP API.")
-    dist_port: int = option(29600, "TCP port the ranks use to form their torch.distributed group.")
-    dtype: str = option(  # "": float32 on cpu, bfloat16 on cuda (filled in by __post_init__)
-        "",
-        "Weights and activations dtype (and KV cache dtype when --kv-cache-dtype is auto). Default: float32 on "
-        "cpu, bfloat16 on cuda.",
-        cli_type=Optional[ModelDType],
-        cli_default=None,
-    )
-    exact_dtype: bool = option(False, EXACT_DTYPE_HELP)
-    device: str = option("cpu", DEVICE_HELP, choices=Device)
-    gpu_ids: tuple[int, ...] = option((), GPU_IDS_HELP, cli_type=Optional[str], cli_default=None)
-    attention_ops: str = option("auto", ATTENTION_OPS_HELP, choices=AttentionOps)
-    threads_per_rank: int = option(
-        1, "torch threads in each rank process (and in the server's local prefill).", min=1
-    )
     max_batch: int = option(64, "Most requests decoded together in one step (continuous batching).", min=1)
-    max_queue: int = option(
-        256,
-        "Accepted requests waiting for KV pages beyond this many are refused with 429 and Retry-After (bounded admission).",
-        min=1,
-    )
-    cpu_comm: str = option(
-        "auto",
-        "Collectives between CPU ranks: shm (shared memory, ~15 us each), gloo (loopback TCP, ~0.5 ms each) or auto (shm on x86).",
-        choices=CpuComm,
-    )
+    cpu_comm: str = option("auto", choices=CpuComm)
     transfer_timeout_s: float = option(
         30.0,
         "Seconds a hand-off request waits for the prefill's rows after its pages were reserved before it fails.",
@@ -131,29 +66,24 @@ class DecodeServerConfig:
         "127.0.0.1",
         "Address the ranks' TCP receivers (--transfer tcp) listen on and advertise to prefill ranks; on a cluster, this host's address that prefill hosts can reach (e.g. the pod IP).",
     )
-    transfer: str = option(
-        "tcp",
-        "KV hand-off data path from prefill instances: tcp (ZMQ over TCP) or nixl (NIXL/UCX one-sided WRITEs). Both sides must use the same.",
-        choices=Transfer,
-    )
-    shutdown_grace_s: float = option(30.0, SHUTDOWN_GRACE_HELP, name="--shutdown-grace", min=0.0)
     transfer_quarantine_s: float = option(
         60.0,
         "--transfer nixl: seconds the pages of a hand-off that failed while its prefill may still be sending stay out of use (NIXL WRITEs land in the cache itself; a late one must not reach another request).",
         name="--transfer-quarantine",
     )
-    # engine/auth.py; serve() requires one (the CLI adds --internal-token-file and the environment)
-    internal_token: str | None = option(None, INTERNAL_TOKEN_HELP, cli_type=Optional[str], repr=False)
+
+    def world_size(self) -> int:
+        return self.tp_size
 
     def __post_init__(self):
         if self.tp_size < 1 or self.dcp_size < 1 or self.tp_size % self.dcp_size:
             raise ValueError(f"--dcp-size {self.dcp_size} must divide --tp-size {self.tp_size} (both >= 1)")
+        self.check_shared()
+        capacity.dtype_bytes(self.dtype)
         check(self.dcp_index, DcpIndex, "--dcp-index")
         check(self.kv_cache_dtype, KVCacheDType, "--kv-cache-dtype")
-        check_device_fields(self, self.tp_size)  # fills dtype "" with the device's default
-        check(self.dtype, ModelDType, "--dtype")
-        capacity.dtype_bytes(self.dtype)
         check(self.dcp_comm, DcpComm, "--dcp-comm")
+        check(self.cpu_comm, CpuComm, "--cpu-comm")
         if self.page_size < 1 or self.page_size % self.dcp_size:  # pages are C_d-wide (invariant 4)
             raise ValueError(
                 f"--page-size {self.page_size} must be a positive multiple of --dcp-size {self.dcp_size}"
@@ -164,19 +94,12 @@ class DecodeServerConfig:
             object.__setattr__(self, "max_kv_tokens", DEFAULT_MAX_KV_TOKENS)
         if (self.kv_memory or 1) < 1 or (self.max_kv_tokens or 1) < 1:
             raise ValueError("--kv-memory and --max-kv-tokens must be positive")
-        if self.port == self.dist_port:
-            raise ValueError("--port and --dist-port must differ")
-        if self.threads_per_rank < 1 or self.max_batch < 1 or self.max_queue < 1:
-            raise ValueError("--threads-per-rank, --max-batch and --max-queue must be >= 1")
-        check(self.cpu_comm, CpuComm, "--cpu-comm")
+        if self.max_batch < 1:
+            raise ValueError(f"--max-batch must be >= 1, got {self.max_batch}")
         if self.transfer_timeout_s <= 0 or self.heartbeat_timeout_s <= 0 or self.transfer_quarantine_s <= 0:
             raise ValueError(
                 "--transfer-timeout, --heartbeat-timeout and --transfer-quarantine must be positive"
             )
-        check(self.transfer, Transfer, "--transfer")
-        check(self.prefix_cache, Switch, "--prefix-cache")
-        if self.shutdown_grace_s < 0:
-            raise ValueError(f"--shutdown-grace must be >= 0, got {self.shutdown_grace_s}")
         if self.data_host in _WILDCARDS:
             raise ValueError(
                 f"--data-host {self.data_host!r} is a wildcard: give an address the prefill ranks can "

@@ -39,11 +39,7 @@ class RouterConfig:
     served_model_name: str | None = option(  # the `model` clients must send; default: the directory's name
         None, "The model name clients send and /v1/models lists. Default: the checkpoint directory's name."
     )
-    policy: str = option(
-        "round_robin",
-        "How an instance is chosen: round_robin; least_load (fewest in-flight requests, then shortest queue / most free KV tokens); or cache_aware (the instance whose prefix cache is expected to hold the longest prefix of the prompt, from the prompts routed there and the evictions it reports, unless it is overloaded; else least_load).",
-        choices=Policy,
-    )
+    policy: str = option("round_robin", choices=Policy)
     cache_balance_threshold: int = option(
         4,
         "cache_aware: the best-matching instance is passed over for least_load's choice when its load (requests in flight + queued) exceeds the least loaded one's by more than this.",

@@ -56,25 +56,15 @@ class StackConfig:
     decode_dcp: int = option(
         1, "Decode context-parallel size C_d of every decode instance (must divide --decode-tp).", min=1
     )
-    dcp_index: str = option(
-        "copy",
-        "Decode sparse-attention index: copy (every rank keeps all keys) or split (by token).",
-        choices=DcpIndex,
-    )
-    transfer: str = option(
-        "tcp", "KV hand-off data path between the instances: tcp or nixl.", choices=Transfer
-    )
+    dcp_index: str = option("copy", choices=DcpIndex)
+    transfer: str = option("tcp", choices=Transfer)
     max_kv_tokens: int | None = option(  # per instance; None: each server's default
         None,
         "KV cache capacity in tokens of every instance (default: each server's own default).",
         min=16,
         cli_type=Optional[int],
     )
-    policy: str = option(
-        "round_robin",
-        "The router's choice of instances: round_robin, least_load or cache_aware (longest expected prefix-cache match unless overloaded).",
-        choices=Policy,
-    )
+    policy: str = option("round_robin", choices=Policy)
     prefix_cache: str = option("on", "Every instance's --prefix-cache: on or off.", choices=Switch)
     host: str = option("127.0.0.1", "Address the router's OpenAI-compatible API listens on.")
     port: int = option(8000, "Port of the router's OpenAI-compatible API.")
@@ -94,11 +84,9 @@ class StackConfig:
         "Seconds every process gets to become healthy before the launch is given up.",
         name="--ready-timeout",
     )
-    restart: str = option(  # a dead instance: on-failure (start it again) | never (stop the stack)
-        "on-failure",
-        "An instance that exits once the stack is up: on-failure starts it again on the same port (backoff 1 s doubling to 30 s; the router picks it up once healthy); never stops the whole stack (exit 1). The router exiting always stops the stack.",
-        choices=Restart,
-    )
+    restart: str = option(
+        "on-failure", choices=Restart
+    )  # a dead instance: on-failure (start it again) | never (stop the stack)
     shutdown_grace_s: float = option(  # each instance's --shutdown-grace
         30.0,
         "Every instance's --shutdown-grace: on Ctrl-C / SIGTERM the instances drain this long (new requests 503, running ones finish) before they stop.",

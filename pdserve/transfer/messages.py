@@ -257,20 +257,25 @@ def _bool(v, name):
 MAX_TOP_LOGPROBS = 20
 
 
+def _token_pairs(v, name: str, most: int, what: str, check_second: Callable) -> list:
+    """A list of at most `most` [token id, x] pairs, each x passing `check_second`."""
+    if type(v) is not list or len(v) > most:
+        _fail(f"{name}: expected at most {most} {what}, each [token id, logprob]")
+    for pair in v:
+        if type(pair) is not list or len(pair) != 2:
+            _fail(f"{name}: {what} are [token id, logprob]")
+        _int(0, 1 << 32)(pair[0], name)
+        check_second(pair[1], name)
+    return v
+
+
 def _logprob(v, name):
     """[] or [logprob, [[token id, logprob], ...]] (at most MAX_TOP_LOGPROBS pairs)."""
     if type(v) is not list or len(v) not in (0, 2):
         _fail(f"{name}: expected [] or [logprob, top]")
     if v:
         _float(v[0], name)
-        top = v[1]
-        if type(top) is not list or len(top) > MAX_TOP_LOGPROBS:
-            _fail(f"{name}: expected at most {MAX_TOP_LOGPROBS} top entries")
-        for pair in top:
-            if type(pair) is not list or len(pair) != 2:
-                _fail(f"{name}: top entries are [token id, logprob]")
-            _int(0, 1 << 32)(pair[0], name)
-            _float(pair[1], name)
+        _token_pairs(v[1], name, MAX_TOP_LOGPROBS, "top entries", _float)
     return v
 
 
@@ -279,14 +284,7 @@ MAX_CHOICES = 128
 
 def _more_first(v, name):
     """[[token, logprob wire], ...]: at most MAX_CHOICES - 1 other choices' first tokens."""
-    if type(v) is not list or len(v) >= MAX_CHOICES:
-        _fail(f"{name}: expected a list of at most {MAX_CHOICES - 1} [token, logprob]")
-    for item in v:
-        if type(item) is not list or len(item) != 2:
-            _fail(f"{name}: entries are [token, logprob]")
-        _int(0, 1 << 32)(item[0], name)
-        _logprob(item[1], name)
-    return v
+    return _token_pairs(v, name, MAX_CHOICES - 1, "other choices", _logprob)
 
 
 def _ticket(v, name):

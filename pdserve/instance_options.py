@@ -1,0 +1,73 @@
+"""`InstanceOptions`: the flags `pdserve prefill` and `pdserve decode` share, declared once (the
+field, its default, its help, its checks). `PrefillServerConfig` and `DecodeServerConfig` extend it
+with their role's own options and override a field only where the role's default differs (the
+ports). Torch-free, so the CLI builds its options without importing torch (pdserve/flags.py)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from .choices import AttentionOps, Device, ModelDType, Switch, Transfer, check
+from .engine.placement import check_device_fields
+from .flags import (
+    ATTENTION_OPS_HELP,
+    DEVICE_HELP,
+    DTYPE_HELP,
+    EXACT_DTYPE_HELP,
+    GPU_IDS_HELP,
+    INTERNAL_TOKEN_HELP,
+    MODEL_HELP,
+    PREFIX_CACHE_HELP,
+    SHUTDOWN_GRACE_HELP,
+    option,
+)
+
+
+@dataclass(frozen=True)
+class InstanceOptions(ABC):
+    model: str = option(help=MODEL_HELP, cli_type=Optional[Path], cli_default=None)
+    host: str = option("127.0.0.1", "Address the instance's HTTP API listens on.")
+    port: int = option(8000, "Port of the instance's HTTP API.")
+    dist_port: int = option(29500, "TCP port the ranks use to form their torch.distributed group.")
+    dtype: str = option(  # "": float32 on cpu, bfloat16 on cuda (filled in by __post_init__)
+        "", DTYPE_HELP, cli_type=Optional[ModelDType], cli_default=None
+    )
+    exact_dtype: bool = option(False, EXACT_DTYPE_HELP)
+    device: str = option("cpu", DEVICE_HELP, choices=Device)
+    gpu_ids: tuple[int, ...] = option((), GPU_IDS_HELP, cli_type=Optional[str], cli_default=None)
+    attention_ops: str = option("auto", ATTENTION_OPS_HELP, choices=AttentionOps)
+    threads_per_rank: int = option(
+        1, "torch threads in each rank process (decode: also in the server's local prefill).", min=1
+    )
+    prefix_cache: str = option("on", PREFIX_CACHE_HELP, choices=Switch)
+    transfer: str = option("tcp", choices=Transfer)
+    max_queue: int = option(
+        256,
+        "Requests waiting (to be prefilled, or for KV pages) beyond this many are refused with 429 "
+        "and Retry-After (bounded admission; the router then tries another instance).",
+        min=1,
+    )
+    shutdown_grace_s: float = option(30.0, SHUTDOWN_GRACE_HELP, name="--shutdown-grace", min=0.0)
+    # engine/auth.py; serve() requires one (the CLI adds --internal-token-file and the environment)
+    internal_token: str | None = option(None, INTERNAL_TOKEN_HELP, cli_type=Optional[str], repr=False)
+
+    @abstractmethod
+    def world_size(self) -> int:
+        """How many rank processes the instance runs (one GPU id each with --gpu-ids)."""
+
+    def check_shared(self) -> None:
+        """The shared fields' checks; fills dtype "" with the device's default. A role's
+        `__post_init__` calls it after checking the fields `world_size` reads."""
+        check_device_fields(self, self.world_size())
+        check(self.dtype, ModelDType, "--dtype")
+        check(self.prefix_cache, Switch, "--prefix-cache")
+        check(self.transfer, Transfer, "--transfer")
+        if self.port == self.dist_port:
+            raise ValueError("--port and --dist-port must differ")
+        if self.threads_per_rank < 1 or self.max_queue < 1:
+            raise ValueError("--threads-per-rank and --max-queue must be >= 1")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"--shutdown-grace must be >= 0, got {self.shutdown_grace_s}")
