@@ -9,6 +9,7 @@ latent output back through W_UV.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .backend import AttentionBackend, IndexerInputs
@@ -42,7 +43,8 @@ class Indexer(nn.Module):
         k_rot, k_pass = torch.split(k, [self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
         q = torch.cat([apply_rope(q_rot, cos, sin, self.interleave), q_pass], dim=-1)
         k = torch.cat([apply_rope(k_rot, cos, sin, self.interleave), k_pass], dim=-1)
-        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).to(self.score_dtype) * self.n_heads**-0.5
+        wp = self.weights_proj.weight  # a float32 island: the reference's op, so the reference's sums
+        w = F.linear(x.to(wp.dtype), wp).to(self.score_dtype) * self.n_heads**-0.5
         return IndexerInputs(q=q, k=k, weights=w, softmax_scale=self.head_dim**-0.5)
 
 

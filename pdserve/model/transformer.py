@@ -12,7 +12,7 @@ from torch import nn
 from .attention import MLAttention
 from .backend import AttentionBackend
 from .config import ModelConfig
-from .layers import MLP, MoE, RMSNorm, empty_param
+from .layers import MLP, MoE, RMSNorm, empty_param, linear
 from .rope import RotaryEmbedding
 
 
@@ -74,4 +74,4 @@ class CausalLM(nn.Module):
         return self.model(ids, positions, backend)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(hidden, self.lm_head.weight)
+        return linear(hidden, self.lm_head.weight)
