@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 from common import cpu_seconds, machine_info, resolve_model  # bench/ is on sys.path when a script runs
+from transfer_costs import checksum_cost, pack_cost
 from transfer_raw import aggregate_nixl
 
 MB = 1 << 20
@@ -178,70 +179,6 @@ def transports(sizes_mb: list[int], repeats: int) -> dict:
     push.close()
     ctx.term()
     return out, spread
-
-
-# ---- (b) pack ------------------------------------------------------------------------------------
-def pack_cost(model: str, tokens: int, repeats: int) -> dict:
-    """Packs decode rank 0's rows (tokens 0, 2, 4, ... of every layer: one run of step 2 per layer) of
-    a full prefill pool into a staging buffer, as a sender does before a WRITE (tcp.pack_rows)."""
-    from pdserve.engine.kv_cache import KVPool
-    from pdserve.model.config import ModelConfig
-    from pdserve.transfer.plan import Run
-    from pdserve.transfer.tcp import pack_rows
-
-    torch.set_num_threads(1)
-    cfg = ModelConfig.from_pretrained(model)
-    pool = KVPool(cfg, tokens, torch.float32)
-    pool.kv.normal_()
-    runs = (Run(0, 0, tokens // 2, 2),)
-    staging = torch.empty(cfg.num_layers, tokens // 2, cfg.kv_entry_dim)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for layer in range(cfg.num_layers):
-            pack_rows(pool, "kv", layer, runs, staging[layer])
-        best = min(best, time.perf_counter() - t0)
-    nbytes = staging.numel() * staging.element_size()
-    print(
-        f"pack: {nbytes / MB:.1f} MB of one decode rank's rows in {1000 * best:.1f} ms "
-        f"({nbytes / best / 1e9:.2f} GB/s)",
-        flush=True,
-    )
-    return {"bytes": nbytes, "seconds": best, "GBps": nbytes / best / 1e9}
-
-
-def checksum_cost(model: str, tokens: int, repeats: int) -> dict:
-    """The integrity pass a hand-off makes twice over every byte and raw WRITEs never make: the
-    `RoomChecksum` of one decode rank's rows (tokens / 2 of every layer, kv and index keys), taken
-    by the sender before its WRITEs and by the receiver over the rows where they landed."""
-    from pdserve.model.config import ModelConfig
-    from pdserve.transfer.base import RoomChecksum
-
-    torch.set_num_threads(1)
-    cfg = ModelConfig.from_pretrained(model)
-    n = tokens // 2
-    rows = [torch.randn(n, cfg.kv_entry_dim) for _ in range(cfg.num_layers)]
-    rows += [torch.randn(n, cfg.index_head_dim) for _ in cfg.indexer_layers]
-    flush_src, flush_dst = torch.ones(64 << 20), torch.empty(64 << 20)  # 256 MB: evicts the rows
-    times = []
-    for _ in range(repeats):
-        flush_dst.copy_(flush_src)  # the rows come from memory, as a pool's rows do
-        t0, sums = time.perf_counter(), RoomChecksum()
-        for i, r in enumerate(rows):
-            sums.update(0, i, "kv", r)
-        times.append(time.perf_counter() - t0)
-    med, nbytes = statistics.median(times), sum(r.numel() * r.element_size() for r in rows)
-    print(
-        f"checksum: {nbytes / MB:.1f} MB of one decode rank's rows (not in cache) in {1000 * med:.1f} ms "
-        f"median ({nbytes / med / 1e9:.2f} GB/s); a hand-off checksums all ranks' rows twice",
-        flush=True,
-    )
-    return {
-        "bytes": nbytes,
-        "seconds": med,
-        "seconds_min_max": [min(times), max(times)],
-        "GBps": nbytes / med / 1e9,
-    }
 
 
 # ---- (c) the whole hand-off ---------------------------------------------------------------------------
