@@ -25,19 +25,13 @@ def attend(
     out_dtype = q.dtype
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     q, keys = q.to(compute), keys.to(compute)
-    if keys.dim() == 2:
-        scores = torch.einsum("bhd,sd->bhs", q, keys)
-    else:
-        scores = torch.einsum("bhd,bsd->bhs", q, keys)
+    scores = torch.matmul(q, keys.t() if keys.dim() == 2 else keys.transpose(1, 2))  # [B, H, S]
     scores = (scores * scale).masked_fill(~valid[:, None, :], float("-inf"))  # [B, H, S]
     lse = torch.logsumexp(scores, dim=-1)  # [B, H]
     safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     probs = torch.exp(scores - safe_lse[..., None])  # exp(-inf) = 0 for masked keys
     values = keys[..., :dv]
-    if keys.dim() == 2:
-        out = torch.einsum("bhs,sd->bhd", probs, values)
-    else:
-        out = torch.einsum("bhs,bsd->bhd", probs, values)
+    out = torch.matmul(probs, values)  # [B, H, dv]: values [S, dv] shared or [B, S, dv] per query
     return out.to(out_dtype), lse
 
 
