@@ -316,11 +316,16 @@ def main(argv=None) -> None:
             log(f"  ready at {sp.url} after {startup:.1f} s")
 
             def level(spec, n, conc, rate=None):
-                return lambda: level_row(
-                    load_client.run(
-                        sp.url, sp.model, model_dir, spec, n, a.seed, conc, rate, goodput, a.timeout
+                def run():  # every run starts with empty prefix caches, as transformers' runs do
+                    flushed = sp.flush_caches()
+                    row = level_row(
+                        load_client.run(
+                            sp.url, sp.model, model_dir, spec, n, a.seed, conc, rate, goodput, a.timeout
+                        )
                     )
-                )
+                    return {**row, "flushed_tokens_before": flushed}
+
+                return run
 
             level(rnd, min(4, a.prompts), 4)()  # warm-up, untimed
             for c in a.concurrency:

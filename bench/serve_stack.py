@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -78,6 +79,8 @@ class StackProcess:
             "--ready-timeout",
             str(a.ready_timeout),
         ]
+        # the admin API (its token reaches the router through the environment, never the command line)
+        self.admin_token = secrets.token_urlsafe(32)
         self.lines: list[str] = []
         self.url: str | None = None
         self.model: str | None = None
@@ -87,6 +90,7 @@ class StackProcess:
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(
             self.cmd,
+            env={**os.environ, "PDSERVE_ADMIN_TOKEN": self.admin_token},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -110,6 +114,20 @@ class StackProcess:
             self.stop()
             raise RuntimeError("pdserve up did not become ready:\n  " + "\n  ".join(self.lines[-20:]))
         return time.perf_counter() - t0
+
+    def flush_caches(self) -> int:
+        """Empties every instance's prefix cache through the router's /admin/flush (the prompts of an
+        earlier level must not be cache hits of the next: transformers recomputes every prompt);
+        returns the tokens freed."""
+        import httpx
+
+        auth = {"Authorization": f"Bearer {self.admin_token}"}
+        with httpx.Client(base_url=self.url, headers=auth, timeout=60) as c:
+            rows = c.get("/admin/topology").raise_for_status().json()["instances"]
+            return sum(
+                c.post("/admin/flush", json={"url": r["url"]}).raise_for_status().json()["flushed_tokens"]
+                for r in rows
+            )
 
     def stop(self) -> int | None:
         if self.proc is None or self.proc.poll() is not None:
