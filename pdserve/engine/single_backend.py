@@ -52,7 +52,9 @@ class SingleRankBackend:
     def begin(self, batch: ForwardBatch) -> None:
         """Called by the runner before each forward."""
         self.batch = batch
-        self._selection: dict[int, torch.Tensor] = {}  # seq index (-1: decode group) -> [n, k]
+        self._selection: dict[int, torch.Tensor] = {}  # prefill seq index -> [n, k]
+        self.decode_selection: torch.Tensor | None = None  # decode group: positions [B, k] (-1: none)
+        self._decode_pick: tuple[torch.Tensor, torch.Tensor] | None = None  # their slots, valid
         self._multi = [i for i, s in enumerate(batch.seqs) if s.n > 1]
         single = [i for i, s in enumerate(batch.seqs) if s.n == 1]
         self._single = single
@@ -74,6 +76,8 @@ class SingleRankBackend:
     ) -> torch.Tensor:
         batch = self.batch
         self.pool.write(layer, batch.new_slots, kv, index.k if index is not None else None)
+        if not self._multi:  # a decode-only batch: its rows are the decode group's, in order
+            return self._decode(layer, q, index, scale)
         out = q.new_empty(q.shape[0], q.shape[1], self.cfg.kv_lora_rank)  # [T, H, c]
         for i in self._multi:
             s = batch.seqs[i]
@@ -114,10 +118,11 @@ class SingleRankBackend:
         if index is not None:  # a full layer selects; the shared layers after it reuse the selection
             idx_keys = self.pool.read_index(layer, slots)  # [B, Smax, Di]
             scores = index_scores(index.q, index.weights, idx_keys, index.softmax_scale)
-            self._selection[-1] = self.ops.topk(scores, valid, cfg.index_topk)
-        sel = self._selection[-1]
-        keys = self.pool.read_kv(layer, slots.gather(1, sel.clamp(min=0)))  # [B, k, c + rope]
-        o, _ = self.ops.attend(q, keys, sel >= 0, scale, cfg.kv_lora_rank)
+            self.decode_selection = sel = self.ops.topk(scores, valid, cfg.index_topk)  # [B, k]
+            self._decode_pick = (slots.gather(1, sel.clamp(min=0)), sel >= 0)  # [B, k] slots, valid
+        picked, picked_valid = self._decode_pick
+        keys = self.pool.read_kv(layer, picked)  # [B, k, c + rope]
+        o, _ = self.ops.attend(q, keys, picked_valid, scale, cfg.kv_lora_rank)
         return o
 
 

@@ -73,9 +73,14 @@ def topk_earliest(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Te
     if k <= 0 or S == 0:
         return torch.full((B, max(k, 0)), -1, dtype=torch.int64, device=scores.device)
     s = scores.masked_fill(~valid, float("-inf"))
-    n_valid = valid.sum(dim=-1, keepdim=True)  # [B, 1]
     kk = min(k, S)
-    kth = s.topk(kk, dim=-1).values[:, -1:]  # [B, 1]: the k-th largest score
+    top, picked = s.topk(kk, dim=-1)
+    kth = top[:, -1:]  # [B, 1]: the k-th largest score
+    if bool(((s >= kth).sum(dim=-1) == kk).all()) and bool((kth > float("-inf")).all()):
+        # no tie crosses the k-th place and every pick is valid: topk's set is the answer
+        idx = picked.sort(dim=-1).values
+        return idx if kk == k else torch.cat([idx, idx.new_full((B, k - kk), -1)], dim=1)
+    n_valid = valid.sum(dim=-1, keepdim=True)  # [B, 1]
     above = s > kth
     tied = (s == kth) & valid
     need = kk - above.sum(dim=-1, keepdim=True)  # how many tied keys still fit

@@ -24,20 +24,28 @@ def empty_param(*shape: int) -> nn.Parameter:
 
 
 FEW_ROWS = 8  # up to this many rows the CPU product is taken as (W x^T)^T (see `linear`)
+SMALL_OUT = 64  # ... unless W has at most this many rows: then F.linear's lower overhead wins
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b) for W [out, in]. On the CPU, a product of a few rows (decode: one row per request)
     is taken as (W x^T)^T: this torch's CPU BLAS runs x W^T for 1-8 rows through a matrix-vector
     path at about half the memory bandwidth its matrix-matrix path reaches on W x^T (one row is
-    given a second, zero row, so that it is a matrix-matrix product too). Same values up to the
-    order of the sums (tests/model/test_linear_rows.py); the decode rows of bench/engine.py measure
-    the effect (batch 1: 9.1 -> 6.7 ms per step on the small model, 2 threads)."""
+    given a copy of itself as a second row, so that it is a matrix-matrix product too). Same values
+    up to the order of the sums (tests/model/test_linear_rows.py); the decode rows of
+    bench/engine.py measure the effect (batch 1: 9.1 -> 6.7 ms per step on the small model, 2
+    threads). A W of at most SMALL_OUT rows is read in a few microseconds either way, and there
+    F.linear's single call is the faster one."""
     rows = x.shape[0] if x.dim() == 2 else 0
-    if not 0 < rows <= FEW_ROWS or x.device.type != "cpu" or x.dtype != weight.dtype:
+    if (
+        not 0 < rows <= FEW_ROWS
+        or weight.shape[0] <= SMALL_OUT
+        or x.device.type != "cpu"
+        or x.dtype != weight.dtype
+    ):
         return F.linear(x, weight, bias)
-    xt = x.t() if rows > 1 else torch.cat([x, torch.zeros_like(x)]).t()
-    y = (weight @ xt)[:, :rows].t().contiguous()
+    xt = x.t() if rows > 1 else torch.cat([x, x]).t()
+    y = torch.mm(weight, xt)[:, :rows].t().contiguous()
     return y if bias is None else y + bias
 
 
@@ -62,10 +70,11 @@ class RMSNorm(nn.Module):
         self.eps, self.islands = eps, islands
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.to(island_dtype(dtype, self.islands))
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        dtype, dim = x.dtype, (x.shape[-1],)
+        compute = island_dtype(dtype, self.islands)
+        if compute == dtype == self.weight.dtype:  # one fused op: x * rsqrt(mean(x^2) + eps) * weight
+            return F.rms_norm(x, dim, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.to(compute), dim, eps=self.eps).to(dtype)
 
 
 class LayerNorm(nn.Module):
@@ -131,7 +140,22 @@ class Experts(nn.Module):
         self.gate_up_proj = empty_param(n_experts, 2 * intermediate, hidden)
         self.down_proj = empty_param(n_experts, hidden, intermediate)
 
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down_proj[e])
+
+    def _one_token(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [1, H]: the k chosen experts one after another, with no grouping by expert (a decode
+        step at batch 1). Sums in ascending expert order, as the grouped path does."""
+        out = None
+        for e, w in sorted(zip(ids[0].tolist(), weights[0].tolist())):
+            h = (self._expert(e, x) * w).to(x.dtype)
+            out = h if out is None else out.add_(h)
+        return out if out is not None else torch.zeros_like(x)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1:
+            return self._one_token(x, weights, ids)
         out = torch.zeros_like(x)
         flat_ids = ids.flatten()
         order = flat_ids.argsort(stable=True)  # group (token, slot) pairs by expert
@@ -144,9 +168,7 @@ class Experts(nn.Module):
             sel = order[start : start + n]
             tok = token_of[start : start + n]
             start += n
-            gate, up = linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            h = linear(F.silu(gate) * up, self.down_proj[e])
-            h = h * weights.flatten()[sel, None]
+            h = self._expert(e, x[tok]) * weights.flatten()[sel, None]
             out.index_add_(0, tok, h.to(out.dtype))
         return out
 

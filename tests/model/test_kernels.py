@@ -36,6 +36,24 @@ def test_topk_matches_naive_rule_on_many_ties():
         assert torch.equal(topk_earliest(scores, valid, k), naive_topk_earliest(scores, valid, k)), trial
 
 
+def test_topk_without_ties_and_with_a_tie_at_the_kth_place():
+    """Distinct scores take topk's own set (sorted); a tie across the k-th place, an invalid key
+    among the top scores or fewer valid keys than k take the tie rule's path: both equal the rule."""
+    g = torch.Generator().manual_seed(3)
+    for trial in range(20):
+        B, S, k = (
+            3,
+            int(torch.randint(5, 600, (1,), generator=g)),
+            int(torch.randint(1, 300, (1,), generator=g)),
+        )
+        scores = torch.randn(B, S, generator=g, dtype=torch.float64)  # no ties
+        valid = torch.ones(B, S, dtype=torch.bool)
+        valid[1, : S // 2] = False  # some invalid keys, maybe fewer than k valid ones
+        if k < S:
+            scores[2, : k + 1] = scores[2].max() + 1  # k + 1 keys tie for the top: the earliest k win
+        assert torch.equal(topk_earliest(scores, valid, k), naive_topk_earliest(scores, valid, k)), trial
+
+
 def test_topk_rows_with_few_valid_keys_pad_with_minus_one():
     scores = torch.tensor([[5.0, 4.0, 3.0]])
     valid = torch.tensor([[True, False, True]])

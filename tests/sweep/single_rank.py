@@ -34,7 +34,7 @@ class RecordingBackend(SingleRankBackend):
     def _decode(self, layer, q, index, scale):
         out = super()._decode(layer, q, index, scale)
         if index is not None and self.cfg.is_sparse:
-            self.selections[layer] = self._selection[-1].clone()  # [B, k]
+            self.selections[layer] = self.decode_selection.clone()  # [B, k]
             scores = index_scores(
                 index.q, index.weights, self.pool.read_index(layer, self._dec_slots), index.softmax_scale
             ).masked_fill(~self._dec_valid, float("nan"))
