@@ -53,6 +53,53 @@ def memcpy_gbps(threads: int, nbytes: int = 256 << 20, repeats: int = 5) -> floa
     return _with_threads(threads, measure)
 
 
+def read_gbps(threads: int, nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes per second a pure read stream reaches with `threads` threads: the sum of a large tensor
+    (best of `repeats`). A stricter ceiling than memcpy_gbps, which spends half its traffic on
+    writes: a decode step only reads, and a cold matrix-vector product can read this fast."""
+    import torch
+
+    def measure():
+        src = torch.ones(nbytes // 4)
+        src.sum()
+        return nbytes / _best(src.sum, repeats) / 1e9
+
+    return _with_threads(threads, measure)
+
+
+def torch_calls(fn) -> int:
+    """How many torch operator calls (views included) `fn()` makes: what a step costs in Python and
+    dispatch, whatever its tensors' sizes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.calls
+
+
+def call_us(repeats: int = 20000) -> float:
+    """The median-of-5 time of one small torch call (an add of two 8-element tensors), in µs: the
+    fixed cost each call of a step pays before it touches any data."""
+    import statistics
+
+    import torch
+
+    a, b = torch.ones(8), torch.ones(8)
+
+    def run():
+        for _ in range(repeats):
+            torch.add(a, b)
+
+    return 1e6 * statistics.median(_best(run, 1) for _ in range(5)) / repeats
+
+
 def _active_params(model_dir: str) -> tuple[object, float, int]:
     """(config, parameters one token multiplies by, LM head parameters): routed experts scaled by
     top-k / E, no embedding table (a lookup), no norms or biases (not matmuls)."""
