@@ -282,8 +282,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--slo-itl-ms", type=float, default=100, help="goodput SLO on TPOT (default 100)")
     p.add_argument("--seed", type=int, default=0, help="the load client's seed (default 0)")
     p.add_argument("--prefill-cp", type=int, default=2, help="pdserve up --prefill-cp (default 2)")
-    p.add_argument("--decode-tp", type=int, default=2, help="pdserve up --decode-tp (default 2)")
-    p.add_argument("--decode-dcp", type=int, default=2, help="pdserve up --decode-dcp (default 2)")
+    p.add_argument(
+        "--decode-tp",
+        type=int,
+        default=1,
+        help="pdserve up --decode-tp (default 1: on a 2-core host the ranks of a larger decode group "
+        "time-share the cores with the prefill ranks, and each step's collectives wait for a time slice)",
+    )
+    p.add_argument("--decode-dcp", type=int, default=1, help="pdserve up --decode-dcp (default 1)")
     p.add_argument("--dcp-index", default="copy", choices=("copy", "split"), help="--dcp-index (copy)")
     p.add_argument("--transfer", default="tcp", choices=("tcp", "nixl"), help="--transfer (default tcp)")
     p.add_argument("--port", type=int, default=0, help="router port (default 0: a free one)")
@@ -436,8 +442,12 @@ def main(argv=None) -> None:
         c = h["prefill_ceiling"]
         print(
             f"prefill-bound ceiling at c={a.headline_concurrency}: {c['output_tok_s']:.1f} out tok/s "
-            f"(prefill {c['prefill_tok_s_c1']:.0f} tok/s at c=1, decode free) = "
-            f"{c['output_tok_s'] / h['hf_best_output_tok_s']:.2f}x transformers"
+            f"(prefill {c['prefill_tok_s_c1']:.0f} tok/s at c=1, decode free)"
+            + (
+                f" = {c['output_tok_s'] / h['hf_best_output_tok_s']:.2f}x transformers"
+                if h["hf_best_output_tok_s"]
+                else ""
+            )
         )
     print(f"total {doc['total_s']:.0f} s; wrote {a.out / 'serve.json'}")
 
