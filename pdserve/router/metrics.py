@@ -1,130 +1,125 @@
-"""Prometheus metrics of the router, written by hand in the text exposition format (version 0.0.4).
+"""Prometheus metrics of the router, kept and rendered by prometheus-client (text format 0.0.4).
 
 Histograms: time to first token, inter-token latency, end-to-end latency, prefill answer time
 (prefill request sent -> cache shipped). Counters: requests by outcome, retries by the role that
-failed. Gauges come from the pool's last poll at scrape time: health, queue depth, free, cached and
-total KV tokens, in-flight and served requests, completed and failed KV hand-offs per instance, and
-the prefix caches' hit tokens and the hand-off bytes they kept off the wire; with `cache_aware`, the
-prefix tokens its choices expected to hit.
+failed, refusals by reason, generated tokens. Gauges come from the pool's last poll at scrape time
+(a collector of this module): health, queue depth, free, cached and total KV tokens, in-flight and
+served requests, completed and failed KV hand-offs per instance, and the prefix caches' hit tokens
+and the hand-off bytes they kept off the wire; with `cache_aware`, the prefix tokens its choices
+expected to hit. Every Metrics has a registry of its own (a process may run several routers, e.g.
+in tests), and no `_created` series: they would only repeat the router's start time.
 """
 
 from __future__ import annotations
 
-import math
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 OUTCOMES = ("completed", "client_error", "unavailable", "failed", "aborted", "rejected", "timeout")
 REJECTIONS = ("router_queue_full", "instances_full")
+ROLES = ("prefill", "decode")
 
-
-class Histogram:
-    def __init__(self, name: str, help_: str, buckets: tuple[float, ...] = LATENCY_BUCKETS):
-        self.name, self.help, self.buckets = name, help_, buckets
-        self.counts = [0] * len(buckets)  # per bucket, not cumulative
-        self.count, self.sum = 0, 0.0
-
-    def observe(self, value: float) -> None:
-        self.count += 1
-        self.sum += value
-        for i, bound in enumerate(self.buckets):
-            if value <= bound:
-                self.counts[i] += 1
-                break
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        cumulative = 0
-        for bound, n in zip(self.buckets, self.counts):
-            cumulative += n
-            lines.append(f'{self.name}_bucket{{le="{_num(bound)}"}} {cumulative}')
-        lines += [
-            f'{self.name}_bucket{{le="+Inf"}} {self.count}',
-            f"{self.name}_sum {_num(self.sum)}",
-            f"{self.name}_count {self.count}",
-        ]
-        return lines
+prometheus_client.disable_created_metrics()
 
 
 class Metrics:
     def __init__(self):
-        self.ttft = Histogram(
+        self.registry = r = CollectorRegistry()
+
+        def histogram(name: str, help_: str) -> Histogram:
+            return Histogram(name, help_, buckets=LATENCY_BUCKETS, registry=r)
+
+        self.ttft = histogram(
             "pdserve_router_time_to_first_token_seconds",
             "Seconds from a request's arrival to its first generated token.",
         )
-        self.itl = Histogram(
+        self.itl = histogram(
             "pdserve_router_inter_token_latency_seconds",
             "Seconds between consecutive generated tokens of one request.",
         )
-        self.e2e = Histogram(
+        self.e2e = histogram(
             "pdserve_router_e2e_latency_seconds",
             "Seconds from a request's arrival to its last token or error.",
         )
-        self.prefill = Histogram(
+        self.prefill = histogram(
             "pdserve_router_prefill_seconds",
             "Seconds from sending a prefill request to its answer (the KV cache shipped).",
         )
-        self.requests = {o: 0 for o in OUTCOMES}
-        self.retries = {"prefill": 0, "decode": 0}
-        self.rejections = {r: 0 for r in REJECTIONS}
-        self.tokens = 0
+        self.requests = Counter("pdserve_router_requests", "Requests by outcome.", ["outcome"], registry=r)
+        self.retries = Counter(
+            "pdserve_router_retries",
+            "Failed tries that were retried, by the role that failed.",
+            ["role"],
+            registry=r,
+        )
+        self.rejections = Counter(
+            "pdserve_router_rejected", "Requests refused with 429, by reason.", ["reason"], registry=r
+        )
+        for counter, values in (
+            (self.requests, OUTCOMES),
+            (self.retries, ROLES),
+            (self.rejections, REJECTIONS),
+        ):
+            for v in values:
+                counter.labels(v)  # every label value is exposed from the start, at 0
+        self.tokens = Counter("pdserve_router_generated_tokens", "Tokens streamed to clients.", registry=r)
         self.queued = lambda: 0  # requests waiting for an instance with room (set by the app)
         self.cache_aware = None  # router/cache_aware.py's policy, when --policy cache_aware (set by the app)
+        self.instances = lambda: ()  # the pool's instances at scrape time (render sets it)
+        r.register(_ScrapeTime(self))
 
     def finished(self, outcome: str) -> None:
-        self.requests[outcome] += 1
+        self.requests.labels(outcome).inc()
 
     def rejected(self, reason: str) -> None:
-        self.rejections[reason] += 1
+        self.rejections.labels(reason).inc()
 
     def retry(self, role: str) -> None:
-        self.retries[role] += 1
+        self.retries.labels(role).inc()
+
+    def token(self) -> None:
+        self.tokens.inc()
 
     def observe_prefill(self, seconds: float) -> None:
         self.prefill.observe(seconds)
 
     def render(self, instances) -> str:
-        lines: list[str] = []
-        for h in (self.ttft, self.itl, self.e2e, self.prefill):
-            lines += h.render()
-        lines += [
-            "# HELP pdserve_router_requests_total Requests by outcome.",
-            "# TYPE pdserve_router_requests_total counter",
-        ]
-        lines += [f'pdserve_router_requests_total{{outcome="{o}"}} {n}' for o, n in self.requests.items()]
-        lines += [
-            "# HELP pdserve_router_retries_total Failed tries that were retried, by the role that failed.",
-            "# TYPE pdserve_router_retries_total counter",
-        ]
-        lines += [f'pdserve_router_retries_total{{role="{r}"}} {n}' for r, n in self.retries.items()]
-        lines += [
-            "# HELP pdserve_router_rejected_total Requests refused with 429, by reason.",
-            "# TYPE pdserve_router_rejected_total counter",
-        ]
-        lines += [f'pdserve_router_rejected_total{{reason="{r}"}} {n}' for r, n in self.rejections.items()]
-        lines += [
-            "# HELP pdserve_router_queued_requests Requests waiting for an instance with room.",
-            "# TYPE pdserve_router_queued_requests gauge",
-            f"pdserve_router_queued_requests {self.queued()}",
-        ]
-        lines += [
-            "# HELP pdserve_router_generated_tokens_total Tokens streamed to clients.",
-            "# TYPE pdserve_router_generated_tokens_total counter",
-            f"pdserve_router_generated_tokens_total {self.tokens}",
-        ]
-        if self.cache_aware is not None:
-            lines += [
-                "# HELP pdserve_router_prefix_match_tokens_total Prompt tokens cache_aware expected the chosen instances' prefix caches to hold.",
-                "# TYPE pdserve_router_prefix_match_tokens_total counter",
-                f"pdserve_router_prefix_match_tokens_total {self.cache_aware.match_tokens}",
-                "# HELP pdserve_router_cache_aware_balanced_total Choices where the best match was overloaded and least_load chose.",
-                "# TYPE pdserve_router_cache_aware_balanced_total counter",
-                f"pdserve_router_cache_aware_balanced_total {self.cache_aware.balanced}",
-            ]
-        lines += _instance_gauges(list(instances))
-        return "\n".join(lines) + "\n"
+        instances = list(instances)
+        self.instances = lambda: instances
+        return generate_latest(self.registry).decode()
 
 
-def _instance_gauges(instances) -> list[str]:
+class _ScrapeTime:
+    """The values read at scrape time: the router's queue, cache_aware's counts, the instances' gauges."""
+
+    def __init__(self, metrics: Metrics):
+        self.m = metrics
+
+    def describe(self):
+        return []  # nothing known before a scrape (and no collect() at registration)
+
+    def collect(self):
+        m = self.m
+        yield GaugeMetricFamily(
+            "pdserve_router_queued_requests", "Requests waiting for an instance with room.", value=m.queued()
+        )
+        if m.cache_aware is not None:
+            yield CounterMetricFamily(
+                "pdserve_router_prefix_match_tokens",
+                "Prompt tokens cache_aware expected the chosen instances' prefix caches to hold.",
+                value=m.cache_aware.match_tokens,
+            )
+            yield CounterMetricFamily(
+                "pdserve_router_cache_aware_balanced",
+                "Choices where the best match was overloaded and least_load chose.",
+                value=m.cache_aware.balanced,
+            )
+        yield from _instance_gauges(list(m.instances()))
+
+
+def _instance_gauges(instances):
     gauges = (
         (
             "pdserve_instance_healthy",
@@ -198,21 +193,10 @@ def _instance_gauges(instances) -> list[str]:
             lambda i: i.value("transfer_seconds"),
         ),
     )
-    lines = []
     for name, help_, value in gauges:
-        lines += [f"# HELP {name} {help_}", f"# TYPE {name} gauge"]
+        family = GaugeMetricFamily(name, help_, labels=["instance", "role"])
         for inst in instances:
             v = value(inst)
             if v is not None:
-                lines.append(f'{name}{{instance="{_label(inst.url)}",role="{inst.role}"}} {_num(v)}')
-    return lines
-
-
-def _num(v: float) -> str:
-    if isinstance(v, float) and math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    return repr(float(v)) if isinstance(v, float) else str(v)
-
-
-def _label(text: str) -> str:
-    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+                family.add_metric([inst.url, inst.role], v)
+        yield family

@@ -86,7 +86,8 @@ async def pieces(
                 elif not c.done:
                     now = time.perf_counter()
                     (m.itl if seen else m.ttft).observe(now - (last if seen else start))
-                    last, seen, m.tokens = now, True, m.tokens + 1
+                    last, seen = now, True
+                    m.token()
                     c.ids.append(ev.token)
                     if ev.logprob is not None:
                         c.lps.append(ev.logprob)

@@ -113,3 +113,15 @@ def start_router_cli(*args: str) -> tuple[subprocess.Popen, str]:
         proc.kill()
         raise
     return proc, url
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """The value of one sample of a /metrics page, read with prometheus-client's own parser (which
+    also refuses text that is not the exposition format)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return sample.value
+    raise AssertionError(f"{name} {labels} not in metrics")

@@ -9,6 +9,7 @@ from pdserve.contracts import DecodeCapacity, PrefillInfo
 from pdserve.router.cache_aware import BLOCK, CacheAwarePolicy, PrefixModel, prefix_hashes
 from pdserve.router.metrics import Metrics
 from pdserve.router.pool import Pool
+from tests.router.helpers import metric
 
 SYSTEM = list(range(1000, 1000 + 4 * BLOCK))  # a 4-block shared system prompt
 
@@ -80,7 +81,7 @@ def test_an_overloaded_best_match_loses_to_least_load():
     assert pool.cache_aware.balanced == 1
     text = Metrics()
     text.cache_aware = pool.cache_aware
-    assert "pdserve_router_cache_aware_balanced_total 1" in text.render(pool.instances.values())
+    assert metric(text.render(pool.instances.values()), "pdserve_router_cache_aware_balanced_total") == 1
 
 
 def test_model_bound_evictions_age_and_restart():

@@ -17,6 +17,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import SamplingParams
 from tests.router.helpers import (
     decode_idle,
+    metric,
     router_config,
     running_router,
     start_servers,
@@ -68,7 +69,7 @@ def test_router_admits_a_bounded_number_and_429s_the_rest(model_dir, instances):
     for ids, r in ok:
         want = engine.generate([ids], SamplingParams(max_tokens=TOKENS, ignore_eos=True))[0]
         assert r.json()["choices"][0]["token_ids"] == want
-    assert f'pdserve_router_rejected_total{{reason="router_queue_full"}} {len(refused)}' in metrics
+    assert metric(metrics, "pdserve_router_rejected_total", reason="router_queue_full") == len(refused)
     wait_until(lambda: decode_idle(d_url), "the decode instance to be idle")
 
 
