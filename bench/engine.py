@@ -37,7 +37,7 @@ from common import (  # bench/ is on sys.path when a script runs
     resolve_model,
 )
 from engine_report import plot, ratios, summary_rows, table
-from roofline import decode_bytes_per_step, memcpy_gbps, read_gbps
+from roofline import call_us, decode_bytes_per_step, memcpy_gbps, read_gbps, torch_calls
 
 MEM_CAP = 14 * 2**30
 WARMUP_STEPS = 2
@@ -155,8 +155,6 @@ def ours_decode(model_dir: str, batch: int, context: int, steps: int) -> dict:
         produced += len(engine.step())
         step_s.append(time.perf_counter() - t0)
     assert produced == batch * steps, f"expected {batch * steps} tokens, got {produced}"
-    from roofline import call_us, memcpy_gbps, read_gbps, torch_calls
-
     # the bandwidths right after the timed steps, in the same process: the machine's memory rate
     # drifts between runs (memcpy 22-39 GB/s on this VM), so the bound is taken under the step's own conditions
     return dict(

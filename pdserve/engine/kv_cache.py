@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..model.config import ModelConfig
+from ..model.kernels import take_rows
 from .capacity import check_kv_cache_dtype, entry_bytes, index_bytes, tokens_for_budget
 
 FP8 = torch.float8_e4m3fn
@@ -161,12 +162,12 @@ class KVPool:
             ]
 
     def read_kv(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        return _take(self.kv[self.kv_row[layer]], self._kv_rows(_on(slots, self.kv))).to(self.dtype)
+        return take_rows(self.kv[self.kv_row[layer]], self._kv_rows(_on(slots, self.kv))).to(self.dtype)
 
     def read_index(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         row, slots = self.index_row[layer], _on(slots, self.index_k)
         if not self.fp8:
-            return _take(self.index_k[row], slots)
+            return take_rows(self.index_k[row], slots)
         scale = self.index_scale[row, slots].unsqueeze(-1)
         return (self.index_k[row, slots].float() * scale).to(self.dtype)
 
@@ -202,14 +203,6 @@ def _on(index, table: torch.Tensor):
     if isinstance(index, torch.Tensor) and index.device != table.device:
         return index.to(table.device)
     return index
-
-
-def _take(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """table[rows] for rows of any shape: index_select where it applies (about 3x faster on the CPU
-    than advanced indexing for a decode step's few hundred rows)."""
-    if table.dtype == FP8 or rows.dtype != torch.int64:
-        return table[rows]
-    return table.index_select(0, rows.reshape(-1)).view(*rows.shape, *table.shape[1:])
 
 
 def _put(table: torch.Tensor, rows: torch.Tensor | slice, values: torch.Tensor) -> None:

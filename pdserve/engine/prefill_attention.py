@@ -11,7 +11,7 @@ import torch
 
 from ..model.backend import IndexerInputs
 from ..model.config import ModelConfig
-from ..model.kernels import index_scores
+from ..model.kernels import index_scores, take_rows
 from .attn_ops import TorchOps
 
 # Bytes of float32 scores one query block may materialise ([block, heads, context]). Two ranks on
@@ -81,6 +81,5 @@ def _sparse_attend(ops, q: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor, 
     outs = []
     for i in range(0, n, step):
         s = sel[i : i + step]
-        picked = keys.index_select(0, s.clamp(min=0).reshape(-1)).view(*s.shape, keys.shape[1])
-        outs.append(ops.attend(q[i : i + step], picked, s >= 0, scale, dv)[0])
+        outs.append(ops.attend(q[i : i + step], take_rows(keys, s.clamp(min=0)), s >= 0, scale, dv)[0])
     return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -74,6 +74,7 @@ class RouterState:
             cfg.max_queue,
         )
         self.metrics.queued = lambda: self.orch.queued
+        self.metrics.instances = lambda: list(self.pool.instances.values())
         self.limits = PromptLimits(cfg.max_prompt_bytes, cfg.max_prompt_tokens)
 
 
@@ -132,9 +133,7 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     async def metrics(request: Request):
         state = request.app.state.router
         await state.pool.poll_all(state.client)  # per-instance gauges as of now, not of the last tick
-        return PlainTextResponse(
-            state.metrics.render(state.pool.instances.values()), media_type="text/plain; version=0.0.4"
-        )
+        return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
     async def completions(body: P.CompletionRequest, request: Request):

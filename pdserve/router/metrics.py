@@ -67,7 +67,7 @@ class Metrics:
         self.tokens = Counter("pdserve_router_generated_tokens", "Tokens streamed to clients.", registry=r)
         self.queued = lambda: 0  # requests waiting for an instance with room (set by the app)
         self.cache_aware = None  # router/cache_aware.py's policy, when --policy cache_aware (set by the app)
-        self.instances = lambda: ()  # the pool's instances at scrape time (render sets it)
+        self.instances = lambda: ()  # the pool's instances, read at scrape time (set by the app)
         r.register(_ScrapeTime(self))
 
     def finished(self, outcome: str) -> None:
@@ -85,9 +85,7 @@ class Metrics:
     def observe_prefill(self, seconds: float) -> None:
         self.prefill.observe(seconds)
 
-    def render(self, instances) -> str:
-        instances = list(instances)
-        self.instances = lambda: instances
+    def render(self) -> str:
         return generate_latest(self.registry).decode()
 
 
