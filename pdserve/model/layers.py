@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .kernels import FEW_ROWS, onednn_linear, uses_onednn
 
 
 def island_dtype(dtype: torch.dtype, islands: bool) -> torch.dtype:
@@ -23,19 +24,20 @@ def empty_param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-FEW_ROWS = 8  # up to this many rows the CPU product is taken as (W x^T)^T (see `linear`)
-SMALL_OUT = 64  # ... unless W has at most this many rows: then F.linear's lower overhead wins
+SMALL_OUT = 64  # few-row products with a W of at most this many rows go to F.linear (see `linear`)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b) for W [out, in]. On the CPU, a product of a few rows (decode: one row per request)
-    is taken as (W x^T)^T: this torch's CPU BLAS runs x W^T for 1-8 rows through a matrix-vector
-    path at about half the memory bandwidth its matrix-matrix path reaches on W x^T (one row is
-    given a copy of itself as a second row, so that it is a matrix-matrix product too). Same values
-    up to the order of the sums (tests/model/test_linear_rows.py); the decode rows of
-    bench/engine.py measure the effect (batch 1: 9.1 -> 6.7 ms per step on the small model, 2
-    threads). A W of at most SMALL_OUT rows is read in a few microseconds either way, and there
-    F.linear's single call is the faster one."""
+    """x W^T (+ b) for W [out, in]. On the CPU in float32, oneDNN takes every product of more than
+    FEW_ROWS rows (prefill; model/kernels.py `uses_onednn`). A product of a few rows (decode: one
+    row per request) is taken as (W x^T)^T: this torch's CPU BLAS runs x W^T for 1-8 rows through
+    a matrix-vector path at about half the memory bandwidth its matrix-matrix path reaches on W x^T
+    (one row is given a copy of itself as a second row, so that it is a matrix-matrix product too).
+    A W of at most SMALL_OUT rows is read in a few microseconds either way, and there F.linear's
+    single call is the faster one. Same values up to the order of the sums
+    (tests/model/test_linear_rows.py); float64 and other devices take F.linear."""
+    if uses_onednn(x, weight):
+        return onednn_linear(x, weight, bias)
     rows = x.shape[0] if x.dim() == 2 else 0
     if (
         not 0 < rows <= FEW_ROWS

@@ -1,6 +1,7 @@
 """model/layers.py `linear`: the few-rows CPU path ((W x^T)^T) equals F.linear up to the order of
 the sums, for every row count around its threshold, with and without a bias, on non-contiguous
-inputs; other shapes and dtypes go to F.linear unchanged."""
+inputs; float32 products of more rows go to oneDNN (model/kernels.py `matmul_nt` too) and agree
+with torch's own to float32 rounding; float64 goes to F.linear unchanged."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pdserve.model import kernels
+from pdserve.model.kernels import matmul_nt, uses_onednn
 from pdserve.model.layers import FEW_ROWS, SMALL_OUT, linear
 
 
@@ -31,7 +34,39 @@ def test_one_row_float32_close_and_other_shapes_unchanged():
     torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
     small = torch.randn(SMALL_OUT, 32, generator=g)  # a small W: F.linear itself, bit for bit
     assert torch.equal(linear(x, small), F.linear(x, small))
-    x3 = torch.randn(2, 3, 32, generator=g)  # not [rows, in]: F.linear itself
-    assert torch.equal(linear(x3, w), F.linear(x3, w))
+    x3 = torch.randn(2, 3, 32, dtype=torch.float64, generator=g)  # not [rows, in]: F.linear itself
+    assert torch.equal(linear(x3, w.double()), F.linear(x3, w.double()))
     x0 = torch.randn(0, 32, generator=g)
     assert linear(x0, w).shape == (0, SMALL_OUT + 1)
+
+
+@pytest.mark.skipif(not kernels.ONEDNN, reason="this torch has no oneDNN")
+@pytest.mark.parametrize("shape", [(FEW_ROWS + 1, 48), (300, 48), (4, 5, 48), (3, 600, 96)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_many_float32_rows_take_onednn_and_match(shape, bias):
+    g = torch.Generator().manual_seed(len(shape) + shape[-1])
+    x = torch.randn(*shape[:-1], 2 * shape[-1], generator=g)[..., ::2]  # non-contiguous rows
+    w = torch.randn(SMALL_OUT + 7, shape[-1], generator=g)
+    b = torch.randn(SMALL_OUT + 7, generator=g) if bias else None
+    assert uses_onednn(x, w)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double()).float()
+    torch.testing.assert_close(linear(x, w, b), ref, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(
+        matmul_nt(x, w), F.linear(x.double(), w.double()).float(), rtol=1e-5, atol=1e-4
+    )
+    # a non-contiguous right-hand side (attention's values, transposed)
+    wt = torch.randn(shape[-1], SMALL_OUT + 7, generator=g).t()
+    torch.testing.assert_close(
+        matmul_nt(x, wt), F.linear(x.double(), wt.double()).float(), rtol=1e-5, atol=1e-4
+    )
+
+
+def test_what_stays_off_onednn():
+    w = torch.randn(SMALL_OUT + 7, 48)
+    assert not uses_onednn(torch.randn(FEW_ROWS, 48), w)  # a decode step's few rows
+    assert not uses_onednn(torch.randn(1, FEW_ROWS, 48), w)
+    assert not uses_onednn(torch.randn(0, 48), w)
+    assert not uses_onednn(torch.randn(64, 48, dtype=torch.float64), w.double())  # float64: exact paths
+    assert not uses_onednn(torch.randn(64, 48), w.double())
+    x = torch.randn(64, 48, dtype=torch.float64)
+    assert torch.equal(matmul_nt(x, w.double()), torch.matmul(x, w.double().t()))
