@@ -7,6 +7,7 @@ import argparse
 import os
 import platform
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -80,6 +81,18 @@ def resolve_model(model: str | None) -> str:
     from pdserve.cli import ensure_builtin_model
 
     return str(Path(model) if model else ensure_builtin_model())
+
+
+def preset_model(size: str, arch: str = "glm_moe_dsa") -> str:
+    """A `pdserve make-model` preset, built once beside the built-in model (seed 0)."""
+    from pdserve.cli_common import builtin_model_dir
+    from pdserve.model.random_checkpoint import make_model
+
+    path = builtin_model_dir().parent / f"{size}-{arch}-seed0"
+    if not (path / "config.json").is_file():
+        print(f"building the {size} {arch} model in {path} (once)", file=sys.stderr, flush=True)
+        make_model(path, arch, size, seed=0, overwrite=True)
+    return str(path)
 
 
 def machine_info(packages: tuple[str, ...] = ("torch", "transformers")) -> dict:

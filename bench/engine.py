@@ -34,10 +34,11 @@ from common import (  # bench/ is on sys.path when a script runs
     add_model_and_out,
     idle_side,
     machine_info,
+    preset_model,
     resolve_model,
 )
-from engine_report import plot, ratios, summary_rows, table
-from roofline import call_us, decode_bytes_per_step, memcpy_gbps, read_gbps, torch_calls
+from engine_report import decode_bound_line, plot, ratios, summary_rows, table
+from roofline import call_us, decode_roofline, memcpy_gbps, read_gbps, torch_calls
 
 MEM_CAP = 14 * 2**30
 WARMUP_STEPS = 2
@@ -267,6 +268,22 @@ def measure(a: argparse.Namespace, model_dir: str) -> dict:
     return res
 
 
+def measure_weight_bound(a: argparse.Namespace, bandwidths: tuple[float, float]) -> dict:
+    """Decode batch 1 on a preset whose step reads far more bytes than it makes calls (`medium`:
+    ~0.7 GB per step), ours and transformers: where the memory bound, not per-call cost, sets the
+    step time, as for real models (GBs of weights per rank)."""
+    model_dir = preset_model(a.weight_bound_size)
+    args = [model_dir, 1, a.decode_context, a.decode_steps]
+    engines = ENGINES[:1] if a.skip_transformers else ENGINES
+    res = {e: run_worker(e, "decode", args, a) for e in engines}
+    return {
+        "size": a.weight_bound_size,
+        "model": model_dir,
+        **res,
+        "roofline": decode_roofline(model_dir, a.decode_context, res["ours"], bandwidths),
+    }
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     p = argparse.ArgumentParser(
@@ -295,6 +312,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=int,
         default=32,
         help="timed decode steps, one token per request each (default 32)",
+    )
+    p.add_argument(
+        "--weight-bound-size",
+        default="medium",
+        help="also decode at batch 1 on this preset (built once under ~/.cache/pdserve), whose step is "
+        "bound by the bytes it reads, not by its calls; '' skips it (default medium)",
     )
     p.add_argument("--skip-transformers", action="store_true", help="measure only our engine")
     add_model_and_out(p, "engine")
@@ -325,29 +348,14 @@ def main(argv=None) -> None:
     model_dir = resolve_model(a.model)
     machine = dict(machine_info(("torch", "transformers")), torch_threads=2)
     res = measure(a, model_dir)
-    step = decode_bytes_per_step(model_dir, a.decode_context)
     ours = res["decode"]["ours"].get("1", {})
     if ours.get("memcpy_read_GBps"):
-        bw, rbw = ours["memcpy_read_GBps"], ours["read_GBps"]
+        bandwidths = (ours["memcpy_read_GBps"], ours["read_GBps"])
     else:  # no decode batch 1 run: the bandwidths alone, after an idle wait
         idle_side(a.idle_wait, "memory bandwidth")
-        bw, rbw = memcpy_gbps(2), read_gbps(2)
-    ours1 = ours.get("ms_per_step")
-    calls, call_cost = ours.get("torch_calls_per_step"), ours.get("call_us")
-    roof = {
-        "bytes_per_step": step,
-        "memcpy_read_GBps_2_threads": bw,
-        "bound_ms_per_step": 1000 * step["total"] / bw / 1e9,
-        "fraction_of_bound": (step["total"] / bw / 1e9) / (ours1 / 1000) if ours1 else None,
-        # the stricter bound: a pure read stream (a decode step reads; memcpy also writes)
-        "read_GBps_2_threads": rbw,
-        "read_bound_ms_per_step": 1000 * step["total"] / rbw / 1e9,
-        "fraction_of_read_bound": (step["total"] / rbw / 1e9) / (ours1 / 1000) if ours1 else None,
-        # what the step pays whatever its bytes: its torch calls at the cost of an empty one
-        "torch_calls_per_step": calls,
-        "call_us": call_cost,
-        "call_floor_ms_per_step": calls * call_cost / 1000 if calls and call_cost else None,
-    }
+        bandwidths = (memcpy_gbps(2), read_gbps(2))
+    roof = decode_roofline(model_dir, a.decode_context, ours, bandwidths)
+    weight_bound = measure_weight_bound(a, bandwidths) if a.weight_bound_size else None
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k != "worker"}
     doc = {
         "machine": machine,
@@ -355,6 +363,7 @@ def main(argv=None) -> None:
         **res,
         "ratios": ratios(res, a),
         "roofline_decode_batch1": roof,
+        "weight_bound_decode_batch1": weight_bound,
     }
     doc["summary"] = summary_rows(doc, a)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -363,19 +372,9 @@ def main(argv=None) -> None:
     print(table(res))
     for name, r in doc["ratios"].items():
         print(f"{name}: {r:.2f}" if r else f"{name}: n/a")
-    if roof["fraction_of_bound"]:
-        print(
-            f"decode batch 1 at {a.decode_context} tokens: {ours1:.2f} ms per step vs the memory bound "
-            f"{roof['bound_ms_per_step']:.2f} ms ({step['total'] / 2**20:.1f} MiB read at {bw:.1f} GB/s) = "
-            f"{100 * roof['fraction_of_bound']:.0f}% of the bound (target >= 70%); against a pure read stream "
-            f"({rbw:.1f} GB/s) the bound is {roof['read_bound_ms_per_step']:.2f} ms = "
-            f"{100 * roof['fraction_of_read_bound']:.0f}%"
-        )
-    if roof["call_floor_ms_per_step"]:
-        print(
-            f"    the step makes {calls} torch calls; at {call_cost:.2f} µs for an empty one that is "
-            f"{roof['call_floor_ms_per_step']:.2f} ms before any data is read"
-        )
+    for r in (roof, weight_bound and weight_bound["roofline"]):
+        if r and r["fraction_of_bound"]:
+            print(decode_bound_line(r, a.decode_context))
     print(f"wrote {a.out / 'engine.json'} and {a.out / 'engine.png'}")
 
 

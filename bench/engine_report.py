@@ -130,6 +130,42 @@ def _decode_bound(roof: dict) -> str:
     return text
 
 
+def decode_bound_line(roof: dict, context: int) -> str:
+    step = roof["bytes_per_step"]["total"]
+    text = (
+        f"decode batch 1 at {context} tokens: {roof['ms_per_step']:.2f} ms per step vs the memory bound {roof['bound_ms_per_step']:.2f} ms ({step / 2**20:.1f} MiB read at "
+        f"{roof['memcpy_read_GBps_2_threads']:.1f} GB/s) = {100 * roof['fraction_of_bound']:.0f}% of the bound "
+        f"(target >= 70%); against a pure read stream ({roof['read_GBps_2_threads']:.1f} GB/s) the bound is "
+        f"{roof['read_bound_ms_per_step']:.2f} ms = {100 * roof['fraction_of_read_bound']:.0f}%"
+    )
+    if roof.get("call_floor_ms_per_step"):
+        text += (
+            f"\n    the step makes {roof['torch_calls_per_step']} torch calls; at {roof['call_us']:.2f} µs for an "
+            f"empty one that is {roof['call_floor_ms_per_step']:.2f} ms before any data is read"
+        )
+    return text
+
+
+def _weight_bound_row(wb: dict, a: argparse.Namespace) -> dict | None:
+    o, t, roof = wb["ours"], wb.get("transformers", {}), wb["roofline"]
+    if not o.get("tokens_per_s") or not roof["fraction_of_bound"]:
+        return None
+    vs = (
+        f"{o['tokens_per_s'] / t['tokens_per_s']:.2f}x ({o['tokens_per_s']:.1f} vs {t['tokens_per_s']:.1f})"
+        if t.get("tokens_per_s")
+        else f"{o['tokens_per_s']:.1f} tok/s"
+    )
+    return {
+        "claim": f"decode tokens/s, batch 1, {a.decode_context}-token context, {wb['size']} preset "
+        f"({roof['bytes_per_step']['total'] / 2**20:.0f} MiB read per step)",
+        "result": vs,
+        "baseline": f"transformers on the same checkpoint, 2 threads each, {a.decode_steps} steps each, medians",
+        "bound": _decode_bound(roof),
+        "target": ">= 70% of the bound",
+        "met": roof["fraction_of_bound"] >= 0.7,
+    }
+
+
 def summary_rows(doc: dict, a: argparse.Namespace) -> list[dict]:
     """The README table's rows (bench/table.py)."""
     rows, d, p = [], doc["decode"], doc["prefill"]
@@ -152,6 +188,9 @@ def summary_rows(doc: dict, a: argparse.Namespace) -> list[dict]:
                     else None,
                 }
             )
+            if b == 1 and doc.get("weight_bound_decode_batch1"):
+                row = _weight_bound_row(doc["weight_bound_decode_batch1"], a)
+                rows.extend([row] if row else [])
     n = str(max(a.lengths))
     o, t = p["ours"].get(n, {}), p.get("transformers", {}).get(n, {})
     if o.get("seconds"):

@@ -28,13 +28,22 @@ def _with_threads(threads: int, fn):
 
 
 def matmul_gflops(threads: int, n: int = 2048, repeats: int = 5) -> float:
-    """This CPU's float32 matmul rate with `threads` torch threads (best of `repeats` n x n products)."""
+    """This CPU's float32 matmul rate with `threads` torch threads: the better of torch.mm (this
+    torch's BLAS, MKL) and oneDNN's product (pdserve/model/kernels.py `onednn_linear`, which the
+    engine uses for prefill), best of `repeats` n x n products each. On this AMD EPYC oneDNN is about
+    2.2x MKL, so a bound taken from torch.mm alone would be one the engine can beat."""
     import torch
+
+    from pdserve.model.kernels import ONEDNN, onednn_linear
 
     def measure():
         a, b = torch.randn(n, n), torch.randn(n, n)
-        torch.mm(a, b)
-        return 2 * n**3 / _best(lambda: torch.mm(a, b), repeats) / 1e9
+        kernels = [lambda: torch.mm(a, b)] + ([lambda: onednn_linear(a, b)] if ONEDNN else [])
+        rates = []
+        for k in kernels:
+            k()
+            rates.append(2 * n**3 / _best(k, repeats) / 1e9)
+        return max(rates)
 
     return _with_threads(threads, measure)
 
@@ -145,4 +154,29 @@ def decode_bytes_per_step(model_dir: str, context: int, value_bytes: int = 4) ->
         "latent_cache": latent,
         "index_keys": index,
         "total": weights + latent + index,
+    }
+
+
+def decode_roofline(model_dir: str, context: int, ours: dict, bandwidths: tuple[float, float]) -> dict:
+    """Decode batch 1 against its memory bounds: `ours` is bench/engine.py's decode result (ms per
+    step, and the bandwidths and call counts its worker measured right after the timed steps);
+    `bandwidths` (memcpy read, pure read) stand in where it has none."""
+    step = decode_bytes_per_step(model_dir, context)
+    bw, rbw = (ours["memcpy_read_GBps"], ours["read_GBps"]) if ours.get("memcpy_read_GBps") else bandwidths
+    ms = ours.get("ms_per_step")
+    calls, call_cost = ours.get("torch_calls_per_step"), ours.get("call_us")
+    return {
+        "ms_per_step": ms,
+        "bytes_per_step": step,
+        "memcpy_read_GBps_2_threads": bw,
+        "bound_ms_per_step": 1000 * step["total"] / bw / 1e9,
+        "fraction_of_bound": (step["total"] / bw / 1e9) / (ms / 1000) if ms else None,
+        # the stricter bound: a pure read stream (a decode step reads; memcpy also writes)
+        "read_GBps_2_threads": rbw,
+        "read_bound_ms_per_step": 1000 * step["total"] / rbw / 1e9,
+        "fraction_of_read_bound": (step["total"] / rbw / 1e9) / (ms / 1000) if ms else None,
+        # what the step pays whatever its bytes: its torch calls at the cost of an empty one
+        "torch_calls_per_step": calls,
+        "call_us": call_cost,
+        "call_floor_ms_per_step": calls * call_cost / 1000 if calls and call_cost else None,
     }

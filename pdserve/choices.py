@@ -22,6 +22,7 @@ class Size(str, Enum):
     tiny = "tiny"
     small = "small"
     mla = "mla"  # the real MLA dims (kv_lora_rank 512, rope 64), 2 layers: the flashinfer checks
+    medium = "medium"  # ~1.7 GB of weights, ~0.7 GB read per decode step: weight-bound decode
 
 
 class Quantize(str, Enum):

@@ -2,7 +2,8 @@
 
 Each preset is the exact Hugging Face ``config.json`` dict that transformers 5.23 accepts for
 ``GlmMoeDsaForCausalLM``, ``DeepseekV32ForCausalLM`` or ``DeepseekV3ForCausalLM``.  The tiny
-presets exist for tests (a forward pass in milliseconds); the small ones for benchmarks; the mla
+presets exist for tests (a forward pass in milliseconds); the small ones for benchmarks; the medium
+ones for the decode roofline, where a step's bytes, not its calls, set its time; the mla
 ones have the released MLA and indexer dims (kv_lora_rank 512, rope 64, index heads of 128, top-k
 2048) in two layers: what flashinfer's MLA kernels are built for (tests/gpu, bench/gpu.py).
 
@@ -20,7 +21,7 @@ from typing import Any
 from pdserve.model.bpe_builder import BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID
 
 ARCHS = ("glm_moe_dsa", "deepseek_v32", "deepseek_v3")
-SIZES = ("tiny", "small", "mla")
+SIZES = ("tiny", "small", "mla", "medium")
 
 _ARCHITECTURES = {
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
@@ -70,6 +71,28 @@ _BASE: dict[str, dict[str, Any]] = {
         "topk_group": 2,
         "max_position_embeddings": 65536,
     },
+    # weight-bound: ~1.7 GB of float32 weights, ~0.7 GB read per decode step at batch 1 (4 of 16
+    # experts), so a step's bytes outweigh its per-call costs: bench/engine.py's decode roofline
+    "medium": {
+        "vocab_size": 4096,
+        "hidden_size": 2048,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "q_lora_rank": 768,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "intermediate_size": 4096,
+        "moe_intermediate_size": 1024,
+        "n_routed_experts": 16,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 4,
+        "n_group": 4,
+        "topk_group": 2,
+        "max_position_embeddings": 65536,
+    },
     "mla": {
         "vocab_size": 512,
         "hidden_size": 256,
@@ -97,10 +120,11 @@ _INDEXER: dict[str, dict[str, Any]] = {
     "tiny": {"index_topk": 8, "index_n_heads": 8, "index_head_dim": 16},
     "small": {"index_topk": 256, "index_n_heads": 8, "index_head_dim": 64},
     "mla": {"index_topk": 2048, "index_n_heads": 8, "index_head_dim": 128},
+    "medium": {"index_topk": 512, "index_n_heads": 16, "index_head_dim": 128},
 }
 
 # yarn's original context, per size: a quarter of max_position_embeddings (factor 4).
-_YARN_ORIGINAL_MAX = {"tiny": 2048, "small": 16384, "mla": 16384}
+_YARN_ORIGINAL_MAX = {"tiny": 2048, "small": 16384, "mla": 16384, "medium": 16384}
 
 _COMMON: dict[str, Any] = {
     "hidden_act": "silu",
