@@ -11,10 +11,11 @@ Peak memory is the peak RSS (ru_maxrss, after resetting it via /proc/self/clear_
 RSS after the weights are loaded and warmed up; for our engine it includes the KV pool.
 Decode: requests are prefilled, WARMUP_STEPS untimed steps run, then --decode-steps steps are timed
 (ours: engine.step(); transformers: a greedy forward loop with past_key_values).
-Roofline of decode batch 1 (bench/roofline.py): the bytes a step must read (active weights, LM
-head, selected latent entries, every index key) over two bandwidths measured in the same worker
-right after the timed steps -- memcpy's read rate (the issue's bound) and a pure read stream's (the
-stricter one) -- plus the torch calls one step makes and the cost of an empty call.
+Roofline of decode batch 1 (bench/roofline.py `decode_roofline`): the bytes a step must read (active
+weights, LM head, selected latent entries, every index key) over memcpy's bandwidth (read + write)
+and a pure read stream's, each measured after every window of BW_WINDOW timed steps in the same
+worker, plus the torch calls one step makes and the cost of an empty call; also on the `medium`
+preset (--weight-bound-size), whose step is bound by its bytes rather than its calls.
 
 Run:  .venv/bin/python bench/engine.py          (writes bench/results/engine.json and engine.png)
 """
@@ -42,6 +43,8 @@ from roofline import call_us, decode_roofline, memcpy_gbps, read_gbps, torch_cal
 
 MEM_CAP = 14 * 2**30
 WARMUP_STEPS = 2
+BW_WINDOW = 8  # decode steps per bandwidth sample (see ours_decode)
+BW_BYTES = 128 << 20  # each sample's buffer: well past the last-level cache
 REPEATS = 2  # prefill runs per measurement (set by --repeats)
 MARK = "BENCH_RESULT "
 ENGINES = ("ours", "transformers")
@@ -150,20 +153,29 @@ def ours_decode(model_dir: str, batch: int, context: int, steps: int) -> dict:
         engine.step()
     for _ in range(WARMUP_STEPS):
         engine.step()
-    step_s, produced = [], 0
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        produced += len(engine.step())
-        step_s.append(time.perf_counter() - t0)
+    step_s, produced, windows = [], 0, []
+    for start in range(0, steps, BW_WINDOW):
+        window = []
+        for _ in range(min(BW_WINDOW, steps - start)):
+            t0 = time.perf_counter()
+            produced += len(engine.step())
+            window.append(time.perf_counter() - t0)
+        step_s += window
+        # this VM's memory rate shifts within minutes (memcpy 20-40 GB/s): each window of steps is
+        # paired with the bandwidths measured right after it, in the same process
+        windows.append(
+            {
+                "ms_per_step": 1000 * statistics.median(window),
+                "memcpy_read_GBps": memcpy_gbps(2, BW_BYTES, 3),
+                "read_GBps": read_gbps(2, BW_BYTES, 3),
+            }
+        )
     assert produced == batch * steps, f"expected {batch * steps} tokens, got {produced}"
-    # the bandwidths right after the timed steps, in the same process: the machine's memory rate
-    # drifts between runs (memcpy 22-39 GB/s on this VM), so the bound is taken under the step's own conditions
     return dict(
         decode_result(step_s, batch),
         torch_calls_per_step=torch_calls(engine.step),
         call_us=call_us(),
-        memcpy_read_GBps=memcpy_gbps(2),
-        read_GBps=read_gbps(2),
+        bandwidth_windows=windows,
     )
 
 
@@ -268,7 +280,7 @@ def measure(a: argparse.Namespace, model_dir: str) -> dict:
     return res
 
 
-def measure_weight_bound(a: argparse.Namespace, bandwidths: tuple[float, float]) -> dict:
+def measure_weight_bound(a: argparse.Namespace) -> dict:
     """Decode batch 1 on a preset whose step reads far more bytes than it makes calls (`medium`:
     ~0.7 GB per step), ours and transformers: where the memory bound, not per-call cost, sets the
     step time, as for real models (GBs of weights per rank)."""
@@ -280,7 +292,7 @@ def measure_weight_bound(a: argparse.Namespace, bandwidths: tuple[float, float])
         "size": a.weight_bound_size,
         "model": model_dir,
         **res,
-        "roofline": decode_roofline(model_dir, a.decode_context, res["ours"], bandwidths),
+        "roofline": decode_roofline(model_dir, a.decode_context, res["ours"]),
     }
 
 
@@ -349,13 +361,11 @@ def main(argv=None) -> None:
     machine = dict(machine_info(("torch", "transformers")), torch_threads=2)
     res = measure(a, model_dir)
     ours = res["decode"]["ours"].get("1", {})
-    if ours.get("memcpy_read_GBps"):
-        bandwidths = (ours["memcpy_read_GBps"], ours["read_GBps"])
-    else:  # no decode batch 1 run: the bandwidths alone, after an idle wait
+    if not ours.get("bandwidth_windows"):  # no decode batch 1 run: the bandwidths alone, after an idle wait
         idle_side(a.idle_wait, "memory bandwidth")
-        bandwidths = (memcpy_gbps(2), read_gbps(2))
-    roof = decode_roofline(model_dir, a.decode_context, ours, bandwidths)
-    weight_bound = measure_weight_bound(a, bandwidths) if a.weight_bound_size else None
+        ours = dict(ours, bandwidth_windows=[{"memcpy_read_GBps": memcpy_gbps(2), "read_GBps": read_gbps(2)}])
+    roof = decode_roofline(model_dir, a.decode_context, ours)
+    weight_bound = measure_weight_bound(a) if a.weight_bound_size else None
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k != "worker"}
     doc = {
         "machine": machine,
