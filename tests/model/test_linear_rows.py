@@ -5,6 +5,9 @@ with torch's own to float32 rounding; float64 goes to F.linear unchanged."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -70,3 +73,10 @@ def test_what_stays_off_onednn():
     assert not uses_onednn(torch.randn(64, 48), w.double())
     x = torch.randn(64, 48, dtype=torch.float64)
     assert torch.equal(matmul_nt(x, w.double()), torch.matmul(x, w.double().t()))
+
+
+def test_pdserve_onednn_0_turns_it_off():
+    code = "from pdserve.model import kernels; print(kernels.ONEDNN)"
+    env = {"PDSERVE_ONEDNN": "0", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
