@@ -21,6 +21,7 @@ import pytest
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import SamplingParams
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.router import app as router_app
 from pdserve.router.config import RouterConfig
 from tests.router.helpers import decode_idle, metric, running_router, wait_until
 from tests.servers import http
@@ -149,7 +150,7 @@ def test_stop_string_cuts_the_text_and_frees_the_decode(stack, engine):
 
 
 @pytest.mark.slow
-def test_client_leaving_mid_stream_aborts_the_request(stack):
+def test_client_leaving_mid_stream_aborts_the_request(stack, monkeypatch):
     body = {
         "model": "tiny",
         "prompt": [9, 10, 11],
@@ -162,18 +163,30 @@ def test_client_leaving_mid_stream_aborts_the_request(stack):
         assert r.status_code == 200
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))  # generation has started
+
+    def aborted() -> float:
+        text = http.get(f"{stack['url']}/metrics").text
+        try:
+            return metric(text, "pdserve_router_requests_total", outcome="aborted")
+        except AssertionError:  # no request has ended "aborted" yet: the series is not there
+            return 0
+
+    # the router counts the outcome once its abort of the decode half returned, so after the decode
+    # went idle: wait for the count, then check it is exactly one per abandoned request
     wait_until(lambda: decode_idle(stack["d_url"]), "the abandoned request to be aborted")
-    text = http.get(f"{stack['url']}/metrics").text
-    assert metric(text, "pdserve_router_requests_total", outcome="aborted") == 1
-    with pytest.raises(
-        httpx.ReadTimeout
-    ):  # not streamed: the router notices the closed connection by polling
+    wait_until(lambda: aborted() >= 1, "the router to count the abandoned request")
+    assert aborted() == 1
+    # not streamed: the router notices the closed connection by polling. The tiny model can decode
+    # the 2000 tokens the decode holds in about 2 s, so the client leaves after 0.5 s and the router
+    # (in this process) polls every 0.05 s: the request is still decoding when it is noticed
+    monkeypatch.setattr(router_app, "DISCONNECT_POLL_S", 0.05)
+    with pytest.raises(httpx.ReadTimeout):
         http.post(
-            f"{stack['url']}/v1/completions", json={**body, "max_tokens": 2000, "stream": False}, timeout=1.5
+            f"{stack['url']}/v1/completions", json={**body, "max_tokens": 2000, "stream": False}, timeout=0.5
         )
     wait_until(lambda: decode_idle(stack["d_url"]), "the abandoned non-streaming request to be aborted")
-    text = http.get(f"{stack['url']}/metrics").text
-    assert metric(text, "pdserve_router_requests_total", outcome="aborted") == 2
+    wait_until(lambda: aborted() >= 2, "the router to count the abandoned non-streaming request")
+    assert aborted() == 2
 
 
 BAD = {
