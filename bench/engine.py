@@ -292,7 +292,10 @@ def measure_weight_bound(a: argparse.Namespace) -> dict:
         "size": a.weight_bound_size,
         "model": model_dir,
         **res,
-        "roofline": decode_roofline(model_dir, a.decode_context, res["ours"]),
+        # none when our run failed (an error is a result): no step to set against the bound
+        "roofline": decode_roofline(model_dir, a.decode_context, res["ours"])
+        if res["ours"].get("bandwidth_windows")
+        else None,
     }
 
 

@@ -149,7 +149,7 @@ def decode_bound_line(roof: dict, context: int) -> str:
 
 def _weight_bound_row(wb: dict, a: argparse.Namespace) -> dict | None:
     o, t, roof = wb["ours"], wb.get("transformers", {}), wb["roofline"]
-    if not o.get("tokens_per_s") or not roof["fraction_of_bound"]:
+    if not o.get("tokens_per_s") or not roof or not roof["fraction_of_bound"]:
         return None
     vs = (
         f"{o['tokens_per_s'] / t['tokens_per_s']:.2f}x ({o['tokens_per_s']:.1f} vs {t['tokens_per_s']:.1f})"

@@ -35,7 +35,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (one row is given a copy of itself as a second row, so that it is a matrix-matrix product too).
     A W of at most SMALL_OUT rows is read in a few microseconds either way, and there F.linear's
     single call is the faster one. Same values up to the order of the sums
-    (tests/model/test_linear_rows.py); float64 and other devices take F.linear."""
+    (tests/model/test_linear_rows.py). float64 (the exactness checks) never goes to oneDNN; other
+    devices take F.linear."""
     if uses_onednn(x, weight):
         return onednn_linear(x, weight, bias)
     rows = x.shape[0] if x.dim() == 2 else 0
