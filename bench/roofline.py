@@ -31,11 +31,12 @@ def _with_threads(threads: int, fn):
 def matmul_gflops(threads: int, n: int = 2048, repeats: int = 5) -> float:
     """This CPU's float32 matmul rate with `threads` torch threads: the better of torch.mm (this
     torch's BLAS, MKL) and oneDNN's product (pdserve/model/kernels.py `onednn_linear`, which the
-    engine uses for prefill), best of `repeats` n x n products each. On this AMD EPYC oneDNN is about
-    2.2x MKL, so a bound taken from torch.mm alone would be one the engine can beat."""
+    engine uses for prefill with PDSERVE_ONEDNN=1), best of `repeats` n x n products each. On this
+    AMD EPYC oneDNN is about 2.2x MKL: the CPU can do that much, whichever the engine uses."""
     import torch
 
-    from pdserve.model.kernels import ONEDNN, onednn_linear
+    from pdserve.model.kernels import ONEDNN_AVAILABLE as ONEDNN
+    from pdserve.model.kernels import onednn_linear
 
     def measure():
         a, b = torch.randn(n, n), torch.randn(n, n)

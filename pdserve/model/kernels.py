@@ -16,16 +16,13 @@ import torch
 FEW_ROWS = 8  # products of at most this many rows (a decode step's) stay on torch's own kernels
 # oneDNN's float32 product (what inductor calls on the CPU) against this torch's BLAS (MKL) on this
 # machine's AMD EPYC: 2.2x the matmul rate for many rows (2048 x 512 x 1408: 509 vs 220 GFLOP/s);
-# prefill of 32768 tokens 36.9 -> 26.0 s on the small model. Its cost: glibc keeps more freed heap
-# memory around it (peak RSS of that prefill 401 -> 1195 MB; the excess is free heap that
-# malloc_trim returns, bounded by the chunk's working set, not the prompt). PDSERVE_ONEDNN=0 turns
-# it off. For a few rows it is no faster in a decode step (6.2 vs 6.0 ms on the small model, 27.6
-# vs 26.5 ms on the medium one, batch 1) and its fixed cost per call is higher (about 15 vs 3 us).
-ONEDNN = (
-    os.environ.get("PDSERVE_ONEDNN", "1") != "0"
-    and torch.backends.mkldnn.is_available()
-    and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-)
+# prefill of 2048 tokens 0.77 -> 0.64 s, 8192 tokens 4.07 -> 3.42 s on the small model. It is
+# opt-in (PDSERVE_ONEDNN=1) because of its memory: with it glibc's heap grows erratically in a long
+# prefill (peak RSS at 32768 tokens 1.2-6.9 GB instead of 0.4 GB; malloc_trim after every chunk does
+# not bound it), which a long-context server cannot afford. For a few rows (decode) it is no faster
+# (6.2 vs 6.0 ms per step on the small model, batch 1) and costs more per call (15 vs 3 us).
+ONEDNN_AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+ONEDNN = ONEDNN_AVAILABLE and os.environ.get("PDSERVE_ONEDNN", "0") == "1"
 
 
 def uses_onednn(a: torch.Tensor, b: torch.Tensor) -> bool:

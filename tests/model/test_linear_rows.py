@@ -5,6 +5,7 @@ with torch's own to float32 rounding; float64 goes to F.linear unchanged."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -43,10 +44,17 @@ def test_one_row_float32_close_and_other_shapes_unchanged():
     assert linear(x0, w).shape == (0, SMALL_OUT + 1)
 
 
-@pytest.mark.skipif(not kernels.ONEDNN, reason="this torch has no oneDNN")
+@pytest.fixture
+def onednn_on(monkeypatch):
+    """PDSERVE_ONEDNN=1, as an instance started with it runs."""
+    if not kernels.ONEDNN_AVAILABLE:
+        pytest.skip("this torch has no oneDNN")
+    monkeypatch.setattr(kernels, "ONEDNN", True)
+
+
 @pytest.mark.parametrize("shape", [(FEW_ROWS + 1, 48), (300, 48), (4, 5, 48), (3, 600, 96)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_many_float32_rows_take_onednn_and_match(shape, bias):
+def test_many_float32_rows_take_onednn_and_match(onednn_on, shape, bias):
     g = torch.Generator().manual_seed(len(shape) + shape[-1])
     x = torch.randn(*shape[:-1], 2 * shape[-1], generator=g)[..., ::2]  # non-contiguous rows
     w = torch.randn(SMALL_OUT + 7, shape[-1], generator=g)
@@ -64,7 +72,7 @@ def test_many_float32_rows_take_onednn_and_match(shape, bias):
     )
 
 
-def test_what_stays_off_onednn():
+def test_what_stays_off_onednn(onednn_on):
     w = torch.randn(SMALL_OUT + 7, 48)
     assert not uses_onednn(torch.randn(FEW_ROWS, 48), w)  # a decode step's few rows
     assert not uses_onednn(torch.randn(1, FEW_ROWS, 48), w)
@@ -75,8 +83,18 @@ def test_what_stays_off_onednn():
     assert torch.equal(matmul_nt(x, w.double()), torch.matmul(x, w.double().t()))
 
 
-def test_pdserve_onednn_0_turns_it_off():
+def test_onednn_is_opt_in():
     code = "from pdserve.model import kernels; print(kernels.ONEDNN)"
-    env = {"PDSERVE_ONEDNN": "0", "PATH": "/usr/bin:/bin"}
+    for env, want in (({}, "False"), ({"PDSERVE_ONEDNN": "0"}, "False")):
+        env = {**env, "PATH": "/usr/bin:/bin"}
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+        assert out.stdout.strip() == want
+    env = {"PDSERVE_ONEDNN": "1", "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert out.stdout.strip() == str(kernels.ONEDNN_AVAILABLE)
+    if os.environ.get("PDSERVE_ONEDNN") != "1":  # off (the default), a float32 prefill product is torch's own
+        x, w = torch.randn(64, 48), torch.randn(SMALL_OUT + 7, 48)
+        assert not kernels.ONEDNN and not uses_onednn(x, w)
+        assert torch.equal(linear(x, w), F.linear(x, w))
