@@ -168,7 +168,8 @@ def decode_roofline(model_dir: str, context: int, ours: dict) -> dict:
     The bound: the bytes a step reads over memcpy's bandwidth counted as STREAM counts a copy (the
     bytes read plus the bytes written), which on this machine is about a pure read stream's rate.
     A copy's read rate alone (the convention before 2026-12-01) is no bound: a copy spends half its
-    traffic writing, and the medium preset's step reads faster than that (116-124% of it).
+    traffic writing, and the medium preset's step read faster than that (116-124% of it) while this
+    VM's memory was slow.
     Fractions are the medians of the windows' fractions; the bandwidths are the windows' medians."""
     step = decode_bytes_per_step(model_dir, context)
     windows = ours.get("bandwidth_windows") or []
