@@ -35,12 +35,11 @@ def matmul_gflops(threads: int, n: int = 2048, repeats: int = 5) -> float:
     AMD EPYC oneDNN is about 2.2x MKL: the CPU can do that much, whichever the engine uses."""
     import torch
 
-    from pdserve.model.kernels import ONEDNN_AVAILABLE as ONEDNN
-    from pdserve.model.kernels import onednn_linear
+    from pdserve.model.kernels import ONEDNN_AVAILABLE, onednn_linear
 
     def measure():
         a, b = torch.randn(n, n), torch.randn(n, n)
-        kernels = [lambda: torch.mm(a, b)] + ([lambda: onednn_linear(a, b)] if ONEDNN else [])
+        kernels = [lambda: torch.mm(a, b)] + ([lambda: onednn_linear(a, b)] if ONEDNN_AVAILABLE else [])
         rates = []
         for k in kernels:
             k()
