@@ -71,28 +71,6 @@ _BASE: dict[str, dict[str, Any]] = {
         "topk_group": 2,
         "max_position_embeddings": 65536,
     },
-    # weight-bound: ~1.7 GB of float32 weights, ~0.7 GB read per decode step at batch 1 (4 of 16
-    # experts), so a step's bytes outweigh its per-call costs: bench/engine.py's decode roofline
-    "medium": {
-        "vocab_size": 4096,
-        "hidden_size": 2048,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 16,
-        "q_lora_rank": 768,
-        "kv_lora_rank": 512,
-        "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64,
-        "v_head_dim": 128,
-        "intermediate_size": 4096,
-        "moe_intermediate_size": 1024,
-        "n_routed_experts": 16,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 4,
-        "n_group": 4,
-        "topk_group": 2,
-        "max_position_embeddings": 65536,
-    },
     "mla": {
         "vocab_size": 512,
         "hidden_size": 256,
@@ -113,6 +91,23 @@ _BASE: dict[str, dict[str, Any]] = {
         "topk_group": 1,
         "max_position_embeddings": 65536,
     },
+}
+
+# weight-bound: the small preset's routing, ~1.7 GB of float32 weights, ~0.7 GB read per decode step
+# at batch 1 (4 of 16 experts), so a step's bytes outweigh its per-call costs (bench/engine.py)
+_BASE["medium"] = {
+    **_BASE["small"],
+    "hidden_size": 2048,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "q_lora_rank": 768,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "intermediate_size": 4096,
+    "moe_intermediate_size": 1024,
 }
 
 # DSA indexer fields, per size (only for the sparse archs).
