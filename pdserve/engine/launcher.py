@@ -198,6 +198,23 @@ class RankGroup:
             raise
         return self.infos
 
+    def _last_words(self, dead: str, pending: set[int], errors: dict[int, str]) -> str:
+        """Why the group broke: `dead`, and the traceback of the first rank that failed, if any. A rank
+        that fails sends its traceback and then exits with code 0, so its message may still be
+        unread in its pipe, or already read while its peers were still pending."""
+        for rank in sorted(pending):
+            try:
+                if self.conns[rank].poll(0):
+                    kind, value = self.conns[rank].recv()
+                    if kind == "error":
+                        errors[rank] = value
+            except (EOFError, OSError):
+                pass  # nothing left to read: the rank died without a word
+        if not errors:
+            return dead
+        rank = min(errors)
+        return f"{dead}; rank {rank} failed first:\n{errors[rank]}"
+
     def dead_rank(self) -> str | None:
         """A message naming the first rank that is no longer alive, or None."""
         for rank, p in enumerate(self.procs):
@@ -253,7 +270,7 @@ class RankGroup:
                     pending.discard(rank)
             dead = self.dead_rank()
             if dead and pending:
-                raise RankError(dead)
+                raise RankError(self._last_words(dead, pending, errors))
             if pending and time.monotonic() > deadline:
                 why = (
                     f" after rank {min(errors)} failed ({_last_line(errors[min(errors)])})" if errors else ""

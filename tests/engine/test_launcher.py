@@ -44,6 +44,24 @@ class SumWorker:
         return int(t)
 
 
+class FailsToStart:
+    """Rank 0 raises while starting; rank 1 is still starting when rank 0 has exited."""
+
+    def __init__(self, rank: int, world: int, payload):
+        if rank == 0:
+            raise ValueError("no checkpoint at /nowhere")
+        time.sleep(5)
+
+
+def test_a_rank_that_fails_to_start_says_why():
+    """A rank that fails sends its traceback and exits (code 0) while its peer still starts: the
+    error names the dead rank AND carries that traceback, not only "exited with code 0"."""
+    g = RankGroup(FailsToStart, None, LaunchConfig(2, free_port(), ready_timeout_s=60))
+    with pytest.raises(RankError, match="(?s)rank 0 .*exited.*ValueError: no checkpoint at /nowhere"):
+        g.start()
+    assert not any(p.is_alive() for p in g.procs)
+
+
 @pytest.fixture
 def group():
     g = RankGroup(SumWorker, None, LaunchConfig(2, free_port(), error_grace_s=3.0, collective_timeout_s=60))
