@@ -23,6 +23,14 @@ FEW_ROWS = 8  # products of at most this many rows (a decode step's) stay on tor
 # (6.2 vs 6.0 ms per step on the small model, batch 1) and costs more per call (15 vs 3 us).
 ONEDNN_AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 ONEDNN = ONEDNN_AVAILABLE and os.environ.get("PDSERVE_ONEDNN", "0") == "1"
+# One row times a large W (a decode step at batch 1 reading its weights) is another matter: there
+# oneDNN streams W 1.0-1.9x faster than the BLAS's matrix-matrix path that `linear` takes otherwise
+# (/tmp-style sweep, 2 threads, W of 4-16 MiB: 1.5-1.9x for 1024-2048 x 1024-2048, 1.0-1.3x for
+# 2048 x 512 and 3072 x 768; below 4 MiB it is no faster: 0.7-1.0x), its ~15 us call is small
+# beside a read of 4 MiB, and a one-row product leaves nothing on the heap. On by default;
+# PDSERVE_ONEDNN_GEMV=0 turns it off.
+GEMV_MIN_BYTES = 4 << 20
+ONEDNN_GEMV = ONEDNN_AVAILABLE and os.environ.get("PDSERVE_ONEDNN_GEMV", "1") == "1"
 
 
 def uses_onednn(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -33,6 +41,19 @@ def uses_onednn(a: torch.Tensor, b: torch.Tensor) -> bool:
         and a.dtype == b.dtype == torch.float32
         and a.dim() >= 2
         and a.numel() > FEW_ROWS * a.shape[-1]
+    )
+
+
+def uses_onednn_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x [1, K] x weight [N, K]^T goes to oneDNN: float32 on the CPU, W of GEMV_MIN_BYTES or more."""
+    return (
+        ONEDNN_GEMV
+        and x.device.type == "cpu"
+        and x.dtype == weight.dtype == torch.float32
+        and x.dim() == 2
+        and x.shape[0] == 1
+        and weight.dim() == 2
+        and weight.numel() * weight.element_size() >= GEMV_MIN_BYTES
     )
 
 

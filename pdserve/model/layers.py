@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .kernels import FEW_ROWS, onednn_linear, uses_onednn
+from .kernels import FEW_ROWS, onednn_linear, uses_onednn, uses_onednn_gemv
 
 
 def island_dtype(dtype: torch.dtype, islands: bool) -> torch.dtype:
@@ -29,7 +29,8 @@ SMALL_OUT = 64  # few-row products with a W of at most this many rows go to F.li
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b) for W [out, in]. On the CPU in float32 with PDSERVE_ONEDNN=1, oneDNN takes every
-    product of more than FEW_ROWS rows (prefill; model/kernels.py `uses_onednn`). A product of a few rows (decode: one
+    product of more than FEW_ROWS rows (prefill; model/kernels.py `uses_onednn`), and by default
+    one row times a W of GEMV_MIN_BYTES or more (`uses_onednn_gemv`). Another product of a few rows (decode: one
     row per request) is taken as (W x^T)^T: this torch's CPU BLAS runs x W^T for 1-8 rows through
     a matrix-vector path at about half the memory bandwidth its matrix-matrix path reaches on W x^T
     (one row is given a copy of itself as a second row, so that it is a matrix-matrix product too).
@@ -37,7 +38,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     single call is the faster one. Same values up to the order of the sums
     (tests/model/test_linear_rows.py). float64 (the exactness checks) never goes to oneDNN; other
     devices take F.linear."""
-    if uses_onednn(x, weight):
+    if uses_onednn(x, weight) or uses_onednn_gemv(x, weight):
         return onednn_linear(x, weight, bias)
     rows = x.shape[0] if x.dim() == 2 else 0
     if (

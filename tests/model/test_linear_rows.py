@@ -1,6 +1,7 @@
 """model/layers.py `linear`: the few-rows CPU path ((W x^T)^T) equals F.linear up to the order of
 the sums, for every row count around its threshold, with and without a bias, on non-contiguous
-inputs; with PDSERVE_ONEDNN=1 (opt-in), float32 products of more rows go to oneDNN
+inputs; with PDSERVE_ONEDNN=1 (opt-in), float32 products of more rows go to oneDNN, and one row
+times a float32 W of at least GEMV_MIN_BYTES goes to it by default (PDSERVE_ONEDNN_GEMV=0: off)
 (model/kernels.py `matmul_nt` too) and agree with torch's own to float32 rounding; float64 goes to F.linear unchanged."""
 
 from __future__ import annotations
@@ -95,3 +96,58 @@ def test_onednn_is_opt_in():
         x, w = torch.randn(64, 48), torch.randn(SMALL_OUT + 7, 48)
         assert not kernels.ONEDNN and not uses_onednn(x, w)
         assert torch.equal(linear(x, w), F.linear(x, w))
+
+
+@pytest.fixture
+def gemv_on(monkeypatch):
+    """PDSERVE_ONEDNN_GEMV unset or 1, as an instance runs by default."""
+    if not kernels.ONEDNN_AVAILABLE:
+        pytest.skip("this torch has no oneDNN")
+    monkeypatch.setattr(kernels, "ONEDNN_GEMV", True)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_row_times_a_large_float32_w_takes_onednn_and_matches(gemv_on, monkeypatch, bias):
+    from pdserve.model import layers
+
+    calls = []
+    monkeypatch.setattr(layers, "onednn_linear", lambda *a: calls.append(1) or kernels.onednn_linear(*a))
+    g = torch.Generator().manual_seed(7)
+    k = 512
+    n = kernels.GEMV_MIN_BYTES // (4 * k)  # W of exactly the threshold
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(1, 2 * k, generator=g)[:, ::2]  # a non-contiguous row
+    assert kernels.uses_onednn_gemv(x, w)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double()).float()
+    torch.testing.assert_close(linear(x, w, b), ref, rtol=1e-5, atol=1e-4)
+    assert calls == [1]
+
+
+def test_what_stays_off_the_onednn_gemv(gemv_on, monkeypatch):
+    k = 512
+    n = kernels.GEMV_MIN_BYTES // (4 * k)
+    w = torch.randn(n, k)
+    assert not kernels.uses_onednn_gemv(torch.randn(1, k), w[:-1])  # below the threshold
+    assert not kernels.uses_onednn_gemv(torch.randn(2, k), w)  # more than one row
+    assert not kernels.uses_onednn_gemv(torch.randn(1, 1, k), w)  # not [1, in]
+    assert not kernels.uses_onednn_gemv(torch.randn(1, k, dtype=torch.float64), w.double())  # exact paths
+    from pdserve.model import layers
+
+    def no_onednn(*args):
+        raise AssertionError("went to oneDNN")
+
+    monkeypatch.setattr(layers, "onednn_linear", no_onednn)
+    x = torch.randn(1, k, dtype=torch.float64)
+    torch.testing.assert_close(linear(x, w.double()), F.linear(x, w.double()), rtol=1e-13, atol=1e-12)
+    linear(torch.randn(1, k), w[:-1])  # a float32 W below the threshold
+
+
+def test_onednn_gemv_is_on_by_default_and_can_be_turned_off():
+    code = "from pdserve.model import kernels; print(kernels.ONEDNN_GEMV)"
+    for env, want in (({}, True), ({"PDSERVE_ONEDNN_GEMV": "1"}, True), ({"PDSERVE_ONEDNN_GEMV": "0"}, False)):
+        env = {**env, "PATH": "/usr/bin:/bin"}
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+        assert out.stdout.strip() == str(want and kernels.ONEDNN_AVAILABLE)
