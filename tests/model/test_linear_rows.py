@@ -84,14 +84,16 @@ def test_what_stays_off_onednn(onednn_on):
     assert torch.equal(matmul_nt(x, w.double()), torch.matmul(x, w.double().t()))
 
 
+def kernels_flag_in_a_fresh_process(flag: str, env: dict) -> str:
+    code = f"from pdserve.model import kernels; print(kernels.{flag})"
+    env = {**env, "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
 def test_onednn_is_opt_in():
-    code = "from pdserve.model import kernels; print(kernels.ONEDNN)"
     for env, want in (({}, False), ({"PDSERVE_ONEDNN": "0"}, False), ({"PDSERVE_ONEDNN": "1"}, True)):
-        env = {**env, "PATH": "/usr/bin:/bin"}
-        out = subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-        )
-        assert out.stdout.strip() == str(want and kernels.ONEDNN_AVAILABLE)
+        assert kernels_flag_in_a_fresh_process("ONEDNN", env) == str(want and kernels.ONEDNN_AVAILABLE)
     if os.environ.get("PDSERVE_ONEDNN") != "1":  # off (the default), a float32 prefill product is torch's own
         x, w = torch.randn(64, 48), torch.randn(SMALL_OUT + 7, 48)
         assert not kernels.ONEDNN and not uses_onednn(x, w)
@@ -144,10 +146,6 @@ def test_what_stays_off_the_onednn_gemv(gemv_on, monkeypatch):
 
 
 def test_onednn_gemv_is_on_by_default_and_can_be_turned_off():
-    code = "from pdserve.model import kernels; print(kernels.ONEDNN_GEMV)"
     for env, want in (({}, True), ({"PDSERVE_ONEDNN_GEMV": "1"}, True), ({"PDSERVE_ONEDNN_GEMV": "0"}, False)):
-        env = {**env, "PATH": "/usr/bin:/bin"}
-        out = subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-        )
-        assert out.stdout.strip() == str(want and kernels.ONEDNN_AVAILABLE)
+        got = kernels_flag_in_a_fresh_process("ONEDNN_GEMV", env)
+        assert got == str(want and kernels.ONEDNN_AVAILABLE)
