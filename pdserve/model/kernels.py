@@ -25,35 +25,33 @@ ONEDNN_AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mk
 ONEDNN = ONEDNN_AVAILABLE and os.environ.get("PDSERVE_ONEDNN", "0") == "1"
 # One row times a large W (a decode step at batch 1 reading its weights) is another matter: there
 # oneDNN streams W 1.0-1.9x faster than the BLAS's matrix-matrix path that `linear` takes otherwise
-# (/tmp-style sweep, 2 threads, W of 4-16 MiB: 1.5-1.9x for 1024-2048 x 1024-2048, 1.0-1.3x for
-# 2048 x 512 and 3072 x 768; below 4 MiB it is no faster: 0.7-1.0x), its ~15 us call is small
-# beside a read of 4 MiB, and a one-row product leaves nothing on the heap. On by default;
-# PDSERVE_ONEDNN_GEMV=0 turns it off.
+# (a one-off sweep on 2026-12-01, 2 threads: 1.5-1.9x for W of 1024-2048 x 1024-2048, 1.0-1.3x for
+# 2048 x 512 and 3072 x 768, 0.7-1.0x below 4 MiB), its ~15 us call is small beside a read of
+# 4 MiB, and a one-row product leaves nothing on the heap. On by default; PDSERVE_ONEDNN_GEMV=0
+# turns it off. Rerun the end-to-end effect with PDSERVE_ONEDNN_GEMV=0 and =1 in front of
+# `bench/engine.py --lengths 1024 --decode-batches 1 --skip-transformers` (medium preset: 104.7 vs
+# 85.7 ms per step in one such pair of runs).
 GEMV_MIN_BYTES = 4 << 20
 ONEDNN_GEMV = ONEDNN_AVAILABLE and os.environ.get("PDSERVE_ONEDNN_GEMV", "1") == "1"
 
 
+def _float32_cpu(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.device.type == "cpu" and a.dtype == b.dtype == torch.float32
+
+
 def uses_onednn(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether a [..., K] x b [N, K]^T goes to oneDNN: float32 on the CPU, more than FEW_ROWS rows."""
-    return (
-        ONEDNN
-        and a.device.type == "cpu"
-        and a.dtype == b.dtype == torch.float32
-        and a.dim() >= 2
-        and a.numel() > FEW_ROWS * a.shape[-1]
-    )
+    return ONEDNN and _float32_cpu(a, b) and a.dim() >= 2 and a.numel() > FEW_ROWS * a.shape[-1]
 
 
 def uses_onednn_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether x [1, K] x weight [N, K]^T goes to oneDNN: float32 on the CPU, W of GEMV_MIN_BYTES or more."""
     return (
         ONEDNN_GEMV
-        and x.device.type == "cpu"
-        and x.dtype == weight.dtype == torch.float32
-        and x.dim() == 2
-        and x.shape[0] == 1
-        and weight.dim() == 2
-        and weight.numel() * weight.element_size() >= GEMV_MIN_BYTES
+        and _float32_cpu(x, weight)
+        and x.shape[:1] == (1,)
+        and x.dim() == weight.dim() == 2
+        and weight.numel() * 4 >= GEMV_MIN_BYTES
     )
 
 

@@ -30,8 +30,8 @@ SMALL_OUT = 64  # few-row products with a W of at most this many rows go to F.li
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b) for W [out, in]. On the CPU in float32 with PDSERVE_ONEDNN=1, oneDNN takes every
     product of more than FEW_ROWS rows (prefill; model/kernels.py `uses_onednn`), and by default
-    one row times a W of GEMV_MIN_BYTES or more (`uses_onednn_gemv`). Another product of a few rows (decode: one
-    row per request) is taken as (W x^T)^T: this torch's CPU BLAS runs x W^T for 1-8 rows through
+    one row times a W of GEMV_MIN_BYTES or more (`uses_onednn_gemv`). Another product of a few
+    rows (decode: one row per request) is taken as (W x^T)^T: this torch's CPU BLAS runs x W^T for 1-8 rows through
     a matrix-vector path at about half the memory bandwidth its matrix-matrix path reaches on W x^T
     (one row is given a copy of itself as a second row, so that it is a matrix-matrix product too).
     A W of at most SMALL_OUT rows is read in a few microseconds either way, and there F.linear's

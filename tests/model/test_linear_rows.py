@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.model import kernels
+from pdserve.model import kernels, layers
 from pdserve.model.kernels import matmul_nt, uses_onednn
 from pdserve.model.layers import FEW_ROWS, SMALL_OUT, linear
 
@@ -110,8 +110,6 @@ def gemv_on(monkeypatch):
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_one_row_times_a_large_float32_w_takes_onednn_and_matches(gemv_on, monkeypatch, bias):
-    from pdserve.model import layers
-
     calls = []
     monkeypatch.setattr(layers, "onednn_linear", lambda *a: calls.append(1) or kernels.onednn_linear(*a))
     g = torch.Generator().manual_seed(7)
@@ -134,7 +132,6 @@ def test_what_stays_off_the_onednn_gemv(gemv_on, monkeypatch):
     assert not kernels.uses_onednn_gemv(torch.randn(2, k), w)  # more than one row
     assert not kernels.uses_onednn_gemv(torch.randn(1, 1, k), w)  # not [1, in]
     assert not kernels.uses_onednn_gemv(torch.randn(1, k, dtype=torch.float64), w.double())  # exact paths
-    from pdserve.model import layers
 
     def no_onednn(*args):
         raise AssertionError("went to oneDNN")
@@ -146,6 +143,10 @@ def test_what_stays_off_the_onednn_gemv(gemv_on, monkeypatch):
 
 
 def test_onednn_gemv_is_on_by_default_and_can_be_turned_off():
-    for env, want in (({}, True), ({"PDSERVE_ONEDNN_GEMV": "1"}, True), ({"PDSERVE_ONEDNN_GEMV": "0"}, False)):
+    for env, want in (
+        ({}, True),
+        ({"PDSERVE_ONEDNN_GEMV": "1"}, True),
+        ({"PDSERVE_ONEDNN_GEMV": "0"}, False),
+    ):
         got = kernels_flag_in_a_fresh_process("ONEDNN_GEMV", env)
         assert got == str(want and kernels.ONEDNN_AVAILABLE)
