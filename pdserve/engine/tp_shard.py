@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..model.fusion import fuse_projections
 from ..model.layers import MLP, MoE
 
 
@@ -27,6 +28,7 @@ def shard_mlp(mlp: MLP, rank: int, world: int) -> None:
     keep(mlp.gate_proj.weight, mlp.gate_proj.weight[cols])
     keep(mlp.up_proj.weight, mlp.up_proj.weight[cols])
     keep(mlp.down_proj.weight, mlp.down_proj.weight[:, cols])
+    fuse_projections(mlp)  # keep() replaced gate and up: stack the slices anew
 
 
 def shard_moe(moe: MoE, rank: int, world: int) -> None:

@@ -93,16 +93,22 @@ class LayerNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); gate and up as one product once stacked (model/fusion.py)."""
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.gate_proj = Linear(hidden, intermediate)
         self.up_proj = Linear(hidden, intermediate)
         self.down_proj = Linear(intermediate, hidden)
+        self.gate_up = None  # a fusion.RowStack of gate_proj and up_proj, set after loading
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        stack = self.gate_up
+        if stack is not None and stack.live():
+            gate, up = stack(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class TopkRouter(nn.Module):

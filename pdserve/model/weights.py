@@ -25,6 +25,7 @@ import torch
 from safetensors import safe_open
 
 from .config import ModelConfig
+from .fusion import fuse_projections
 from .quant import SCALE_SUFFIX, QuantizationError, check_scale, dequantize_fp8
 from .transformer import CausalLM
 
@@ -183,6 +184,7 @@ def load_model(
             f"skipped {reader.mtp_skipped} tensors of {cfg.num_nextn_predict_layers} "
             f"multi-token-prediction layer(s) (layers {cfg.num_layers}+; not served)"
         )
+    fuse_projections(model)  # the weights stay where they are, their names too (fusion.py)
     return model
 
 
