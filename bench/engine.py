@@ -171,8 +171,11 @@ def ours_decode(model_dir: str, batch: int, context: int, steps: int) -> dict:
             }
         )
     assert produced == batch * steps, f"expected {batch * steps} tokens, got {produced}"
+    from pdserve.model import native
+
     return dict(
         decode_result(step_s, batch),
+        native=native.status(),  # what the step's few-row products ran on
         torch_calls_per_step=torch_calls(engine.step),
         call_us=call_us(),
         bandwidth_windows=windows,

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model import native
 from ..model.kernels import attend, merge_attention, topk_earliest
 from .placement import check_attention_ops
 
@@ -133,6 +134,8 @@ def make_attention_ops(
     choice = select_attention_ops(requested, gather_facts(device, dtype, cfg, kv_cache_dtype))
     if who:
         print(f"{who}: attention ops {choice.name} ({choice.reason})", file=sys.stderr, flush=True)
+        if device.type == "cpu" and dtype == torch.float32:  # builds the kernel now, not in a request
+            print(f"{who}: few-row products on {native.status()}", file=sys.stderr, flush=True)
     if choice.name == "torch":
         return TorchOps()
     from .attn_flashinfer import FlashinferOps

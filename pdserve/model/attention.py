@@ -14,6 +14,7 @@ from torch import nn
 
 from .backend import AttentionBackend, IndexerInputs
 from .config import ModelConfig
+from .kernels import absorb_o, absorb_q
 from .layers import LayerNorm, Linear, RMSNorm
 from .rope import apply_rope
 
@@ -121,10 +122,8 @@ class MLAttention(nn.Module):
         c_kv, k_pe = torch.split(kv_a, [self.kv_lora, self.rope_dim], dim=-1)
         kv = torch.cat([self.kv_a_layernorm(c_kv), apply_rope(k_pe, cos, sin, self.rope_interleave)], dim=-1)
         w_uk, w_uv = self._absorb_weights()
-        q_lat = torch.cat(
-            [torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1), q_pe], dim=-1
-        )  # [T, H, c + rope]
+        q_lat = torch.cat([absorb_q(q_nope, w_uk), q_pe], dim=-1)  # [T, H, c + rope]
         index = self.indexer(x, q_resid, cos, sin, wk_x) if self.indexer is not None else None
         o_lat = backend.attention(self.layer, q_lat, kv, index, self.scale)  # [T, H_out, c]
-        o = torch.matmul(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H_out, v]
+        o = absorb_o(o_lat, w_uv)  # [T, H_out, v]
         return self.o_proj(o.reshape(T, w_uv.shape[0] * self.v_dim))

@@ -13,17 +13,24 @@ import os
 
 import torch
 
-FEW_ROWS = 8  # products of at most this many rows (a decode step's) stay on torch's own kernels
+from . import native
+
+FEW_ROWS = 8  # products of at most this many rows (a decode step's) stay off oneDNN's many-row path
 # oneDNN's float32 product (what inductor calls on the CPU) against this torch's BLAS (MKL) on this
 # machine's AMD EPYC: 2.2x the matmul rate for many rows (2048 x 512 x 1408: 509 vs 220 GFLOP/s);
 # prefill of 2048 tokens 0.77 -> 0.64 s, 8192 tokens 4.07 -> 3.42 s on the small model. It is
 # opt-in (PDSERVE_ONEDNN=1) because of its memory: with it glibc's heap grows erratically in a long
 # prefill (peak RSS at 32768 tokens 1.2-6.9 GB instead of 0.4 GB; malloc_trim after every chunk does
-# not bound it), which a long-context server cannot afford. For a few rows (decode) it is no faster
+# not bound it), which a long-context server cannot afford. Where the memory goes (2026-12-02): one
+# oneDNN primitive per product shape, each holding its own scratch; the indexer's scores in a long
+# prefill are a new shape for every query block ([256, 64] x [S, 64]^T with S growing by 32): 1024
+# such shapes called in a loop took the process to 15 GB RSS, the same loop with S rounded up to a
+# multiple of 1024 (32 shapes) to 0.9 GB, one shape to 0.3 GB. For a few rows (decode) it is no faster
 # (6.2 vs 6.0 ms per step on the small model, batch 1) and costs more per call (15 vs 3 us).
 ONEDNN_AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 ONEDNN = ONEDNN_AVAILABLE and os.environ.get("PDSERVE_ONEDNN", "0") == "1"
-# One row times a large W (a decode step at batch 1 reading its weights) is another matter: there
+# One row times a large W (a decode step at batch 1 reading its weights) is another matter (where the
+# native few-row kernel of model/native.py is built it takes these products, faster still): there
 # oneDNN streams W 1.0-1.9x faster than the BLAS's matrix-matrix path that `linear` takes otherwise
 # (a one-off sweep on 2026-12-01, 2 threads: 1.5-1.9x for W of 1024-2048 x 1024-2048, 1.0-1.3x for
 # 2048 x 512 and 3072 x 768, 0.7-1.0x below 4 MiB), its ~15 us call is small beside a read of
@@ -72,6 +79,22 @@ def take_rows(table: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
     if not isinstance(rows, torch.Tensor):
         return table[rows]
     return table.index_select(0, rows.reshape(-1)).view(*rows.shape, *table.shape[1:])
+
+
+def absorb_q(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """q_nope [T, H, nope] times W_UK [H, nope, c] per head -> [T, H, c]: MLA's absorbed query.
+    A decode step's few rows take the native kernel on the CPU (model/native.py), else torch.matmul."""
+    if native.heads_usable(q_nope, w_uk, 1):
+        return native.heads_axpy(q_nope, w_uk)
+    return torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+
+
+def absorb_o(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """o_lat [T, H, c] times W_UV [H, v, c]^T per head -> [T, H, v]: the latent output mapped to
+    values, as `absorb_q` routes it."""
+    if native.heads_usable(o_lat, w_uv, 2):
+        return native.heads_linear(o_lat, w_uv)
+    return torch.matmul(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
 
 def attend(

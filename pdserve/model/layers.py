@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import native
 from .config import ModelConfig
 from .kernels import FEW_ROWS, onednn_linear, uses_onednn, uses_onednn_gemv
 
@@ -28,7 +29,10 @@ SMALL_OUT = 64  # few-row products with a W of at most this many rows go to F.li
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b) for W [out, in]. On the CPU in float32 with PDSERVE_ONEDNN=1, oneDNN takes every
+    """x W^T (+ b) for W [out, in]. On the CPU in float32, a product of at most native.MAX_ROWS rows
+    (a decode step's) goes to the native few-row kernel where it is built (model/native.py: it reads
+    W at about the rate of a sum, the BLAS kernels below at half that); without it, and otherwise:
+    with PDSERVE_ONEDNN=1, oneDNN takes every
     product of more than FEW_ROWS rows (prefill; model/kernels.py `uses_onednn`), and by default
     one row times a W of GEMV_MIN_BYTES or more (`uses_onednn_gemv`). Another product of a few
     rows (decode: one row per request) is taken as (W x^T)^T: this torch's CPU BLAS runs x W^T for 1-8 rows through
@@ -38,6 +42,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     single call is the faster one. Same values up to the order of the sums
     (tests/model/test_linear_rows.py). float64 (the exactness checks) never goes to oneDNN; other
     devices take F.linear."""
+    if native.usable(x, weight, bias):
+        return native.rows_linear(x, weight, bias)
     if uses_onednn(x, weight) or uses_onednn_gemv(x, weight):
         return onednn_linear(x, weight, bias)
     rows = x.shape[0] if x.dim() == 2 else 0

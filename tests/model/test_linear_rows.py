@@ -1,4 +1,5 @@
-"""model/layers.py `linear`: the few-rows CPU path ((W x^T)^T) equals F.linear up to the order of
+"""model/layers.py `linear` where the native few-row kernel is off (a machine that cannot build it;
+tests/model/test_native.py covers the kernel and its routing): the few-rows CPU path ((W x^T)^T) equals F.linear up to the order of
 the sums, for every row count around its threshold, with and without a bias, on non-contiguous
 inputs; with PDSERVE_ONEDNN=1 (opt-in), float32 products of more rows go to oneDNN, and one row
 times a float32 W of at least GEMV_MIN_BYTES goes to it by default (PDSERVE_ONEDNN_GEMV=0: off)
@@ -14,9 +15,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.model import kernels, layers
+from pdserve.model import kernels, layers, native
 from pdserve.model.kernels import matmul_nt, uses_onednn
 from pdserve.model.layers import FEW_ROWS, SMALL_OUT, linear
+
+
+@pytest.fixture(autouse=True)
+def native_off(monkeypatch):
+    """Every test here runs torch's own paths: the native kernel as on a machine without it."""
+    monkeypatch.setitem(native._state, "lib", None)
+    monkeypatch.setitem(native._state, "status", "off (tests/model/test_linear_rows.py)")
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, FEW_ROWS, FEW_ROWS + 1, 33])
