@@ -175,8 +175,14 @@ def _call(name: str, *args) -> None:
 
 
 def rows_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b) -> [M, N] by the kernel (one head of `heads_linear`); the caller checked `usable`."""
-    return heads_linear(x[:, None], w[None], b)[:, 0]
+    """x W^T (+ b) -> [M, N] by the kernel (one head of `heads_linear`, without its views: a decode
+    step makes this call some hundred times); the caller checked `usable`."""
+    (M, K), N = x.shape, w.shape[0]
+    y = _out(x, M, N)
+    bias = b.data_ptr() if b is not None else None
+    _call("pd_heads_linear", x.data_ptr(), x.stride(0), 0, w.data_ptr(), w.stride(0), 0, bias,
+          y.data_ptr(), N, 0, M, 1, N, K)  # fmt: skip
+    return y
 
 
 def heads_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
