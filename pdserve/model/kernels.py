@@ -105,8 +105,11 @@ def attend(
     q [B, H, D]; keys [S, D] (shared by all queries) or [B, S, D] (per query); valid [B, S] bool.
     Returns out [B, H, dv] (values are keys[..., :dv]) in q's dtype and lse [B, H] (natural log of
     the scaled scores) in the compute dtype. Half-precision inputs are computed in float32, as
-    attention kernels accumulate.
+    attention kernels accumulate. A decode step's float32 queries on the CPU take the native kernel
+    (model/native.py: one pass, no [B, H, S] temporaries), everything else torch's ops.
     """
+    if native.attend_usable(q, keys, valid, dv):
+        return native.attend(q, keys, valid, scale, dv)
     out_dtype = q.dtype
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     q, keys = q.to(compute), keys.to(compute)
@@ -141,7 +144,10 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, softmax_s
 
     q [B, Hi, Di] (roped index queries), w [B, Hi] (per-head weights, already scaled by Hi^-0.5),
     keys [S, Di] shared or [B, S, Di] per query. Returns [B, S] = sum_h w_h * relu(scale * q_h . k).
+    A decode step's float32 queries on the CPU take the native kernel (model/native.py).
     """
+    if native.index_scores_usable(q, w, keys):
+        return native.index_scores(q, w, keys, softmax_scale)
     qf, kf = q.to(w.dtype), keys.to(w.dtype)
     s = matmul_nt(qf, kf) if keys.dim() == 2 else torch.matmul(qf, kf.transpose(1, 2))  # [B, Hi, S]
     s.mul_(softmax_scale).relu_()  # in place: at long context this tensor is the largest temporary
@@ -153,11 +159,14 @@ def topk_earliest(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Te
     (lower index) key wins. Invalid keys are never selected.
 
     scores [B, S] float, valid [B, S] bool -> indices [B, k] in ascending order, -1 where a row has
-    fewer than k valid keys.
+    fewer than k valid keys. float32 scores on the CPU take the native kernel (model/native.py: a
+    quickselect per row), unless a valid score is NaN.
     """
     B, S = scores.shape
     if k <= 0 or S == 0:
         return torch.full((B, max(k, 0)), -1, dtype=torch.int64, device=scores.device)
+    if native.topk_usable(scores, valid, k) and (idx := native.topk_earliest(scores, valid, k)) is not None:
+        return idx
     s = scores.masked_fill(~valid, float("-inf"))
     kk = min(k, S)
     top, picked = s.topk(kk, dim=-1)

@@ -83,6 +83,8 @@ class RMSNorm(nn.Module):
         dtype, dim = x.dtype, (x.shape[-1],)
         compute = island_dtype(dtype, self.islands)
         if compute == dtype == self.weight.dtype:  # one fused op: x * rsqrt(mean(x^2) + eps) * weight
+            if native.rms_norm_usable(x, self.weight):  # a decode step's float32 rows on the CPU
+                return native.rms_norm(x, self.weight, self.eps)
             return F.rms_norm(x, dim, self.weight, self.eps)
         return self.weight * F.rms_norm(x.to(compute), dim, eps=self.eps).to(dtype)
 
@@ -130,6 +132,19 @@ class TopkRouter(nn.Module):
         """x [T, hidden] -> (weights [T, k] in the island dtype, expert ids [T, k])."""
         cfg = self.cfg
         ct = island_dtype(x.dtype, cfg.float32_islands)
+        if ct == x.dtype and native.route_usable(  # one float32 token on the CPU: a single native call
+            x, self.weight, self.e_score_correction_bias, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok
+        ):
+            return native.route_token(
+                x,
+                self.weight,
+                self.e_score_correction_bias,
+                cfg.n_group,
+                cfg.topk_group,
+                cfg.num_experts_per_tok,
+                cfg.norm_topk_prob,
+                cfg.routed_scaling_factor,
+            )
         # [T, E] in float32 like the reference, with its op: a float32 island keeps the reference's sums
         scores = F.linear(x.to(ct), self.weight.to(ct)).sigmoid()
         choice = scores + self.e_score_correction_bias.to(ct)
@@ -162,9 +177,17 @@ class Experts(nn.Module):
 
     def _one_token(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [1, H]: the k chosen experts one after another, with no grouping by expert (a decode
-        step at batch 1). Sums in ascending expert order, as the grouped path does."""
+        step at batch 1). Sums in ascending expert order, as the grouped path does; float32 on the
+        CPU as one native call (model/native.py) instead of 2k products and their element-wise ops."""
+        chosen = sorted(zip(ids[0].tolist(), weights[0].tolist()))
+        if chosen and native.moe_usable(x, self.gate_up_proj, self.down_proj):
+            if not all(0 <= e < self.gate_up_proj.shape[0] for e, _ in chosen):
+                raise IndexError(
+                    f"expert ids {[e for e, _ in chosen]} outside [0, {self.gate_up_proj.shape[0]})"
+                )
+            return native.moe_token(x, self.gate_up_proj, self.down_proj, *map(list, zip(*chosen)))
         out = None
-        for e, w in sorted(zip(ids[0].tolist(), weights[0].tolist())):
+        for e, w in chosen:
             h = (self._expert(e, x) * w).to(x.dtype)
             out = h if out is None else out.add_(h)
         return out if out is not None else torch.zeros_like(x)

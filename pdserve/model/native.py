@@ -1,5 +1,6 @@
 """The native few-row product (native/rows.c): float32 x [M <= 8, K] times W [N, K]^T on the CPU,
-built with the machine's C compiler at first use and called through ctypes.
+and the other ops of a decode step (below), built with the machine's C compiler at first use and
+called through ctypes.
 
 Why: a decode step's products have one row per request, so each is a read of W and little else,
 and its speed is the rate W is read at. The kernels torch ships do not read at the memory's rate
@@ -12,10 +13,20 @@ effect), reading rates in GB/s:
     4096 x 2048          15          32-33         44-48          41-44
 
 Torch's own sum reading the same matrix is the yardstick: this kernel streams each thread's block
-of W once, in order, as a sum does. Inputs are checked by `usable`; anything else (float64, other
-devices, more rows, an odd layout) keeps torch's kernels, and so does a machine where the kernel
-cannot be built (no C compiler, a CPU without AVX2 and FMA, a torch without libgomp):
-`status()` says which, and the servers print it at startup. PDSERVE_NATIVE=0 turns it off.
+of W once, in order, as a sum does.
+
+The rest of a decode step is many small ops, each slower than its arithmetic: after a weight
+stream has flushed the caches, a torch op on a [1, 2048] row costs 20-60 us (an RMSNorm is seven of
+them). So the same library holds one call each for what a step does between its products:
+attention over the gathered keys with its log-sum-exp (native/attend.c, also a sparse prefill's
+sub-blocks of a few queries), the DSA indexer's scores and its top-k (exactly torch's tie rule; a
+NaN score keeps torch's), RMSNorm, one token's grouped MoE routing and its routed experts. Medium
+preset, batch 1, in-process A/B on this VM: 36.7 vs 38.3 ms per step; small model 7.1 vs 10.6 ms.
+
+Inputs are checked by the `*_usable` functions; anything else (float64, other devices, more rows,
+an odd layout) keeps torch's kernels, and so does a machine where the kernel cannot be built (no C
+compiler, a CPU without AVX2 and FMA, a torch without libgomp): `status()` says which, and the
+servers print it at startup. PDSERVE_NATIVE=0 turns it off.
 
 The shared library lives in ~/.cache/pdserve/native (or $PDSERVE_CACHE/native), keyed by the
 source, the flags, the compiler and the OpenMP runtime it links: torch's own libgomp, so the
@@ -34,17 +45,33 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("native") / "rows.c"
+SOURCES = [Path(__file__).with_name("native") / name for name in ("rows.c", "attend.c")]
 COMPILE_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC"]
 MAX_ROWS = 8  # rows.c MAX_ROWS
-_P = ctypes.c_void_p
-_I = ctypes.c_int64
-# rows.c's entry points: (x, its strides, w, its strides, [bias,] y, its strides, sizes, threads)
+# The entry points' argument types, one letter each: P pointer, I int64, f float, i int (the last,
+# every time: the thread count)
+_TYPES = {"P": ctypes.c_void_p, "I": ctypes.c_int64, "f": ctypes.c_float, "i": ctypes.c_int}
 _SIGNATURES = {
-    "pd_heads_linear": [_P, _I, _I, _P, _I, _I, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_int],
-    "pd_heads_axpy": [_P, _I, _I, _P, _I, _I, _P, _I, _I, _I, _I, _I, _I, ctypes.c_int],
+    # rows.c: (x, its strides, w, its strides, [bias,] y, its strides, sizes, threads)
+    "pd_heads_linear": "PIIPIIPPIIIIIIi",
+    "pd_heads_axpy": "PIIPIIPIIIIIIi",
+    # (x, gate_up, its strides, down, its strides, expert ids, weights, k, H, I, y, threads)
+    "pd_moe_token": "PPIIPIIPPIIIPi",
+    # (x, its row stride, w, y, its row stride, M, N, eps, threads)
+    "pd_rms_norm": "PIPPIIIfi",
+    # (x, w, its row stride, bias, E, H, n_group, topk_group, k, norm, scaling, ids, weights, threads)
+    "pd_route_token": "PPIPIIIIIifPPi",
+    # attend.c: (q, its strides, keys, theirs, valid, its strides, out, lse, B, H, S, D, dv, scale, threads)
+    "pd_attend": "PIIPIIPIIPPIIIIIfi",
+    # (q, its strides, w, its row stride, keys, theirs, out, B, H, S, D, scale, threads)
+    "pd_index_scores": "PIIPIPIIPIIIIfi",
+    # (scores, row stride, valid, its strides, B, S, k, out, threads)
+    "pd_topk_earliest": "PIPIIIIIPi",
 }
+MAX_HEADS = 1024  # attend.c MAX_HEADS
+MAX_BATCH = 64  # queries with keys of their own (a decode batch) that attend / index_scores take
 
+_CPU = torch.device("cpu")
 _state: dict = {}  # "lib": the bound library or None, "status": why
 
 
@@ -67,11 +94,11 @@ def _compile(cc: str, gomp: str, out: Path) -> str | None:
     """Builds the library at `out` (atomically: concurrent ranks each build and rename); an error or None."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        obj, lib = Path(tmp) / "rows.o", Path(tmp) / out.name
+        objs, lib = [Path(tmp) / f"{src.stem}.o" for src in SOURCES], Path(tmp) / out.name
         steps = (
-            [cc, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
+            *([cc, *COMPILE_FLAGS, "-c", str(src), "-o", str(obj)] for src, obj in zip(SOURCES, objs)),
             # linked against torch's libgomp by path, not -lgomp: one OpenMP runtime in the process
-            [cc, "-shared", str(obj), gomp, "-o", str(lib)],
+            [cc, "-shared", *map(str, objs), gomp, "-lm", "-o", str(lib)],
         )
         for cmd in steps:
             try:
@@ -102,7 +129,14 @@ def _load() -> tuple[object | None, str]:
     except (OSError, subprocess.TimeoutExpired) as e:
         return None, f"unavailable: {cc} --version failed: {e}"
     key = hashlib.sha256(
-        b"\0".join([SOURCE.read_bytes(), " ".join(COMPILE_FLAGS).encode(), version.encode(), gomp.encode()])
+        b"\0".join(
+            [
+                *(src.read_bytes() for src in SOURCES),
+                " ".join(COMPILE_FLAGS).encode(),
+                version.encode(),
+                gomp.encode(),
+            ]
+        )
     ).hexdigest()[:16]
     out = _cache_dir() / f"rows-{key}.so"
     if not out.is_file() and (err := _compile(cc, gomp, out)):
@@ -110,7 +144,7 @@ def _load() -> tuple[object | None, str]:
     lib = ctypes.CDLL(str(out))
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        fn.argtypes, fn.restype = [_TYPES[c] for c in argtypes], ctypes.c_int
     return lib, f"native few-row kernels ({out})"
 
 
@@ -127,7 +161,10 @@ def status() -> str:
 
 
 def _floats(*ts: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" and not t.requires_grad for t in ts)
+    for t in ts:  # a loop of cheap attributes: this runs before every kernel call of a decode step
+        if t.dtype != torch.float32 or not t.is_cpu or t.requires_grad:
+            return False
+    return True
 
 
 def usable(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
@@ -166,12 +203,16 @@ def heads_usable(x: torch.Tensor, w: torch.Tensor, contract: int) -> bool:
 def _out(x: torch.Tensor, *shape: int) -> torch.Tensor:
     """The kernel's output, on x's device (the CPU) whatever torch's default device is: the kernel
     writes through its pointer."""
-    return torch.empty(*shape, dtype=torch.float32, device=x.device)
+    return torch.empty(*shape, dtype=torch.float32, device=_CPU)
 
 
 def _call(name: str, *args) -> None:
-    if getattr(_state["lib"], name)(*args, torch.get_num_threads()):
-        raise MemoryError(f"the native kernel {name} could not allocate its packed rows")
+    if err := getattr(_lib(), name)(*args, torch.get_num_threads()):
+        raise (
+            MemoryError(f"the native kernel {name} could not allocate its scratch")
+            if err == -1
+            else (ValueError(f"the native kernel {name} refused its arguments ({err})"))
+        )
 
 
 def rows_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -206,3 +247,198 @@ def heads_axpy(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     _call("pd_heads_axpy", *(x.data_ptr(), xs[0], xs[1]), *(w.data_ptr(), ws[1], ws[0]),
           *(y.data_ptr(), H * C, C), M, H, N, C)  # fmt: skip
     return y
+
+
+def _few_queries(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """q [B, H, D] against keys [S, D] shared (B <= MAX_ROWS: more queries over the same keys are
+    a prefill, a matmul's job) or [B, S, D] per query (B <= MAX_BATCH: a decode batch)."""
+    if keys.dim() == 2:
+        return 0 < q.shape[0] <= MAX_ROWS
+    return keys.dim() == 3 and 0 < q.shape[0] <= MAX_BATCH and keys.shape[0] == q.shape[0]
+
+
+def attend_usable(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, dv: int) -> bool:
+    """Whether `kernels.attend`'s q [B, H, D], keys [S, D] or [B, S, D] (`_few_queries`) and valid
+    [B, S] can take `attend`: float32 CPU tensors with contiguous last dims, a bool mask, values
+    within the keys, and the kernels built."""
+    return (
+        q.dim() == 3
+        and 0 < q.shape[1] <= MAX_HEADS
+        and _few_queries(q, keys)
+        and keys.shape[-1] == q.shape[2]
+        and 0 < dv <= q.shape[2]
+        and valid.dtype == torch.bool
+        and valid.shape == (q.shape[0], keys.shape[-2])
+        and valid.device.type == "cpu"
+        and q.stride(2) == 1
+        and keys.stride(-1) == 1
+        and _floats(q, keys)
+        and _lib() is not None
+    )
+
+
+def attend(
+    q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scale: float, dv: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kernels.attend` by the kernel (native/attend.c): out [B, H, dv], lse [B, H]; the caller
+    checked `attend_usable`."""
+    (B, H, D), S = q.shape, keys.shape[-2]
+    out, lse = _out(q, B, H, dv), _out(q, B, H)
+    qs, vs = q.stride(), valid.stride()
+    ks = (0, keys.stride(0)) if keys.dim() == 2 else keys.stride()[:2]
+    _call("pd_attend", *(q.data_ptr(), qs[0], qs[1]), *(keys.data_ptr(), *ks), *(valid.data_ptr(), *vs),
+          out.data_ptr(), lse.data_ptr(), B, H, S, D, dv, scale)  # fmt: skip
+    return out, lse
+
+
+def moe_usable(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether one token x [1, H] can go through routed experts stored stacked, gate_up [E, 2I, H]
+    and down [E, H, I], by `moe_token`: float32 CPU tensors with contiguous rows, and the kernels built."""
+    return (
+        x.dim() == 2
+        and x.shape[0] == 1
+        and x.is_contiguous()
+        and gate_up.dim() == down.dim() == 3
+        and gate_up.shape[2] == down.shape[1] == x.shape[1]
+        and gate_up.shape[1] == 2 * down.shape[2]
+        and gate_up.shape[0] == down.shape[0]
+        and gate_up.stride(2) == down.stride(2) == 1
+        and _floats(x, gate_up, down)
+        and _lib() is not None
+    )
+
+
+def moe_token(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, experts: list[int], weights: list[float]
+):
+    """sum_j weights[j] * expert_{experts[j]}(x) -> [1, H], experts in the order given (SwiGLU:
+    down(silu(gate x) * up x)); the caller checked `moe_usable` and the ids."""
+    k, H, I = len(experts), x.shape[1], down.shape[2]
+    y = _out(x, 1, H)
+    ids, ws = (ctypes.c_int64 * k)(*experts), (ctypes.c_float * k)(*weights)
+    gs, ds = gate_up.stride(), down.stride()
+    _call("pd_moe_token", x.data_ptr(), gate_up.data_ptr(), gs[0], gs[1], down.data_ptr(), ds[0], ds[1],
+          ctypes.addressof(ids), ctypes.addressof(ws), k, H, I, y.data_ptr())  # fmt: skip
+    return y
+
+
+def rms_norm_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether x [M, N] (M <= MAX_ROWS) with weight w [N] can take `rms_norm`: float32 CPU tensors
+    with contiguous rows, and the kernels built."""
+    return (
+        x.dim() == 2
+        and 0 < x.shape[0] <= MAX_ROWS
+        and x.stride(1) == 1
+        and w.shape == x.shape[1:]
+        and w.is_contiguous()
+        and _floats(x, w)
+        and _lib() is not None
+    )
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2, -1) + eps) * w -> [M, N]; the caller checked `rms_norm_usable`."""
+    M, N = x.shape
+    y = _out(x, M, N)
+    _call("pd_rms_norm", x.data_ptr(), x.stride(0), w.data_ptr(), y.data_ptr(), N, M, N, eps)
+    return y
+
+
+def index_scores_usable(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether `kernels.index_scores`' q [B, H, D], w [B, H] and keys [S, D] or [B, S, D]
+    (`_few_queries`) can take `index_scores`: float32 CPU tensors with contiguous last dims, and the
+    kernels built."""
+    return (
+        q.dim() == 3
+        and 0 < q.shape[1] <= MAX_HEADS
+        and w.shape == q.shape[:2]
+        and _few_queries(q, keys)
+        and keys.shape[-1] == q.shape[2]
+        and q.stride(2) == w.stride(1) == keys.stride(-1) == 1
+        and _floats(q, w, keys)
+        and _lib() is not None
+    )
+
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """[B, S] = sum_h w[:, h] * relu(scale * q[:, h] . k); the caller checked `index_scores_usable`."""
+    (B, H, D), S = q.shape, keys.shape[-2]
+    out = _out(q, B, S)
+    ks = (0, keys.stride(0)) if keys.dim() == 2 else keys.stride()[:2]
+    _call("pd_index_scores", q.data_ptr(), q.stride(0), q.stride(1), w.data_ptr(), w.stride(0),
+          keys.data_ptr(), *ks, out.data_ptr(), B, H, S, D, scale)  # fmt: skip
+    return out
+
+
+def topk_usable(scores: torch.Tensor, valid: torch.Tensor, k: int) -> bool:
+    """Whether `kernels.topk_earliest` of scores [B, S] can take `topk_earliest`: float32 CPU
+    scores with contiguous rows, a bool mask of their shape, k >= 1, and the kernels built."""
+    return (
+        scores.dim() == 2
+        and scores.shape[1] > 0
+        and k >= 1
+        and scores.stride(1) == 1
+        and valid.dtype == torch.bool
+        and valid.shape == scores.shape
+        and valid.device.type == "cpu"
+        and _floats(scores)
+        and _lib() is not None
+    )
+
+
+def topk_earliest(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor | None:
+    """`kernels.topk_earliest` by the kernel: [B, k] ascending indices, -1 padded; None when a valid
+    score is NaN (the caller keeps torch's rule). The caller checked `topk_usable`."""
+    B, S = scores.shape
+    out = torch.empty(B, k, dtype=torch.int64, device=scores.device)
+    err = _lib().pd_topk_earliest(scores.data_ptr(), scores.stride(0), valid.data_ptr(), *valid.stride(),
+                                  B, S, k, out.data_ptr(), torch.get_num_threads())  # fmt: skip
+    if err < 0:
+        raise MemoryError("the native kernel pd_topk_earliest could not allocate its scratch")
+    return None if err else out
+
+
+def route_usable(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, k: int
+) -> bool:
+    """Whether one token x [1, H] can be routed by `route_token` over w [E, H] with the score
+    correction bias [E]: float32 CPU tensors with contiguous rows, groups of at least two experts
+    and enough of them for k, and the kernels built."""
+    E = w.shape[0] if w.dim() == 2 else 0
+    return (
+        x.dim() == 2
+        and x.shape[0] == 1
+        and x.is_contiguous()
+        and E > 0
+        and w.shape[1] == x.shape[1]
+        and w.stride(1) == 1
+        and bias.shape == (E,)
+        and bias.is_contiguous()
+        and n_group > 0
+        and E % n_group == 0
+        and E // n_group >= 2
+        and 0 < topk_group <= n_group
+        and 0 < k <= topk_group * (E // n_group)
+        and _floats(x, w, bias)
+        and _lib() is not None
+    )
+
+
+def route_token(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor,
+    n_group: int,
+    topk_group: int,
+    k: int,
+    norm: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [1, k], expert ids [1, k] ascending) of grouped sigmoid routing, as
+    layers.TopkRouter computes them; the caller checked `route_usable`."""
+    E, H = w.shape
+    ids = torch.empty(1, k, dtype=torch.int64, device=x.device)
+    weights = _out(x, 1, k)
+    _call("pd_route_token", x.data_ptr(), w.data_ptr(), w.stride(0), bias.data_ptr(), E, H, n_group, topk_group,
+          k, int(norm), scaling, ids.data_ptr(), weights.data_ptr())  # fmt: skip
+    return weights, ids

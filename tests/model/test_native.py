@@ -57,31 +57,18 @@ def test_absorption_kernels_match_float64(rows, heads, nope, v, c):
     _close(absorb_o(o, w_uv), torch.einsum("thc,hvc->thv", o.double(), w_uv.double()))
 
 
-def test_results_do_not_depend_on_the_thread_count():
+def test_results_do_not_depend_on_the_thread_count(assert_thread_count_free):
     g = torch.Generator().manual_seed(1)
     w, x = torch.randn(1000, 777, generator=g), torch.randn(3, 777, generator=g)
     kv_b = torch.randn(8, 64, 512, generator=g)
     q, o = torch.randn(2, 8, 32, generator=g), torch.randn(2, 8, 512, generator=g)
-    before = torch.get_num_threads()
-    outs = []
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            outs.append((native.rows_linear(x, w), absorb_q(q, kv_b[:, :32]), absorb_o(o, kv_b[:, 32:])))
-    finally:
-        torch.set_num_threads(before)
-    for a, b in zip(*outs):
-        assert torch.equal(a, b)
+    assert_thread_count_free(
+        lambda: (native.rows_linear(x, w), absorb_q(q, kv_b[:, :32]), absorb_o(o, kv_b[:, 32:]))
+    )
 
 
-def test_linear_and_absorption_route_only_a_decode_steps_products(monkeypatch):
-    calls, call = [], native._call
-
-    def spy(name, *args):
-        calls.append(name)
-        return call(name, *args)
-
-    monkeypatch.setattr(native, "_call", spy)
+def test_linear_and_absorption_route_only_a_decode_steps_products(native_calls):
+    calls = native_calls
     g = torch.Generator().manual_seed(2)
     w = torch.randn(96, 40, generator=g)
     linear(torch.randn(native.MAX_ROWS, 40, generator=g), w)

@@ -17,6 +17,7 @@
  * describe float32 tensors of these shapes.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -167,5 +168,126 @@ int pd_heads_axpy(const float *x, int64_t ldx_m, int64_t ldx_h, const float *w, 
             for (int64_t c = 0; c < width; c++)
                 y[m * ldy_m + h * ldy_h + c0 + c] = acc[m][c];
     }
+    return 0;
+}
+
+/* One token through k routed experts of a SwiGLU MoE (a decode step at batch 1):
+ *   y[n] = sum_j weight[j] * sum_i down[e_j][n, i] * silu(gu[e_j][i] . x) * (gu[e_j][I + i] . x)
+ * with gu [E, 2I, H] (gate rows, then up rows) and down [E, H, I], experts in the order given. Each
+ * thread owns the same rows of every expert's products (static schedule), so each y[n] is one
+ * thread's sum in expert order and the result does not depend on the thread count. One parallel
+ * region for all k experts instead of 2k products and their element-wise ops. */
+int pd_moe_token(const float *x, const float *gu, int64_t ldgu_e, int64_t ldgu_r, const float *down,
+                 int64_t ldd_e, int64_t ldd_r, const int64_t *experts, const float *weights, int64_t k,
+                 int64_t H, int64_t I, float *y, int threads) {
+    float *act = malloc(sizeof(float) * (size_t)(k * I + 8));
+    if (!act)
+        return -1;
+    for (int64_t n = 0; n < H; n++)
+        y[n] = 0.0f;
+#pragma omp parallel num_threads(threads) if (k * 3 * I * H >= GRAIN)
+    for (int64_t j = 0; j < k; j++) {
+        const float *g = gu + experts[j] * ldgu_e, *d = down + experts[j] * ldd_e;
+        float *a = act + j * I;
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < I; i++) {
+            float gate = dot1(g + i * ldgu_r, x, H), up = dot1(g + (I + i) * ldgu_r, x, H);
+            a[i] = gate / (1.0f + expf(-gate)) * up;
+        }
+        /* the implicit barrier above: every act of expert j is there */
+#pragma omp for schedule(static) nowait
+        for (int64_t n = 0; n < H; n++)
+            y[n] += weights[j] * dot1(d + n * ldd_r, a, I);
+    }
+    free(act);
+    return 0;
+}
+
+/* RMSNorm of M rows of N floats: y[m] = x[m] / sqrt(mean(x[m]^2) + eps) * w, on the calling thread
+ * (a decode step's few rows: a call instead of torch's seven ops, each slow on caches a weight
+ * stream has just flushed). */
+int pd_rms_norm(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int64_t M, int64_t N,
+                float eps, int threads) {
+    (void)threads;
+    for (int64_t m = 0; m < M; m++) {
+        const float *xm = x + m * ldx;
+        float *ym = y + m * ldy;
+        float inv = 1.0f / sqrtf(dot1(xm, xm, N) / (float)N + eps);
+        __m256 iv = _mm256_set1_ps(inv);
+        int64_t n = 0;
+        for (; n + 8 <= N; n += 8)
+            _mm256_storeu_ps(ym + n, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xm + n), iv), _mm256_loadu_ps(w + n)));
+        for (; n < N; n++)
+            ym[n] = xm[n] * inv * w[n];
+    }
+    return 0;
+}
+
+/* index of the largest v[i] over i with allowed[i], the earliest on ties; -1 when none is allowed */
+static int64_t argmax_allowed(const float *v, const uint8_t *allowed, int64_t n) {
+    int64_t best = -1;
+    for (int64_t i = 0; i < n; i++)
+        if (allowed[i] && (best < 0 || v[i] > v[best]))
+            best = i;
+    return best;
+}
+
+/* A MoE router for one token (DeepSeek-V3's grouped sigmoid routing): s = sigmoid(W x); the
+ * n_group groups ranked by the sum of their two best s + bias, the best topk_group of them kept,
+ * and in those the k experts of the largest s + bias; their weights s (normalized to sum 1 when
+ * norm), times scaling. Ties go to the earlier group or expert. ids come out ascending, with their
+ * weights. */
+int pd_route_token(const float *x, const float *w, int64_t ldw, const float *bias, int64_t E, int64_t H,
+                   int64_t n_group, int64_t topk_group, int64_t k, int norm, float scaling, int64_t *ids,
+                   float *weights, int threads) {
+    float *s = malloc(sizeof(float) * (size_t)(3 * E + n_group + 8));
+    uint8_t *flags = malloc((size_t)(E + n_group + 8));
+    if (!s || !flags) {
+        free(s), free(flags);
+        return -1;
+    }
+    float *choice = s + E, *group = choice + E;
+    uint8_t *allowed = flags, *gsel = flags + E;
+    int64_t per = E / n_group;
+#pragma omp parallel for schedule(static) num_threads(threads) if (E * H >= GRAIN)
+    for (int64_t e = 0; e < E; e++)
+        s[e] = 1.0f / (1.0f + expf(-dot1(w + e * ldw, x, H)));
+    for (int64_t e = 0; e < E; e++)
+        choice[e] = s[e] + bias[e];
+    for (int64_t g = 0; g < n_group; g++) { /* the sum of each group's two best */
+        const float *c = choice + g * per;
+        int64_t a = 0;
+        for (int64_t i = 1; i < per; i++)
+            a = c[i] > c[a] ? i : a;
+        int64_t b = a == 0 ? 1 : 0;
+        for (int64_t i = 0; i < per; i++)
+            b = i != a && c[i] > c[b] ? i : b;
+        group[g] = c[a] + c[b];
+        gsel[g] = 1;
+    }
+    for (int64_t e = 0; e < E; e++)
+        allowed[e] = 0;
+    for (int64_t j = 0; j < topk_group; j++) { /* the best groups' experts become choosable */
+        int64_t g = argmax_allowed(group, gsel, n_group);
+        gsel[g] = 0;
+        for (int64_t i = 0; i < per; i++)
+            allowed[g * per + i] = 1;
+    }
+    float total = 0.0f;
+    for (int64_t j = 0; j < k; j++) {
+        int64_t e = argmax_allowed(choice, allowed, E);
+        allowed[e] = 0;
+        ids[j] = e;
+    }
+    for (int64_t a = 1; a < k; a++) /* ascending ids (insertion sort: k is small) */
+        for (int64_t b = a; b > 0 && ids[b - 1] > ids[b]; b--) {
+            int64_t t = ids[b];
+            ids[b] = ids[b - 1], ids[b - 1] = t;
+        }
+    for (int64_t j = 0; j < k; j++)
+        total += s[ids[j]];
+    for (int64_t j = 0; j < k; j++)
+        weights[j] = (norm ? s[ids[j]] / (total + 1e-20f) : s[ids[j]]) * scaling;
+    free(s), free(flags);
     return 0;
 }
