@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..choices import DcpComm, DcpIndex, values
-from ..engine.attn_ops import TorchOps
+from ..engine.attn_ops import TorchOps, attend_cached
 from ..model.backend import IndexerInputs
 from ..model.config import ModelConfig
 from ..model.kernels import index_scores
@@ -91,9 +91,11 @@ class DCPBackend:
     ) -> torch.Tensor:
         self._store(layer, kv, index)
         q_group = q if (self.replicate_q or self.dcp.size == 1) else self._gather_heads(q)  # [B, Hg, D]
-        keys, valid = self._keys(layer, index)
+        rows, valid = self._keys(layer, index)
         self.empty_selections += int((valid.sum(-1) == 0).sum())
-        out, lse = self.ops.attend(q_group, keys, valid, scale, self.cfg.kv_lora_rank)  # [B, Hg, c], [B, Hg]
+        out, lse = attend_cached(  # [B, Hg, c], [B, Hg]
+            self.ops, self.pool, layer, q_group, rows, valid, scale, self.cfg.kv_lora_rank
+        )
         if self.dcp.size == 1:
             return out
         merged = self._merge_a2a(out, lse) if self.comm == "a2a" else self._merge_ag_rs(out, lse)
@@ -110,9 +112,9 @@ class DCPBackend:
                 self.pool.write_index(layer, self._new_rows[mine], index.k[mine])
 
     def _keys(self, layer: int, index: IndexerInputs | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's keys for each request [B, n, D] and which of them are read [B, n]."""
+        """This rank's pool slots of each request's keys [B, n] and which of them are read [B, n]."""
         if not self.cfg.is_sparse:
-            return self.pool.read_kv(layer, self._own_rows), self._own_valid
+            return self._own_rows, self._own_valid
         if index is not None:
             self._selection = (
                 self._select_copy(layer, index)
@@ -122,8 +124,7 @@ class DCPBackend:
             self.selections[layer] = self._selection
         sel = self._selection  # [B, k] global positions, -1 padded; shared layers reuse it
         mine = (sel >= 0) & (sel % self.dcp.size == self.dcp.rank)
-        rows = self._slots.gather(1, sel.clamp(min=0)) // self.dcp.size
-        return self.pool.read_kv(layer, rows), mine
+        return self._slots.gather(1, sel.clamp(min=0)) // self.dcp.size, mine
 
     def _select_copy(self, layer: int, index: IndexerInputs) -> torch.Tensor:
         idx_keys = self.pool.read_index(layer, self._slots)  # [B, Smax, Di]: every token's key

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from ..model.kernels import merge_attention
+from ..model.kernels import merge_attention, take_rows
 
 WORKSPACE_BYTES = 128 << 20  # flashinfer's documented starting point for the float workspace
 
@@ -91,6 +91,10 @@ class FlashinferOps:
         lse = lse.masked_fill(empty, float("-inf"))
         out = out.masked_fill(empty[..., None], 0.0)
         return out, lse
+
+    def attend_rows(self, q: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, scale: float, dv: int):
+        """attend over table[rows] (rows [B, S], -1: no key), gathered first."""
+        return self.attend(q, take_rows(table, rows.clamp(min=0)), rows >= 0, scale, dv)
 
     def _same_plan(self, key: tuple) -> bool:
         old = self._planned

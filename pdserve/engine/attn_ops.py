@@ -3,6 +3,8 @@
 Every backend (single-rank, prefill CP, decode DCP) calls three ops through an `AttentionOps`:
   attend(q [B, H, D], keys [S, D] or [B, S, D], valid [B, S], scale, dv) -> (out [B, H, dv],
         lse [B, H] natural log, -inf where a row saw no key and then out is 0)
+  attend_rows(q, table [N, D], rows [B, S] int64 (-1: no key), scale, dv): attend over table[rows]
+        (the torch ops read the rows in place on the CPU; `attend_cached` below picks it for a pool)
   topk(scores [B, S], valid [B, S], k) -> [B, k] ascending indices, -1 padded, ties: the earlier key
         (docs/design.md invariant 3)
   merge(outs [N, ..., dv], lses [N, ...]) -> exact log-sum-exp merge
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model import native
-from ..model.kernels import attend, merge_attention, topk_earliest
+from ..model.kernels import attend, attend_rows, merge_attention, topk_earliest
 from .placement import check_attention_ops
 
 FLASHINFER_VERSION = "0.7.4"  # pyproject.toml's `cuda` extra pins the same; its API changes between minors
@@ -119,6 +121,9 @@ class TorchOps:
     def attend(self, q, keys, valid, scale: float, dv: int):
         return attend(q, keys, valid, scale, dv)
 
+    def attend_rows(self, q, table, rows, scale: float, dv: int):
+        return attend_rows(q, table, rows, scale, dv)
+
     def topk(self, scores, valid, k: int):
         return topk_earliest(scores, valid, k)
 
@@ -141,3 +146,13 @@ def make_attention_ops(
     from .attn_flashinfer import FlashinferOps
 
     return FlashinferOps(device, choice.backend)
+
+
+def attend_cached(ops, pool, layer: int, q, slots, valid, scale: float, dv: int):
+    """q [B, H, D] over the latent entries of pool slots [B, S] where valid [B, S]: read where they
+    lie (ops.attend_rows) when the pool stores them as attention reads them, else gathered and
+    converted (pool.read_kv: fp8) first."""
+    table = pool.kv_table(layer)
+    if table is None:
+        return ops.attend(q, pool.read_kv(layer, slots), valid, scale, dv)
+    return ops.attend_rows(q, table, pool.kv_row_ids(slots).masked_fill(~valid, -1), scale, dv)

@@ -161,6 +161,16 @@ class KVPool:
                 row, _on(src, self.index_scale)
             ]
 
+    def kv_table(self, layer: int) -> torch.Tensor | None:
+        """The latent rows of `layer` as stored ([rows, c + rope], row ids from `kv_row_ids`) when
+        reading them converts nothing (not fp8, stored in the pool's dtype), else None."""
+        table = self.kv[self.kv_row[layer]]
+        return table if not self.fp8 and table.dtype == self.dtype else None
+
+    def kv_row_ids(self, slots: torch.Tensor) -> torch.Tensor:
+        """The storage rows of latent-entry slots (any shape), on the pool's device."""
+        return self._kv_rows(_on(slots, self.kv))
+
     def read_kv(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         return take_rows(self.kv[self.kv_row[layer]], self._kv_rows(_on(slots, self.kv))).to(self.dtype)
 

@@ -11,15 +11,16 @@ import torch
 
 from ..model.backend import IndexerInputs
 from ..model.config import ModelConfig
-from ..model.kernels import index_scores, take_rows
+from ..model.kernels import index_scores
 from .attn_ops import TorchOps
 
 # Bytes of float32 scores one query block may materialise ([block, heads, context]). Two ranks on
 # one socket share the last-level cache; blocks that overflow it cost up to 25% at 16k tokens.
 SCORE_BUDGET = 32 << 20
-# Bytes of selected keys a sparse layer gathers at once on the CPU: they are still in the last-level
-# cache when attend reads them. Gathering a whole 256-query block (42 MB on the small model) and
-# then attending ran 4-5x slower than sub-blocks of this size (32 queries there).
+# Bytes of selected keys a sparse layer attends over per call on the CPU: where they are gathered
+# first (torch's ops) they are still in the last-level cache when attend reads them. Gathering a
+# whole 256-query block (42 MB on the small model) and then attending ran 4-5x slower than
+# sub-blocks of this size (32 queries there).
 GATHER_BUDGET = 4 << 20
 
 
@@ -73,13 +74,14 @@ def prefill_attention(
 
 
 def _sparse_attend(ops, q: torch.Tensor, keys: torch.Tensor, sel: torch.Tensor, scale: float, dv: int):
-    """Each query over its selected keys (sel [n, k], -1 padded), gathered GATHER_BUDGET bytes at a
-    time on the CPU (one gather elsewhere). Queries are independent: the sub-blocks change nothing
-    but where the gathered keys live when they are read."""
+    """Each query over its selected keys (sel [n, k], -1 padded), GATHER_BUDGET bytes of them at a
+    time on the CPU (one call elsewhere): where torch's ops gather them (float64), the gathered keys
+    are still in cache when attend reads them; the native kernel reads them in place (float32).
+    Queries are independent: the sub-blocks change nothing but where the keys live when read."""
     n, row_bytes = q.shape[0], sel.shape[1] * keys.shape[1] * keys.element_size()
     step = n if keys.device.type != "cpu" else max(1, GATHER_BUDGET // max(1, row_bytes))
     outs = []
     for i in range(0, n, step):
         s = sel[i : i + step]
-        outs.append(ops.attend(q[i : i + step], take_rows(keys, s.clamp(min=0)), s >= 0, scale, dv)[0])
+        outs.append(ops.attend_rows(q[i : i + step], keys, s, scale, dv)[0])
     return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -19,7 +19,7 @@ import torch
 from ..model.backend import IndexerInputs
 from ..model.config import ModelConfig
 from ..model.kernels import index_scores
-from .attn_ops import TorchOps
+from .attn_ops import TorchOps, attend_cached
 from .kv_cache import KVPool
 from .prefill_attention import prefill_attention
 
@@ -113,17 +113,14 @@ class SingleRankBackend:
         cfg = self.cfg
         slots, valid = self._dec_slots, self._dec_valid
         if not cfg.is_sparse:
-            o, _ = self.ops.attend(q, self.pool.read_kv(layer, slots), valid, scale, cfg.kv_lora_rank)
-            return o
+            return attend_cached(self.ops, self.pool, layer, q, slots, valid, scale, cfg.kv_lora_rank)[0]
         if index is not None:  # a full layer selects; the shared layers after it reuse the selection
             idx_keys = self.pool.read_index(layer, slots)  # [B, Smax, Di]
             scores = index_scores(index.q, index.weights, idx_keys, index.softmax_scale)
             self.decode_selection = sel = self.ops.topk(scores, valid, cfg.index_topk)  # [B, k]
             self._decode_pick = (slots.gather(1, sel.clamp(min=0)), sel >= 0)  # [B, k] slots, valid
-        picked, picked_valid = self._decode_pick
-        keys = self.pool.read_kv(layer, picked)  # [B, k, c + rope]
-        o, _ = self.ops.attend(q, keys, picked_valid, scale, cfg.kv_lora_rank)
-        return o
+        picked, picked_valid = self._decode_pick  # [B, k] slots
+        return attend_cached(self.ops, self.pool, layer, q, picked, picked_valid, scale, cfg.kv_lora_rank)[0]
 
 
 def _rows(index: IndexerInputs | None, rows) -> IndexerInputs | None:

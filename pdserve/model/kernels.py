@@ -124,6 +124,17 @@ def attend(
     return out.to(out_dtype), lse
 
 
+def attend_rows(
+    q: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, scale: float, dv: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend` of each query over rows of a table (a layer's KV cache): rows [B, S] int64, -1 where
+    a query has no key. The native kernel reads the rows where they are (float32 CPU, a decode batch
+    or a sparse prefill's sub-block), torch gathers them first."""
+    if native.attend_rows_usable(q, table, rows, dv):
+        return native.attend_rows(q, table, rows, scale, dv)
+    return attend(q, take_rows(table, rows.clamp(min=0)), rows >= 0, scale, dv)
+
+
 def merge_attention(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact merge of N partial results over disjoint key sets (log-sum-exp rule).
 

@@ -18,8 +18,8 @@ of W once, in order, as a sum does.
 The rest of a decode step is many small ops, each slower than its arithmetic: after a weight
 stream has flushed the caches, a torch op on a [1, 2048] row costs 20-60 us (an RMSNorm is seven of
 them). So the same library holds one call each for what a step does between its products:
-attention over the gathered keys with its log-sum-exp (native/attend.c, also a sparse prefill's
-sub-blocks of a few queries), the DSA indexer's scores and its top-k (exactly torch's tie rule; a
+attention with its log-sum-exp over keys given, or over a sparse layer's selection read where it
+lies in the cache (native/attend.c, also a sparse prefill's sub-blocks of a few dozen queries), the DSA indexer's scores and its top-k (exactly torch's tie rule; a
 NaN score keeps torch's), RMSNorm, one token's grouped MoE routing and its routed experts. Medium
 preset, batch 1, in-process A/B on this VM: 36.7 vs 38.3 ms per step; small model 7.1 vs 10.6 ms.
 
@@ -61,8 +61,9 @@ _SIGNATURES = {
     "pd_rms_norm": "PIPPIIIfi",
     # (x, w, its row stride, bias, E, H, n_group, topk_group, k, norm, scaling, ids, weights, threads)
     "pd_route_token": "PPIPIIIIIifPPi",
-    # attend.c: (q, its strides, keys, theirs, valid, its strides, out, lse, B, H, S, D, dv, scale, threads)
-    "pd_attend": "PIIPIIPIIPPIIIIIfi",
+    # attend.c: (q, its strides, keys, theirs, row ids or NULL, table rows, valid, its strides, out, lse,
+    # B, H, S, D, dv, scale, threads)
+    "pd_attend": "PIIPIIPIPIIPPIIIIIfi",
     # (q, its strides, w, its row stride, keys, theirs, out, B, H, S, D, scale, threads)
     "pd_index_scores": "PIIPIPIIPIIIIfi",
     # (scores, row stride, valid, its strides, B, S, k, out, threads)
@@ -208,11 +209,11 @@ def _out(x: torch.Tensor, *shape: int) -> torch.Tensor:
 
 def _call(name: str, *args) -> None:
     if err := getattr(_lib(), name)(*args, torch.get_num_threads()):
-        raise (
-            MemoryError(f"the native kernel {name} could not allocate its scratch")
-            if err == -1
-            else (ValueError(f"the native kernel {name} refused its arguments ({err})"))
-        )
+        if err == -1:
+            raise MemoryError(f"the native kernel {name} could not allocate its scratch")
+        if err == -3:
+            raise IndexError(f"the native kernel {name} was given a row outside its table")
+        raise ValueError(f"the native kernel {name} refused its arguments ({err})")
 
 
 def rows_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -286,8 +287,46 @@ def attend(
     out, lse = _out(q, B, H, dv), _out(q, B, H)
     qs, vs = q.stride(), valid.stride()
     ks = (0, keys.stride(0)) if keys.dim() == 2 else keys.stride()[:2]
-    _call("pd_attend", *(q.data_ptr(), qs[0], qs[1]), *(keys.data_ptr(), *ks), *(valid.data_ptr(), *vs),
-          out.data_ptr(), lse.data_ptr(), B, H, S, D, dv, scale)  # fmt: skip
+    _call("pd_attend", *(q.data_ptr(), qs[0], qs[1]), *(keys.data_ptr(), *ks), None, 0,
+          *(valid.data_ptr(), *vs), out.data_ptr(), lse.data_ptr(), B, H, S, D, dv, scale)  # fmt: skip
+    return out, lse
+
+
+def attend_rows_usable(q: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, dv: int) -> bool:
+    """Whether q [B, H, D] (B <= MAX_BATCH) over the rows `rows` [B, S] (int64, -1: no key) of
+    table [N, D] can take `attend_rows`: float32 CPU tensors, contiguous row ids, and the kernels built."""
+    return (
+        q.dim() == 3
+        and 0 < q.shape[0] <= MAX_BATCH
+        and 0 < q.shape[1] <= MAX_HEADS
+        and table.dim() == 2
+        and table.shape[1] == q.shape[2]
+        and 0 < dv <= q.shape[2]
+        and rows.dtype == torch.int64
+        and rows.dim() == 2
+        and rows.shape[0] == q.shape[0]
+        and rows.is_contiguous()
+        and rows.is_cpu
+        and q.stride(2) == 1
+        and table.stride(1) == 1
+        and _floats(q, table)
+        and _lib() is not None
+    )
+
+
+def attend_rows(
+    q: torch.Tensor, table: torch.Tensor, rows: torch.Tensor, scale: float, dv: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kernels.attend(q, table[rows], rows >= 0, scale, dv)` without the gathered copy: the kernel
+    reads each selected row where it is. The caller checked `attend_rows_usable`; a valid row id
+    beyond the table is an IndexError."""
+    (B, H, D), S = q.shape, rows.shape[1]
+    out, lse = _out(q, B, H, dv), _out(q, B, H)
+    valid = rows >= 0
+    qs = q.stride()
+    _call("pd_attend", *(q.data_ptr(), qs[0], qs[1]), *(table.data_ptr(), S, table.stride(0)),
+          rows.data_ptr(), table.shape[0], *(valid.data_ptr(), S, 1), out.data_ptr(), lse.data_ptr(),
+          B, H, S, D, dv, scale)  # fmt: skip
     return out, lse
 
 

@@ -76,6 +76,34 @@ def test_attend_matches_float64(B, H, S, D, dv, shared):
         assert (out[-1] == 0).all() and (lse[-1] == float("-inf")).all()
 
 
+@pytest.mark.parametrize("B,H,S,D,dv", [(25, 8, 256, 160, 128), (1, 16, 512, 576, 512), (3, 5, 37, 70, 33)])
+def test_attend_over_table_rows_matches_float64(B, H, S, D, dv):
+    """A sparse layer's selection read where it lies in the cache: the same as gathering it first."""
+    g = torch.Generator().manual_seed(B + S)
+    table = torch.randn(3000, D + 2, generator=g)[:, :D]  # rows of a wider tensor
+    q = torch.randn(B, H, D, generator=g)
+    rows = torch.randint(0, 3000, (B, S), generator=g)
+    rows[0, S // 2 :] = -1  # fewer keys than S
+    if B > 1:
+        rows[1] = -1  # none: out 0, lse -inf
+    assert native.attend_rows_usable(q, table, rows, dv)
+    out, lse = kernels.attend_rows(q, table, rows, 0.1, dv)
+    ref_out, ref_lse = kernels.attend(q.double(), table.double()[rows.clamp(min=0)], rows >= 0, 0.1, dv)
+    _close(out, ref_out)
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    live = ~torch.isinf(ref_lse)
+    assert (lse[live].double() - ref_lse[live]).abs().max().item() <= 1e-5 * ref_lse[live].abs().max().item()
+
+
+def test_attend_over_table_rows_refuses_a_row_outside_the_table():
+    q, table = torch.randn(2, 4, 16), torch.randn(10, 16)
+    rows = torch.tensor([[0, 3, -1], [9, 10, 2]])
+    with pytest.raises(IndexError, match="outside its table"):
+        kernels.attend_rows(q, table, rows, 0.1, 8)
+    rows[1, 1] = -1  # no key there: nothing is read, nothing refused
+    kernels.attend_rows(q, table, rows, 0.1, 8)
+
+
 def test_index_scores_match_float64():
     g = torch.Generator().manual_seed(3)
     for B, H, S, D, shared in [(1, 16, 1024, 128, False), (3, 5, 77, 20, True), (8, 9, 300, 64, False)]:

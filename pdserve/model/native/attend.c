@@ -2,7 +2,8 @@
  *   pd_attend: out[b, h, :dv] = sum_s softmax_s(scale * q[b, h] . k[b, s]) * k[b, s, :dv] over the
  *              keys s with valid[b, s]; lse[b, h] = log sum_s exp(scale * q[b, h] . k[b, s]) (natural
  *              log), -inf with out 0 where a query has no valid key. Values are the keys' first dv
- *              columns (MLA's latent). Keys per query (ldk_b > 0) or shared by all (ldk_b = 0).
+ *              columns (MLA's latent). Keys per query (ldk_b > 0) or shared by all (ldk_b = 0), or
+ *              rows of a table named per query (a sparse layer's selection: the KV cache itself).
  *
  * Why it exists: torch computes this as a batched matmul, a masked fill, a logsumexp, an exp and a
  * second batched matmul, each a pass over [H, S] or the keys; for one query of 16 heads over 512
@@ -118,9 +119,9 @@ static void add_values(const float *const *v, int64_t n, const float *pa, const 
 /* One unit: keys [s0, s1) of query b. m, l, acc: this unit's running max, sum and weighted values
  * per head (acc [H][DV]); sc: CHUNK * H floats of the thread's own. */
 static void unit(const float *q, int64_t ldq_b, int64_t ldq_h, const float *keys, int64_t ldk_b,
-                 int64_t ldk_s, const uint8_t *valid, int64_t ldv_b, int64_t ldv_s, int64_t b, int64_t s0,
-                 int64_t s1, int64_t H, int64_t D, int64_t DV, float scale, float *m, float *l, float *acc,
-                 float *sc) {
+                 int64_t ldk_s, const int64_t *idx, const uint8_t *valid, int64_t ldv_b, int64_t ldv_s,
+                 int64_t b, int64_t s0, int64_t s1, int64_t H, int64_t D, int64_t DV, float scale, float *m,
+                 float *l, float *acc, float *sc) {
     const float *qh[MAX_HEADS];
     for (int64_t h = 0; h < H; h++) {
         qh[h] = q + b * ldq_b + h * ldq_h;
@@ -132,8 +133,8 @@ static void unit(const float *q, int64_t ldq_b, int64_t ldq_h, const float *keys
     for (int64_t c0 = s0; c0 < s1; c0 += CHUNK) {
         int64_t n = 0; /* the chunk's valid keys, packed */
         for (int64_t s = c0; s < s1 && s < c0 + CHUNK; s++)
-            if (valid[b * ldv_b + s * ldv_s])
-                rows[n++] = keys + b * ldk_b + s * ldk_s;
+            if (valid[b * ldv_b + s * ldv_s]) /* key s: its own row, or the table row idx names */
+                rows[n++] = idx ? keys + idx[b * ldk_b + s] * ldk_s : keys + b * ldk_b + s * ldk_s;
         if (n == 0)
             continue;
         int64_t padded = (n + 7) & ~(int64_t)7;
@@ -180,11 +181,18 @@ static void unit(const float *q, int64_t ldq_b, int64_t ldq_h, const float *keys
     }
 }
 
+/* idx (may be NULL): keys is then a table of rows (row stride ldk_s, `rows` of them) and key s of
+ * query b is its row idx[b * ldk_b + s] (read only where valid): the gather happens as the rows are
+ * read, with no gathered copy. Returns -3 (nothing computed) when a valid key's row is outside the table. */
 int pd_attend(const float *q, int64_t ldq_b, int64_t ldq_h, const float *keys, int64_t ldk_b, int64_t ldk_s,
-              const uint8_t *valid, int64_t ldv_b, int64_t ldv_s, float *out, float *lse, int64_t B, int64_t H,
-              int64_t S, int64_t D, int64_t DV, float scale, int threads) {
+              const int64_t *idx, int64_t rows, const uint8_t *valid, int64_t ldv_b, int64_t ldv_s, float *out,
+              float *lse, int64_t B, int64_t H, int64_t S, int64_t D, int64_t DV, float scale, int threads) {
     if (H > MAX_HEADS)
         return -2;
+    for (int64_t b = 0; idx && b < B; b++)
+        for (int64_t s = 0; s < S; s++)
+            if (valid[b * ldv_b + s * ldv_s] && (idx[b * ldk_b + s] < 0 || idx[b * ldk_b + s] >= rows))
+                return -3;
     int64_t per = (S + MAX_UNITS - 1) / MAX_UNITS;
     per = per > MIN_UNIT ? per : MIN_UNIT;
     per = (per + CHUNK - 1) / CHUNK * CHUNK;
@@ -199,7 +207,7 @@ int pd_attend(const float *q, int64_t ldq_b, int64_t ldq_h, const float *keys, i
     for (int64_t i = 0; i < B * units; i++) {
         int64_t b = i / units, s0 = (i % units) * per, s1 = s0 + per < S ? s0 + per : S;
         float *part = parts + i * stride;
-        unit(q, ldq_b, ldq_h, keys, ldk_b, ldk_s, valid, ldv_b, ldv_s, b, s0, s1, H, D, DV, scale, part,
+        unit(q, ldq_b, ldq_h, keys, ldk_b, ldk_s, idx, valid, ldv_b, ldv_s, b, s0, s1, H, D, DV, scale, part,
              part + H, part + 2 * H, sc + omp_get_thread_num() * CHUNK * H);
     }
     /* merge the units of each query by their log-sum-exp, in unit order */
