@@ -58,25 +58,30 @@ class PairRunner:
             transfer=pair.transfer,
             transfer_quarantine_s=1.0,
         )
+        self.driver: Driver | None = None  # the hand-off machines' side channel, opened on first use
+        self.decode: DecodeStepDriver | None = None
         self.prefill = PrefillInstance(pw, LaunchConfig(pair.cp, free_port()), page_size=4)
-        self.decode = DecodeStepDriver(
-            DecodeInstance(dw, LaunchConfig(pair.w, free_port()), page_size=pair.page_size)
-        )
         try:
             self.prefill.start()
+            # the decode group's rendezvous port is picked only now: a free port picked before the
+            # prefill ranks started could be taken by one of their own sockets meanwhile (seen in CI:
+            # "Address already in use" on the decode's rank 0)
+            self.decode = DecodeStepDriver(
+                DecodeInstance(dw, LaunchConfig(pair.w, free_port()), page_size=pair.page_size)
+            )
             self.decode.instance.start()
         except BaseException:
             self.close()
             raise
         self.sparse = self.decode.instance.model_config.is_sparse
         self.mode = (dw.index_mode, dw.comm)
-        self.driver: Driver | None = None  # the hand-off machines' side channel, opened on first use
 
     def close(self) -> None:
         if self.driver is not None:
             self.driver.close()
         self.prefill.shutdown()
-        self.decode.instance.shutdown()
+        if self.decode is not None:
+            self.decode.instance.shutdown()
 
     def run(self, case: Case, prompts: list[list[int]], tag: str) -> list[Got]:
         if self.mode != (case.index_mode, case.comm):  # switched on the running ranks (clears the idle cache)
