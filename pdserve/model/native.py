@@ -19,9 +19,10 @@ The rest of a decode step is many small ops, each slower than its arithmetic: af
 stream has flushed the caches, a torch op on a [1, 2048] row costs 20-60 us (an RMSNorm is seven of
 them). So the same library holds one call each for what a step does between its products:
 attention with its log-sum-exp over keys given, or over a sparse layer's selection read where it
-lies in the cache (native/attend.c, also a sparse prefill's sub-blocks of a few dozen queries), the DSA indexer's scores and its top-k (exactly torch's tie rule; a
-NaN score keeps torch's), RMSNorm, one token's grouped MoE routing and its routed experts. Medium
-preset, batch 1, in-process A/B on this VM: 36.7 vs 38.3 ms per step; small model 7.1 vs 10.6 ms.
+lies in the cache (native/attend.c, also a sparse prefill's sub-blocks of a few dozen queries),
+the DSA indexer's scores and its top-k (exactly torch's tie rule; a NaN score keeps torch's),
+RMSNorm, one token's grouped MoE routing and its routed experts. Medium preset, batch 1, an
+in-process A/B on this VM (these ops on / off): 36.7 vs 38.3 ms per step; small model 7.1 vs 10.6 ms.
 
 Inputs are checked by the `*_usable` functions; anything else (float64, other devices, more rows,
 an odd layout) keeps torch's kernels, and so does a machine where the kernel cannot be built (no C

@@ -21,7 +21,7 @@
 #include <stdlib.h>
 
 #define CHUNK 32        /* keys scored, then added, together: their rows stay in L2 between the passes */
-#define MIN_UNIT 256    /* keys per unit at least; at most MAX_UNITS units per query */
+#define MIN_UNIT 256    /* keys per unit at least */
 #define MAX_UNITS 16
 #define MAX_HEADS 1024
 
@@ -193,7 +193,10 @@ int pd_attend(const float *q, int64_t ldq_b, int64_t ldq_h, const float *keys, i
         for (int64_t s = 0; s < S; s++)
             if (valid[b * ldv_b + s * ldv_s] && (idx[b * ldk_b + s] < 0 || idx[b * ldk_b + s] >= rows))
                 return -3;
-    int64_t per = (S + MAX_UNITS - 1) / MAX_UNITS;
+    /* MAX_UNITS / B units per query, one from B >= MAX_UNITS on: the partial sums take at most
+     * max(B, MAX_UNITS) x H x (DV + 2) floats; like the unit size, a function of B and S only */
+    int64_t most = MAX_UNITS / B > 1 ? MAX_UNITS / B : 1;
+    int64_t per = (S + most - 1) / most;
     per = per > MIN_UNIT ? per : MIN_UNIT;
     per = (per + CHUNK - 1) / CHUNK * CHUNK;
     int64_t units = S > 0 ? (S + per - 1) / per : 1, stride = H * (DV + 2);
