@@ -122,7 +122,7 @@ class PrefillRankWorker(RankWorker):
         if cfg.cache == "layer-split":
             layers = [i for i, owner in enumerate(layer_owners(self.mcfg.num_layers, world)) if owner == rank]
         self.pool = KVPool(
-            self.mcfg, cfg.num_slots, dtype, dev, layers=layers, residues=cfg.kv_residues or world
+            self.mcfg, cfg.num_slots, dtype, dev, layers=layers, residues=cfg.kv_residues or world, sums=True
         )
         ops = make_attention_ops(cfg.attention_ops, dev, dtype, self.mcfg, who=f"prefill rank {rank} ({dev})")
         self.backend = CPBackend(self.mcfg, self.pool, rank, world, cfg.query_block, ops)

@@ -23,6 +23,8 @@ from typing import Protocol
 
 import torch
 
+from ..engine.row_sums import row_sums
+
 
 class KVPoll(enum.Enum):
     Bootstrapping = "bootstrapping"
@@ -99,15 +101,38 @@ class RoomChecksum:
     sorted by key, so the result does not depend on how chunks of different streams interleave.
     Any changed bit changes its row's sum, and the crc over the ordered row sums catches rows that
     were dropped, repeated or moved -- at ~45 GB/s instead of crc32's ~7 GB/s over every byte (the
-    checksum is taken on both sides of every hand-off, so its speed bounds the hand-off's)."""
+    checksum is taken on both sides of every hand-off, so its speed bounds the hand-off's).
 
-    def __init__(self):
-        self.streams: dict[tuple[int, int, str], int] = {}
+    A receiver whose payloads may land out of their sent order (NIXL WRITEs in flight together) gives
+    each its place in the sender's sequence (`order`); payloads of equal order count in the order
+    given, so a path that delivers in order passes none."""
 
-    def update(self, src: int, layer: int, kind: str, rows) -> None:
+    def __init__(self, streams: dict | None = None):
+        self._given = dict(streams or {})  # whole streams (a sender's reply, merge_checksums)
+        self._parts: dict[tuple[int, int, str], list[tuple[tuple, int, bytes]]] = {}
+        self._crcs: dict | None = None  # streams, once computed since the last update
+
+    def update(self, src: int, layer: int, kind: str, rows, order: tuple = ()) -> None:
         """rows: a [n, width] tensor (n whole rows), or a bytes-like payload taken as one row."""
-        key = (src, layer, kind)
-        self.streams[key] = zlib.crc32(row_digest(rows), self.streams.get(key, 0))
+        self.update_digest(src, layer, kind, row_digest(rows), order)
+
+    def update_digest(self, src: int, layer: int, kind: str, digest: bytes, order: tuple = ()) -> None:
+        """The same with the rows' digest already taken (`row_digest`, `sums_digest`)."""
+        parts = self._parts.setdefault((src, layer, kind), [])
+        parts.append((order, len(parts), digest))
+        self._crcs = None
+
+    @property
+    def streams(self) -> dict[tuple[int, int, str], int]:
+        """(src_rank, layer, kind) -> crc32 over its payloads' digests in their sent order."""
+        if self._crcs is None:
+            self._crcs = dict(self._given)
+            for key, parts in self._parts.items():
+                crc = 0
+                for _, _, digest in sorted(parts, key=lambda p: p[:2]):
+                    crc = zlib.crc32(digest, crc)
+                self._crcs[key] = crc
+        return self._crcs
 
     def value(self) -> int:
         crc = 0
@@ -116,21 +141,16 @@ class RoomChecksum:
         return crc
 
 
-_WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
-
-
 def row_digest(rows) -> bytes:
-    """Per row, the wrapping int64 sum of its bytes read as words of the widest integer type that
-    divides the row's byte size (so the digest depends on the rows only, not on where they sit)."""
+    """The row sums (engine/row_sums.py) of a [n, width] tensor, or of a bytes-like payload taken as
+    one row, as the bytes a checksum stream runs over."""
     if not isinstance(rows, torch.Tensor):
         if not len(rows):
             return bytes(8)  # one empty row: sum 0
         rows = torch.frombuffer(bytearray(rows), dtype=torch.uint8).view(1, -1)
-    b = rows.reshape(len(rows), -1).contiguous().view(torch.uint8)
-    if b.numel() == 0:
-        return bytes(8 * len(b))
-    size, word = next((n, t) for n, t in _WORDS if b.shape[1] % n == 0)
-    if b.storage_offset() % size or b.data_ptr() % size:
-        b = b.clone()  # a view at an odd offset: word loads need alignment
-    # on the rows' device (a GPU sums VRAM rows there), then one copy of the [rows] sums to the host
-    return b.view(word).sum(1, dtype=torch.int64).cpu().numpy().tobytes()
+    return sums_digest(row_sums(rows))
+
+
+def sums_digest(sums: torch.Tensor) -> bytes:
+    """Row sums already taken ([n] int64, any device; a pool's, engine/kv_cache.py) as those bytes."""
+    return sums.cpu().numpy().tobytes()

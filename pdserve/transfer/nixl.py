@@ -19,7 +19,11 @@ machines (prefill_room.py, decode_room.py) run unchanged over either backend.
                   [agent, generation, metadata, region address, region size, None].
     prefill rank  one agent; one send STAGING buffer and its KV pool, registered once. Per decode
                   rank it sends its transfers (plan order, rows in run order) in chunks of at most
-                  CHUNK_BYTES, ONE WRITE per (sender, receiver) pair per chunk, waiting for each.
+                  CHUNK_BYTES, ONE WRITE per (sender, receiver) pair per chunk, each posted as soon
+                  as it is laid out, every one waited for before the send returns (so chunks may
+                  land in any order: each carries its offset, by which the receiver orders their
+                  checksum, RoomChecksum). Rows sent from the pool are checksummed from the sums
+                  the pool took as it stored them (KVPool sums=True), not read again.
                   A chunk's rows that lie in consecutive pool rows (KVPool.span: a copied index's
                   rows; a DCP rank's latent rows when the pool is residue-major by C_d) go straight
                   from the pool, one descriptor per run; other rows are packed into staging first
@@ -31,7 +35,8 @@ machines (prefill_room.py, decode_room.py) run unchanged over either backend.
     completion    by notification. No progress thread (docs/nixl.md: it busy-spins a core): the
                   receiver thread polls get_new_notifs, sleeping BUSY_POLL_S between empty polls
                   while a room is open and IDLE_POLL_S otherwise; the sender polls check_xfer_state
-                  with SEND_POLL_S sleeps until DONE, an error or its deadline (then it cancels).
+                  of every WRITE it posted, with SEND_POLL_S sleeps, until each is DONE, failed or
+                  past its deadline (then cancelled); packed staging is reused only after that.
 
 A notification is authentic only with a valid HMAC trailer under the cluster frame key
 (frames.seal_notif; dropped and counted otherwise, before it is decoded), and its header must be
@@ -358,9 +363,12 @@ class NixlReceiver:
 
 
 def _items(h: dict):
-    """Each (layer, kind, width, runs) of a notification as the item dict the frame checks take."""
-    for layer, kind, width, runs in h["items"]:
+    """Each (layer, kind, width, runs) of a notification as the item dict the frame checks take;
+    its order is the chunk's byte offset, then the item's place in the chunk (chunks WRITTEN
+    together may land in any order)."""
+    for i, (layer, kind, width, runs) in enumerate(h["items"]):
         yield {
+            "order": (h["offset"], i),
             "src_rank": h["src_rank"],
             "dtype": h["dtype"],
             "layer": layer,

@@ -5,12 +5,13 @@ in transfer/nixl.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import msgpack
 import torch
 
-from .base import RoomChecksum
+from .base import RoomChecksum, sums_digest
 from .frames import DEV_FRAME_KEY, seal_notif
 from .nixl_agent import NixlEndpoint, agent_name, make_agent, mem_type
 from .plan import Run, Transfer
@@ -18,7 +19,9 @@ from .rank_commands import SendCmd
 from .tcp import pack_rows
 
 SEND_POLL_S = 0.0001
-CHUNK_BYTES = 8 << 20  # per WRITE: small enough that receivers store while senders still pack
+CHUNK_BYTES = (
+    32 << 20
+)  # per WRITE; all of a send's WRITEs are in flight together (fewer, larger ones cost less CPU)
 DIRECT_RUN_BYTES = 16 << 10  # runs this long on average are WRITTEN from the pool (one descriptor each)
 
 
@@ -88,6 +91,18 @@ def slice_runs(runs: tuple[Run, ...], start: int, n: int) -> list[Run]:
     return out
 
 
+@dataclasses.dataclass
+class _Posted:
+    """One WRITE in flight: its handle, where it goes, when it is given up."""
+
+    h: object
+    agent: str
+    dst: int
+    deadline: float
+    timeout_ms: int
+    state: str = "PROC"
+
+
 class NixlSender:
     """One per prefill rank: WRITEs its share of a plan, from its pool or packed into staging."""
 
@@ -118,6 +133,8 @@ class NixlSender:
         self.staging_used = 0
         self.reloads = 0  # peers replaced by a newer generation
         self.bytes_direct = self.bytes_packed = 0  # sent straight from the pool / packed into staging first
+        self.inflight: list[_Posted] = []  # WRITEs posted and not yet settled
+        self.failure: str | None = None  # the first WRITE of this send that failed
 
     def status(self) -> dict:
         return {
@@ -138,7 +155,8 @@ class NixlSender:
 
     @torch.inference_mode()
     def send(self, cmd: SendCmd) -> dict:
-        """{"sums": {dst_rank: checksum streams}, "error": None or why}, like TcpSender.send. Returns
+        """{"sums": {dst_rank: checksum streams}, "error": None or why}, like TcpSender.send. Every
+        WRITE is posted as soon as its chunk is laid out (none waits for the one before); returns
         only when every WRITE it posted is DONE or cancelled; a failed destination fails the room only."""
         mine = [t for t in cmd.plan if t.src_rank == self.rank]
         sums: dict[int, RoomChecksum] = {}
@@ -147,13 +165,18 @@ class NixlSender:
         dsts = (
             dsts[self.rank % len(dsts) :] + dsts[: self.rank % len(dsts)] if dsts else []
         )  # ranks start apart
+        err, self.failure = None, None
         try:
             for dst in dsts:
-                err = self._send_to(cmd, dst, [t for t in mine if t.dst_rank == dst], sums, corrupt)
-                if err:
-                    return {"sums": {}, "error": f"decode rank {dst}: {err}"}
+                if err := self._send_to(cmd, dst, [t for t in mine if t.dst_rank == dst], sums, corrupt):
+                    err = self.failure or f"decode rank {dst}: {err}"
+                    break
         finally:
+            self._settle()
+            err = self.failure or err  # a WRITE that failed, else the error that stopped posting
             self.staging_used = 0
+        if err:
+            return {"sums": {}, "error": err}
         return {"sums": {dst: dict(c.streams) for dst, c in sums.items()}, "error": None}
 
     def _send_to(
@@ -176,18 +199,23 @@ class NixlSender:
         except ValueError as e:
             return str(e)
         checksum = sums.setdefault(dst, RoomChecksum())
-        pos, spos, items, pieces = 0, 0, [], []  # chunk bytes, staging bytes, headers, local [addr, bytes]
+        pos, items, pieces = 0, [], []  # chunk bytes, headers, local [addr, bytes]
         remote: list | None = [] if dest else None  # pool destinations: remote [addr, bytes] per run
         for t in transfers:
             rb, done = self._row_bytes(t.kind), 0
             while done < t.rows:
+                if pos == 0 and self.staging_used + self.chunk_bytes > self.staging.numel():
+                    # a chunk packs at most chunk_bytes: the staging is reused once its WRITEs are done
+                    if not self._settle():
+                        return "a WRITE failed"
+                    self.staging_used = 0
                 n = min(t.rows - done, (self.chunk_bytes - pos) // rb)
                 if n == 0:
                     if not items:
                         return f"send chunks of {self.chunk_bytes} bytes hold no row of {rb} bytes"
-                    if err := self._write(cmd, ep, offset, pos, items, pieces, remote):
+                    if err := self._write(cmd, ep, dst, offset, pos, items, pieces, remote):
                         return err
-                    offset, pos, spos, items, pieces = offset + pos, 0, 0, [], []
+                    offset, pos, items, pieces = offset + pos, 0, [], []
                     remote = [] if dest else None
                     continue
                 runs = slice_runs(t.runs, done, n)
@@ -200,18 +228,20 @@ class NixlSender:
                     else None
                 )
                 if views is None or any(v is None for v in views):  # pack into staging
+                    spos = self.staging_used
                     rows = self.staging[spos : spos + n * rb].view(self.pool.dtype).view(n, -1)
                     pack_rows(self.pool, t.kind, t.layer, runs, rows)
-                    views, spos = [rows], spos + n * rb
+                    checksum.update(self.rank, t.layer, t.kind, rows)
+                    if corrupt[0]:
+                        self.staging[spos] ^= 0x01  # after checksumming: as if flipped in flight
+                        corrupt[0] = False
+                    views, self.staging_used = [rows], spos + n * rb
                     self.bytes_packed += n * rb
                 else:
+                    self._checksum_span(checksum, t, runs, views)
                     self.bytes_direct += n * rb
                 for rows in views:
-                    checksum.update(self.rank, t.layer, t.kind, rows)
                     _add_piece(pieces, rows.data_ptr(), rows.numel() * rows.element_size())
-                if corrupt[0]:
-                    self.staging[spos - n * rb] ^= 0x01  # after checksumming: as if flipped in flight
-                    corrupt[0] = False
                 items.append([t.layer, t.kind, views[0].shape[1], [[r.dst, r.length] for r in runs]])
                 if dest:
                     try:
@@ -220,8 +250,17 @@ class NixlSender:
                     except ValueError as e:
                         return str(e)
                 pos, done = pos + n * rb, done + n
-                self.staging_used = spos
-        return self._write(cmd, ep, offset, pos, items, pieces, remote) if items else None
+        return self._write(cmd, ep, dst, offset, pos, items, pieces, remote) if items else None
+
+    def _checksum_span(self, checksum: RoomChecksum, t: Transfer, runs: list[Run], views: list) -> None:
+        """Checksums rows sent from where they lie in the pool: from the sums the pool took as it
+        stored them (KVPool sums=True), else by reading the rows."""
+        for r, rows in zip(runs, views):
+            kept = self.pool.span_sums(t.kind, t.layer, r.src, r.length, r.step)
+            if kept is None:
+                checksum.update(self.rank, t.layer, t.kind, rows)
+            else:
+                checksum.update_digest(self.rank, t.layer, t.kind, sums_digest(kept))
 
     def _load_peer(self, ep: NixlEndpoint) -> str | None:
         known = self.peers.get(ep.agent)
@@ -254,15 +293,16 @@ class NixlSender:
         self,
         cmd: SendCmd,
         ep: NixlEndpoint,
+        dst: int,
         offset: int,
         nbytes: int,
         items: list,
         pieces: list,
         remote: list | None = None,
     ) -> str | None:
-        """One WRITE of the local pieces (staging or pool, nbytes in all) to the region's bytes
+        """Posts one WRITE of the local pieces (staging or pool, nbytes in all) to the region's bytes
         [offset, offset + nbytes) -- or, with `remote`, to those pieces of the decode pool -- its
-        header as notification; waits."""
+        header as notification; `_settle` waits for it."""
         notif = seal_notif(
             self.key,
             msgpack.packb(
@@ -278,37 +318,57 @@ class NixlSender:
             ),
         )
         deadline = time.monotonic() + cmd.send_timeout_ms / 1000
-        h, err = None, None
         try:
             if remote is None:
                 remote = [[ep.addr + offset, nbytes]]  # the region: contiguous
-            src, dst = _pair(pieces, remote, self.staging.device.index or 0, ep.dev)
+            src, dst_descs = _pair(pieces, remote, self.staging.device.index or 0, ep.dev)
             if self.staging.is_cuda:  # the packing kernels must have finished before NIXL reads
                 torch.cuda.current_stream(self.staging.device).synchronize()
             h = self.agent.initialize_xfer(
                 "WRITE",
                 self.agent.get_xfer_descs(src, self.mem),
-                self.agent.get_xfer_descs(dst, ep.mem),
+                self.agent.get_xfer_descs(dst_descs, ep.mem),
                 ep.agent,
                 notif,
             )
-            self.handles += 1
-            state = self.agent.transfer(h)
-            while state == "PROC":
-                if time.monotonic() > deadline:
-                    state = f"not done within {cmd.send_timeout_ms} ms (cancelled)"
-                    break
-                time.sleep(SEND_POLL_S)
-                state = self.agent.check_xfer_state(h)
-            err = None if state == "DONE" else f"WRITE to {ep.agent} {state}"
         except Exception as e:
-            err = f"WRITE to {ep.agent} failed: {type(e).__name__}: {e}"
-        finally:
-            if h is not None:
-                self._release(h)
-        if err:
             self._forget_peer(ep.agent)  # dead or stuck: the next reservation loads it afresh
-        return err
+            return f"WRITE to {ep.agent} failed: {type(e).__name__}: {e}"
+        self.handles += 1
+        self.inflight.append(_Posted(h, ep.agent, dst, deadline, cmd.send_timeout_ms))
+        try:
+            state = self.agent.transfer(h)
+        except Exception as e:
+            state = f"failed: {type(e).__name__}: {e}"
+        self.inflight[-1].state = state
+        return None
+
+    def _settle(self) -> bool:
+        """Waits until every posted WRITE is DONE, failed or past its deadline (then cancelled) and
+        releases each; False when one failed (the first failure is kept in self.failure as the
+        room's error, its peer forgotten)."""
+        failed, pending = set(), self.inflight
+        while pending:
+            waiting = []
+            for w in pending:
+                if w.state == "PROC":
+                    w.state = self._state(w.h)
+                if w.state == "PROC" and time.monotonic() <= w.deadline:
+                    waiting.append(w)
+                    continue
+                if w.state == "PROC":
+                    w.state = f"not done within {w.timeout_ms} ms (cancelled)"
+                if w.state != "DONE":
+                    self.failure = self.failure or f"decode rank {w.dst}: WRITE to {w.agent} {w.state}"
+                    failed.add(w.agent)
+                self._release(w.h)
+            pending = waiting
+            if pending:
+                time.sleep(SEND_POLL_S)
+        self.inflight = []
+        for agent in failed:
+            self._forget_peer(agent)  # dead or stuck: the next reservation loads it afresh
+        return not failed
 
     def _release(self, h) -> None:
         """Releases (cancels, when in flight) a handle; one NIXL cannot cancel is waited out for 1 s."""

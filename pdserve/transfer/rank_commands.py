@@ -156,8 +156,8 @@ def merge_checksums(replies: list[dict]) -> dict[int, int]:
     errors = [f"prefill rank {rank}: {r['error']}" for rank, r in enumerate(replies) if r["error"]]
     if errors:
         raise SendError("; ".join(errors))
-    merged: dict[int, RoomChecksum] = {}
+    merged: dict[int, dict] = {}
     for reply in replies:
         for dst, streams in reply["sums"].items():
-            merged.setdefault(dst, RoomChecksum()).streams.update(streams)
-    return {dst: c.value() for dst, c in merged.items()}
+            merged.setdefault(dst, {}).update(streams)
+    return {dst: RoomChecksum(streams).value() for dst, streams in merged.items()}

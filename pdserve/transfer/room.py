@@ -232,8 +232,9 @@ def store_rows(pool, r: RoomRows, h: dict, data: torch.Tensor) -> None:
 
 
 def count_rows(r: RoomRows, h: dict, parts: list[torch.Tensor]) -> None:
-    """Counts a checked frame's stored rows and checksums them (parts: [rows, width], in run order)."""
+    """Counts a checked frame's stored rows and checksums them (parts: [rows, width], in run order;
+    h["order"], where given, is the frame's place in its sender's sequence: RoomChecksum)."""
     key = _count_key(r, h["src_rank"])
     for rows in parts:
         r.received[key] = r.received.get(key, 0) + len(rows)
-        r.checksum.update(h["src_rank"], h["layer"], h["kind"], rows)
+        r.checksum.update(h["src_rank"], h["layer"], h["kind"], rows, h.get("order", ()))

@@ -169,3 +169,47 @@ def test_a_residue_major_pool_stores_the_same_slots(residues):
     assert (
         major.span("kv", 0, 38, 2, residues) is None and major.span("kv", 0, -1, 1, residues) is None
     )  # out of range
+
+
+@pytest.mark.parametrize("residues", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_a_pool_with_sums_keeps_each_stored_rows_sum(residues, dtype):
+    """sums=True: after writes by rows and by slice and copies between slots, every row's kept sum is
+    the sum of the row as stored now (and of an untouched row, 0); span_sums names the same rows as
+    span. Sums cost 8 bytes per row, counted in nbytes."""
+    from pdserve.engine.row_sums import row_sums
+
+    cfg = tiny()
+    pool = KVPool(cfg, 40, dtype, residues=residues, sums=True)
+    g = torch.Generator().manual_seed(7)
+    slots = torch.randperm(40, generator=g)[:25]
+    idx_layer = cfg.indexer_layers[0]
+    for layer in range(cfg.num_layers):
+        kv = torch.randn(25, cfg.kv_entry_dim, generator=g, dtype=torch.float64)
+        idx = torch.randn(25, cfg.index_head_dim, generator=g, dtype=torch.float64)
+        pool.write(layer, slots, kv, idx if cfg.has_indexer(layer) else None)
+        pool.write_kv(layer, slice(3, 9), kv[:6] * 2)
+        pool.copy_kv(layer, torch.tensor([3, 4]), torch.tensor([30, 31]))
+    pool.copy_index(idx_layer, slots[:2], torch.tensor([38, 39]))
+    every = torch.arange(40)
+    for layer in range(cfg.num_layers):
+        rows = pool.kv[pool.kv_row[layer]]
+        assert torch.equal(pool.kv_sums[pool.kv_row[layer]], row_sums(rows))
+        assert rows.abs().sum() > 0  # the rows were written, so equal sums are not all zeros
+        want = row_sums(pool.read_kv(layer, every).to(dtype))
+        for start, step in ((1, residues), (6, residues)):
+            n = 5
+            span, kept = pool.span("kv", layer, start, n, step), pool.span_sums("kv", layer, start, n, step)
+            assert torch.equal(kept, row_sums(span))
+            assert torch.equal(kept, want[start : start + n * step : step])
+    index = pool.index_k[pool.index_row[idx_layer]]
+    assert torch.equal(pool.index_sums[pool.index_row[idx_layer]], row_sums(index))
+    assert torch.equal(pool.span_sums("index", idx_layer, 36, 4, 1), row_sums(index[36:40]))
+    assert pool.span_sums("kv", 0, 5, 4, residues + 1) is None  # no span, no sums
+    plain = KVPool(cfg, 40, dtype, residues=residues)
+    assert plain.kv_sums is None and plain.span_sums("kv", 0, 0, 1, 1) is None
+    assert pool.nbytes == plain.nbytes + 8 * (
+        pool.kv.shape[0] * pool.kv.shape[1] + 40 * len(cfg.indexer_layers)
+    )
+    fp8 = KVPool(cfg, 40, torch.bfloat16, kv_cache_dtype="fp8_e4m3", sums=True)
+    assert fp8.kv_sums is None and fp8.index_sums is None  # fp8 rows travel dequantized and packed

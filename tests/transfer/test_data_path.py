@@ -170,3 +170,87 @@ def test_rows_arrive_exactly_and_the_checksums_agree(model_path, backend, kind, 
         for r in ranks:
             recv[r].close()
         sender.close()
+
+
+# ---- chunks out of order; rows checksummed from the pool's kept sums ---------------------------------------
+def test_payloads_given_their_order_count_in_it_whatever_order_they_come():
+    """A NIXL receiver checksums chunks as they land, which may not be the sent order: with each
+    chunk's place given, the value is the sender's; without it, the order they came in counts."""
+    rows = torch.randn(12, 16, generator=torch.Generator().manual_seed(5))
+    parts = [rows[:3], rows[3:4], rows[4:9], rows[9:]]
+    sent = checksum(*parts)
+    landed = RoomChecksum()
+    for i in (2, 0, 3, 1):
+        landed.update(0, 3, "kv", parts[i], (i * 100, 0))
+    assert landed.value() == sent
+    unordered = RoomChecksum()
+    for i in (2, 0, 3, 1):
+        unordered.update(0, 3, "kv", parts[i])
+    assert unordered.value() != sent
+    same_place = RoomChecksum()  # items of one chunk share its offset: they count in the order given
+    same_place.update(0, 3, "kv", rows[:6], (0, 0))
+    same_place.update(0, 3, "kv", rows[6:], (0, 1))
+    assert same_place.value() == sent
+    assert RoomChecksum(landed.streams).value() == sent  # a reply's streams, merged
+
+
+def _one_nixl_room(cfg, src, plan, decode, name: str) -> tuple[dict, dict, dict]:
+    """Sends `plan` from `src` into fresh decode pools over NIXL (several chunks in flight):
+    (the sender's reply, each decode rank's final status, the decode pools)."""
+    ranks = range(decode.tp_size)
+    dst = {r: KVPool(cfg, 400, src.dtype) for r in ranks}
+    recv = {r: NixlReceiver(r, lambda r=r: dst[r], name=f"{name}-d{r}") for r in ranks}
+    sender = NixlSender(0, src, chunk_bytes=16 << 10, name=f"{name}-p")
+    try:
+        rows = {r: {} for r in ranks}
+        for t in plan:
+            rows[t.dst_rank][t.kind] = rows[t.dst_rank].get(t.kind, 0) + t.rows
+        ticket = new_ticket()
+        slots = RoomSlots.of(decode.pages, decode.page_size, decode.dcp_size, decode.index_mode)
+        endpoints = {r: recv[r].handle(StageCmd("room", ticket, rows))["endpoint"] for r in ranks}
+        for r in ranks:
+            recv[r].handle(ExpectCmd("room", ticket, {r: {0: sum(rows[r].values())}}, slots))
+        reply = sender.send(SendCmd("room", ticket, plan, endpoints))
+        assert reply["error"] is None, reply
+        assert sender.status()["bytes_packed"] == 0  # every row went straight from the pool
+        deadline = time.monotonic() + 10
+        while not all(recv[r].handle(TransferStatusCmd("room"))["complete"] for r in ranks):
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        return reply, {r: recv[r].handle(TransferStatusCmd("room")) for r in ranks}, dst
+    finally:
+        for r in ranks:
+            recv[r].close()
+        sender.close()
+
+
+def test_rows_sent_from_a_pool_with_sums_are_checksummed_from_them(model_path):
+    """A prefill pool's kept sums stand for its rows: sent from it in chunks WRITTEN together, the
+    rows arrive exactly and the checksums agree; a stored row changed behind the pool's back (not
+    through a write) no longer matches its sum, and the receiver's checksum catches it."""
+    cfg = ModelConfig.from_pretrained(model_path)
+    src = KVPool(cfg, 400, torch.float64, residues=2, sums=True)
+    g = torch.Generator().manual_seed(8)
+    stored = torch.arange(40, 340)
+    for layer in range(cfg.num_layers):
+        idx = torch.randn(300, cfg.index_head_dim, generator=g, dtype=torch.float64)
+        src.write(
+            layer,
+            stored,
+            torch.randn(300, cfg.kv_entry_dim, generator=g, dtype=torch.float64),
+            idx if cfg.has_indexer(layer) else None,
+        )
+    prefill, decode = layout(cfg, "dcp2")
+    plan = plan_transfer(prefill, decode, 300)
+    reply, status, dst = _one_nixl_room(cfg, src, plan, decode, "test-sums")
+    sums = merge_checksums([reply])
+    assert all(status[r]["error"] is None and status[r]["checksum"] == sums[r] for r in status)
+    for t in plan:
+        if t.kind == "kv":
+            for run in t.runs:
+                got = dst[t.dst_rank].read_kv(t.layer, torch.arange(run.dst, run.dst + run.length))
+                assert torch.equal(got, src.read_kv(t.layer, torch.tensor(list(run.src_rows()))))
+    src.kv[0, src.kv_row_ids(torch.tensor(100)), 3] += 1.0  # slot 100 at rest, not through write_kv
+    reply, status, _ = _one_nixl_room(cfg, src, plan, decode, "test-sums-stale")
+    sums = merge_checksums([reply])
+    assert [status[r]["checksum"] == sums[r] for r in sorted(status)].count(False) == 1
