@@ -1,7 +1,8 @@
 """bench/transfer.py (b): the per-byte work a hand-off adds to its WRITEs, each timed alone in one
 process on one thread: packing one decode rank's rows into a contiguous buffer (when they are not
-contiguous in the pool) and the checksum a hand-off takes over every byte on the sender and again
-on the receiver (docs/design.md invariant 8), which raw WRITEs skip. bench/ is on sys.path when a
+contiguous in the pool) and the checksum a hand-off takes over every byte (docs/design.md invariant
+8), which raw WRITEs skip: the receiver reads every byte for it; a NIXL sender sending from its
+pool reads the sums the pool took as it stored the rows, a TCP sender reads the rows again. bench/ is on sys.path when a
 script runs."""
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def checksum_cost(model: str, tokens: int, repeats: int) -> dict:
     med, nbytes = statistics.median(times), sum(r.numel() * r.element_size() for r in rows)
     print(
         f"checksum: {nbytes / MB:.1f} MB of one decode rank's rows (not in cache) in {1000 * med:.1f} ms "
-        f"median ({nbytes / med / 1e9:.2f} GB/s); a hand-off checksums all ranks' rows twice",
+        f"median ({nbytes / med / 1e9:.2f} GB/s); a hand-off's receivers read all ranks' rows once for it (its senders use the sums their pools kept)",
         flush=True,
     )
     return {
