@@ -19,9 +19,8 @@ from .rank_commands import SendCmd
 from .tcp import pack_rows
 
 SEND_POLL_S = 0.0001
-CHUNK_BYTES = (
-    32 << 20
-)  # per WRITE; all of a send's WRITEs are in flight together (fewer, larger ones cost less CPU)
+# per WRITE; a send's WRITEs are in flight together, and fewer, larger ones cost less CPU
+CHUNK_BYTES = 32 << 20
 DIRECT_RUN_BYTES = 16 << 10  # runs this long on average are WRITTEN from the pool (one descriptor each)
 
 
@@ -341,7 +340,7 @@ class NixlSender:
         except Exception as e:
             state = f"failed: {type(e).__name__}: {e}"
         self.inflight[-1].state = state
-        return None
+        return None if state in ("PROC", "DONE") else f"WRITE to {ep.agent} {state}"  # stop posting
 
     def _settle(self) -> bool:
         """Waits until every posted WRITE is DONE, failed or past its deadline (then cancelled) and
