@@ -177,7 +177,8 @@ class KVPool:
 
     def copy_kv(self, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Latent rows src -> dst as stored (no dequantizing): choices that share one prompt."""
-        row, table = self.kv_row[layer], self.kv[self.kv_row[layer]]
+        row = self.kv_row[layer]
+        table = self.kv[row]
         src, dst = self._kv_rows(_on(src, table)), self._kv_rows(_on(dst, table))
         table[dst] = table[src]
         if self.kv_sums is not None:
