@@ -1,12 +1,21 @@
-"""bench/transfer.py's ceiling for the hand-off: raw NIXL WRITEs over the same pairs as the hand-off.
+"""bench/transfer.py's ceilings for the hand-off: raw NIXL WRITEs over the pairs the hand-off uses.
 
-A hand-off from C_p prefill ranks into C_d decode ranks is C_p x C_d concurrent sender -> receiver
-pairs (every prefill rank holds some rows of every decode rank). Its fair ceiling is therefore not
-one raw pair but the same pairs at once: C_p sender processes, each WRITEing bytes / (C_p x C_d) into
-each of C_d receiver processes, all posted together; timed from a common start until every receiver
-has seen every notification; every side polls with 0.2 ms sleeps, as the hand-off's loops do (4
-processes spinning on 2 cores starve each other). Nothing is packed, checksummed or stored: this is what the transport
-gives these processes on this machine (bench/ is on sys.path when a script runs)."""
+A hand-off from C_p prefill ranks into C_d decode ranks moves, over each (prefill rank, decode rank)
+pair its plan uses, that pair's bytes; all pairs at once. Its fair ceiling is therefore not one raw
+pair but the same pairs at once, each WRITEing the same bytes: `RawPairs` keeps one sender process
+per prefill rank and one receiver process per decode rank, and each `round` posts every pair's
+WRITE together from a common start, timed until every receiver has seen every notification. Every
+side polls with 0.2 ms sleeps, as the hand-off's loops do (4 processes spinning on 2 cores starve
+each other). Nothing is packed, stored or checksummed: this is what the transport gives these
+processes on this machine.
+
+`round(verify=True)` adds the one thing a hand-off must do that a raw WRITE does not (invariant 8,
+docs/design.md): each receiver reads every byte that landed once, taking its row sums
+(engine/row_sums.py, the hand-off's checksum) as each sender's WRITE is notified. That is the floor
+of any verified transfer over this transport here, measured rather than estimated.
+
+The processes live across rounds, so `Interleaved` runs their rounds between the hand-off's
+(bench/transfer.py; bench/ is on sys.path when a script runs)."""
 
 from __future__ import annotations
 
@@ -15,11 +24,13 @@ import statistics
 import time
 
 import torch
+from common import cpu_seconds
 
 POLL_S = 0.0002  # the hand-off's own status polls sleep too
 
 
-def _receiver(conn, idx: int, nbytes: int) -> None:
+def _receiver(conn, idx: int, nbytes: int, row_bytes: int) -> None:
+    from pdserve.engine.row_sums import row_sums
     from pdserve.transfer.nixl_agent import make_agent
 
     torch.set_num_threads(1)
@@ -33,23 +44,31 @@ def _receiver(conn, idx: int, nbytes: int) -> None:
             agent.deregister_memory(reg)
             conn.send("bye")
             return
-        pending = set(cmd[1])  # (sender agent name, tag)
+        _, pending, verify = cmd  # pending: {(sender agent name, tag): (offset, bytes)}
+        pending = {tuple(k): v for k, v in pending}
         conn.send("ready")
+        total = 0  # verify: the sum of every landed row's sum (what the read saw)
         while pending:  # polls with short sleeps: 4 spinning processes would starve each other on 2 cores
-            pending = {(s, t) for s, t in pending if not agent.check_remote_xfer_done(s, t)}
+            for key in [k for k in pending if agent.check_remote_xfer_done(*k)]:
+                off, n = pending.pop(key)
+                if verify:  # read what landed once, as a hand-off's receiver checksums its rows
+                    rows = n // row_bytes
+                    total += int(row_sums(buf[off : off + rows * row_bytes].view(rows, row_bytes)).sum())
             if pending:
                 time.sleep(POLL_S)
-        conn.send(time.perf_counter())
+        conn.send((time.perf_counter(), total if verify else None))
 
 
-def _sender(conn, idx: int, chunk: int, receivers: list[dict]) -> None:
+def _sender(conn, idx: int, targets: list[tuple[int, int, int]], receivers: list[dict]) -> None:
+    """targets: (receiver, offset in its buffer, bytes) of each pair this sender WRITEs."""
     from pdserve.transfer.nixl_agent import make_agent
 
     torch.set_num_threads(1)
-    src = (torch.arange(chunk * len(receivers), dtype=torch.int64) % 251).to(torch.uint8)
+    total = sum(n for _, _, n in targets)
+    src = (torch.arange(max(total, 1), dtype=torch.int64) % 251).to(torch.uint8)
     agent = make_agent(f"raw-send-{idx}")
     reg = agent.register_memory(src)
-    peers = [agent.add_remote_agent(r["md"]) for r in receivers]
+    peers = {d: agent.add_remote_agent(receivers[d]["md"]) for d, _, _ in targets}
     conn.send("ready")
     while True:
         cmd = conn.recv()
@@ -58,18 +77,20 @@ def _sender(conn, idx: int, chunk: int, receivers: list[dict]) -> None:
             conn.send("bye")
             return
         _, tag, start = cmd
-        handles = [
-            agent.initialize_xfer(
-                "WRITE",
-                agent.get_xfer_descs([(src.data_ptr() + d * chunk, chunk, 0)], "DRAM"),
-                agent.get_xfer_descs([(r["addr"] + idx * chunk, chunk, 0)], "DRAM"),
-                peer,
-                tag,
+        handles, pos = [], 0
+        for d, off, n in targets:
+            handles.append(
+                agent.initialize_xfer(
+                    "WRITE",
+                    agent.get_xfer_descs([(src.data_ptr() + pos, n, 0)], "DRAM"),
+                    agent.get_xfer_descs([(receivers[d]["addr"] + off, n, 0)], "DRAM"),
+                    peers[d],
+                    tag,
+                )
             )
-            for d, (r, peer) in enumerate(zip(receivers, peers))
-        ]
+            pos += n
         while time.perf_counter() < start:
-            pass
+            time.sleep(POLL_S)
         states = [agent.transfer(h) for h in handles]
         while any(s == "PROC" for s in states):
             time.sleep(POLL_S)
@@ -79,54 +100,118 @@ def _sender(conn, idx: int, chunk: int, receivers: list[dict]) -> None:
         conn.send(states)
 
 
-def aggregate_nixl(senders: int, receivers: int, total_bytes: int, repeats: int) -> dict:
-    """GB/s of total_bytes split over senders x receivers concurrent raw WRITEs; median of repeats."""
-    ctx = mp.get_context("spawn")
-    chunk = -(-total_bytes // (senders * receivers))
-    rpipes, spipes, procs = [], [], []
-    for i in range(receivers):
-        a, b = ctx.Pipe()
-        p = ctx.Process(target=_receiver, args=(b, i, chunk * senders), daemon=True)
-        p.start()
-        rpipes.append(a)
-        procs.append(p)
-    infos = [a.recv() for a in rpipes]
-    for i in range(senders):
-        a, b = ctx.Pipe()
-        p = ctx.Process(target=_sender, args=(b, i, chunk, infos), daemon=True)
-        p.start()
-        spipes.append(a)
-        procs.append(p)
-    for a in spipes:
-        a.recv()
-    times = []
-    try:
-        for rep in range(repeats + 1):  # the first round warms up the connections
-            tag = f"raw{rep}".encode()
-            for a in rpipes:
-                a.send(("wait", [(f"raw-send-{s}", tag) for s in range(senders)]))
-                a.recv()
-            start = time.perf_counter() + 0.05
-            for a in spipes:
-                a.send(("go", tag, start))
-            states = [a.recv() for a in spipes]
-            if any(s != "DONE" for st in states for s in st):
-                raise RuntimeError(f"raw NIXL WRITE ended {states}")
-            done = max(a.recv() for a in rpipes)
-            if rep:
-                times.append(done - start)
-    finally:
-        for a in rpipes + spipes:
+class RawPairs:
+    """Sender and receiver processes for raw WRITEs of pair_bytes[(sender, receiver)] bytes each."""
+
+    def __init__(self, pair_bytes: dict[tuple[int, int], int], row_bytes: int):
+        ctx = mp.get_context("spawn")
+        self.pairs = {k: v for k, v in sorted(pair_bytes.items()) if v > 0}
+        senders = sorted({s for s, _ in self.pairs})
+        receivers = sorted({d for _, d in self.pairs})
+        offsets, size = {}, dict.fromkeys(receivers, 0)
+        for (s, d), n in self.pairs.items():  # senders' bytes lie one after another in a receiver
+            offsets[(s, d)], size[d] = size[d], size[d] + n
+        self.offsets = offsets
+        self.rpipes, self.spipes, self.procs = {}, {}, []
+        for d in receivers:
+            a, b = ctx.Pipe()
+            p = ctx.Process(target=_receiver, args=(b, d, size[d], row_bytes), daemon=True)
+            p.start()
+            self.rpipes[d] = a
+            self.procs.append(p)
+        infos = {d: a.recv() for d, a in self.rpipes.items()}
+        info_list = [infos.get(d) for d in range(max(receivers) + 1)]
+        for s in senders:
+            a, b = ctx.Pipe()
+            targets = [(d, offsets[(s, d)], n) for (s2, d), n in self.pairs.items() if s2 == s]
+            p = ctx.Process(target=_sender, args=(b, s, targets, info_list), daemon=True)
+            p.start()
+            self.spipes[s] = a
+            self.procs.append(p)
+        for a in self.spipes.values():
+            a.recv()
+        self.rounds = 0
+        self.round(False)  # warms up the connections; not timed
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.pairs.values())
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def round(self, verify: bool) -> float:
+        """Seconds from the common start until every receiver saw (and, verify: read) every WRITE;
+        `self.sums` then holds each receiver's sum of the row sums it read (verify) or None."""
+        self.rounds += 1
+        tag = f"raw{self.rounds}".encode()
+        for d, a in self.rpipes.items():
+            waits = [
+                ((f"raw-send-{s}", tag), (self.offsets[(s, d2)], n))
+                for (s, d2), n in self.pairs.items()
+                if d2 == d
+            ]
+            a.send(("wait", waits, verify))
+            a.recv()
+        start = time.perf_counter() + 0.02
+        for a in self.spipes.values():
+            a.send(("go", tag, start))
+        states = [a.recv() for a in self.spipes.values()]
+        if any(s != "DONE" for st in states for s in st):
+            raise RuntimeError(f"raw NIXL WRITE ended {states}")
+        done = {d: a.recv() for d, a in self.rpipes.items()}
+        self.sums = {d: total for d, (_, total) in done.items()}
+        return max(t for t, _ in done.values()) - start
+
+    def close(self) -> None:
+        for a in list(self.rpipes.values()) + list(self.spipes.values()):
             a.send(("quit",))
             a.recv()
-        for p in procs:
+        for p in self.procs:
             p.join(10)
-    med = statistics.median(times)
-    nbytes = chunk * senders * receivers
-    return {
-        "senders": senders,
-        "receivers": receivers,
-        "bytes": nbytes,
-        "seconds": {"min": min(times), "median": med, "max": max(times), "all": times},
-        "GBps_median": nbytes / med / 1e9,
-    }
+
+
+class Interleaved:
+    """The hand-off's ceilings, measured between its rounds (`handoff(between=...)`) so that both
+    sides see the same phase of a noisy VM: after every NIXL hand-off, one raw round and one verified
+    raw round (`RawPairs`) over the pairs the hand-off used, each carrying the bytes it
+    carried, in alternating order. The instances stay up, idle, meanwhile; their CPU over the raw
+    rounds is recorded (it competes with the raw side, never with the hand-off)."""
+
+    def __init__(self):
+        self.raw: RawPairs | None = None
+        self.pair_bytes: dict = {}
+        self.times: dict[str, list[float]] = {"raw": [], "verified": []}
+        self.idle_cpu_s, self.rounds = 0.0, 0
+
+    def __call__(self, pair_bytes: dict, row_bytes: int, pids: list[int]) -> None:
+        if self.raw is None:
+            self.raw, self.pair_bytes = RawPairs(pair_bytes, row_bytes), dict(pair_bytes)
+        if pair_bytes != self.pair_bytes:
+            raise RuntimeError(f"the hand-off's pairs changed: {pair_bytes} vs {self.pair_bytes}")
+        c0 = [cpu_seconds(pid) for pid in pids]
+        order = ("raw", "verified") if self.rounds % 2 == 0 else ("verified", "raw")
+        for kind in order:
+            self.times[kind].append(self.raw.round(kind == "verified"))
+        self.idle_cpu_s += sum(cpu_seconds(pid) - c for pid, c in zip(pids, c0))
+        self.rounds += 1
+
+    def result(self, kind: str) -> dict:
+        times, nbytes = self.times[kind], self.raw.nbytes
+        med = statistics.median(times)
+        return {
+            "pairs": len(self.pair_bytes),
+            "pair_bytes": {f"{s} -> {d}": n for (s, d), n in sorted(self.pair_bytes.items())},
+            "bytes": nbytes,
+            "seconds": {"min": min(times), "median": med, "max": max(times), "all": times},
+            "GBps_median": nbytes / med / 1e9,
+        }
+
+    def instances_cpu_ms(self) -> float:
+        """The idle instances' CPU per pair of raw rounds (ms, all their rank processes)."""
+        return round(1000 * self.idle_cpu_s / max(self.rounds, 1), 1)
+
+    def close(self) -> None:
+        if self.raw is not None:
+            self.raw.close()
