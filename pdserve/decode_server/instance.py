@@ -17,6 +17,7 @@ import torch
 
 from ..engine.launcher import LaunchConfig, RankGroup, RankInstance
 from ..engine.page_allocator import PageAllocator
+from ..engine.pipe_tensors import from_pipe
 from ..engine.radix_cache import RadixCache
 from ..model.config import ModelConfig
 from ..transfer.frames import new_ticket
@@ -96,9 +97,11 @@ class DecodeInstance(RankInstance):
     ) -> torch.Tensor:
         """One decode step over requests with these pages and context lengths; returns logits [B, vocab].
         CommandFailed when a rank raised (the group stays usable); RankError when the group broke."""
-        return self.ranks.call(
-            StepCmd(token_ids, pages, lengths, self.allocator.page_size, tuple(request_ids))
-        )[0]
+        return from_pipe(
+            self.ranks.call(StepCmd(token_ids, pages, lengths, self.allocator.page_size, tuple(request_ids)))[
+                0
+            ]
+        )
 
     def dump(self, slots: list[int]) -> list[dict]:
         return self.ranks.call(DumpCmd(slots))

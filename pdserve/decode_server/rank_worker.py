@@ -20,6 +20,7 @@ from ..engine.faults import check_fault
 from ..engine.kv_cache import KVPool
 from ..engine.launcher import RankWorker
 from ..engine.llm_engine import parse_dtype
+from ..engine.pipe_tensors import to_pipe
 from ..model.weights import load_model
 from ..transfer.backends import check_transfer, make_receiver
 from ..transfer.frames import DEV_FRAME_KEY
@@ -248,7 +249,7 @@ class DecodeRankWorker(RankWorker):
         hidden = self.model(ids, positions, self.backend)  # [B, hidden]
         if self.rank == self.world - 1:  # after every collective: the other ranks still answer
             check_fault(cmd.request_ids)
-        return self.model.compute_logits(hidden).cpu() if self.rank == 0 else None  # through a pipe
+        return to_pipe(self.model.compute_logits(hidden)) if self.rank == 0 else None  # through a pipe
 
     def dump(self, cmd: DumpCmd) -> dict:
         slots = torch.tensor(cmd.slots, dtype=torch.int64, device=self.device)
