@@ -52,8 +52,10 @@ def _receiver(conn, idx: int, nbytes: int, row_bytes: int) -> None:
             for key in [k for k in pending if agent.check_remote_xfer_done(*k)]:
                 off, n = pending.pop(key)
                 if verify:  # read what landed once, as a hand-off's receiver checksums its rows
-                    rows = n // row_bytes
+                    rows, tail = divmod(n, row_bytes)
                     total += int(row_sums(buf[off : off + rows * row_bytes].view(rows, row_bytes)).sum())
+                    if tail:  # index rows are narrower: the bytes after the last whole row, as one row
+                        total += int(row_sums(buf[off + n - tail : off + n].view(1, tail)).sum())
             if pending:
                 time.sleep(POLL_S)
         conn.send((time.perf_counter(), total if verify else None))
@@ -136,10 +138,6 @@ class RawPairs:
     @property
     def nbytes(self) -> int:
         return sum(self.pairs.values())
-
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
 
     def round(self, verify: bool) -> float:
         """Seconds from the common start until every receiver saw (and, verify: read) every WRITE;
