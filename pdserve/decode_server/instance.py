@@ -97,11 +97,8 @@ class DecodeInstance(RankInstance):
     ) -> torch.Tensor:
         """One decode step over requests with these pages and context lengths; returns logits [B, vocab].
         CommandFailed when a rank raised (the group stays usable); RankError when the group broke."""
-        return from_pipe(
-            self.ranks.call(StepCmd(token_ids, pages, lengths, self.allocator.page_size, tuple(request_ids)))[
-                0
-            ]
-        )
+        cmd = StepCmd(token_ids, pages, lengths, self.allocator.page_size, tuple(request_ids))
+        return from_pipe(self.ranks.call(cmd)[0])  # rank 0's logits
 
     def dump(self, slots: list[int]) -> list[dict]:
         return self.ranks.call(DumpCmd(slots))
