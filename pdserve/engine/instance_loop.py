@@ -223,7 +223,7 @@ def serve_instance(
 ) -> None:
     """Starts the ranks, the loop thread, the watchdog and HTTP; returns once drained and stopped.
     cfg: a server config (host, port, shutdown_grace_s); make_app(loop, drain) -> the FastAPI app."""
-    import uvicorn
+    from .http_edge import server_config
 
     install_exit_signals()  # during startup a signal exits through the `finally` below, stopping the ranks
     stop = threading.Event()
@@ -234,13 +234,7 @@ def serve_instance(
         loop.start()
         start_watchdog(instance, loop.role, stop)
         drain = Drain(loop.role, cfg.shutdown_grace_s, loop.busy)
-        config = uvicorn.Config(
-            make_app(loop, drain),
-            host=cfg.host,
-            port=cfg.port,
-            log_level="warning",
-            timeout_graceful_shutdown=5,
-        )
+        config = server_config(make_app(loop, drain), cfg.host, cfg.port, timeout_graceful_shutdown=5)
         DrainingServer(config, drain, on_exit=loop.stop).run()
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not interrupt the shutdown

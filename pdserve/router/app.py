@@ -36,7 +36,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from ..engine.http_edge import install_edge
+from ..engine.http_edge import install_edge, server_config
 from ..model.tokenizer import Tokenizer
 from . import protocol as P
 from . import respond as R
@@ -250,4 +250,7 @@ async def _until_disconnect(request: Request, coro):
 def serve(cfg: RouterConfig) -> None:
     import uvicorn
 
-    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level="warning")
+    server = uvicorn.Server(server_config(create_app(cfg), cfg.host, cfg.port))
+    server.run()
+    if not server.started:  # the port was taken, the lifespan failed: as uvicorn.run does
+        raise SystemExit(3)

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import httpx
 import uvicorn
 
+from pdserve.engine.http_edge import server_config
 from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
 from tests.reference import free_port
@@ -34,7 +35,7 @@ def running_router(cfg: RouterConfig):
     cfg = dataclasses.replace(cfg, internal_token=cfg.internal_token or TEST_TOKEN)
     port = free_port()
     app = create_app(cfg)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(server_config(app, "127.0.0.1", port))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

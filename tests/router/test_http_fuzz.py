@@ -118,7 +118,10 @@ async def _fire(base: str, path: str, valid: dict, seed: int, n: int) -> dict[in
 
         async def one(req):
             async with sem:
-                r = await client.request(**req)
+                try:
+                    r = await client.request(**req)
+                except httpx.TransportError as e:  # no answer at all: name the server and the request
+                    raise AssertionError((base, req["method"], repr(e), req["content"][:300])) from e
             seen[r.status_code] = seen.get(r.status_code, 0) + 1
             assert r.status_code < 500, (r.status_code, r.text[:300], req["content"][:300])
 
