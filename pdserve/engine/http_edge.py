@@ -7,8 +7,6 @@
 - `StrictModel`: the pydantic base of request bodies; non-finite numbers are refused.
 - Bearer authentication (`RequireBearer`): an instance requires the internal token on every path
   but /health and /live; the router, with --api-key, requires the API key on /v1/*.
-- `server_config`: the uvicorn config of every server, which keeps an idle connection open longer
-  (KEEP_ALIVE_S) than any client of it does (httpx: 5 s; load balancers: 60 s).
 """
 
 from __future__ import annotations
@@ -31,19 +29,7 @@ from .watchdog import add_health_route
 log = logging.getLogger("pdserve.http")
 
 DEFAULT_MAX_BODY_BYTES = 16 << 20
-# A server that closes an idle connection as a client reuses it fails that request with no answer
-# (the client reads EOF). uvicorn's 5 s default equals httpx's keep-alive expiry (the router's client
-# of the instances), so a busy router lost a request now and then; a server must outlast its clients.
-KEEP_ALIVE_S = 75
 REQUEST_ID = r"^[A-Za-z0-9._:-]{1,128}$"  # request ids and rooms: no paths, spaces or control characters
-
-
-def server_config(app, host: str, port: int, **options):
-    """The uvicorn config of a pdserve server (router or instance): KEEP_ALIVE_S, warnings only."""
-    import uvicorn
-
-    options = {"log_level": "warning", "timeout_keep_alive": KEEP_ALIVE_S, **options}
-    return uvicorn.Config(app, host=host, port=port, **options)
 
 
 class StrictModel(BaseModel):

@@ -26,6 +26,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from .drain import Drain, DrainingServer, install_exit_signals
+from .http_server import server_config
 from .watchdog import start_watchdog
 
 IDLE_WAIT_S = 0.1  # how long an idle loop thread blocks on the command queue before re-checking stop
@@ -223,8 +224,6 @@ def serve_instance(
 ) -> None:
     """Starts the ranks, the loop thread, the watchdog and HTTP; returns once drained and stopped.
     cfg: a server config (host, port, shutdown_grace_s); make_app(loop, drain) -> the FastAPI app."""
-    from .http_edge import server_config
-
     install_exit_signals()  # during startup a signal exits through the `finally` below, stopping the ranks
     stop = threading.Event()
     loop: InstanceLoop | None = None

@@ -36,7 +36,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from ..engine.http_edge import install_edge, server_config
+from ..engine.http_edge import install_edge
+from ..engine.http_server import server_config
 from ..model.tokenizer import Tokenizer
 from . import protocol as P
 from . import respond as R

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import httpx
 import uvicorn
 
-from pdserve.engine.http_edge import server_config
+from pdserve.engine.http_server import server_config
 from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
 from tests.reference import free_port

@@ -19,6 +19,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
+from pdserve.engine.http_server import server_config
 from tests.reference import free_port
 from tests.router.helpers import router_config, running_router
 
@@ -74,7 +75,7 @@ def _fake_instance(stall_s: float) -> FastAPI:
 def serving(app: FastAPI):
     port = free_port()
     server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", timeout_graceful_shutdown=1)
+        server_config(app, "127.0.0.1", port, log_level="error", timeout_graceful_shutdown=1)
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
