@@ -248,10 +248,15 @@ async def _until_disconnect(request: Request, coro):
         task.cancel()
 
 
-def serve(cfg: RouterConfig) -> None:
+def make_server(cfg: RouterConfig):
+    """The router's uvicorn.Server on cfg.host:cfg.port (engine/http_server.py: its keep-alive)."""
     import uvicorn
 
-    server = uvicorn.Server(server_config(create_app(cfg), cfg.host, cfg.port))
+    return uvicorn.Server(server_config(create_app(cfg), cfg.host, cfg.port))
+
+
+def serve(cfg: RouterConfig) -> None:
+    server = make_server(cfg)
     server.run()
     if not server.started:  # the port was taken, the lifespan failed: as uvicorn.run does
         raise SystemExit(3)

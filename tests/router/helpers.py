@@ -12,10 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import httpx
-import uvicorn
 
-from pdserve.engine.http_server import server_config
-from pdserve.router.app import create_app
+from pdserve.router.app import make_server
 from pdserve.router.config import RouterConfig
 from tests.reference import free_port
 from tests.servers import TEST_TOKEN, http, start_server
@@ -30,12 +28,13 @@ def router_config(model_dir, prefill: str, decode: str, **overrides) -> RouterCo
 
 @contextmanager
 def running_router(cfg: RouterConfig):
-    """Serves create_app(cfg) on a free port until the block ends; yields (base URL, the app). The
-    router talks to the instances with the tests' internal token unless cfg names another."""
+    """Serves the router (app.make_server, as `pdserve router` does) on a free port until the block
+    ends; yields (base URL, the app). The router talks to the instances with the tests' internal
+    token unless cfg names another."""
     cfg = dataclasses.replace(cfg, internal_token=cfg.internal_token or TEST_TOKEN)
     port = free_port()
-    app = create_app(cfg)
-    server = uvicorn.Server(server_config(app, "127.0.0.1", port))
+    server = make_server(dataclasses.replace(cfg, host="127.0.0.1", port=port))
+    app = server.config.app
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
