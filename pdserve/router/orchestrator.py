@@ -183,8 +183,8 @@ class Orchestrator:
         try:
             while True:
                 try:
-                    kind, value = await asyncio.wait_for(events.get(), _left(deadline))
-                except asyncio.TimeoutError:
+                    kind, value = await next_event(events, _left(deadline))
+                except TimeoutError:
                     raise DeadlineExceeded("the request ran past its deadline") from None
                 if held is not None and kind in ("token", "finish"):  # the prompt's logprobs go first
                     held.append((kind, value))
@@ -367,6 +367,15 @@ def _error_text(r: httpx.Response) -> str:
     return f"HTTP {r.status_code}: {detail}"
 
 
+async def next_event(events: asyncio.Queue, timeout_s: float):
+    """The next item of `events`; TimeoutError after timeout_s. Not asyncio.wait_for: on Python 3.11
+    it returns an item that arrives as the waiting task is cancelled and drops the cancellation
+    (CPython gh-86296), so a client that left while tokens streamed in was never aborted and its
+    request decoded to the end (tests/router/test_cancellation.py)."""
+    async with asyncio.timeout(timeout_s):
+        return await events.get()
+
+
 def _left(deadline: float) -> float:
     return max(0.0, deadline - time.monotonic())
 
@@ -377,8 +386,8 @@ async def _late_answer(events: asyncio.Queue, deadline: float) -> PrefillReply |
     end = min(time.monotonic() + PREFILL_ANSWER_GRACE_S, deadline)
     while (left := end - time.monotonic()) > 0:
         try:
-            kind, value = await asyncio.wait_for(events.get(), left)
-        except asyncio.TimeoutError:
+            kind, value = await next_event(events, left)
+        except TimeoutError:
             return None
         if kind == "prompt":
             return value

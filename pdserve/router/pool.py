@@ -192,12 +192,15 @@ class Pool:
             self._room = None
 
     async def wait_for_room(self, timeout_s: float) -> None:
-        """Returns when some request left an instance, or after timeout_s."""
+        """Returns when some request left an instance, or after timeout_s. Not asyncio.wait_for,
+        which on Python 3.11 drops a cancellation that comes as the event is set (router/orchestrator.py
+        next_event)."""
         if self._room is None:
             self._room = asyncio.Event()
         try:
-            await asyncio.wait_for(self._room.wait(), timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout_s):
+                await self._room.wait()
+        except TimeoutError:
             pass
 
     # health -------------------------------------------------------------------------------
