@@ -6,19 +6,14 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import socket
 import sys
 import time
 from pathlib import Path
 
+from pdserve.engine.ports import free_port  # noqa: F401 (the benches import it from here)
+
 IDLE_CORES = 0.25  # "idle": other processes use less than this many cores
 RESULTS = Path(__file__).parent / "results"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_seconds(pid: int) -> float:

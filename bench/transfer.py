@@ -42,7 +42,12 @@ import time
 from pathlib import Path
 
 import torch
-from common import cpu_seconds, machine_info, resolve_model  # bench/ is on sys.path when a script runs
+from common import (
+    cpu_seconds,
+    free_port,
+    machine_info,
+    resolve_model,
+)  # bench/ is on sys.path when a script runs
 from transfer_costs import checksum_cost, pack_cost
 from transfer_raw import Interleaved
 
@@ -213,9 +218,9 @@ def handoff(
     place = place or (lambda role, instance: instance)
     with (
         place(
-            "prefill", PrefillInstance(pw, LaunchConfig(2, _free_port()), page_size=page, chunk_size=4096)
+            "prefill", PrefillInstance(pw, LaunchConfig(2, free_port()), page_size=page, chunk_size=4096)
         ) as pre,
-        place("decode", DecodeInstance(dw, LaunchConfig(2, _free_port()), page_size=page)) as dec,
+        place("decode", DecodeInstance(dw, LaunchConfig(2, free_port()), page_size=page)) as dec,
     ):
         ids = [(7 * i) % 500 + 4 for i in range(tokens)]
         t0 = time.perf_counter()
@@ -278,12 +283,6 @@ def handoff(
         "cpu_ms_per_handoff_by_process": by_process,
         "pair_bytes": {f"{s} -> {d}": n for (s, d), n in sorted(pair_bytes.items())},
     }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def plot(res: dict, out: Path) -> None:

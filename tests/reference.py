@@ -2,17 +2,10 @@
 
 from __future__ import annotations
 
-import socket
-
 import torch
 
 from pdserve.engine.llm_engine import LLMEngine
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pdserve.engine.ports import free_port  # noqa: F401 (the tests import it from here)
 
 
 def reference_prefill(engine: LLMEngine, ids: list[int]):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ import httpx
 from ..choices import AttentionOps, DcpIndex, Device, Policy, Restart, Switch, Transfer
 from ..engine.auth import INTERNAL_TOKEN_ENV, new_token
 from ..engine.placement import check_attention_ops, check_device, parse_gpu_ids
+from ..engine.ports import free_port
 from ..flags import ATTENTION_OPS_HELP, DEVICE_HELP, option
 from .config import ADMIN_TOKEN_ENV
 from .supervise import RESTART_POLICIES, Supervisor
@@ -173,12 +173,6 @@ def _popen(args: list[str], log: Path, mode: str, env: dict[str, str]) -> subpro
             start_new_session=True,  # Ctrl-C reaches the launcher only; it stops the rest
             preexec_fn=_die_with_launcher,
         )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Stack:
