@@ -42,12 +42,9 @@ import time
 from pathlib import Path
 
 import torch
-from common import (
-    cpu_seconds,
-    free_port,
-    machine_info,
-    resolve_model,
-)  # bench/ is on sys.path when a script runs
+
+# bench/ is on sys.path when a script runs
+from common import cpu_seconds, free_port, machine_info, resolve_model
 from transfer_costs import checksum_cost, pack_cost
 from transfer_raw import Interleaved
 
