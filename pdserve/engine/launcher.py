@@ -1,12 +1,20 @@
 """One launcher for the rank processes of an instance.
 
-`RankGroup` spawns `world_size` processes; each selects its GPU when on cuda, joins a
+`RankGroup` starts `world_size` processes; each selects its GPU when on cuda, joins a
 torch.distributed process group (gloo on CPU and for ranks sharing a GPU, NCCL beside gloo for one
 GPU per rank; engine/device.py) on the configured port, sets its torch thread count, builds its
 worker and acks readiness. The launcher then sends every rank the same command and gathers one reply per rank.
 It owns shutdown: `shutdown()` stops every rank, and `dead_rank()` reports a rank that died, so
 the instance can stop at once with a message naming it instead of hanging in a collective.
 Each rank asks the kernel to SIGTERM it when the launcher dies, so no rank is ever orphaned.
+
+How ranks start (`_start_context`): on cpu they fork from multiprocessing's forkserver, a clean
+process that imported torch once per launcher, so a group of W ranks costs one torch import
+instead of W, and later groups none. Each rank takes the launcher's environment as it is at its
+group's start; only what torch reads while it loads comes from the forkserver's start. A rank
+closes its copy of the forkserver's "alive" pipe, so the forkserver exits when the launcher dies
+and the rank's death signal fires as before. On cuda ranks are spawned, fresh interpreters, as
+CUDA wants.
 
 Failure isolation (docs/design.md invariant 9): an exception inside a command (a bad request, an
 unexpected shape, an injected fault) is that command's failure, `CommandFailed`, and the group
@@ -96,10 +104,41 @@ def _die_with_parent() -> None:
         pass
 
 
+_PRELOAD = ["torch", "torch.distributed"]  # what the forkserver imports once for every cpu rank
+
+
+def _start_context(device: str):
+    """The multiprocessing context ranks start from (see the module doc)."""
+    if device != "cpu":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _leave_forkserver() -> None:
+    """A forked rank holds the forkserver's "alive" pipe like its launcher does: closing it lets the
+    forkserver exit when the launcher dies, which SIGTERMs the rank (_die_with_parent)."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if server._forkserver_alive_fd is not None:  # None in a spawned rank
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+
+
 def _rank_main(
-    factory: Callable[..., Any], payload: Any, rank: int, cfg: LaunchConfig, conn: Connection
+    factory: Callable[..., Any],
+    payload: Any,
+    rank: int,
+    cfg: LaunchConfig,
+    conn: Connection,
+    environ: dict[str, str],
 ) -> None:
     _die_with_parent()
+    _leave_forkserver()
+    os.environ.clear()
+    os.environ.update(environ)  # the launcher's, not the forkserver's (started with the first group)
     import torch
     import torch.distributed as dist
 
@@ -174,13 +213,13 @@ class RankGroup:
         return [p.pid for p in self.procs]
 
     def start(self) -> list[dict]:
-        """Spawns the ranks and waits for every readiness ack; returns each rank's info."""
-        ctx = mp.get_context("spawn")
+        """Starts the ranks and waits for every readiness ack; returns each rank's info."""
+        ctx = _start_context(self.cfg.device)
         for rank in range(self.cfg.world_size):
             parent, child = ctx.Pipe()
             p = ctx.Process(
                 target=_rank_main,
-                args=(self.factory, self.payload, rank, self.cfg, child),
+                args=(self.factory, self.payload, rank, self.cfg, child, dict(os.environ)),
                 name=f"pdserve-rank{rank}",
                 daemon=True,
             )

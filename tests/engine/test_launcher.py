@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
@@ -16,6 +18,7 @@ import pytest
 
 from pdserve.engine.launcher import CommandFailed, LaunchConfig, RankError, RankGroup
 from tests.reference import free_port
+from tests.servers import pid_alive
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,18 @@ class SumWorker:
         if cmd.fail_rank == self.rank:
             raise ValueError(f"bad input {cmd.value}")
         return int(t)
+
+
+class EnvWorker:
+    """Each command: the value of the environment variable it names, in this rank."""
+
+    def __init__(self, rank: int, world: int, payload):
+        pass
+
+    def handle(self, name: str):
+        if name == "sleep":  # busy in a command, not waiting on its launcher's pipe
+            time.sleep(600)
+        return os.environ.get(name)
 
 
 class FailsToStart:
@@ -122,3 +137,47 @@ def test_rank_processes_listen_on_loopback_only(group):
     addresses = [a for pid in group.pids for a in listening_addresses(pid)]
     assert addresses, "the rendezvous store and gloo listen somewhere"
     assert set(addresses) <= loopback, addresses
+
+
+def test_each_group_sees_the_launchers_environment_at_its_start(monkeypatch):
+    """Ranks fork from a forkserver started with the first group; they still see the environment of
+    the launcher when their own group starts, changes since included."""
+    for value in ("first", "second"):
+        monkeypatch.setenv("PDSERVE_TEST_VALUE", value)
+        g = RankGroup(EnvWorker, None, LaunchConfig(2, free_port()))
+        g.start()
+        try:
+            assert g.call("PDSERVE_TEST_VALUE") == [value, value]
+        finally:
+            g.shutdown()
+
+
+LAUNCHER = """
+import sys, time
+from pdserve.engine.launcher import LaunchConfig, RankGroup
+from tests.engine.test_launcher import EnvWorker
+g = RankGroup(EnvWorker, None, LaunchConfig(2, int(sys.argv[1])))
+g.start()
+for conn in g.conns:
+    conn.send("sleep")
+print(*g.pids, flush=True)
+time.sleep(600)
+"""
+
+
+def test_ranks_die_with_a_killed_launcher():
+    """SIGKILL the process that started a group while its ranks are inside a command: the ranks
+    (children of the forkserver) follow it."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(free_port())], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(pid_alive(p) for p in pids)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    deadline = time.monotonic() + 15
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(pid_alive(p) for p in pids), "ranks outlived their launcher"
