@@ -170,7 +170,12 @@ def _popen(args: list[str], log: Path, mode: str, env: dict[str, str]) -> subpro
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
-            start_new_session=True,  # Ctrl-C reaches the launcher only; it stops the rest
+            stdin=subprocess.DEVNULL,
+            # a process group of its own, so Ctrl-C reaches the launcher only (it stops the rest), but
+            # the launcher's session: a session of its own would be an autogroup of its own, and
+            # the kernel would then share the CPU equally per instance, not per rank (a 2-rank
+            # prefill got 1 of 2 cores beside a 1-rank decode)
+            process_group=0,
             preexec_fn=_die_with_launcher,
         )
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
 import shlex
 import signal
@@ -137,6 +138,10 @@ def test_up_serves_and_stops_cleanly(model_dir, tmp_path, index, transfer, stop)
         assert f"http://127.0.0.1:{port}/v1" in out and "curl " in out, out
         pids = [int(p) for p in re.findall(r"\(pid (\d+),", out)]
         assert len(pids) == 3  # prefill, decode, router
+        # each child leads a process group of its own (Ctrl-C reaches the launcher only) inside the
+        # launcher's session: a session of its own would be a scheduler autogroup of its own, and
+        # the kernel would share the cores per instance instead of per rank
+        assert all(os.getpgid(p) == p and os.getsid(p) == os.getsid(proc.pid) for p in pids)
         p_url = re.search(r"prefill-0: (\S+)", out).group(1)
         d_url = re.search(r"decode-0: (\S+)", out).group(1)
         ranks = http.get(f"{p_url}/info").json()["ranks"] + http.get(f"{d_url}/capacity").json()["ranks"]
