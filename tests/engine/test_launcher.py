@@ -180,4 +180,7 @@ def test_ranks_die_with_a_killed_launcher():
     deadline = time.monotonic() + 15
     while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(pid_alive(p) for p in pids), "ranks outlived their launcher"
+    left = [p for p in pids if pid_alive(p)]
+    for pid in left:  # leave nothing behind when it fails
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "ranks outlived their launcher"
