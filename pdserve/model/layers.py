@@ -132,10 +132,10 @@ class TopkRouter(nn.Module):
         """x [T, hidden] -> (weights [T, k] in the island dtype, expert ids [T, k])."""
         cfg = self.cfg
         ct = island_dtype(x.dtype, cfg.float32_islands)
-        if ct == x.dtype and native.route_usable(  # one float32 token on the CPU: a single native call
+        if ct == x.dtype and native.route_usable(  # a decode step's float32 rows on the CPU: one native call
             x, self.weight, self.e_score_correction_bias, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok
         ):
-            return native.route_token(
+            return native.route_rows(
                 x,
                 self.weight,
                 self.e_score_correction_bias,
@@ -177,22 +177,17 @@ class Experts(nn.Module):
 
     def _one_token(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [1, H]: the k chosen experts one after another, with no grouping by expert (a decode
-        step at batch 1). Sums in ascending expert order, as the grouped path does; float32 on the
-        CPU as one native call (model/native.py) instead of 2k products and their element-wise ops."""
-        chosen = sorted(zip(ids[0].tolist(), weights[0].tolist()))
-        if chosen and native.moe_usable(x, self.gate_up_proj, self.down_proj):
-            if not all(0 <= e < self.gate_up_proj.shape[0] for e, _ in chosen):
-                raise IndexError(
-                    f"expert ids {[e for e, _ in chosen]} outside [0, {self.gate_up_proj.shape[0]})"
-                )
-            return native.moe_token(x, self.gate_up_proj, self.down_proj, *map(list, zip(*chosen)))
+        step at batch 1 off the native path). Sums in ascending expert order, as the grouped path does."""
         out = None
-        for e, w in chosen:
+        for e, w in sorted(zip(ids[0].tolist(), weights[0].tolist())):
             h = (self._expert(e, x) * w).to(x.dtype)
             out = h if out is None else out.add_(h)
         return out if out is not None else torch.zeros_like(x)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if native.moe_usable(x, self.gate_up_proj, self.down_proj):
+            # a decode step's few float32 rows on the CPU: one native call reads each chosen expert once
+            return native.moe_rows(x, self.gate_up_proj, self.down_proj, ids, weights)
         if x.shape[0] == 1:
             return self._one_token(x, weights, ids)
         out = torch.zeros_like(x)

@@ -21,7 +21,7 @@ them). So the same library holds one call each for what a step does between its 
 attention with its log-sum-exp over keys given, or over a sparse layer's selection read where it
 lies in the cache (native/attend.c, also a sparse prefill's sub-blocks of a few dozen queries),
 the DSA indexer's scores and its top-k (exactly torch's tie rule; a NaN score keeps torch's),
-RMSNorm, one token's grouped MoE routing and its routed experts. Medium preset, batch 1, an
+RMSNorm, the grouped MoE routing of a step's few tokens and their routed experts (native/moe.c). Medium preset, batch 1, an
 in-process A/B on this VM (these ops on / off): 36.7 vs 38.3 ms per step; small model 7.1 vs 10.6 ms.
 
 Inputs are checked by the `*_usable` functions; anything else (float64, other devices, more rows,
@@ -33,8 +33,6 @@ The library itself (where it is built, how it is loaded and called): model/nativ
 """
 
 from __future__ import annotations
-
-import ctypes
 
 import torch
 
@@ -192,12 +190,13 @@ def attend_rows(
 
 
 def moe_usable(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """Whether one token x [1, H] can go through routed experts stored stacked, gate_up [E, 2I, H]
-    and down [E, H, I], by `moe_token`: float32 CPU tensors with contiguous rows, and the kernels built."""
+    """Whether a decode step's rows x [M, H] (M <= MAX_ROWS) can go through routed experts stored
+    stacked, gate_up [E, 2I, H] and down [E, H, I], by `moe_rows`: float32 CPU tensors with
+    contiguous rows, and the kernels built."""
     return (
         x.dim() == 2
-        and x.shape[0] == 1
-        and x.is_contiguous()
+        and 0 < x.shape[0] <= MAX_ROWS
+        and x.stride(1) == 1
         and gate_up.dim() == down.dim() == 3
         and gate_up.shape[2] == down.shape[1] == x.shape[1]
         and gate_up.shape[1] == 2 * down.shape[2]
@@ -208,17 +207,21 @@ def moe_usable(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bo
     )
 
 
-def moe_token(
-    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, experts: list[int], weights: list[float]
+def moe_rows(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
 ):
-    """sum_j weights[j] * expert_{experts[j]}(x) -> [1, H], experts in the order given (SwiGLU:
-    down(silu(gate x) * up x)); the caller checked `moe_usable` and the ids."""
-    k, H, I = len(experts), x.shape[1], down.shape[2]
-    y = _out(x, 1, H)
-    ids, ws = (ctypes.c_int64 * k)(*experts), (ctypes.c_float * k)(*weights)
+    """[M, H]: row m is sum_j weights[m, j] * expert_{ids[m, j]}(x[m]) summed in ascending expert
+    order (SwiGLU: down(silu(gate x) * up x)); the caller checked `moe_usable`. An id outside the
+    table raises IndexError."""
+    (M, H), I, k = x.shape, down.shape[2], ids.shape[-1]
+    if ids.shape != (M, k) or weights.shape != (M, k):
+        raise ValueError(f"expert ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must be [{M}, k]")
+    ids = ids.to(device=x.device, dtype=torch.int64).contiguous()
+    weights = weights.to(device=x.device, dtype=torch.float32).contiguous()
+    y = _out(x, M, H)
     gs, ds = gate_up.stride(), down.stride()
-    _call("pd_moe_token", x.data_ptr(), gate_up.data_ptr(), gs[0], gs[1], down.data_ptr(), ds[0], ds[1],
-          ctypes.addressof(ids), ctypes.addressof(ws), k, H, I, y.data_ptr())  # fmt: skip
+    _call("pd_moe_rows", x.data_ptr(), x.stride(0), gate_up.data_ptr(), gs[0], gs[1], down.data_ptr(), ds[0],
+          ds[1], ids.data_ptr(), weights.data_ptr(), M, k, gate_up.shape[0], H, I, y.data_ptr(), H)  # fmt: skip
     return y
 
 
@@ -301,14 +304,14 @@ def topk_earliest(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Te
 def route_usable(
     x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, k: int
 ) -> bool:
-    """Whether one token x [1, H] can be routed by `route_token` over w [E, H] with the score
-    correction bias [E]: float32 CPU tensors with contiguous rows, groups of at least two experts
-    and enough of them for k, and the kernels built."""
+    """Whether a decode step's rows x [M, H] (M <= MAX_ROWS) can be routed by `route_rows` over w
+    [E, H] with the score correction bias [E]: float32 CPU tensors with contiguous rows, groups of
+    at least two experts and enough of them for k, and the kernels built."""
     E = w.shape[0] if w.dim() == 2 else 0
     return (
         x.dim() == 2
-        and x.shape[0] == 1
-        and x.is_contiguous()
+        and 0 < x.shape[0] <= MAX_ROWS
+        and x.stride(1) == 1
         and E > 0
         and w.shape[1] == x.shape[1]
         and w.stride(1) == 1
@@ -324,7 +327,7 @@ def route_usable(
     )
 
 
-def route_token(
+def route_rows(
     x: torch.Tensor,
     w: torch.Tensor,
     bias: torch.Tensor,
@@ -334,11 +337,11 @@ def route_token(
     norm: bool,
     scaling: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [1, k], expert ids [1, k] ascending) of grouped sigmoid routing, as
+    """(weights [M, k], expert ids [M, k], each row's ascending) of grouped sigmoid routing, as
     layers.TopkRouter computes them; the caller checked `route_usable`."""
-    E, H = w.shape
-    ids = torch.empty(1, k, dtype=torch.int64, device=x.device)
-    weights = _out(x, 1, k)
-    _call("pd_route_token", x.data_ptr(), w.data_ptr(), w.stride(0), bias.data_ptr(), E, H, n_group, topk_group,
-          k, int(norm), scaling, ids.data_ptr(), weights.data_ptr())  # fmt: skip
+    (M, H), E = x.shape, w.shape[0]
+    ids = torch.empty(M, k, dtype=torch.int64, device=x.device)
+    weights = _out(x, M, k)
+    _call("pd_route_rows", x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), bias.data_ptr(), E, H, n_group,
+          topk_group, k, int(norm), scaling, M, ids.data_ptr(), weights.data_ptr())  # fmt: skip
     return weights, ids

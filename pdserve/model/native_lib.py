@@ -1,4 +1,4 @@
-"""The shared library of model/native.py's kernels (native/rows.c, native/attend.c): built with the
+"""The shared library of model/native.py's kernels (native/rows.c, moe.c, attend.c): built with the
 machine's C compiler at first use, loaded and called through ctypes.
 
 The shared library lives in ~/.cache/pdserve/native (or $PDSERVE_CACHE/native), keyed by the
@@ -20,9 +20,10 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name("native") / name for name in ("rows.c", "attend.c")]
+SOURCES = [Path(__file__).with_name("native") / name for name in ("rows.c", "moe.c", "attend.c")]
+HEADERS = [Path(__file__).with_name("native") / "rows.h"]  # part of the key, like the sources
 COMPILE_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC"]
-MAX_ROWS = 8  # rows.c MAX_ROWS
+MAX_ROWS = 8  # rows.h MAX_ROWS
 # The entry points' argument types, one letter each: P pointer, I int64, f float, i int (the last,
 # every time: the thread count)
 _TYPES = {"P": ctypes.c_void_p, "I": ctypes.c_int64, "f": ctypes.c_float, "i": ctypes.c_int}
@@ -30,12 +31,14 @@ _SIGNATURES = {
     # rows.c: (x, its strides, w, its strides, [bias,] y, its strides, sizes, threads)
     "pd_heads_linear": "PIIPIIPPIIIIIIi",
     "pd_heads_axpy": "PIIPIIPIIIIIIi",
-    # (x, gate_up, its strides, down, its strides, expert ids, weights, k, H, I, y, threads)
-    "pd_moe_token": "PPIIPIIPPIIIPi",
     # (x, its row stride, w, y, its row stride, M, N, eps, threads)
     "pd_rms_norm": "PIPPIIIfi",
-    # (x, w, its row stride, bias, E, H, n_group, topk_group, k, norm, scaling, ids, weights, threads)
-    "pd_route_token": "PPIPIIIIIifPPi",
+    # moe.c: (x, its row stride, gate_up, its strides, down, its strides, expert ids [M, k], weights
+    # [M, k], M, k, E, H, I, y, its row stride, threads)
+    "pd_moe_rows": "PIPIIPIIPPIIIIIPIi",
+    # (x, its row stride, w, its row stride, bias, E, H, n_group, topk_group, k, norm, scaling, M, ids,
+    # weights, threads)
+    "pd_route_rows": "PIPIPIIIIIifIPPi",
     # attend.c: (q, its strides, keys, theirs, row ids or NULL, table rows, valid, its strides, out, lse,
     # B, H, S, D, dv, scale, threads)
     "pd_attend": "PIIPIIPIPIIPPIIIIIfi",
@@ -104,7 +107,7 @@ def _load() -> tuple[object | None, str]:
     key = hashlib.sha256(
         b"\0".join(
             [
-                *(src.read_bytes() for src in SOURCES),
+                *(src.read_bytes() for src in SOURCES + HEADERS),
                 " ".join(COMPILE_FLAGS).encode(),
                 version.encode(),
                 gomp.encode(),

@@ -1,6 +1,6 @@
 """The native decode-step ops of model/native.py beside the few-row products: attention over
-gathered keys (native/attend.c), the DSA indexer's scores and top-k, RMSNorm, one token's MoE
-router and its routed experts. Each agrees with a float64 reference (top-k and routing: with
+gathered keys (native/attend.c), the DSA indexer's scores and top-k, RMSNorm, the MoE router and
+routed experts of a step's few tokens (native/moe.c). Each agrees with a float64 reference (top-k and routing: with
 torch's own rule, exactly), does not depend on the thread count, and is taken only by a decode
 step's float32 CPU tensors: float64, more rows (a prefill's queries over shared keys, or a batch
 beyond MAX_BATCH) or odd layouts keep torch's ops."""
@@ -165,10 +165,11 @@ def _router(cfg: ModelConfig, g: torch.Generator) -> TopkRouter:
     return r.requires_grad_(False)
 
 
-def test_router_chooses_torchs_experts(torch_ops):
-    cfg, g = _medium_config(), torch.Generator().manual_seed(6)
-    for _ in range(100):
-        router, x = _router(cfg, g), torch.randn(1, cfg.hidden_size, generator=g)
+@pytest.mark.parametrize("rows", [1, 3, native.MAX_ROWS])
+def test_router_chooses_torchs_experts(torch_ops, rows):
+    cfg, g = _medium_config(), torch.Generator().manual_seed(6 + rows)
+    for _ in range(100 // rows):
+        router, x = _router(cfg, g), torch.randn(rows, cfg.hidden_size, generator=g)
         weights, ids = router(x)
         assert native.route_usable(
             x,
@@ -180,9 +181,9 @@ def test_router_chooses_torchs_experts(torch_ops):
         )
         with torch_ops:
             ref_w, ref_ids = router(x)
-        order = ref_ids[0].argsort()
-        assert torch.equal(ids, ref_ids[:, order])  # ascending ids
-        _close(weights, ref_w[:, order].double(), 1e-6)
+        order = ref_ids.argsort(dim=-1)
+        assert torch.equal(ids, ref_ids.gather(1, order))  # each row's ids ascending
+        _close(weights, ref_w.gather(1, order).double(), 1e-6)
 
 
 def test_router_ties_go_to_the_earlier_expert():
@@ -210,23 +211,60 @@ def _experts(E: int, H: int, I: int, g: torch.Generator, dtype=torch.float32) ->
     return ex.requires_grad_(False)
 
 
+def _float64(ex: Experts) -> Experts:
+    ref = Experts(*ex.down_proj.shape[:2], ex.down_proj.shape[2])
+    ref.gate_up_proj = torch.nn.Parameter(ex.gate_up_proj.double(), requires_grad=False)
+    ref.down_proj = torch.nn.Parameter(ex.down_proj.double(), requires_grad=False)
+    return ref
+
+
 @pytest.mark.parametrize("E,H,I,k", [(16, 2048, 1024, 4), (5, 37, 19, 3), (4, 8, 1, 2)])
 def test_one_token_experts_match_float64(E, H, I, k):
     g = torch.Generator().manual_seed(E + H)
     ex = _experts(E, H, I, g)
-    ref = Experts(E, H, I)
-    ref.gate_up_proj = torch.nn.Parameter(ex.gate_up_proj.double(), requires_grad=False)
-    ref.down_proj = torch.nn.Parameter(ex.down_proj.double(), requires_grad=False)
     x = torch.randn(1, H, generator=g)
     ids, w = torch.randperm(E, generator=g)[:k].view(1, k), torch.rand(1, k, generator=g)
     assert native.moe_usable(x, ex.gate_up_proj, ex.down_proj)
-    _close(ex(x, w, ids), ref(x.double(), w.double(), ids))
+    _close(ex(x, w, ids), _float64(ex)(x.double(), w.double(), ids))
 
 
-def test_one_token_experts_refuse_an_expert_outside_the_table():
+# rows, E, H, I, k: every row count of a step, odd widths, every expert chosen (E = 4, k = 4 x 8 rows:
+# groups of MAX_ROWS rows), a single expert
+@pytest.mark.parametrize(
+    "rows,E,H,I,k",
+    [
+        (2, 16, 512, 256, 4),
+        (5, 16, 512, 256, 4),
+        (8, 16, 512, 256, 4),
+        (3, 5, 37, 19, 3),
+        (8, 4, 24, 13, 4),
+        (7, 1, 16, 8, 1),
+    ],
+)
+def test_few_rows_experts_match_float64(rows, E, H, I, k):
+    g = torch.Generator().manual_seed(rows * 10 + E)
+    ex = _experts(E, H, I, g)
+    x = torch.randn(rows, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(rows)])  # distinct, unsorted
+    w = torch.rand(rows, k, generator=g)
+    assert native.moe_usable(x, ex.gate_up_proj, ex.down_proj)
+    _close(ex(x, w, ids), _float64(ex)(x.double(), w.double(), ids))
+
+
+def test_few_rows_experts_count_an_expert_a_row_chose_twice():
+    """Routing never repeats an expert in a row; the kernel still sums each choice, as torch's path does."""
+    g = torch.Generator().manual_seed(11)
+    ex, x = _experts(6, 40, 24, g), torch.randn(3, 40, generator=g)
+    ids, w = torch.tensor([[2, 2, 5], [0, 2, 2], [5, 5, 5]]), torch.rand(3, 3, generator=g)
+    _close(ex(x, w, ids), _float64(ex)(x.double(), w.double(), ids))
+
+
+def test_experts_refuse_an_expert_outside_the_table():
     ex = _experts(4, 16, 8, torch.Generator().manual_seed(7))
     with pytest.raises(IndexError, match="outside"):
         ex(torch.randn(1, 16), torch.rand(1, 2), torch.tensor([[1, 4]]))
+    with pytest.raises(IndexError, match="outside"):
+        ex(torch.randn(3, 16), torch.rand(3, 2), torch.tensor([[1, 2], [0, 3], [-1, 2]]))
 
 
 def test_results_do_not_depend_on_the_thread_count(assert_thread_count_free):
@@ -240,8 +278,14 @@ def test_results_do_not_depend_on_the_thread_count(assert_thread_count_free):
     )
     ex, x = _experts(8, 512, 256, g), torch.randn(1, 512, generator=g)
     ids, w = torch.tensor([[1, 3, 6]]), torch.rand(1, 3, generator=g)
+    xs, rows_ids, rows_w = (
+        torch.randn(5, 512, generator=g),
+        torch.randint(0, 8, (5, 3), generator=g),
+        torch.rand(5, 3),
+    )
     cfg = _medium_config()
     router, rx = _router(cfg, g), torch.randn(1, cfg.hidden_size, generator=g)
+    rxs = torch.randn(6, cfg.hidden_size, generator=g)
     scores = torch.randn(4, 70000, generator=g)
     valid_all = torch.ones_like(scores, dtype=torch.bool)
     assert_thread_count_free(
@@ -249,7 +293,9 @@ def test_results_do_not_depend_on_the_thread_count(assert_thread_count_free):
             *kernels.attend(q, keys, valid, 0.05, 512),
             kernels.index_scores(iq, iw, ik, 0.1),
             ex(x, w, ids),
+            ex(xs, rows_w, rows_ids),
             *router(rx),
+            *router(rxs),
             kernels.topk_earliest(scores, valid_all, 2048),
         )
     )
@@ -280,3 +326,10 @@ def test_only_a_decode_steps_float32_cpu_tensors_take_them(native_calls):
     ex = _experts(4, 16, 8, g, torch.float64)
     ex(torch.randn(1, 16, dtype=torch.float64), torch.rand(1, 2), torch.tensor([[0, 2]]))
     assert calls == []
+    # more rows than a step's: torch's grouped experts (whose per-expert products may be few-row ones)
+    _experts(4, 16, 8, g)(
+        torch.randn(rows, 16), torch.rand(rows, 2), torch.randint(0, 4, (rows, 2), generator=g)
+    )
+    cfg = _medium_config()
+    _router(cfg, g)(torch.randn(rows, cfg.hidden_size))
+    assert calls and not {"pd_moe_rows", "pd_route_rows"} & set(calls)
