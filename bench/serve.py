@@ -139,7 +139,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--slo-ttft-ms", type=float, default=2000, help="goodput SLO on TTFT (default 2000)")
     p.add_argument("--slo-itl-ms", type=float, default=100, help="goodput SLO on TPOT (default 100)")
     p.add_argument("--seed", type=int, default=0, help="the load client's seed (default 0)")
-    p.add_argument("--prefill-cp", type=int, default=2, help="pdserve up --prefill-cp (default 2)")
+    p.add_argument(
+        "--prefill-instances",
+        type=int,
+        default=2,
+        help="pdserve up --prefill-instances (default 2: two 1-rank instances; see --prefill-cp)",
+    )
+    p.add_argument(
+        "--prefill-cp",
+        type=int,
+        default=1,
+        help="pdserve up --prefill-cp (default 1: on a 2-core host beside a decode rank, a C_p = 2 pair's "
+        "per-layer all-gathers wait whenever the decode rank holds one of its cores; two 1-rank instances "
+        "never wait on each other. bench/prefill_cp.py measures what CP is for: one long prompt's TTFT)",
+    )
+    p.add_argument(
+        "--policy",
+        default="least_load",
+        choices=("round_robin", "least_load", "cache_aware"),
+        help="pdserve up --policy (default least_load: the prompts' lengths vary)",
+    )
     p.add_argument(
         "--decode-tp",
         type=int,
@@ -251,7 +270,8 @@ def main(argv=None) -> None:
     )
     doc.update(
         title=(
-            f"pdserve up --prefill-cp {a.prefill_cp} --decode-tp {a.decode_tp} --decode-dcp {a.decode_dcp} "
+            f"pdserve up --prefill-instances {a.prefill_instances} --prefill-cp {a.prefill_cp} "
+            f"--decode-tp {a.decode_tp} --decode-dcp {a.decode_dcp} "
             f"under sglang.bench_serving ({a.prompts} random prompts, input <= {a.input_len}, "
             f"output <= {a.output_len}) vs transformers generate in static batches"
         ),
@@ -271,7 +291,9 @@ def main(argv=None) -> None:
             "hf_best_batch": best[1],
             "hf_best_output_tok_s": best[0],
             "stack_over_hf_best_output_tok_s": head / best[0] if head and best[0] else None,
-            "prefill_ceiling": prefill_ceiling(stack["random"], f"c{a.headline_concurrency}"),
+            "prefill_ceiling": prefill_ceiling(
+                stack["random"], f"c{a.headline_concurrency}", a.prefill_instances, a.prefill_cp
+            ),
             "target": 5.0,
             "failed_requests": sum(
                 run.get("failed", 0)
@@ -300,7 +322,7 @@ def main(argv=None) -> None:
         c = h["prefill_ceiling"]
         print(
             f"prefill-bound ceiling at c={a.headline_concurrency}: {c['output_tok_s']:.1f} out tok/s "
-            f"(prefill {c['prefill_tok_s_c1']:.0f} tok/s at c=1, decode free)"
+            f"(prefill {c['prefill_tok_s_c1']:.0f} tok/s at c=1 x {c['instances_at_once']} instance(s), decode free)"
             + (
                 f" = {c['output_tok_s'] / h['hf_best_output_tok_s']:.2f}x transformers"
                 if h["hf_best_output_tok_s"]
