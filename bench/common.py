@@ -18,8 +18,15 @@ RESULTS = Path(__file__).parent / "results"
 
 def cpu_seconds(pid: int) -> float:
     """utime + stime of a process (all its threads) so far, in seconds (clock-tick resolution)."""
+    return sum(cpu_user_system(pid))
+
+
+def cpu_user_system(pid: int) -> tuple[float, float]:
+    """(utime, stime) of a process (all its threads) so far, in seconds: system time is the kernel's
+    work on its behalf (a shared-memory WRITE's copy runs there)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # after "(comm)": [11], [12]
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def system_busy_seconds() -> float:
