@@ -60,7 +60,7 @@ def start_server(role: str, model, *args: str, max_kv_tokens: int = 2048) -> tup
         if proc.poll() is not None:
             raise AssertionError(f"{role} server exited: {proc.stderr.read()}")
         try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+            if http.get(f"{url}/health", timeout=1).status_code == 200:
                 return proc, url
         except httpx.HTTPError:
             pass

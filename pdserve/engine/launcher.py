@@ -104,7 +104,9 @@ def _die_with_parent() -> None:
         pass
 
 
-_PRELOAD = ["torch", "torch.distributed"]  # what the forkserver imports once for every cpu rank
+# what the forkserver imports once for every cpu rank; symbolic_shapes (and sympy under it) is what
+# Module.to_empty imports on first use: about 1 s of each rank's start when left to the rank
+_PRELOAD = ["torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes"]
 
 
 def _start_context(device: str):

@@ -292,20 +292,21 @@ class Stack:
     def wait_ready(self, children: list[Child], deadline: float) -> None:
         """Polls every child's /health until all answer 200; raises if one exits or the deadline passes."""
         pending = list(children)
-        while pending:
-            for child in list(pending):
-                self.check_alive(child)
-                try:
-                    if httpx.get(f"{child.url}/health", timeout=2).status_code == 200:
-                        pending.remove(child)
-                except httpx.HTTPError:
-                    pass
-            if pending and time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"not ready within {self.cfg.ready_timeout_s:.0f} s: "
-                    f"{', '.join(c.name for c in pending)} (logs in {self.log_dir})"
-                )
-            time.sleep(0.3)
+        with httpx.Client(timeout=2) as client:  # one client: httpx.get builds an SSL context each call
+            while pending:
+                for child in list(pending):
+                    self.check_alive(child)
+                    try:
+                        if client.get(f"{child.url}/health").status_code == 200:
+                            pending.remove(child)
+                    except httpx.HTTPError:
+                        pass
+                if pending and time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"not ready within {self.cfg.ready_timeout_s:.0f} s: "
+                        f"{', '.join(c.name for c in pending)} (logs in {self.log_dir})"
+                    )
+                time.sleep(0.3)
 
     def check_alive(self, child: Child) -> None:
         code = child.proc.poll()

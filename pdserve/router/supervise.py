@@ -65,6 +65,7 @@ class Supervisor:
         self.stack, self.router, self.restart, self.echo = stack, router, restart, echo
         now = time.monotonic()  # every instance was healthy when the stack became ready
         self.watches = {child.name: (child, _Watch(healthy_at=now)) for child in instances}
+        self.http = httpx.Client(timeout=1)  # one client for the health polls after a restart
 
     def tick(self) -> None:
         """One look at every child; raises RuntimeError when the stack must stop."""
@@ -83,7 +84,7 @@ class Supervisor:
     def _watch(self, child, watch: _Watch, now: float) -> None:
         code = child.proc.poll()
         if code is None:
-            if watch.healthy_at is None and _healthy(child.url):
+            if watch.healthy_at is None and _healthy(self.http, child.url):
                 watch.healthy_at = now
                 self.echo(f"{child.name}: healthy again after restart {watch.restarts} ({child.url})")
         elif watch.restart_at is None:
@@ -105,8 +106,8 @@ class Supervisor:
             )
 
 
-def _healthy(url: str) -> bool:
+def _healthy(client: httpx.Client, url: str) -> bool:
     try:
-        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        return client.get(f"{url}/health").status_code == 200
     except httpx.HTTPError:
         return False
