@@ -187,6 +187,22 @@ def transports(sizes_mb: list[int], repeats: int) -> dict:
 
 
 # ---- (c) the whole hand-off ---------------------------------------------------------------------------
+def _phases(start: float, seen: float, senders: list[dict], receivers: list[dict]) -> dict[str, float]:
+    """One hand-off's critical path in ms, from the ranks' own clocks (time.monotonic: one clock on one
+    host): the command reaching the last sender, the senders' sends (laying out, WRITEs, waiting for
+    them), the receivers counting and checksumming the last rows after the last send returned, and
+    the caller seeing every rank complete after that."""
+    began = max(s["last_send_began"] for s in senders)
+    ended = max(s["last_send_ended"] for s in senders)
+    checked = max(r["last_row_at"] for r in receivers)
+    return {
+        "dispatch": 1000 * (began - start),
+        "sends": 1000 * (ended - min(s["last_send_began"] for s in senders)),
+        "checks_after_sends": 1000 * max(0.0, checked - ended),
+        "seen_after_checks": 1000 * (seen - max(checked, ended)),
+    }
+
+
 def handoff(
     model: str,
     transfer: str,
@@ -229,13 +245,14 @@ def handoff(
         names = [f"prefill rank {r}" for r in range(2)] + [f"decode rank {r}" for r in range(2)] + ["bench"]
         pids = pre.ranks.pids + dec.ranks.pids + [os.getpid()]
         cpu, system = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0.0)
+        phases: dict[str, list[float]] = {}
         for i in range(repeats):
             room = f"bench-{i}"
             pages = dec.allocator.allocate(tokens)
             reservation = dec.reservation(room, pages, prompt_len=tokens)
             plan = plan_transfer(pre.prefill_side(result.slots), dec.decode_side(pages), tokens)
             dec.expect(room, reservation.ticket, plan, pages)
-            c0, t0 = [cpu_user_system(pid) for pid in pids], time.perf_counter()
+            c0, t0, m0 = [cpu_user_system(pid) for pid in pids], time.perf_counter(), time.monotonic()
             pre.send("bench", room, reservation.ticket, plan, reservation.endpoints)
             while True:  # one status round trip per poll, as the decode loop thread does
                 status = dec.transfer_status(room)
@@ -245,6 +262,8 @@ def handoff(
                     raise RuntimeError(status)
                 time.sleep(0.0005)
             times.append(time.perf_counter() - t0)
+            for name, ms in _phases(m0, time.monotonic(), pre.transfer_status(), status).items():
+                phases.setdefault(name, []).append(ms)
             wall += times[-1]
             for name, pid, (user0, sys0) in zip(names, pids, c0):
                 user, sys_s = cpu_user_system(pid)
@@ -269,7 +288,9 @@ def handoff(
         f"hand-off {transfer:5s}: {tokens} tokens, {nbytes / MB:.1f} MB in {1000 * best:.1f} ms "
         f"({nbytes / best / 1e9:.2f} GB/s; the prefill itself took {prefill_s:.1f} s)\n"
         f"    CPU per hand-off {1000 * total / repeats:.0f} ms, {total / wall:.2f} cores busy; ms by process: "
-        f"{by_process}; of it system time (kernel work: the copies of a shared-memory WRITE or of a socket) {system_by_process}",
+        f"{by_process}; of it system time (kernel work: the copies of a shared-memory WRITE or of a socket) {system_by_process}\n"
+        f"    median ms of its critical path: "
+        f"{ {name: round(statistics.median(v), 2) for name, v in phases.items()} }",
         flush=True,
     )
     return {
@@ -284,6 +305,7 @@ def handoff(
         "cpu_ms_per_handoff_by_process": by_process,
         "system_cpu_ms_per_handoff_by_process": system_by_process,
         "mean_seconds": wall / repeats,
+        "phases_ms_median": {name: statistics.median(v) for name, v in phases.items()},
         "pair_bytes": {f"{s} -> {d}": n for (s, d), n in sorted(pair_bytes.items())},
     }
 

@@ -13,6 +13,7 @@ before a byte of it is stored (docs/design.md invariants 8 and 11) -- shared by 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -137,6 +138,8 @@ class RoomRows:
     received: dict[int, int] = field(default_factory=dict)
     checksum: RoomChecksum = field(default_factory=RoomChecksum)
     error: str | None = None
+    first_at: float | None = None  # time.monotonic() when its first rows were counted (and checksummed)
+    last_at: float | None = None  # ... and when its latest were
 
     def status(self) -> dict:
         rows, expected = sum(self.received.values()), sum(self.expected.values())
@@ -147,6 +150,8 @@ class RoomRows:
             "complete": rows == expected,
             "checksum": self.checksum.value(),
             "error": self.error,
+            "first_row_at": self.first_at,
+            "last_row_at": self.last_at,
         }
 
 
@@ -235,6 +240,9 @@ def count_rows(r: RoomRows, h: dict, parts: list[torch.Tensor]) -> None:
     """Counts a checked frame's stored rows and checksums them (parts: [rows, width], in run order;
     h["order"], where given, is the frame's place in its sender's sequence: RoomChecksum)."""
     key = _count_key(r, h["src_rank"])
+    if r.first_at is None:
+        r.first_at = time.monotonic()
     for rows in parts:
         r.received[key] = r.received.get(key, 0) + len(rows)
         r.checksum.update(h["src_rank"], h["layer"], h["kind"], rows, h.get("order", ()))
+    r.last_at = time.monotonic()

@@ -30,6 +30,7 @@ The receiver thread and the rank's command loop share the room table: one lock g
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable
 
 import msgpack
@@ -185,6 +186,7 @@ class TcpSender:
         self.rank, self.pool, self.key = rank, pool, key
         self.ctx = zmq.Context()
         self.socks: dict[str, zmq.Socket] = {}
+        self.last_send: tuple = (None, None)  # time.monotonic() when the last send began and returned
 
     def _sock(self, endpoint: str, timeout_ms: int) -> zmq.Socket:
         if endpoint not in self.socks:
@@ -201,6 +203,13 @@ class TcpSender:
         """{"sums": {dst_rank: checksum streams}, "error": None or why}. A destination that does not
         drain (dead decode rank) is an error for this room only: its socket and queued frames are
         dropped and the reply says so; raising would break the whole prefill rank group."""
+        began = time.monotonic()
+        try:
+            return self._send(cmd)
+        finally:
+            self.last_send = (began, time.monotonic())
+
+    def _send(self, cmd: SendCmd) -> dict:
         sums: dict[int, RoomChecksum] = {}
         seq: dict[int, int] = {}
         corrupt = cmd.corrupt
@@ -228,7 +237,12 @@ class TcpSender:
         return {"sums": {dst: dict(c.streams) for dst, c in sums.items()}, "error": None}
 
     def status(self) -> dict:
-        return {"open_rooms": 0, "peers": len(self.socks)}  # a send holds nothing once it returned
+        return {  # a send holds nothing once it returned; when the last one began and returned
+            "open_rooms": 0,
+            "peers": len(self.socks),
+            "last_send_began": self.last_send[0],
+            "last_send_ended": self.last_send[1],
+        }
 
     def _pack(self, cmd: SendCmd, t: Transfer, seq: dict[int, int]) -> tuple[dict, bytearray, torch.Tensor]:
         """(header, payload, the payload's [rows, width] view): the rows in run order."""

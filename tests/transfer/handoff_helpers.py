@@ -106,7 +106,10 @@ def check_handoffs(prefill: PrefillInstance, decode: DecodeStepDriver, single: L
         params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
         want = single.generate([ids], [params])[0]
         rows = prefill_rows_of(prefill, ids)
+        before = time.monotonic()
         req = hand_off(prefill, decode, ids, params)
+        for s in prefill.transfer_status():  # each sender's clock of its send (bench/transfer.py)
+            assert before <= s["last_send_began"] <= s["last_send_ended"] <= time.monotonic(), (what, s)
         check_rows(prefill, decode, single, ids, req.pages, rows, what)
         decode.run_until_idle()
         assert req.output_ids == want, what

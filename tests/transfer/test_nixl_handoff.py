@@ -228,13 +228,19 @@ def deliver(recv: NixlReceiver, sender: NixlSender, room: str, ticket: bytes, pl
     ep = recv.handle(StageCmd(room, ticket, rows))
     assert ep["error"] is None, ep
     recv.handle(ExpectCmd(room, ticket, expected, ONE_ROOM_SLOTS))
+    before = time.monotonic()
     reply = sender.send(SendCmd(room, ticket, plan, {0: ep["endpoint"]}))
+    sent = time.monotonic()
+    began, ended = sender.status()["last_send_began"], sender.status()["last_send_ended"]
+    assert before <= began <= ended <= sent  # the send's own clock, which bench/transfer.py reads
     if reply["error"] is None:
         deadline = time.monotonic() + 5
         while not recv.handle(TransferStatusCmd(room))["complete"]:
             assert time.monotonic() < deadline
             time.sleep(0.002)
-        assert recv.handle(TransferStatusCmd(room))["checksum"] == merge_checksums([reply])[0]
+        status = recv.handle(TransferStatusCmd(room))
+        assert status["checksum"] == merge_checksums([reply])[0]
+        assert before <= status["first_row_at"] <= status["last_row_at"] <= time.monotonic()
     return {"reply": reply, "endpoint": ep["endpoint"]}
 
 
