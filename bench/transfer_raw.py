@@ -7,7 +7,9 @@ per prefill rank and one receiver process per decode rank, and each `round` post
 WRITE together from a common start, timed until every receiver has seen every notification. Every
 side polls with 0.2 ms sleeps, as the hand-off's loops do (4 processes spinning on 2 cores starve
 each other). Nothing is packed, stored or checksummed: this is what the transport gives these
-processes on this machine.
+processes on this machine. Both ends' buffers are allocated as the KV pools are (engine/huge_pages.py:
+2 MiB-aligned, on transparent huge pages where the kernel has them), so the raw rate is that of the
+same kind of memory as the hand-off's.
 
 `round(verify=True)` adds the one thing a hand-off must do that a raw WRITE does not (invariant 8,
 docs/design.md): each receiver reads every byte that landed once, taking its row sums
@@ -26,6 +28,8 @@ import time
 import torch
 from common import cpu_seconds
 
+from pdserve.engine import huge_pages
+
 POLL_S = 0.0002  # the hand-off's own status polls sleep too
 
 
@@ -34,7 +38,7 @@ def _receiver(conn, idx: int, nbytes: int, row_bytes: int) -> None:
     from pdserve.transfer.nixl_agent import make_agent
 
     torch.set_num_threads(1)
-    buf = torch.zeros(max(nbytes, 1), dtype=torch.uint8)
+    buf = huge_pages.zeros(max(nbytes, 1), dtype=torch.uint8)  # the memory kind of the KV pools
     agent = make_agent(f"raw-recv-{idx}")
     reg = agent.register_memory(buf)
     conn.send({"md": agent.get_agent_metadata(), "addr": buf.data_ptr()})
@@ -67,7 +71,8 @@ def _sender(conn, idx: int, targets: list[tuple[int, int, int]], receivers: list
 
     torch.set_num_threads(1)
     total = sum(n for _, _, n in targets)
-    src = (torch.arange(max(total, 1), dtype=torch.int64) % 251).to(torch.uint8)
+    src = huge_pages.zeros(max(total, 1), dtype=torch.uint8)  # the memory kind of the KV pools
+    src.copy_(torch.arange(src.numel(), dtype=torch.int64) % 251)
     agent = make_agent(f"raw-send-{idx}")
     reg = agent.register_memory(src)
     peers = {d: agent.add_remote_agent(receivers[d]["md"]) for d, _, _ in targets}

@@ -21,6 +21,7 @@ import torch
 
 from ..model.config import ModelConfig
 from ..model.kernels import take_rows
+from . import huge_pages
 from .capacity import check_kv_cache_dtype, entry_bytes, index_bytes, tokens_for_budget
 from .row_sums import row_sums
 
@@ -71,13 +72,14 @@ class KVPool:
         self.layers = list(range(cfg.num_layers)) if layers is None else list(layers)
         self.kv_row = {layer: i for i, layer in enumerate(self.layers)}
         rows = self.block * residues  # num_slots, rounded up to a multiple of R
-        self.kv = torch.zeros(
+        # on huge pages (engine/huge_pages.py): a NIXL hand-off's kernel copies pin far fewer pages
+        self.kv = huge_pages.zeros(
             len(self.layers), rows, cfg.kv_entry_dim, dtype=store, device=device
         )  # [L, rows, c+rope]
         indexed = [layer for layer in self.layers if cfg.has_indexer(layer)]
         self.index_row = {layer: i for i, layer in enumerate(indexed)}
         shape = (len(indexed), self.index_slots)
-        self.index_k = torch.zeros(
+        self.index_k = huge_pages.zeros(
             *shape, max(cfg.index_head_dim, 1), dtype=store, device=device
         )  # [Li, slots, Di]
         # Per-key dequantization scale; None when keys are stored in the model dtype.
