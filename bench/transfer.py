@@ -189,15 +189,15 @@ def transports(sizes_mb: list[int], repeats: int) -> dict:
 # ---- (c) the whole hand-off ---------------------------------------------------------------------------
 def _phases(start: float, seen: float, senders: list[dict], receivers: list[dict]) -> dict[str, float]:
     """One hand-off's critical path in ms, from the ranks' own clocks (time.monotonic: one clock on one
-    host): the command reaching the last sender, the senders' sends (laying out, WRITEs, waiting for
-    them), the receivers counting and checksumming the last rows after the last send returned, and
-    the caller seeing every rank complete after that."""
+    host), in four parts that add up to the whole: the command reaching the last sender; from there
+    until the last send returned (laying out, WRITEs, waiting for them); the receivers counting and
+    checksumming the last rows after that; the caller seeing every rank complete."""
     began = max(s["last_send_began"] for s in senders)
     ended = max(s["last_send_ended"] for s in senders)
     checked = max(r["last_row_at"] for r in receivers)
     return {
         "dispatch": 1000 * (began - start),
-        "sends": 1000 * (ended - min(s["last_send_began"] for s in senders)),
+        "sends": 1000 * (ended - began),
         "checks_after_sends": 1000 * max(0.0, checked - ended),
         "seen_after_checks": 1000 * (seen - max(checked, ended)),
     }
