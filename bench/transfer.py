@@ -194,7 +194,7 @@ def _phases(start: float, seen: float, senders: list[dict], receivers: list[dict
     checksumming the last rows after that; the caller seeing every rank complete."""
     began = max(s["last_send_began"] for s in senders)
     ended = max(s["last_send_ended"] for s in senders)
-    checked = max(r["last_row_at"] for r in receivers)
+    checked = max((r["last_row_at"] for r in receivers if r["last_row_at"] is not None), default=ended)
     return {
         "dispatch": 1000 * (began - start),
         "sends": 1000 * (ended - began),
