@@ -47,8 +47,8 @@ def zeros(*shape: int, dtype: torch.dtype, device: str | torch.device = "cpu") -
 
 
 def huge_page_bytes(t: torch.Tensor) -> int:
-    """Bytes of t's pages that the kernel backs with huge pages (/proc/self/smaps), for tests and
-    bench/: 0 where THP is off or the kernel had none."""
+    """Bytes of huge pages in the mappings t lies in (/proc/self/smaps), for the tests: 0 where THP
+    is off or the kernel had none."""
     lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
     total, inside = 0, False
     with open("/proc/self/smaps") as f:
