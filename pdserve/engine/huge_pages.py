@@ -11,6 +11,7 @@ small ones are plain torch.zeros.
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 
 import torch
@@ -34,9 +35,7 @@ def _madvise(addr: int, length: int) -> bool:
 def zeros(*shape: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.Tensor:
     """torch.zeros(*shape, dtype=dtype, device=device), on huge pages when on the host and at least
     one huge page long. The tensor views a buffer up to 2 MiB longer (its alignment slack)."""
-    nbytes = dtype.itemsize
-    for n in shape:
-        nbytes *= n
+    nbytes = math.prod(shape) * dtype.itemsize
     if torch.device(device).type != "cpu" or nbytes < HUGE:
         return torch.zeros(*shape, dtype=dtype, device=device)
     buf = torch.empty(nbytes + HUGE, dtype=torch.uint8)
