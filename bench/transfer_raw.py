@@ -16,6 +16,11 @@ docs/design.md): each receiver reads every byte that landed once, taking its row
 (engine/row_sums.py, the hand-off's checksum) as each sender's WRITE is notified. That is the floor
 of any verified transfer over this transport here, measured rather than estimated.
 
+`round(..., chunk_bytes=C)` splits each pair's bytes into WRITEs of at most C bytes (whole rows), all
+in flight together, each with a notification of its own, and a verifying receiver reads each chunk
+as soon as it is notified, as the hand-off's receivers do (its senders WRITE 32 MB chunks):
+bench/transfer_floor.py asks whether any chunk size lets that read overlap the copies enough.
+
 The processes live across rounds, so `Interleaved` runs their rounds between the hand-off's
 (bench/transfer.py; bench/ is on sys.path when a script runs)."""
 
@@ -31,6 +36,19 @@ from common import cpu_seconds
 from pdserve.engine import huge_pages
 
 POLL_S = 0.0002  # the hand-off's own status polls sleep too
+
+
+def pieces(offset: int, nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """A pair's bytes [offset, offset + nbytes) in a receiver as the WRITEs that carry them: chunks of
+    chunk_bytes (the last one shorter), or one WRITE when chunk_bytes is 0."""
+    if chunk_bytes <= 0:
+        return [(offset, nbytes)]
+    return [(offset + i, min(chunk_bytes, nbytes - i)) for i in range(0, nbytes, chunk_bytes)]
+
+
+def piece_tag(tag: bytes, offset: int) -> bytes:
+    """The notification of the WRITE landing at `offset`; NIXL matches tags as prefixes, so it ends in ";"."""
+    return tag + b"@%d;" % offset
 
 
 def _receiver(conn, idx: int, nbytes: int, row_bytes: int) -> None:
@@ -83,18 +101,19 @@ def _sender(conn, idx: int, targets: list[tuple[int, int, int]], receivers: list
             agent.deregister_memory(reg)
             conn.send("bye")
             return
-        _, tag, start = cmd
+        _, tag, start, chunk_bytes = cmd
         handles, pos = [], 0
         for d, off, n in targets:
-            handles.append(
-                agent.initialize_xfer(
-                    "WRITE",
-                    agent.get_xfer_descs([(src.data_ptr() + pos, n, 0)], "DRAM"),
-                    agent.get_xfer_descs([(receivers[d]["addr"] + off, n, 0)], "DRAM"),
-                    peers[d],
-                    tag,
+            for at, m in pieces(off, n, chunk_bytes):
+                handles.append(
+                    agent.initialize_xfer(
+                        "WRITE",
+                        agent.get_xfer_descs([(src.data_ptr() + pos + at - off, m, 0)], "DRAM"),
+                        agent.get_xfer_descs([(receivers[d]["addr"] + at, m, 0)], "DRAM"),
+                        peers[d],
+                        piece_tag(tag, at),
+                    )
                 )
-            )
             pos += n
         while time.perf_counter() < start:
             time.sleep(POLL_S)
@@ -113,6 +132,7 @@ class RawPairs:
     def __init__(self, pair_bytes: dict[tuple[int, int], int], row_bytes: int):
         ctx = mp.get_context("spawn")
         self.pairs = {k: v for k, v in sorted(pair_bytes.items()) if v > 0}
+        self.row_bytes = row_bytes
         senders = sorted({s for s, _ in self.pairs})
         receivers = sorted({d for _, d in self.pairs})
         offsets, size = {}, dict.fromkeys(receivers, 0)
@@ -144,22 +164,27 @@ class RawPairs:
     def nbytes(self) -> int:
         return sum(self.pairs.values())
 
-    def round(self, verify: bool) -> float:
+    def round(self, verify: bool, chunk_bytes: int = 0) -> float:
         """Seconds from the common start until every receiver saw (and, verify: read) every WRITE;
-        `self.sums` then holds each receiver's sum of the row sums it read (verify) or None."""
+        `self.sums` then holds each receiver's sum of the row sums it read (verify) or None.
+        chunk_bytes: each pair's bytes go as WRITEs of at most that many bytes, rounded down to whole
+        rows (0: one WRITE per pair)."""
+        if chunk_bytes:
+            chunk_bytes = max(chunk_bytes // self.row_bytes, 1) * self.row_bytes
         self.rounds += 1
         tag = f"raw{self.rounds}".encode()
         for d, a in self.rpipes.items():
             waits = [
-                ((f"raw-send-{s}", tag), (self.offsets[(s, d2)], n))
+                ((f"raw-send-{s}", piece_tag(tag, at)), (at, m))
                 for (s, d2), n in self.pairs.items()
                 if d2 == d
+                for at, m in pieces(self.offsets[(s, d2)], n, chunk_bytes)
             ]
             a.send(("wait", waits, verify))
             a.recv()
         start = time.perf_counter() + 0.02
         for a in self.spipes.values():
-            a.send(("go", tag, start))
+            a.send(("go", tag, start, chunk_bytes))
         states = [a.recv() for a in self.spipes.values()]
         if any(s != "DONE" for st in states for s in st):
             raise RuntimeError(f"raw NIXL WRITE ended {states}")

@@ -42,3 +42,10 @@ def test_summary_rows_are_rendered_and_a_changed_number_is_caught(tmp_path):
     row["result"] = "4.1x"
     (tmp_path / "serve.json").write_text(json.dumps(doc))
     assert table.replace(readme, table.render(tmp_path)) != readme  # a stale table is detected
+
+
+def test_every_bench_make_bench_runs_has_its_rows_in_the_table():
+    spec = importlib.util.spec_from_file_location("bench_run_all", ROOT / "bench" / "run_all.py")
+    run_all = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_all)
+    assert [script.removesuffix(".py") for script, _ in run_all.BENCHES] == list(load_table().ORDER)

@@ -48,5 +48,19 @@ def test_verified_rounds_read_exactly_what_each_pair_wrote(raw):
         }
         assert rp.sums == {d: int(v) for d, v in expected.items()}
         assert rp.sums[0] != rp.sums[1]
+        # chunked: WRITEs of at most 10 rows (the odd bytes rounded down to whole rows), each read as
+        # it is notified -- every byte still read once, none twice
+        assert rp.round(True, chunk_bytes=10 * row + 7) > 0
+        wrap = 1 << 64  # a receiver adds its chunks' (wrapping int64) sums as Python ints
+        assert {d: v % wrap for d, v in rp.sums.items()} == {d: int(v) % wrap for d, v in expected.items()}
     finally:
         rp.close()
+
+
+def test_pieces_cover_a_pair_once_in_chunks(raw):
+    assert raw.pieces(100, 25, 0) == [(100, 25)]
+    assert raw.pieces(100, 25, 10) == [(100, 10), (110, 10), (120, 5)]
+    assert raw.pieces(0, 20, 10) == [(0, 10), (10, 10)]
+    # a notification's tag is never the prefix of another's (NIXL matches by prefix)
+    tags = [raw.piece_tag(b"raw1", off) for off in (1, 10, 100)]
+    assert not any(a != b and b.startswith(a) for a in tags for b in tags)
