@@ -18,6 +18,7 @@ Backends call `fail()` for every peer-caused problem, so a bad peer fails one ro
 from __future__ import annotations
 
 import enum
+import time
 import zlib
 from typing import Protocol
 
@@ -154,3 +155,22 @@ def row_digest(rows) -> bytes:
 def sums_digest(sums: torch.Tensor) -> bytes:
     """Row sums already taken ([n] int64, any device; a pool's, engine/kv_cache.py) as those bytes."""
     return sums.cpu().numpy().tobytes()
+
+
+class SendClock:
+    """When a sender's last send began and returned (time.monotonic()), for its status reply: a
+    caller splits a hand-off's time by it (bench/transfer.py's phases, docs/nixl.md)."""
+
+    def __init__(self):
+        self.began: float | None = None
+        self.ended: float | None = None
+
+    def __enter__(self) -> SendClock:
+        self.began, self.ended = time.monotonic(), None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.ended = time.monotonic()
+
+    def status(self) -> dict:
+        return {"last_send_began": self.began, "last_send_ended": self.ended}

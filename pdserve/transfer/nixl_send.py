@@ -11,7 +11,7 @@ import time
 import msgpack
 import torch
 
-from .base import RoomChecksum, sums_digest
+from .base import RoomChecksum, SendClock, sums_digest
 from .frames import DEV_FRAME_KEY, seal_notif
 from .nixl_agent import NixlEndpoint, agent_name, make_agent, mem_type
 from .plan import Run, Transfer
@@ -134,7 +134,7 @@ class NixlSender:
         self.bytes_direct = self.bytes_packed = 0  # sent straight from the pool / packed into staging first
         self.inflight: list[_Posted] = []  # WRITEs posted and not yet settled
         self.failure: str | None = None  # the first WRITE of this send that failed
-        self.last_send = (None, None)  # time.monotonic() when the last send began and returned
+        self.clock = SendClock()
 
     def status(self) -> dict:
         return {
@@ -148,8 +148,7 @@ class NixlSender:
             "reloads": self.reloads,
             "bytes_direct": self.bytes_direct,
             "bytes_packed": self.bytes_packed,
-            "last_send_began": self.last_send[0],
-            "last_send_ended": self.last_send[1],
+            **self.clock.status(),
         }
 
     def _row_bytes(self, kind: str) -> int:
@@ -160,7 +159,10 @@ class NixlSender:
         """{"sums": {dst_rank: checksum streams}, "error": None or why}, like TcpSender.send. Every
         WRITE is posted as soon as its chunk is laid out (none waits for the one before); returns
         only when every WRITE it posted is DONE or cancelled; a failed destination fails the room only."""
-        began = time.monotonic()
+        with self.clock:
+            return self._send(cmd)
+
+    def _send(self, cmd: SendCmd) -> dict:
         mine = [t for t in cmd.plan if t.src_rank == self.rank]
         sums: dict[int, RoomChecksum] = {}
         corrupt = [cmd.corrupt]
@@ -178,7 +180,6 @@ class NixlSender:
             self._settle()
             err = self.failure or err  # a WRITE that failed, else the error that stopped posting
             self.staging_used = 0
-            self.last_send = (began, time.monotonic())
         if err:
             return {"sums": {}, "error": err}
         return {"sums": {dst: dict(c.streams) for dst, c in sums.items()}, "error": None}

@@ -30,14 +30,13 @@ The receiver thread and the rank's command loop share the room table: one lock g
 from __future__ import annotations
 
 import threading
-import time
 from typing import Callable
 
 import msgpack
 import torch
 import zmq
 
-from .base import RoomChecksum
+from .base import RoomChecksum, SendClock
 from .frames import DEV_FRAME_KEY, HEADER_MAX_BYTES, Liveness, data_ok, seal_data, unpack
 from .plan import Transfer
 from .rank_commands import ExpectCmd, ForgetCmd, SendCmd, StageCmd, receive_command
@@ -186,7 +185,7 @@ class TcpSender:
         self.rank, self.pool, self.key = rank, pool, key
         self.ctx = zmq.Context()
         self.socks: dict[str, zmq.Socket] = {}
-        self.last_send: tuple = (None, None)  # time.monotonic() when the last send began and returned
+        self.clock = SendClock()
 
     def _sock(self, endpoint: str, timeout_ms: int) -> zmq.Socket:
         if endpoint not in self.socks:
@@ -203,11 +202,8 @@ class TcpSender:
         """{"sums": {dst_rank: checksum streams}, "error": None or why}. A destination that does not
         drain (dead decode rank) is an error for this room only: its socket and queued frames are
         dropped and the reply says so; raising would break the whole prefill rank group."""
-        began = time.monotonic()
-        try:
+        with self.clock:
             return self._send(cmd)
-        finally:
-            self.last_send = (began, time.monotonic())
 
     def _send(self, cmd: SendCmd) -> dict:
         sums: dict[int, RoomChecksum] = {}
@@ -240,8 +236,7 @@ class TcpSender:
         return {  # a send holds nothing once it returned; when the last one began and returned
             "open_rooms": 0,
             "peers": len(self.socks),
-            "last_send_began": self.last_send[0],
-            "last_send_ended": self.last_send[1],
+            **self.clock.status(),
         }
 
     def _pack(self, cmd: SendCmd, t: Transfer, seq: dict[int, int]) -> tuple[dict, bytearray, torch.Tensor]:
