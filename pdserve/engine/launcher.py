@@ -26,7 +26,6 @@ group for good (`RankError`; `unhealthy()` then names the reason).
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing as mp
 import os
 import signal
@@ -37,6 +36,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any, Callable
+
+from .parent_death import die_with_parent
 
 _STOP = "__stop__"
 _LISTENERS: list = []  # rank 0's rendezvous socket (see _store)
@@ -97,13 +98,6 @@ class LaunchConfig:
         return check_devices(self.device, self.world_size, self.gpu_ids, cuda_count)
 
 
-def _die_with_parent() -> None:
-    try:  # Linux: PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-    except OSError:
-        pass
-
-
 # what the forkserver imports once for every cpu rank; symbolic_shapes (and sympy under it) is what
 # Module.to_empty imports on first use: about 1 s of each rank's start when left to the rank
 _PRELOAD = ["torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes"]
@@ -120,7 +114,7 @@ def _start_context(device: str):
 
 def _leave_forkserver() -> None:
     """A forked rank holds the forkserver's "alive" pipe like its launcher does: closing it lets the
-    forkserver exit when the launcher dies, which SIGTERMs the rank (_die_with_parent)."""
+    forkserver exit when the launcher dies, which SIGTERMs the rank (die_with_parent)."""
     from multiprocessing import forkserver
 
     server = forkserver._forkserver
@@ -137,7 +131,7 @@ def _rank_main(
     conn: Connection,
     environ: dict[str, str],
 ) -> None:
-    _die_with_parent()
+    die_with_parent()
     _leave_forkserver()
     os.environ.clear()
     os.environ.update(environ)  # the launcher's, not the forkserver's (started with the first group)

@@ -14,7 +14,6 @@ Imports no torch: the model directory must exist (cli.py builds the built-in one
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -29,6 +28,7 @@ import httpx
 
 from ..choices import AttentionOps, DcpIndex, Device, Policy, Restart, Switch, Transfer
 from ..engine.auth import INTERNAL_TOKEN_ENV, new_token
+from ..engine.parent_death import die_with_parent
 from ..engine.placement import check_attention_ops, check_device, parse_gpu_ids
 from ..engine.ports import free_port
 from ..flags import ATTENTION_OPS_HELP, DEVICE_HELP, option
@@ -154,14 +154,6 @@ class Child:
     args: Callable[[], list[str]]  # its command line; called again for a restart (fresh side ports)
 
 
-def _die_with_launcher() -> None:
-    """In a child, before exec: SIGTERM when `pdserve up` dies, however it dies (Linux PR_SET_PDEATHSIG)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-    except OSError:
-        pass
-
-
 def _popen(args: list[str], log: Path, mode: str, env: dict[str, str]) -> subprocess.Popen:
     """A child; secrets travel in `env`, never on its command line (visible in ps)."""
     with log.open(mode) as out:
@@ -176,7 +168,7 @@ def _popen(args: list[str], log: Path, mode: str, env: dict[str, str]) -> subpro
             # the kernel would then share the CPU equally per instance, not per rank (a 2-rank
             # prefill got 1 of 2 cores beside a 1-rank decode)
             process_group=0,
-            preexec_fn=_die_with_launcher,
+            preexec_fn=die_with_parent,  # SIGTERM when `pdserve up` dies, however it dies
         )
 
 
@@ -377,7 +369,7 @@ def up(cfg: StackConfig, echo=print) -> int:
     finally:
         # a second Ctrl-C or SIGTERM (process managers repeat them) must not cut the stop short and
         # orphan the instances, only their drain; they also die with this process if it is killed
-        # (_die_with_launcher)
+        # (die_with_parent)
         old_int = signal.signal(signal.SIGINT, lambda signum, frame: stack.terminate_all())
         signal.signal(signal.SIGTERM, lambda signum, frame: stack.terminate_all())
         try:
