@@ -170,22 +170,24 @@ async def workload(url: str, model: str, tok, a) -> dict:
     }
 
 
-def run_side(name: str, a, model_dir: str, tok) -> dict:
+def stack_process(a: argparse.Namespace, name: str, model_dir: str, log_dir: str) -> StackProcess:
+    """The side's `pdserve up` (bench/serve_stack.py): its prefix cache and routing policy (SIDES)."""
     cache, policy = SIDES[name]
-    idle = wait_until_idle(a.idle_wait)
-    sp = StackProcess(a, model_dir, tempfile.mkdtemp(prefix=f"pdserve-bench-prefix-{name}-"))
+    sp = StackProcess(argparse.Namespace(**{**vars(a), "policy": policy}), model_dir, log_dir)
     sp.cmd += [
-        "--prefill-instances",
-        str(a.prefill_instances),
         "--decode-instances",
         str(a.decode_instances),
         "--max-kv-tokens",
         str(a.max_kv_tokens),
         "--prefix-cache",
         cache,
-        "--policy",
-        policy,
     ]
+    return sp
+
+
+def run_side(name: str, a, model_dir: str, tok) -> dict:
+    idle = wait_until_idle(a.idle_wait)
+    sp = stack_process(a, name, model_dir, tempfile.mkdtemp(prefix=f"pdserve-bench-prefix-{name}-"))
     log(f"{name}: {' '.join(sp.cmd[3:])}")
     try:
         startup = sp.start(a.ready_timeout)
