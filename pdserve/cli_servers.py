@@ -23,6 +23,7 @@ from .cli_common import (
     model_arg,
 )
 from .decode_server.config import DecodeServerConfig
+from .engine.launcher import prestart
 from .flags import config_command
 from .prefill_server.config import PrefillServerConfig
 
@@ -53,6 +54,7 @@ def prefill(
         cfg = PrefillServerConfig(**_server_values(values, internal_token_file, check_config))
         cfg.validate_model()
         if not check_config:
+            prestart(cfg.device)  # the ranks' forkserver imports torch while this process does
             check_gpus(cfg, cfg.cp_size)
         if check_config:
             from .check_plan import echo_plan, prefill_plan
@@ -88,6 +90,7 @@ def decode(
         cfg = DecodeServerConfig(**_server_values(values, internal_token_file, check_config))
         cfg.validate_model()
         if not check_config:
+            prestart(cfg.device)  # the ranks' forkserver imports torch while this process does
             check_gpus(cfg, cfg.tp_size)
         num_slots = cfg.num_slots()
         if check_config:

@@ -10,7 +10,8 @@ Each rank asks the kernel to SIGTERM it when the launcher dies, so no rank is ev
 
 How ranks start (`_start_context`): on cpu they fork from multiprocessing's forkserver, a clean
 process that imported torch once per launcher, so a group of W ranks costs one torch import
-instead of W, and later groups none. Each rank takes the launcher's environment as it is at its
+instead of W, and later groups none; a server starts it (`prestart`) before it imports torch
+itself, so the two imports overlap. Each rank takes the launcher's environment as it is at its
 group's start; only what torch reads while it loads comes from the forkserver's start. A rank
 closes its copy of the forkserver's "alive" pipe, so the forkserver exits when the launcher dies
 and the rank's death signal fires as before. On cuda ranks are spawned, fresh interpreters, as
@@ -110,6 +111,21 @@ def _start_context(device: str):
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx
+
+
+def prestart(device: str) -> bool:
+    """Starts the forkserver that cpu ranks fork from now, before the caller imports torch itself:
+    its torch import then runs beside the caller's on another core instead of after it (a server
+    process imports torch too, then starts its ranks). False, and nothing started, unless device is
+    "cpu" (cuda ranks are spawned). Call it only once the environment the ranks' torch should load
+    with is set (module doc)."""
+    if device != "cpu":
+        return False
+    from multiprocessing import forkserver
+
+    _start_context(device)
+    forkserver.ensure_running()  # returns at once: the forkserver imports _PRELOAD on its own
+    return True
 
 
 def _leave_forkserver() -> None:

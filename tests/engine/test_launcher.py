@@ -154,8 +154,11 @@ def test_each_group_sees_the_launchers_environment_at_its_start(monkeypatch):
 
 LAUNCHER = """
 import sys, time
-from pdserve.engine.launcher import LaunchConfig, RankGroup
+from pdserve.engine.launcher import LaunchConfig, RankGroup, prestart
 from tests.engine.test_launcher import EnvWorker
+if sys.argv[2:] == ["prestart"]:
+    assert prestart("cpu")
+    import torch  # what a server does between prestart and its ranks' start
 g = RankGroup(EnvWorker, None, LaunchConfig(2, int(sys.argv[1])))
 g.start()
 for conn in g.conns:
@@ -165,11 +168,12 @@ time.sleep(600)
 """
 
 
-def test_ranks_die_with_a_killed_launcher():
+@pytest.mark.parametrize("start", ["with the group", "prestart"])
+def test_ranks_die_with_a_killed_launcher(start):
     """SIGKILL the process that started a group while its ranks are inside a command: the ranks
-    (children of the forkserver) follow it."""
+    (children of the forkserver) follow it, also when the forkserver was started before the group."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", LAUNCHER, str(free_port())], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", LAUNCHER, str(free_port()), start], stdout=subprocess.PIPE, text=True
     )
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
@@ -184,3 +188,38 @@ def test_ranks_die_with_a_killed_launcher():
     for pid in left:  # leave nothing behind when it fails
         os.kill(pid, signal.SIGKILL)
     assert not left, "ranks outlived their launcher"
+
+
+class ParentWorker:
+    """Each command: this rank's parent process id."""
+
+    def __init__(self, rank: int, world: int, payload):
+        pass
+
+    def handle(self, _):
+        return os.getppid()
+
+
+PRESTART = """
+import sys
+from multiprocessing import forkserver
+from pdserve.engine.launcher import LaunchConfig, RankGroup, prestart
+from tests.engine.test_launcher import ParentWorker
+assert not prestart("cuda") and forkserver._forkserver._forkserver_pid is None  # cuda ranks are spawned
+assert prestart("cpu")
+server = forkserver._forkserver._forkserver_pid
+import torch  # the server's own import, while the forkserver imports torch
+g = RankGroup(ParentWorker, None, LaunchConfig(2, int(sys.argv[1])))
+g.start()
+print(server, *g.call(None), flush=True)
+g.shutdown()
+"""
+
+
+def test_prestart_starts_the_forkserver_the_ranks_then_fork_from():
+    out = subprocess.run(
+        [sys.executable, "-c", PRESTART, str(free_port())], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    server, *parents = (int(x) for x in out.stdout.split())
+    assert server > 0 and parents == [server, server]
