@@ -40,17 +40,21 @@ LATENT_ROW_BYTES = 640  # the built-in small model's latent row (160 float32): c
 
 
 def measure(pairs: int, pair_bytes: int, chunks: list[int], repeats: int, row_bytes: int) -> dict:
-    """Seconds of every round: {"raw whole": [...], chunk MB: {"raw": [...], "verified": [...]}}."""
+    """Seconds of every round: {"raw whole": [...], "chunks": {MB: {"raw": [...], "verified": [...]}}}
+    (no chunked raw rounds for 0 MB: those are the raw whole ones)."""
     rp = RawPairs({(i, i): pair_bytes for i in range(pairs)}, row_bytes)
     try:
         times: dict = {"raw whole": [], "chunks": {c: {"raw": [], "verified": []} for c in chunks}}
-        kinds = [("raw whole", 0, False)] + [
-            (k, c, k == "verified") for c in chunks for k in ("raw", "verified") if c or k == "verified"
+        # (where its times go, WRITE size, verify) of each kind of round, run in rotating order
+        kinds = [(times["raw whole"], 0, False)] + [
+            (times["chunks"][c][k], c, k == "verified")
+            for c in chunks
+            for k in ("raw", "verified")
+            if c or k == "verified"
         ]
         for i in range(repeats):
-            for kind, chunk, verify in kinds[i % len(kinds) :] + kinds[: i % len(kinds)]:
-                t = rp.round(verify, int(chunk * MB))
-                (times["raw whole"] if kind == "raw whole" else times["chunks"][chunk][kind]).append(t)
+            for out, chunk, verify in kinds[i % len(kinds) :] + kinds[: i % len(kinds)]:
+                out.append(rp.round(verify, int(chunk * MB)))
         return times
     finally:
         rp.close()

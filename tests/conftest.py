@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +17,18 @@ from tests.servers import TEST_TOKEN
 os.environ[INTERNAL_TOKEN_ENV] = TEST_TOKEN  # every server, router and `pdserve up` a test starts shares it
 
 ARCHS = ("glm_moe_dsa", "deepseek_v32", "deepseek_v3")
+BENCH = str(Path(__file__).resolve().parents[1] / "bench")
+
+
+@pytest.fixture
+def bench_module():
+    """import_module for bench scripts, with bench/ on sys.path as when a script runs (their own
+    imports, and the processes they spawn, find their modules there)."""
+    sys.path.insert(0, BENCH)
+    try:
+        yield importlib.import_module
+    finally:
+        sys.path.remove(BENCH)
 
 
 def pytest_addoption(parser):

@@ -3,25 +3,10 @@ command line the real CLI takes: every flag is one of `up`'s options and none is
 flag StackProcess reads from the bench's arguments must exist there: prefix_cache.py once lacked
 --policy and failed at start)."""
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
 import typer.main
 
 from pdserve.cli import app
-
-BENCH = str(Path(__file__).resolve().parents[1] / "bench")
-
-
-@pytest.fixture
-def bench_modules():
-    sys.path.insert(0, BENCH)
-    try:
-        yield lambda name: importlib.import_module(name)
-    finally:
-        sys.path.remove(BENCH)
 
 
 def up_options() -> set[str]:
@@ -40,8 +25,8 @@ def check(cmd: list[str]) -> None:
     assert len(given) == len(set(given)), cmd
 
 
-def test_serve_bench_starts_a_valid_stack(bench_modules):
-    serve, stack = bench_modules("serve"), bench_modules("serve_stack")
+def test_serve_bench_starts_a_valid_stack(bench_module):
+    serve, stack = bench_module("serve"), bench_module("serve_stack")
     a = serve.parse_args(["--quick"])
     sp = stack.StackProcess(a, "/models/x", "/tmp/logs")
     check(sp.cmd)
@@ -49,8 +34,8 @@ def test_serve_bench_starts_a_valid_stack(bench_modules):
 
 
 @pytest.mark.parametrize("side", ["baseline", "cached"])
-def test_prefix_cache_bench_starts_a_valid_stack_per_side(bench_modules, side):
-    pc = bench_modules("prefix_cache")
+def test_prefix_cache_bench_starts_a_valid_stack_per_side(bench_module, side):
+    pc = bench_module("prefix_cache")
     a = pc.parse_args(["--quick"])
     cache, policy = pc.SIDES[side]
     sp = pc.stack_process(a, side, "/models/x", "/tmp/logs")

@@ -7,11 +7,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def load_table():
-    spec = importlib.util.spec_from_file_location("bench_table", ROOT / "bench" / "table.py")
+def load_bench(name: str):
+    """A stdlib-only bench script as a module of its own name (bench_NAME), outside sys.path."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def load_table():
+    return load_bench("table")
 
 
 def test_readme_table_matches_the_result_files():
@@ -45,7 +50,5 @@ def test_summary_rows_are_rendered_and_a_changed_number_is_caught(tmp_path):
 
 
 def test_every_bench_make_bench_runs_has_its_rows_in_the_table():
-    spec = importlib.util.spec_from_file_location("bench_run_all", ROOT / "bench" / "run_all.py")
-    run_all = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run_all)
+    run_all = load_bench("run_all")
     assert [script.removesuffix(".py") for script, _ in run_all.BENCHES] == list(load_table().ORDER)

@@ -1,27 +1,17 @@
 """bench/transfer_raw.py, the hand-off's ceilings: every pair's bytes land where the receiver reads
 them, and the verified round reads each landed byte (its row sums add up to the senders' bytes)."""
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from pdserve.engine.row_sums import row_sums
 
-BENCH = str(Path(__file__).resolve().parents[1] / "bench")
-
 
 @pytest.fixture
-def raw():
+def raw(bench_module):
     """bench/transfer_raw.py imported as a bench script imports it: the spawned processes unpickle
     their functions from `transfer_raw` on the path they inherit."""
-    sys.path.insert(0, BENCH)
-    try:
-        yield importlib.import_module("transfer_raw")
-    finally:
-        sys.path.remove(BENCH)
+    return bench_module("transfer_raw")
 
 
 def sender_bytes(total: int) -> torch.Tensor:

@@ -354,10 +354,10 @@ def up(cfg: StackConfig, echo=print) -> int:
             f"example:\n  curl {router.url}/v1/completions -H 'Content-Type: application/json' "
             f'-d \'{{"model": "{model}", "prompt": "Hello", "max_tokens": 16}}\''
         )
-        supervisor = Supervisor(stack, router, prefill + decode, cfg.restart, echo)
-        while True:
-            supervisor.tick()
-            time.sleep(POLL_S)
+        with Supervisor(stack, router, prefill + decode, cfg.restart, echo) as supervisor:
+            while True:
+                supervisor.tick()
+                time.sleep(POLL_S)
     except (KeyboardInterrupt, _Stop):
         echo(
             f"stopping (the instances drain for up to {cfg.shutdown_grace_s:g} s; Ctrl-C again cuts that short)"

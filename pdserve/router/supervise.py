@@ -67,6 +67,12 @@ class Supervisor:
         self.watches = {child.name: (child, _Watch(healthy_at=now)) for child in instances}
         self.http = httpx.Client(timeout=1)  # one client for the health polls after a restart
 
+    def __enter__(self) -> Supervisor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.http.close()
+
     def tick(self) -> None:
         """One look at every child; raises RuntimeError when the stack must stop."""
         code = self.router.proc.poll()
