@@ -2,8 +2,9 @@
 
 Without CUDA nothing here is collected (so nothing is reported as passed or skipped on CPU CI).
 Run alone (`pytest tests/gpu --confcutdir=tests/gpu`), these tests import only torch, pytest and
-what pdserve's rank processes import (safetensors, tokenizers, msgpack, pyzmq): the GPU machine
-has no fastapi, uvicorn or httpx, so the suite's root conftest is left out there.
+what pdserve's rank processes import (safetensors, tokenizers, msgpack, pyzmq, llguidance): the GPU
+machine has no fastapi, uvicorn or httpx, so the suite's root conftest is left out there. What they
+import is carried by fetch_wheels.sh, and tests/test_gpu_imports.py checks that on CPU.
 """
 
 from __future__ import annotations

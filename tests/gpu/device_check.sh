@@ -68,7 +68,7 @@ for tool, args in (("nvcc", ["nvcc", "--version"]), ("nvidia_smi", ["nvidia-smi"
     except Exception as e:
         env[tool] = f"unavailable: {e}"
 pkgs = {}
-for name in ("pytest", "nixl-cu13", "flashinfer-python", "safetensors", "tokenizers", "msgpack", "pyzmq"):
+for name in ("pytest", "nixl-cu13", "flashinfer-python", "safetensors", "tokenizers", "msgpack", "pyzmq", "llguidance"):
     try:
         pkgs[name] = md.version(name)
     except md.PackageNotFoundError:
