@@ -54,6 +54,23 @@ class AttentionOps(str, Enum):
     flashinfer = "flashinfer"
 
 
+class LinearOps(str, Enum):
+    """--linear-ops: engine/gemm_ops.py."""
+
+    auto = "auto"
+    torch = "torch"
+    triton = "triton"
+    scaled_mm = "scaled_mm"
+
+
+class MoeOps(str, Enum):
+    """--moe-ops: engine/gemm_ops.py."""
+
+    auto = "auto"
+    torch = "torch"
+    triton = "triton"
+
+
 class Transfer(str, Enum):
     """KV hand-off data path between prefill and decode instances: tcp (ZMQ over TCP) or nixl
     (NIXL/UCX one-sided WRITEs; RDMA or NVLink where present). Both sides must use the same."""

@@ -48,6 +48,17 @@ ATTENTION_OPS_HELP = (
     "flashinfer-python installed) or auto (flashinfer where it can run, else torch). The choice and its "
     "reason are printed at startup; flashinfer where it cannot run is an error."
 )
+LINEAR_OPS_HELP = (
+    "Products with fp8 weights: torch (dequantized 128 rows at a time), triton (block-scaled fp8 GEMM, "
+    "CUDA), scaled_mm (torch's block-scaled scaled_mm for prefill-sized products, triton below) or auto "
+    "(scaled_mm, else triton, else torch). Other weights always use F.linear. Printed at startup; an "
+    "implementation that cannot run is an error."
+)
+MOE_OPS_HELP = (
+    "Routed experts: torch (the grouped loop) or triton (the fused MoE kernel: no host sync, bf16 or fp8, "
+    "the shared expert folded in; CUDA) or auto (triton where it can run). Printed at startup; triton "
+    "where it cannot run is an error."
+)
 PREFIX_CACHE_HELP = (
     "Prefix cache: a radix tree over token ids keeps the KV pages of finished prompts, so a prompt "
     "that starts with a cached prefix (a shared system prompt, an earlier turn) computes only the "

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .choices import AttentionOps, Device, ModelDType, Switch, Transfer, check
+from .choices import AttentionOps, Device, LinearOps, ModelDType, MoeOps, Switch, Transfer, check
 from .engine.placement import check_device_fields
 from .flags import (
     ATTENTION_OPS_HELP,
@@ -19,7 +19,9 @@ from .flags import (
     EXACT_DTYPE_HELP,
     GPU_IDS_HELP,
     INTERNAL_TOKEN_HELP,
+    LINEAR_OPS_HELP,
     MODEL_HELP,
+    MOE_OPS_HELP,
     PREFIX_CACHE_HELP,
     SHUTDOWN_GRACE_HELP,
     option,
@@ -39,6 +41,8 @@ class InstanceOptions(ABC):
     device: str = option("cpu", DEVICE_HELP, choices=Device)
     gpu_ids: tuple[int, ...] = option((), GPU_IDS_HELP, cli_type=Optional[str], cli_default=None)
     attention_ops: str = option("auto", ATTENTION_OPS_HELP, choices=AttentionOps)
+    linear_ops: str = option("auto", LINEAR_OPS_HELP, choices=LinearOps)
+    moe_ops: str = option("auto", MOE_OPS_HELP, choices=MoeOps)
     threads_per_rank: int = option(
         1, "torch threads in each rank process (decode: also in the server's local prefill).", min=1
     )

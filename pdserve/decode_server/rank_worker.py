@@ -17,6 +17,7 @@ from ..engine.attn_ops import make_attention_ops
 from ..engine.comm import CPU_COMMS, make_comm
 from ..engine.device import check_devices, rank_device
 from ..engine.faults import check_fault
+from ..engine.gemm_ops import apply_gemm_ops
 from ..engine.kv_cache import KVPool
 from ..engine.launcher import RankWorker
 from ..engine.llm_engine import parse_dtype
@@ -44,6 +45,8 @@ class DecodeWorkerConfig:
     device: str = "cpu"  # "cuda": the GPU the launcher selected for this rank (engine/device.py)
     gpu_ids: tuple[int, ...] = ()  # the instance's GPUs (they decide NCCL or the host comm)
     attention_ops: str = "auto"  # engine/attn_ops.py
+    linear_ops: str = "auto"  # engine/gemm_ops.py
+    moe_ops: str = "auto"
     transfer: str = "tcp"  # KV hand-off data path: "tcp" | "nixl"
     data_host: str = "127.0.0.1"  # address the TCP receivers bind and advertise to prefill ranks
     transfer_quarantine_s: float = (
@@ -143,6 +146,7 @@ class DecodeRankWorker(RankWorker):
         )
         self.tp_comm = make_comm(cfg.cpu_comm, rank, world, device_comm=device_comm)
         apply_decode_tp(self.model, rank, world, cfg.dcp_size, cfg.replicate_q, self.tp_comm)
+        apply_gemm_ops(self.model, cfg.linear_ops, cfg.moe_ops, self.device, f"decode rank {rank}")
         group = None
         for g in range(world // cfg.dcp_size):  # every rank creates every group, in the same order
             members = list(range(g * cfg.dcp_size, (g + 1) * cfg.dcp_size))

@@ -39,6 +39,8 @@ def build_instance(cfg: DecodeServerConfig) -> DecodeInstance:
         device=cfg.device,
         gpu_ids=cfg.gpu_ids,
         attention_ops=cfg.attention_ops,
+        linear_ops=cfg.linear_ops,
+        moe_ops=cfg.moe_ops,
         float32_islands=not cfg.exact_dtype,
     )
     launch = LaunchConfig.of_server(cfg, cfg.tp_size)

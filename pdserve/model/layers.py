@@ -13,7 +13,9 @@ from torch import nn
 
 from . import native
 from .config import ModelConfig
+from .fp8_matmul import FP8_BLOCK, fp8_matmul
 from .kernels import FEW_ROWS, onednn_linear, uses_onednn, uses_onednn_gemv
+from .moe_ops import moe_torch
 
 
 def island_dtype(dtype: torch.dtype, islands: bool) -> torch.dtype:
@@ -60,14 +62,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b); W is [out, in] as in checkpoints."""
+    """y = x W^T (+ b); W is [out, in] as in checkpoints.
+
+    A weight kept in fp8 (float8_e4m3fn, with its float32 block scales in `weight_scale_inv`, the
+    checkpoint's layout) is multiplied by model/fp8_matmul.py with the implementation named by
+    `ops` (engine/gemm_ops.py: torch | triton | scaled_mm)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.weight = empty_param(out_features, in_features)
         self.bias = empty_param(out_features) if bias else None
+        self.weight_scale_inv: torch.Tensor | None = None  # fp8 weights only: [ceil(out/b0), ceil(in/b1)]
+        self.block = FP8_BLOCK
+        self.ops = "torch"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == torch.float8_e4m3fn:
+            return fp8_matmul(x, self.weight, self.weight_scale_inv, self.bias, self.ops, self.block)
         return linear(x, self.weight, self.bias)
 
 
@@ -148,6 +159,8 @@ class TopkRouter(nn.Module):
         # [T, E] in float32 like the reference, with its op: a float32 island keeps the reference's sums
         scores = F.linear(x.to(ct), self.weight.to(ct)).sigmoid()
         choice = scores + self.e_score_correction_bias.to(ct)
+        if cfg.n_group == 1:  # one group (GLM-5): the group mask keeps every expert; 6 kernels fewer
+            return self._weights(scores, choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False)[1])
         per_group = cfg.n_routed_experts // cfg.n_group
         group_scores = choice.view(-1, cfg.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
         group_idx = group_scores.topk(cfg.topk_group, dim=-1, sorted=False)[1]
@@ -156,20 +169,49 @@ class TopkRouter(nn.Module):
             group_mask.unsqueeze(-1).expand(-1, cfg.n_group, per_group).reshape(-1, cfg.n_routed_experts)
         )
         choice = choice.masked_fill(~expert_mask.bool(), float("-inf"))
-        ids = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
+        return self._weights(scores, choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False)[1])
+
+    def _weights(self, scores: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         weights = scores.gather(1, ids)
-        if cfg.norm_topk_prob:
+        if self.cfg.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * cfg.routed_scaling_factor, ids
+        return weights * self.cfg.routed_scaling_factor, ids
 
 
 class Experts(nn.Module):
-    """Routed experts stored stacked: gate and up fused per expert, as [E, 2I, H] and [E, H, I]."""
+    """Routed experts stored stacked: gate and up fused per expert, as [E, 2I, H] and [E, H, I].
+
+    fp8 experts keep their block scales beside them ([E, ceil(2I/b0), ceil(H/b1)] and
+    [E, ceil(H/b0), ceil(I/b1)]). `ops` (engine/gemm_ops.py) is "torch" (the grouped loop below; fp8
+    through model/moe_ops.moe_torch) or "triton" (model/triton_moe.fused_moe: no host sync).
+    With expert parallelism a rank holds experts first_expert .. first_expert + E - 1; a token's
+    choice of another rank's expert adds nothing here (the all-to-all brings it to that rank)."""
 
     def __init__(self, n_experts: int, hidden: int, intermediate: int):
         super().__init__()
         self.gate_up_proj = empty_param(n_experts, 2 * intermediate, hidden)
         self.down_proj = empty_param(n_experts, hidden, intermediate)
+        self.gate_up_scale_inv: torch.Tensor | None = None
+        self.down_scale_inv: torch.Tensor | None = None
+        self.block = FP8_BLOCK
+        self.ops = "torch"
+        self.first_expert: int | None = None  # expert parallelism: the id of this rank's expert 0
+        self.n_routed = n_experts  # this rank's routed experts (the stacks may hold a shared one after)
+        self.shared_slot: int | None = None  # MoE.fold_shared_expert: the shared expert's index
+
+    def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Router ids -> this rank's expert ids, -1 for another rank's expert (device ops, no sync)."""
+        if self.first_expert is None:
+            return ids
+        local = ids - self.first_expert
+        return torch.where((local >= 0) & (local < self.n_routed), local, -1)
+
+    def with_shared(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routing plus the folded shared expert: one more slot per token, weight 1."""
+        if self.shared_slot is None:
+            return weights, ids
+        col = torch.full_like(ids[:, :1], self.shared_slot)
+        return torch.cat([weights, torch.ones_like(weights[:, :1])], 1), torch.cat([ids, col], 1)
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
@@ -185,6 +227,16 @@ class Experts(nn.Module):
         return out if out is not None else torch.zeros_like(x)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        fp8 = self.gate_up_proj.dtype == torch.float8_e4m3fn
+        if self.ops == "triton" or fp8 or self.first_expert is not None or self.shared_slot is not None:
+            scales = (self.gate_up_scale_inv, self.down_scale_inv)
+            weights, ids = self.with_shared(weights, self.local_ids(ids))
+            args = (x, self.gate_up_proj, self.down_proj, weights, ids, *scales)
+            if self.ops == "triton":
+                from .triton_moe import fused_moe  # triton is imported only where it runs
+
+                return fused_moe(*args)
+            return moe_torch(*args, block=self.block)
         if native.moe_usable(x, self.gate_up_proj, self.down_proj):
             # a decode step's few float32 rows on the CPU: one native call reads each chosen expert once
             return native.moe_rows(x, self.gate_up_proj, self.down_proj, ids, weights)
@@ -224,3 +276,35 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+    @torch.no_grad()
+    def fold_shared_expert(self) -> bool:
+        """Stack the shared expert onto the routed ones as one more expert that every token takes
+        with weight 1 (SGLang's shared-experts fusion): the fused MoE then reads it in the same two
+        launches, instead of three products and their small kernels of its own. Only where it has
+        the experts' shape, dtype and block scales (one shared expert). True when folded."""
+        mlp, ex = self.shared_experts, self.experts
+        if mlp is None or ex.shared_slot is not None:
+            return False
+        gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        inter = ex.down_proj.shape[2]
+        fp8 = ex.gate_up_proj.dtype == torch.float8_e4m3fn
+        if (
+            tuple(down.weight.shape) != tuple(ex.down_proj.shape[1:])
+            or gate.weight.dtype != ex.gate_up_proj.dtype
+            or (fp8 and (inter % ex.block[0] or gate.weight_scale_inv is None))
+        ):
+            return False
+
+        def append(stack: torch.Tensor, one: torch.Tensor) -> nn.Parameter:
+            return nn.Parameter(torch.cat([stack, one.unsqueeze(0)]), requires_grad=False)
+
+        ex.gate_up_proj = append(ex.gate_up_proj, torch.cat([gate.weight, up.weight]))
+        ex.down_proj = append(ex.down_proj, down.weight)
+        if fp8:
+            ex.gate_up_scale_inv = append(
+                ex.gate_up_scale_inv, torch.cat([gate.weight_scale_inv, up.weight_scale_inv])
+            ).data
+            ex.down_scale_inv = append(ex.down_scale_inv, down.weight_scale_inv).data
+        ex.shared_slot, self.shared_experts = ex.n_routed, None
+        return True

@@ -17,6 +17,7 @@ from ..engine.attn_ops import make_attention_ops
 from ..engine.constraint import Grammars
 from ..engine.device import rank_device
 from ..engine.faults import check_fault
+from ..engine.gemm_ops import apply_gemm_ops
 from ..engine.kv_cache import KVPool
 from ..engine.launcher import RankWorker
 from ..engine.llm_engine import parse_dtype
@@ -48,6 +49,8 @@ class PrefillWorkerConfig:
     kv_residues: int = 0  # latent cache residue-major by this many residues (KVPool); 0: the CP size
     device: str = "cpu"  # "cuda": the GPU the launcher selected for this rank (engine/device.py)
     attention_ops: str = "auto"  # engine/attn_ops.py
+    linear_ops: str = "auto"  # engine/gemm_ops.py
+    moe_ops: str = "auto"
     # data frames are signed with it (transfer/frames.py)
     frame_key: bytes = field(default=DEV_FRAME_KEY, repr=False)
 
@@ -118,6 +121,7 @@ class PrefillRankWorker(RankWorker):
         self.split = TokenSplit(rank, world)
         if cfg.moe_tp:
             apply_moe_tp(self.model, self.split)
+        apply_gemm_ops(self.model, cfg.linear_ops, cfg.moe_ops, dev, f"prefill rank {rank} ({dev})")
         layers = None
         if cfg.cache == "layer-split":
             layers = [i for i, owner in enumerate(layer_owners(self.mcfg.num_layers, world)) if owner == rank]

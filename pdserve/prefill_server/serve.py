@@ -36,6 +36,8 @@ def build_instance(cfg: PrefillServerConfig) -> PrefillInstance:
         frame_key=cluster_frame_key(cfg.internal_token),
         device=cfg.device,
         attention_ops=cfg.attention_ops,
+        linear_ops=cfg.linear_ops,
+        moe_ops=cfg.moe_ops,
         float32_islands=not cfg.exact_dtype,
     )
     launch = LaunchConfig.of_server(cfg, cfg.cp_size)
