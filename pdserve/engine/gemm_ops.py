@@ -11,7 +11,7 @@ shared experts):
   triton     fp8 weights: a block-scaled w8a8 triton GEMM with split-K (model/triton_gemm.py) for
              every product
   scaled_mm  fp8 weights: torch's block-scaled `scaled_mm` (1x128 activation and 128x128 weight
-             scales) for products of more than SCALED_MM_MIN_ROWS rows (prefill), the triton GEMM
+             scales) for products of model/fp8_matmul.SCALED_MM_MIN_ROWS rows or more (prefill), the triton GEMM
              below that (a decode step: scaled_mm at 32 rows is slower than bf16, the issue's
              measurement on an H200)
   auto       scaled_mm where it can run, else triton, else torch
@@ -27,11 +27,11 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
+from ..model.quant import FP8_BLOCK  # torch-free
+
 LINEAR_OPS = ("auto", "torch", "triton", "scaled_mm")
 MOE_OPS = ("auto", "torch", "triton")
-SCALED_MM_MIN_ROWS = 64  # fewer rows than this go to the triton GEMM (a decode step's products)
 TRITON_DTYPES = ("bfloat16", "float8_e4m3fn")  # weight dtypes the triton kernels are written for
-FP8_BLOCK = (128, 128)  # the only block-scale shape the fp8 kernels take (the releases' layout)
 
 
 @dataclass(frozen=True)
@@ -153,12 +153,22 @@ def apply_gemm_ops(
 
     from ..model.layers import Experts, Linear
 
-    linear = [m.weight.dtype for m in model.modules() if isinstance(m, Linear)]
-    experts = [m.gate_up_proj.dtype for m in model.modules() if isinstance(m, Experts)]
     fp8 = torch.float8_e4m3fn
-    lin = select_linear_ops(linear_ops, gather_facts(device, fp8 if fp8 in linear else linear[0], FP8_BLOCK))
-    moe_dtype = experts[0] if experts else linear[0]
-    moe = select_moe_ops(moe_ops, gather_facts(device, moe_dtype, FP8_BLOCK if moe_dtype == fp8 else None))
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    quantized = [m for m in linears if m.weight.dtype == fp8]
+    lin_facts = (
+        gather_facts(device, fp8, quantized[0].block)
+        if quantized
+        else gather_facts(device, linears[0].weight.dtype)
+    )
+    ex = experts[0] if experts else None
+    moe_facts = (
+        gather_facts(device, ex.gate_up_proj.dtype, ex.block if ex.gate_up_proj.dtype == fp8 else None)
+        if ex
+        else lin_facts
+    )
+    lin, moe = select_linear_ops(linear_ops, lin_facts), select_moe_ops(moe_ops, moe_facts)
     set_gemm_ops(model, lin.name, moe.name)
     if who:
         print(

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from .moe_ops import dequant_linear
+from .quant import FP8_BLOCK
 
-FP8_BLOCK = (128, 128)
 SCALED_MM_MIN_ROWS = 64  # below this scaled_mm is slower than bf16 on an H200 (issue 39): triton
 W8A16_MAX_ROWS = 4  # few rows: no activation quantization kernels (as triton_moe.PER_PAIR_MAX)
 

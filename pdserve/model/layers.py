@@ -13,9 +13,10 @@ from torch import nn
 
 from . import native
 from .config import ModelConfig
-from .fp8_matmul import FP8_BLOCK, fp8_matmul
+from .fp8_matmul import fp8_matmul
 from .kernels import FEW_ROWS, onednn_linear, uses_onednn, uses_onednn_gemv
 from .moe_ops import moe_torch
+from .quant import FP8_BLOCK
 
 
 def island_dtype(dtype: torch.dtype, islands: bool) -> torch.dtype:

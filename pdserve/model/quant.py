@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # torch is imported where tensors are touched: config parsing
     import torch
 
 FP8_MAX = 448.0  # largest finite e4m3fn value
+FP8_BLOCK = (128, 128)  # the releases' block (rows, cols) per scale; the only one the fp8 kernels take
 SCALE_SUFFIX = "_scale_inv"
 SUPPORTED_METHODS = ("fp8",)
 

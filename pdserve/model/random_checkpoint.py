@@ -28,9 +28,8 @@ from safetensors.torch import save_file
 
 from pdserve.model import bpe_builder
 from pdserve.model.presets import hf_config
-from pdserve.model.quant import SCALE_SUFFIX, QuantConfig, quantizable, quantize_fp8
+from pdserve.model.quant import FP8_BLOCK, SCALE_SUFFIX, QuantConfig, quantizable, quantize_fp8
 
-FP8_BLOCK = (128, 128)
 QUANTIZE_METHODS = ("fp8",)
 
 # How each tensor is initialised; see _init_tensor.
