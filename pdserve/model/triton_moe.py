@@ -4,13 +4,14 @@
 model/moe_ops.moe_torch computes (its docstring gives the layouts) on a CUDA device:
 
   1. moe_align: the T*k (token, slot) pairs, pair p = t * k + j, are grouped by expert with torch
-     ops on the device. Each expert's group is padded to a multiple of BLOCK_M, so that a block of
+     ops on the device (up to PER_PAIR_MAX pairs, none of this: each pair is a block of its own,
+     on the tile's first row, and its id is its block's expert). Each expert's group is padded to a multiple of BLOCK_M, so that a block of
      BLOCK_M rows belongs to one expert; `block_expert` names it (-1: a block past the used ones).
      Pairs routed to another rank (id -1) are left out. Sizes are upper bounds that depend only on
      T*k, E and BLOCK_M, never on the ids: nothing waits for the device and the whole call can be
      captured in a CUDA graph.
   2. the first product, [T*k, 2I]: row p is x[p // k] @ w13[e].T (gate and up together).
-  3. h = silu(gate) * up in torch ([T*k, I]).
+  3. h = silu(gate) * up in torch ([T*k, I]; quantized per row and 128 columns for w8a8).
   4. the second product, [T*k, H]: row p is topk_weights[p] * h[p] @ w2[e].T, into a zeroed buffer
      (pairs left out write nothing, so they add 0).
   5. out = buffer.view(T, k, H).sum(1): a fixed-order reduction, no atomics, so the result is the
@@ -28,8 +29,8 @@ modes (the constexpr MODE):
              The fp8 dot's own accumulation (sm90 wgmma accumulates fp8 products imprecisely) spans
              one 128-wide k step only; the steps are summed in float32, as in DeepSeek-V3's recipe.
 
-Tile choices (`moe_config`, a pure function of T*k, N, K and E; no autotuning: there is no GPU time
-to tune on, and a tuned table can replace the function later):
+Tile choices (`moe_config`, a pure function of T*k, N, K and E; no autotuning at run time; the
+numbers below were checked by bench/gpu_tune.py on an H200, bench/results/gpu_tune.json):
   BLOCK_K 128     the scale block: one k step meets one scale per row (A) and per 128 rows (W);
                   also the fp8 dot's minimum K (32) and the bf16 one's (16) with room to spare
   BLOCK_M 16      decode-sized inputs (fewer than 32 pairs per expert on average): most experts hold
@@ -42,8 +43,12 @@ to tune on, and a tuned table can replace the function later):
   BLOCK_M 64      prefill: 64-row tiles are what one warpgroup's wgmma takes, with BLOCK_N 128 a
                   tile reuses each weight tile 64 times (compute-bound regime); GROUP_M 8 orders
                   programs so that neighbours share weight tiles in L2.
-  num_stages      4 for decode (memory-bound: more loads in flight), 3 for prefill, where a bf16
-                  stage is (64 + 128) x 128 x 2 B = 48 KiB: 144 KiB of the 227 KiB shared memory.
+  num_stages      6 for decode (memory-bound: more loads in flight; 4.34 TB/s at batch 32 against
+                  4.26 with 4), 3 for prefill, where a bf16 stage is (64 + 128) x 128 x 2 B =
+                  48 KiB: 144 KiB of the 227 KiB shared memory.
+  split           1 (MoeConfig.split deals the k steps to more programs, float32 partials summed in
+                  a fixed order; at batch 1 splits of 2-8 were no faster on the H200: the nine
+                  experts' weights stream at ~2.7 TB/s however the work is cut).
   num_warps 4     one warpgroup: the M = 16 tiles run as mma.sync (wgmma needs M % 64 == 0), the
                   M = 64 ones as one wgmma of 64 x 128.
 
