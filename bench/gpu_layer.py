@@ -174,13 +174,12 @@ def scaled_mm_works(device: torch.device) -> str | None:
     if device.type != "cuda":
         return "not cuda"
     try:
-        from gpu_layer_parts import quantize_blocks
-
         from pdserve.model.moe_ops import dequant_linear
+        from pdserve.model.quant import FP8_BLOCK, quantize_fp8
         from pdserve.model.triton_gemm import scaled_mm_linear
 
         x = torch.randn(128, 6144, device=device).to(torch.bfloat16)
-        w, s = quantize_blocks(torch.randn(2048, 6144, device=device) / 80)
+        w, s = quantize_fp8(torch.randn(2048, 6144, device=device) / 80, FP8_BLOCK)
         got, want = scaled_mm_linear(x, w, s).float(), dequant_linear(x.float(), w, s).float()
         err = ((got - want).norm() / want.norm()).item()
         return None if err < 0.05 else f"scaled_mm's product is off by {err:.3g} (relative)"

@@ -13,7 +13,7 @@ import torch
 from pdserve.model.config import ModelConfig
 from pdserve.model.kernels import attend
 from pdserve.model.layers import Experts, Linear
-from pdserve.model.quant import quantizable
+from pdserve.model.quant import FP8_BLOCK, quantizable, quantize_fp8
 from pdserve.model.transformer import DecoderLayer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,24 +71,11 @@ def rank_shape(name: str, tiny: bool = False) -> RankShape:
     return RankShape(name, ModelConfig.from_dict(d), ranks, first)
 
 
-def quantize_blocks(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8 weight, float32 scale_inv) of a [..., N, K] weight with one scale per 128x128 block, made
-    where w lies (model/quant.quantize_fp8's rule: amax / 448)."""
-    *lead, n, k = w.shape
-    nb, kb = -(-n // block), -(-k // block)
-    padded = torch.zeros(*lead, nb * block, kb * block, dtype=torch.float32, device=w.device)
-    padded[..., :n, :k] = w
-    blocks = padded.view(*lead, nb, block, kb, block)
-    scale = blocks.abs().amax(dim=(-3, -1)).clamp(min=1e-12) / 448.0
-    q = (blocks / scale[..., :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
-    return q.view(*lead, nb * block, kb * block)[..., :n, :k].contiguous(), scale
-
-
 def _fp8_param(t: torch.Tensor, chunk: int = 8) -> tuple[torch.nn.Parameter, torch.Tensor]:
     if t.dim() == 2:
-        q, s = quantize_blocks(t)
+        q, s = quantize_fp8(t, FP8_BLOCK)
     else:  # experts a few at a time: the float32 padding of all 256 would take tens of GB
-        parts = [quantize_blocks(t[i : i + chunk]) for i in range(0, t.shape[0], chunk)]
+        parts = [quantize_fp8(t[i : i + chunk], FP8_BLOCK) for i in range(0, t.shape[0], chunk)]
         q, s = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     return torch.nn.Parameter(q, requires_grad=False), s
 

@@ -7,8 +7,8 @@ Three implementations, named by engine/gemm_ops.py (`--linear-ops`):
   triton     model/triton_gemm: up to W8A16_MAX_ROWS rows the fp8 weight is converted in
              registers and multiplied with the bf16 activations (w8a16, split-K: no quantization
              kernels); above that the activations are quantized per row and 128 columns (w8a8)
-  scaled_mm  torch's block-scaled scaled_mm for SCALED_MM_MIN_ROWS rows or more (prefill) when K and
-             N are multiples of 128, the triton GEMM otherwise
+  scaled_mm  torch's block-scaled scaled_mm for SCALED_MM_MIN_ROWS rows or more (prefill), where
+             cuBLAS takes the shape (triton_gemm.scaled_mm_linear), the triton GEMM otherwise
 """
 
 from __future__ import annotations

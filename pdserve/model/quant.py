@@ -87,19 +87,22 @@ def quantizable(name: str, shape: tuple[int, ...]) -> bool:
 
 
 def quantize_fp8(w: "torch.Tensor", block: tuple[int, int]) -> "tuple[torch.Tensor, torch.Tensor]":
-    """(fp8 weight, float32 scale_inv) with one scale per block: amax / 448, so every value fits."""
+    """(fp8 weight, float32 scale_inv) with one scale per block: amax / 448, so every value fits.
+
+    w is [N, K], or [..., N, K] for stacked weights (experts: scales [..., ceil(N/b0), ceil(K/b1)]);
+    the work happens where w lies (a GPU's weights are quantized there)."""
     import torch
 
-    rows, cols = w.shape
+    *lead, rows, cols = w.shape
     br, bc = block
     nr, nc = -(-rows // br), -(-cols // bc)
-    padded = torch.zeros(nr * br, nc * bc, dtype=torch.float32)
-    padded[:rows, :cols] = w.float()
-    blocks = padded.view(nr, br, nc, bc)
-    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)  # [nr, nc]
-    scale = (amax / FP8_MAX).float()
-    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.view(nr * br, nc * bc)[:rows, :cols].contiguous(), scale
+    padded = torch.zeros(*lead, nr * br, nc * bc, dtype=torch.float32, device=w.device)
+    padded[..., :rows, :cols] = w
+    blocks = padded.view(*lead, nr, br, nc, bc)
+    amax = blocks.abs().amax(dim=(-3, -1)).clamp(min=1e-12)  # [..., nr, nc]
+    scale = amax / FP8_MAX
+    q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(*lead, nr * br, nc * bc)[..., :rows, :cols].contiguous(), scale
 
 
 def dequantize_fp8(

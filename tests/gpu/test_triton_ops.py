@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.model.moe_ops import dequant_linear, moe_torch
-from pdserve.model.quant import FP8_MAX, dequantize_fp8
+from pdserve.model.quant import dequantize_fp8, quantize_fp8
 from pdserve.model.triton_gemm import fp8_linear, fp8_linear_w8a16, scaled_mm_linear
 from pdserve.model.triton_moe import fused_moe, quantize_act
 
@@ -35,23 +35,12 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
-def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., N, K] -> (fp8, float32 scales [..., ceil(N/128), ceil(K/128)]) on w's device, as
-    model/quant.quantize_fp8 does on the CPU (amax / 448 per 128 x 128 block)."""
-    *lead, n, k = w.shape
-    nr, nc = -(-n // 128), -(-k // 128)
-    blocks = F.pad(w.float(), (0, nc * 128 - k, 0, nr * 128 - n)).view(*lead, nr, 128, nc, 128)
-    scale = blocks.abs().amax(dim=(-3, -1)).clamp(min=1e-12) / FP8_MAX
-    q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.view(*lead, nr * 128, nc * 128)[..., :n, :k].contiguous(), scale
-
-
 @pytest.fixture(scope="module")
 def experts():
     g = torch.Generator(CUDA).manual_seed(0)
     w13 = (torch.randn(E, 2 * I, H, device=CUDA, generator=g) / H**0.5).bfloat16()
     w2 = (torch.randn(E, H, I, device=CUDA, generator=g) / I**0.5).bfloat16()
-    (q13, s13), (q2, s2) = quantize_blocks(w13), quantize_blocks(w2)
+    (q13, s13), (q2, s2) = quantize_fp8(w13, BLOCK), quantize_fp8(w2, BLOCK)  # on the GPU, stacked
     return {"bf16": (w13, w2, None, None), "fp8": (q13, q2, s13, s2)}
 
 
@@ -147,7 +136,7 @@ def test_fused_moe_no_sync_and_cuda_graph(experts, kind):
 def linear_case(m: int, n: int, seed: int):
     g = torch.Generator(CUDA).manual_seed(seed)
     x = torch.randn(m, H, device=CUDA, generator=g).bfloat16()
-    q, scale = quantize_blocks(torch.randn(n, H, device=CUDA, generator=g) / H**0.5)
+    q, scale = quantize_fp8(torch.randn(n, H, device=CUDA, generator=g) / H**0.5, BLOCK)
     return x, q, scale
 
 

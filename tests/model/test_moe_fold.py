@@ -31,9 +31,9 @@ def moe(seed: int, fp8: bool, ep: bool = False, whole_blocks: bool = True) -> tu
     if fp8:
         ex = m.experts
         for name in ("gate_up_proj", "down_proj"):
-            qs = [quantize_fp8(w, (128, 128)) for w in getattr(ex, name).data]
-            setattr(ex, name, torch.nn.Parameter(torch.stack([q for q, _ in qs]), requires_grad=False))
-            setattr(ex, name.replace("proj", "scale_inv"), torch.stack([s for _, s in qs]))
+            q, s = quantize_fp8(getattr(ex, name).data, (128, 128))
+            setattr(ex, name, torch.nn.Parameter(q, requires_grad=False))
+            setattr(ex, name.replace("proj", "scale_inv"), s)
         for lin in (m.shared_experts.gate_proj, m.shared_experts.up_proj, m.shared_experts.down_proj):
             q, s = quantize_fp8(lin.weight.data, (128, 128))
             lin.weight, lin.weight_scale_inv = torch.nn.Parameter(q, requires_grad=False), s
