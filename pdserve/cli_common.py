@@ -109,8 +109,8 @@ def device_args(device: Device, gpu_ids: Optional[str]) -> dict:
 
 
 def check_gpus(cfg, world_size: int) -> None:
-    """Before anything starts: the GPUs the ranks need exist, and `--attention-ops flashinfer` can
-    run there (else a clear error, never a fallback)."""
+    """Before anything starts: the GPUs the ranks need exist, and `--attention-ops flashinfer`, an
+    explicit `--linear-ops` or `--moe-ops` can run there (else a clear error, never a fallback)."""
     import torch
 
     from .engine.attn_ops import gather_facts, select_attention_ops
@@ -119,6 +119,13 @@ def check_gpus(cfg, world_size: int) -> None:
     from .model.config import ModelConfig
 
     plan = check_devices(cfg.device, world_size, cfg.gpu_ids)
+    if {cfg.linear_ops, cfg.moe_ops} - {"auto", "torch"}:
+        from .engine import gemm_ops
+
+        dev = torch.device("cuda", plan.gpus[0]) if plan.device == "cuda" else torch.device("cpu")
+        facts = gemm_ops.gather_facts(dev, parse_dtype(cfg.dtype))  # the loader keeps the run dtype
+        gemm_ops.select_linear_ops(cfg.linear_ops, facts)
+        gemm_ops.select_moe_ops(cfg.moe_ops, facts)
     if cfg.attention_ops == "flashinfer":
         dev = torch.device("cuda", plan.gpus[0]) if plan.device == "cuda" else torch.device("cpu")
         mcfg = ModelConfig.from_pretrained(cfg.model)

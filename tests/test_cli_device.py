@@ -50,6 +50,14 @@ def test_cuda_without_a_gpu_is_a_startup_error(ckpt, cmd):
         (("generate", "--token-ids", "1", "--gpu-ids", "0"), "--gpu-ids needs --device cuda"),
         (("prefill", "--attention-ops", "flashinfer"), "flashinfer needs --device cuda"),
         (
+            ("prefill", "--moe-ops", "triton"),
+            "--moe-ops triton cannot run: the triton kernels need --device cuda",
+        ),
+        (
+            ("decode", "--linear-ops", "triton", "--max-kv-tokens", "64"),
+            "--linear-ops triton multiplies fp8 weights",
+        ),
+        (
             ("decode", "--attention-ops", "flashinfer", "--max-kv-tokens", "64"),
             "flashinfer needs --device cuda",
         ),
