@@ -12,6 +12,7 @@ import atexit
 import json
 import shutil
 import tempfile
+from functools import partial
 from pathlib import Path
 
 from .engine import capacity
@@ -44,13 +45,38 @@ def _weights(mcfg, dtype: str):
     return param_bytes(mcfg, dtype)
 
 
-def _quant(mcfg) -> str:
+def _quant(mcfg, keep_fp8: bool = False) -> str:
     q = mcfg.quantization
-    return (
-        "none"
-        if q is None
-        else f"{q.method} {q.block[0]}x{q.block[1]} blocks (dequantized to the run dtype at load)"
+    if q is None:
+        return "none"
+    kept = (
+        "kept fp8 where a rank's slice falls on blocks"
+        if keep_fp8
+        else "dequantized to the run dtype at load"
     )
+    return f"{q.method} {q.block[0]}x{q.block[1]} blocks ({kept})"
+
+
+def rank_weight_bytes(model: str, dtype: str, tp_size: int, dcp_size: int, replicate_q: bool, keep_fp8: bool):
+    """Each decode rank's weight bytes by dtype, from its meta-device model (model/shard.py): what
+    the rank would allocate, fp8 weights and their block scales included."""
+    from .decode_server.tp import shard_decode_model
+    from .engine.llm_engine import parse_dtype
+    from .model.shard import weight_bytes_by_dtype
+    from .model.weights import rank_model
+
+    out = []
+    for rank in range(tp_size):
+        meta = rank_model(
+            model,
+            parse_dtype(dtype),
+            shard=partial(
+                shard_decode_model, rank=rank, world=tp_size, dcp=dcp_size, replicate_q=replicate_q
+            ),
+            keep_fp8=keep_fp8,
+        )
+        out.append(weight_bytes_by_dtype(meta))
+    return out
 
 
 def prefill_plan(model: str, cp_size: int, cache: str, moe_tp: bool, dtype: str, slots: int) -> dict:
@@ -79,16 +105,21 @@ def decode_plan(
     page_size: int,
     slots: int,
     gpu_memory: int | None = None,
+    keep_fp8: bool = False,
 ) -> dict:
+    """keep_fp8: the ranks keep an fp8 checkpoint's weights fp8 (--device cuda without --dequantize)."""
     mcfg = _model(model)
+    by_rank = rank_weight_bytes(model, dtype, tp_size, dcp_size, replicate_q, keep_fp8)
+    weights = max(sum(r.values()) for r in by_rank)
     page = capacity.page_bytes_per_rank(mcfg, dcp_size, dcp_index, page_size, kv_cache_dtype, dtype)
     plan = {
         "model_type": mcfg.model_type,
-        "checkpoint_quantization": _quant(mcfg),
+        "checkpoint_quantization": _quant(mcfg, keep_fp8),
         "topology": f"1 decode instance of {tp_size} rank(s): TP={tp_size}, DCP C_d={dcp_size}, index {dcp_index}",
         "ranks": tp_size,
         "dtype": dtype,
-        "weight_bytes_per_rank": _weights(mcfg, dtype).decode_rank(tp_size, dcp_size, replicate_q),
+        "weight_bytes_per_rank": weights,
+        "weight_bytes_by_dtype_per_rank": by_rank,
         "kv_tokens": slots,
         "kv_bytes_per_rank": slots // page_size * page,
     }
@@ -96,9 +127,17 @@ def decode_plan(
         from .engine.weight_plan import gpu_plan
 
         sizes = sorted({1, 2, 4, 8, dcp_size})
+        from .engine.memory_check import WORKSPACE_BYTES
+
+        per_token = capacity.bytes_per_token_per_rank(mcfg, dcp_size, dcp_index, kv_cache_dtype, dtype)
+        left = gpu_memory - weights - WORKSPACE_BYTES["cuda"]
         plan["gpu"] = {
             "gpu_memory": gpu_memory,
             "fits": plan["weight_bytes_per_rank"] + plan["kv_bytes_per_rank"] <= gpu_memory,
+            "weights_fit": weights <= gpu_memory,
+            "workspace_bytes": WORKSPACE_BYTES["cuda"],
+            # the KV tokens one instance holds in what the weights and the workspace leave on each GPU
+            "kv_tokens_fit": int(max(left, 0) // per_token) // page_size * page_size,
             "rows": gpu_plan(
                 mcfg,
                 _weights(mcfg, dtype),
@@ -162,10 +201,20 @@ def describe(plan: dict) -> str:
             f"  weights {p['weight_bytes_per_rank'] / 2**30:,.2f} GiB per rank; KV cache "
             f"{p['kv_tokens']:,} tokens, {p['kv_bytes_per_rank'] / 2**30:,.2f} GiB per rank"
         )
-        if "gpu" in p:
+        if "weight_bytes_by_dtype_per_rank" in p:
+            widest = max(p["weight_bytes_by_dtype_per_rank"], key=lambda d: sum(d.values()))
             lines.append(
-                ("  fits" if p["gpu"]["fits"] else "  does NOT fit") + " on one GPU per rank; sizing:"
+                "  weights by dtype (largest rank): "
+                + ", ".join(f"{k} {v / 2**30:,.2f} GiB" for k, v in sorted(widest.items()))
             )
+        if "gpu" in p:
+            g = p["gpu"]
+            lines.append(
+                f"  on {g['gpu_memory'] / 2**30:,.1f} GiB GPUs the weights "
+                + ("fit" if g["weights_fit"] else "do NOT fit")
+                + f"; {g['kv_tokens_fit']:,} KV tokens fit beside them"
+            )
+            lines.append(("  fits" if g["fits"] else "  does NOT fit") + " on one GPU per rank; sizing:")
             lines.append(gpu_table(p["gpu"], p.get("dtype", "the run dtype")))
     return "\n".join(lines)
 

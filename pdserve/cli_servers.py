@@ -107,6 +107,7 @@ def decode(
                 cfg.page_size,
                 num_slots,
                 parse_bytes(gpu_memory) if gpu_memory is not None else None,
+                keep_fp8=cfg.device == "cuda" and not cfg.dequantize,
             )
     except (ValueError, FileNotFoundError) as e:
         fail(str(e))

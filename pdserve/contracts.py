@@ -203,7 +203,8 @@ class RankInfo(StrictModel):
     rank: int = Field(ge=0)
     pid: int
     cache_bytes: int = Field(ge=0)
-    weight_bytes: int | None = Field(None, ge=0)  # prefill ranks
+    weight_bytes: int | None = Field(None, ge=0)  # parameters and fp8 block scales
+    weight_bytes_by_dtype: dict[str, int] | None = None  # "float8_e4m3fn", "bfloat16", "float32", ...
     layers: list[int] | None = None  # prefill ranks: the layers whose cache the rank keeps
 
 

@@ -54,6 +54,11 @@ LINEAR_OPS_HELP = (
     "(scaled_mm, else triton, else torch). Other weights always use F.linear. Printed at startup; an "
     "implementation that cannot run is an error."
 )
+DEQUANTIZE_HELP = (
+    "FP8 block-quantized checkpoints: dequantize every weight to --dtype as it is read. Without it an fp8 "
+    "weight stays fp8 on cuda (weight + 128x128 block scales, multiplied by --linear-ops / --moe-ops) "
+    "wherever the rank's slice falls on block boundaries; on cpu weights are always dequantized."
+)
 MOE_OPS_HELP = (
     "Routed experts: torch (the grouped loop) or triton (the fused MoE kernel: no host sync, bf16 or fp8, "
     "the shared expert folded in; CUDA) or auto (triton where it can run). Printed at startup; triton "

@@ -14,6 +14,7 @@ from .choices import AttentionOps, Device, LinearOps, ModelDType, MoeOps, Switch
 from .engine.placement import check_device_fields
 from .flags import (
     ATTENTION_OPS_HELP,
+    DEQUANTIZE_HELP,
     DEVICE_HELP,
     DTYPE_HELP,
     EXACT_DTYPE_HELP,
@@ -43,6 +44,7 @@ class InstanceOptions(ABC):
     attention_ops: str = option("auto", ATTENTION_OPS_HELP, choices=AttentionOps)
     linear_ops: str = option("auto", LINEAR_OPS_HELP, choices=LinearOps)
     moe_ops: str = option("auto", MOE_OPS_HELP, choices=MoeOps)
+    dequantize: bool = option(False, DEQUANTIZE_HELP)
     threads_per_rank: int = option(
         1, "torch threads in each rank process (decode: also in the server's local prefill).", min=1
     )

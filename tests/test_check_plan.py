@@ -158,3 +158,34 @@ def test_every_release_tensor_name_is_mapped(release):
     assert counts["mtp"] == 9 and counts["load"] == len(specs) + (5 if release == "deepseek_v3" else 0)
     with pytest.raises(WeightError, match=r"model\.layers\.0\.self_attn\.q_c_proj\.weight"):
         check_tensor_names(cfg, ["model.layers.0.self_attn.q_c_proj.weight"])
+
+
+def test_glm5_fp8_at_w8_fits_an_h200_with_fp8_kept():
+    """Issue 39: GLM-5-FP8 kept in fp8 on cuda, W = 8, 141 GB: each rank's weights (~91 GiB: fp8
+    experts and projections, bf16 embeddings / LM head / kv_b, float32 scales) fit, with KV room
+    beside them; dequantized to bf16 (--dequantize) they do not."""
+    args = [
+        "decode",
+        "--model",
+        str(CONFIGS / "glm5"),
+        "--tp-size",
+        "8",
+        "--dcp-size",
+        "8",
+        "--device",
+        "cuda",
+    ]
+    r = cli(*args, "--gpu-memory", "141GB", "--check-config")
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.stdout)["plan"]
+    by_rank = plan["weight_bytes_by_dtype_per_rank"]
+    assert len(by_rank) == 8 and all(d == by_rank[0] for d in by_rank)
+    assert set(by_rank[0]) == {"float8_e4m3fn", "bfloat16", "float32"}
+    assert 85 * GIB < by_rank[0]["float8_e4m3fn"] < 90 * GIB and by_rank[0]["bfloat16"] < 5 * GIB
+    assert plan["weight_bytes_per_rank"] == sum(by_rank[0].values()) < 141e9
+    assert plan["gpu"]["weights_fit"] and plan["gpu"]["kv_tokens_fit"] > 1_000_000
+    assert "kept fp8" in plan["checkpoint_quantization"]
+    r = cli(*args, "--dequantize", "--gpu-memory", "141GB", "--check-config")
+    plan = json.loads(r.stdout)["plan"]
+    assert set(plan["weight_bytes_by_dtype_per_rank"][0]) == {"bfloat16", "float32"}
+    assert not plan["gpu"]["weights_fit"] and plan["gpu"]["kv_tokens_fit"] == 0

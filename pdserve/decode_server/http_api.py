@@ -5,6 +5,8 @@ GET  /health       200 {"status": "ok"} while every rank lives; 503 {"error": "r
                    503 {"status": "draining"} after SIGTERM (new requests get 503, running ones finish)
 GET  /capacity     total / free KV tokens, bytes per token per rank (docs/design.md invariant 6), index mode,
                    tp_size, dcp_size, kv_cache_dtype, page_size, running / queued requests, ranks (pid, cache bytes)
+GET  /info         /capacity plus each rank's weight bytes and their split by dtype (fp8 weights and
+                  their block scales, the run dtype, float32 islands); the KV tokens are total_tokens
 POST /v1/generate  {"token_ids": [...], "max_tokens": 16, "temperature", "top_p", "top_k", "seed",
                     "stop_token_ids": [], "ignore_eos": false, "min_tokens", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "logit_bias": [[id, bias]], "logprobs"?,
@@ -78,12 +80,27 @@ def create_app(cfg, instance, engine_loop, dead_rank, drain=None) -> FastAPI:
         "dtype": cfg.dtype,
         "ranks": [RankInfo(rank=r.rank, pid=r.pid, cache_bytes=r.cache_bytes) for r in instance.rank_infos],
     }
+    ranks = [  # /info: what each rank holds
+        RankInfo(
+            rank=r.rank,
+            pid=r.pid,
+            cache_bytes=r.cache_bytes,
+            weight_bytes=r.weight_bytes,
+            weight_bytes_by_dtype=r.weight_bytes_by_dtype,
+        )
+        for r in instance.rank_infos
+    ]
 
     app = instance_app("pdserve decode instance", getattr(cfg, "internal_token", None), dead_rank, drain)
 
     @app.get("/capacity")
     def capacity_() -> DecodeCapacity:
         return DecodeCapacity(**static, **engine_loop.stats)
+
+    @app.get("/info")
+    def info() -> DecodeCapacity:
+        """/capacity with each rank's weight bytes (by dtype); kv tokens: total_tokens."""
+        return DecodeCapacity(**{**static, "ranks": ranks}, **engine_loop.stats)
 
     @app.post("/v1/generate")
     async def generate(body: GenerateRequest, request: Request):

@@ -21,13 +21,15 @@ from ..engine.gemm_ops import apply_gemm_ops
 from ..engine.kv_cache import KVPool
 from ..engine.launcher import RankWorker
 from ..engine.llm_engine import parse_dtype
+from ..engine.memory_check import check_device_fits
 from ..engine.pipe_tensors import to_pipe
+from ..model.shard import weight_bytes_by_dtype
 from ..model.weights import load_model
 from ..transfer.backends import check_transfer, make_receiver
 from ..transfer.frames import DEV_FRAME_KEY
 from ..transfer.rank_commands import TRANSFER_CMDS
 from .dcp_backend import COMM_MODES, INDEX_MODES, DCPBackend, DCPGroup, DecodeBatch
-from .tp import apply_decode_tp
+from .tp import shard_decode_model, wrap_decode_tp
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class DecodeWorkerConfig:
     attention_ops: str = "auto"  # engine/attn_ops.py
     linear_ops: str = "auto"  # engine/gemm_ops.py
     moe_ops: str = "auto"
+    keep_fp8: bool = False  # fp8 checkpoint weights stay fp8 (model/shard.py): cuda without --dequantize
     transfer: str = "tcp"  # KV hand-off data path: "tcp" | "nixl"
     data_host: str = "127.0.0.1"  # address the TCP receivers bind and advertise to prefill ranks
     transfer_quarantine_s: float = (
@@ -112,10 +115,11 @@ class DecodeRankInfo:
     rank: int
     pid: int
     cache_bytes: int
-    weight_bytes: int
+    weight_bytes: int  # parameters and fp8 block scales
     empty_selections: int  # sparse-attention selections that found no key on this rank (DCP split)
     index_mode: str  # follows ReconfigureCmd
     data_endpoint: str | None  # its KV hand-off receiver
+    weight_bytes_by_dtype: dict[str, int] = field(default_factory=dict)  # "float8_e4m3fn", "bfloat16", ...
 
 
 @dataclass(frozen=True)
@@ -139,13 +143,27 @@ class DecodeRankWorker(RankWorker):
         self.dtype = parse_dtype(cfg.dtype)
         self.device = rank_device(cfg.device)
         device_comm = check_devices(cfg.device, world, cfg.gpu_ids).comm
-        self.model = load_model(cfg.model_dir, self.dtype, self.device, float32_islands=cfg.float32_islands)
+        who = f"decode rank {rank}"
+
+        def fits(meta_model) -> None:  # before anything is allocated: weights + KV + workspace
+            kv = self._make_pool(meta_model.config, cfg.index_mode, "meta").nbytes
+            check_device_fits(who, self.device, weight_bytes_by_dtype(meta_model), kv)
+
+        self.model = load_model(
+            cfg.model_dir,
+            self.dtype,
+            self.device,
+            float32_islands=cfg.float32_islands,
+            shard=lambda m: shard_decode_model(m, rank, world, cfg.dcp_size, cfg.replicate_q),
+            keep_fp8=cfg.keep_fp8,
+            check=fits,
+        )
         self.mcfg = self.model.config
         self.ops = make_attention_ops(
-            cfg.attention_ops, self.device, self.dtype, self.mcfg, cfg.kv_cache_dtype, f"decode rank {rank}"
+            cfg.attention_ops, self.device, self.dtype, self.mcfg, cfg.kv_cache_dtype, who
         )
         self.tp_comm = make_comm(cfg.cpu_comm, rank, world, device_comm=device_comm)
-        apply_decode_tp(self.model, rank, world, cfg.dcp_size, cfg.replicate_q, self.tp_comm)
+        wrap_decode_tp(self.model, rank, world, self.tp_comm)
         apply_gemm_ops(self.model, cfg.linear_ops, cfg.moe_ops, self.device, f"decode rank {rank}")
         group = None
         for g in range(world // cfg.dcp_size):  # every rank creates every group, in the same order
@@ -170,29 +188,37 @@ class DecodeRankWorker(RankWorker):
             cfg.num_slots,
         )
 
-    def _build(self, index_mode: str, comm: str) -> None:
-        cfg = self.cfg = replace(self.cfg, index_mode=index_mode, comm=comm)
+    def _make_pool(self, mcfg, index_mode: str, device) -> KVPool:
+        cfg = self.cfg
         rows = cfg.num_slots // cfg.dcp_size
-        self.pool = KVPool(
-            self.mcfg,
+        return KVPool(
+            mcfg,
             rows,
             self.dtype,
-            self.device,
+            device,
             kv_cache_dtype=cfg.kv_cache_dtype,
             index_slots=cfg.num_slots if index_mode == "copy" else rows,
         )
-        self.backend = DCPBackend(self.mcfg, self.pool, self.dcp, index_mode, comm, cfg.replicate_q, self.ops)
+
+    def _build(self, index_mode: str, comm: str) -> None:
+        self.cfg = replace(self.cfg, index_mode=index_mode, comm=comm)
+        self.pool = None  # the old pool is freed before the new one is allocated
+        self.pool = self._make_pool(self.mcfg, index_mode, self.device)
+        self.backend = DCPBackend(
+            self.mcfg, self.pool, self.dcp, index_mode, comm, self.cfg.replicate_q, self.ops
+        )
 
     def info(self) -> DecodeRankInfo:
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        by_dtype = weight_bytes_by_dtype(self.model)
         return DecodeRankInfo(
             self.rank,
             os.getpid(),
             self.pool.nbytes,
-            weights,
+            sum(by_dtype.values()),
             self.backend.empty_selections,
             self.cfg.index_mode,
             self.receiver.endpoint if hasattr(self, "receiver") else None,
+            by_dtype,
         )
 
     def commands(self) -> dict:

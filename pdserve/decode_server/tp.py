@@ -7,6 +7,9 @@ group's head slices are those of its members. Each rank keeps:
   - W_UV and the o_proj columns of its own slice; o_proj's output is all-reduced over the W ranks;
   - 1/W of every MLP / expert (intermediate dim), all-reduced after the block;
   - replicated: embeddings, norms, kv_a projection, the indexer, the router, the LM head.
+
+`shard_decode_model` gives a (meta) model this rank's shapes, so the loader allocates and reads only
+them; `wrap_decode_tp` then adds the all-reduces; `apply_decode_tp` does both to a loaded model.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..engine.tp_shard import keep, shard_ffn
+from ..engine.tp_shard import shard_ffn
 from ..model.attention import MLAttention
+from ..model.shard import cut_linear
 from ..model.transformer import CausalLM
 
 
@@ -39,32 +43,48 @@ def head_slices(num_heads: int, rank: int, world: int, dcp: int) -> tuple[range,
     return range(rank * per, (rank + 1) * per), range(group * dcp * per, (group + 1) * dcp * per)
 
 
-def _rows_for_heads(weight: torch.Tensor, num_heads: int, heads: range) -> torch.Tensor:
+def _head_rows(weight: torch.Tensor, num_heads: int, heads: range) -> slice:
+    """The rows of a [heads * per_head, in] weight that hold `heads` (consecutive)."""
     per_head = weight.shape[0] // num_heads
-    return weight.view(num_heads, per_head, -1)[heads.start : heads.stop].reshape(len(heads) * per_head, -1)
+    return slice(heads.start * per_head, heads.stop * per_head)
 
 
-def shard_attention(attn: MLAttention, rank: int, world: int, dcp: int, replicate_q: bool, comm) -> None:
+def shard_attention(attn: MLAttention, rank: int, world: int, dcp: int, replicate_q: bool) -> None:
     H = attn.n_heads
     own, group = head_slices(H, rank, world, dcp)
     q_heads = group if replicate_q else own
     q_lin = attn.q_proj if hasattr(attn, "q_proj") else attn.q_b_proj
-    keep(q_lin.weight, _rows_for_heads(q_lin.weight, H, q_heads))
-    keep(attn.kv_b_proj.weight, _rows_for_heads(attn.kv_b_proj.weight, H, q_heads))
+    cut_linear(q_lin, 0, _head_rows(q_lin.weight, H, q_heads))
+    cut_linear(attn.kv_b_proj, 0, _head_rows(attn.kv_b_proj.weight, H, q_heads))
     v = attn.v_dim
-    keep(attn.o_proj.weight, attn.o_proj.weight[:, own.start * v : own.stop * v])
-    if attn.o_proj.bias is not None and rank != 0:
-        keep(attn.o_proj.bias, torch.zeros_like(attn.o_proj.bias))  # the bias is added once, by rank 0
+    cut_linear(attn.o_proj, 1, slice(own.start * v, own.stop * v))
     attn.n_heads = len(q_heads)
     attn.out_heads = slice(own.start - q_heads.start, own.stop - q_heads.start)
-    attn.o_proj = AllReduce(attn.o_proj, comm)
 
 
-def apply_decode_tp(model: CausalLM, rank: int, world: int, dcp: int, replicate_q: bool, comm) -> None:
-    """comm: collectives over all W ranks (engine/comm.py)."""
+def shard_decode_model(model: CausalLM, rank: int, world: int, dcp: int, replicate_q: bool) -> None:
+    """This rank's slices of every layer (shapes only on a meta model; the loader fills them)."""
     if world == 1:
         return
     for layer in model.model.layers:
-        shard_attention(layer.self_attn, rank, world, dcp, replicate_q, comm)
+        shard_attention(layer.self_attn, rank, world, dcp, replicate_q)
         shard_ffn(layer.mlp, rank, world)
+
+
+@torch.no_grad()
+def wrap_decode_tp(model: CausalLM, rank: int, world: int, comm) -> None:
+    """The all-reduces after o_proj and after each MLP / MoE block, on a loaded sharded model."""
+    if world == 1:
+        return
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        if attn.o_proj.bias is not None and rank != 0:
+            attn.o_proj.bias.zero_()  # the bias is added once, by rank 0
+        attn.o_proj = AllReduce(attn.o_proj, comm)
         layer.mlp = AllReduce(layer.mlp, comm)
+
+
+def apply_decode_tp(model: CausalLM, rank: int, world: int, dcp: int, replicate_q: bool, comm) -> None:
+    """Both steps on a loaded (whole) model. comm: collectives over all W ranks (engine/comm.py)."""
+    shard_decode_model(model, rank, world, dcp, replicate_q)
+    wrap_decode_tp(model, rank, world, comm)

@@ -8,8 +8,9 @@ how the servers split them:
   - `ffn`: dense MLP, routed and shared experts: 1/W on a decode rank, 1/C_p on a prefill rank
     with --moe-tp, else all;
   - `replicated`: embeddings, LM head, norms, kv_a / q_a projections, the indexer, the router.
-Weights live in the run dtype (FP8 checkpoints are dequantized at load); the few parameters the
-reference keeps in float32 (indexer weights_proj, routing bias) count 4 bytes.
+This planner counts weights in the run dtype (an FP8 checkpoint dequantized, `--dequantize`); the few
+parameters the reference keeps in float32 (indexer weights_proj, routing bias) count 4 bytes. The
+exact bytes of a rank, fp8 kept, come from its meta model (check_plan.rank_weight_bytes).
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ def param_bytes(cfg, dtype) -> ParamBytes:
     """cfg: a ModelConfig; dtype: a name ("bfloat16") or torch.dtype."""
     import torch
 
+    from ..model.shard import FP32_PARAM_PATTERNS
     from ..model.transformer import CausalLM
-    from ..model.weights import FP32_PARAM_PATTERNS
 
     value_bytes = capacity.dtype_bytes(dtype)
     with torch.device("meta"):

@@ -61,10 +61,13 @@ class RowStack:
 
 
 def stack_rows(parts: list[Linear]) -> RowStack | None:
-    """A RowStack when there are at least two parts of one dtype, device and input size."""
+    """A RowStack when there are at least two parts of one dtype, device and input size (not fp8:
+    their block scales would have to be stacked too, and the parts multiply with their own kernel)."""
     if len(parts) < 2:
         return None
     w0 = parts[0].weight
+    if w0.dtype == torch.float8_e4m3fn:
+        return None
     if any(
         p.weight.dtype != w0.dtype or p.weight.device != w0.device or p.weight.shape[1] != w0.shape[1]
         for p in parts

@@ -76,6 +76,7 @@ class Linear(nn.Module):
         self.weight_scale_inv: torch.Tensor | None = None  # fp8 weights only: [ceil(out/b0), ceil(in/b1)]
         self.block = FP8_BLOCK
         self.ops = "torch"
+        self.cut = None  # model/shard.Cut: the slice of the checkpoint's weight held (None: all of it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == torch.float8_e4m3fn:
@@ -199,6 +200,7 @@ class Experts(nn.Module):
         self.first_expert: int | None = None  # expert parallelism: the id of this rank's expert 0
         self.n_routed = n_experts  # this rank's routed experts (the stacks may hold a shared one after)
         self.shared_slot: int | None = None  # MoE.fold_shared_expert: the shared expert's index
+        self.cut = None  # model/shard.Cut (dim -1): the intermediate rows / columns held (TP)
 
     def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Router ids -> this rank's expert ids, -1 for another rank's expert (device ops, no sync)."""

@@ -37,7 +37,18 @@ class TensorParallelMLP(nn.Module):
         return reduce_scatter_rows(partial, counts, self.split.rank)
 
 
-def apply_moe_tp(model: CausalLM, split: TokenSplit) -> None:
+def shard_moe_tp(model: CausalLM, rank: int, world: int) -> None:
+    """This rank's slice of every MLP / MoE block (shapes only on a meta model; the loader fills them)."""
     for layer in model.model.layers:
-        shard_ffn(layer.mlp, split.rank, split.world)
+        shard_ffn(layer.mlp, rank, world)
+
+
+def wrap_moe_tp(model: CausalLM, split: TokenSplit) -> None:
+    for layer in model.model.layers:
         layer.mlp = TensorParallelMLP(layer.mlp, split)
+
+
+def apply_moe_tp(model: CausalLM, split: TokenSplit) -> None:
+    """Both steps on a loaded (whole) model."""
+    shard_moe_tp(model, split.rank, split.world)
+    wrap_moe_tp(model, split)

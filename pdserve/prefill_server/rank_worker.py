@@ -22,15 +22,18 @@ from ..engine.kv_cache import KVPool
 from ..engine.launcher import RankWorker
 from ..engine.llm_engine import parse_dtype
 from ..engine.logits_process import prompt_logprobs
+from ..engine.memory_check import check_device_fits
 from ..engine.request import SamplingParams, TokenLogprob
 from ..engine.sampler import Sampler
+from ..model.config import ModelConfig
+from ..model.shard import weight_bytes_by_dtype
 from ..model.weights import load_model
 from ..transfer.backends import check_transfer, make_sender
 from ..transfer.frames import DEV_FRAME_KEY
 from ..transfer.rank_commands import SendCmd, TransferStatusCmd
 from .cp_backend import ChunkPlan, CPBackend, layer_owners
 from .layouts import split_positions
-from .moe_tp import TokenSplit, apply_moe_tp
+from .moe_tp import TokenSplit, shard_moe_tp, wrap_moe_tp
 
 CACHE_MODES = values(CacheMode)
 
@@ -51,6 +54,7 @@ class PrefillWorkerConfig:
     attention_ops: str = "auto"  # engine/attn_ops.py
     linear_ops: str = "auto"  # engine/gemm_ops.py
     moe_ops: str = "auto"
+    keep_fp8: bool = False  # fp8 checkpoint weights stay fp8 (model/shard.py): cuda without --dequantize
     # data frames are signed with it (transfer/frames.py)
     frame_key: bytes = field(default=DEV_FRAME_KEY, repr=False)
 
@@ -83,8 +87,9 @@ class PrefillRankInfo:
     rank: int
     pid: int
     cache_bytes: int
-    weight_bytes: int
+    weight_bytes: int  # parameters and fp8 block scales
     layers: list[int]  # the layers whose cache this rank keeps
+    weight_bytes_by_dtype: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -116,18 +121,30 @@ class PrefillRankWorker(RankWorker):
         self.rank, self.world, self.cfg = rank, world, cfg
         dtype = parse_dtype(cfg.dtype)
         self.device = dev = rank_device(cfg.device)
-        self.model = load_model(cfg.model_dir, dtype, dev, float32_islands=cfg.float32_islands)
+        layers = None
+
+        def fits(meta_model) -> None:  # before anything is allocated: weights + KV + workspace
+            kv = self._make_pool(meta_model.config, layers, "meta").nbytes
+            check_device_fits(f"prefill rank {rank}", dev, weight_bytes_by_dtype(meta_model), kv)
+
+        if cfg.cache == "layer-split":
+            n_layers = ModelConfig.from_pretrained(cfg.model_dir).num_layers
+            layers = [i for i, owner in enumerate(layer_owners(n_layers, world)) if owner == rank]
+        self.model = load_model(
+            cfg.model_dir,
+            dtype,
+            dev,
+            float32_islands=cfg.float32_islands,
+            shard=(lambda m: shard_moe_tp(m, rank, world)) if cfg.moe_tp else None,
+            keep_fp8=cfg.keep_fp8,
+            check=fits,
+        )
         self.mcfg = self.model.config
         self.split = TokenSplit(rank, world)
         if cfg.moe_tp:
-            apply_moe_tp(self.model, self.split)
+            wrap_moe_tp(self.model, self.split)
         apply_gemm_ops(self.model, cfg.linear_ops, cfg.moe_ops, dev, f"prefill rank {rank} ({dev})")
-        layers = None
-        if cfg.cache == "layer-split":
-            layers = [i for i, owner in enumerate(layer_owners(self.mcfg.num_layers, world)) if owner == rank]
-        self.pool = KVPool(
-            self.mcfg, cfg.num_slots, dtype, dev, layers=layers, residues=cfg.kv_residues or world, sums=True
-        )
+        self.pool = self._make_pool(self.mcfg, layers, dev)
         ops = make_attention_ops(cfg.attention_ops, dev, dtype, self.mcfg, who=f"prefill rank {rank} ({dev})")
         self.backend = CPBackend(self.mcfg, self.pool, rank, world, cfg.query_block, ops)
         grammars = Grammars(cfg.model_dir, self.mcfg.vocab_size, self.mcfg.eos_token_ids)
@@ -136,9 +153,24 @@ class PrefillRankWorker(RankWorker):
             cfg.transfer, rank, self.pool, cfg.frame_key
         )  # KV hand-off data path (transfer/tcp.py, nixl.py)
 
+    def _make_pool(self, mcfg, layers: list[int] | None, device) -> KVPool:
+        cfg = self.cfg
+        dtype = parse_dtype(cfg.dtype)
+        return KVPool(
+            mcfg,
+            cfg.num_slots,
+            dtype,
+            device,
+            layers=layers,
+            residues=cfg.kv_residues or self.world,
+            sums=True,
+        )
+
     def info(self) -> PrefillRankInfo:
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        return PrefillRankInfo(self.rank, os.getpid(), self.pool.nbytes, weights, list(self.pool.layers))
+        by_dtype = weight_bytes_by_dtype(self.model)
+        return PrefillRankInfo(
+            self.rank, os.getpid(), self.pool.nbytes, sum(by_dtype.values()), list(self.pool.layers), by_dtype
+        )
 
     def commands(self) -> dict:
         return {

@@ -16,11 +16,14 @@ import sys
 import time
 
 import pytest
+import torch
 
 from pdserve.engine import capacity
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import SamplingParams
 from pdserve.model.config import ModelConfig
+from pdserve.model.shard import weight_bytes_by_dtype
+from pdserve.model.weights import rank_model
 from tests.servers import http, pid_alive, start_server
 
 MAX_KV_TOKENS = 4096  # room for a long request, so the disconnect test can only pass by aborting it
@@ -69,6 +72,12 @@ def check_capacity(url: str, glm) -> dict:
         "auto",
     )
     assert len(cap["ranks"]) == 2 and all(r["cache_bytes"] == want * MAX_KV_TOKENS for r in cap["ranks"])
+    info = http.get(f"{url}/info").json()  # the same, with each rank's weight bytes by dtype
+    whole = sum(weight_bytes_by_dtype(rank_model(glm, torch.float32)).values())
+    for r in info["ranks"]:
+        assert set(r["weight_bytes_by_dtype"]) == {"float32"}  # a float32 checkpoint on the CPU
+        assert r["weight_bytes"] == r["weight_bytes_by_dtype"]["float32"] < whole  # its TP share only
+    assert info["total_tokens"] == cap["total_tokens"]
     return cap
 
 

@@ -11,7 +11,7 @@ import torch
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import SamplingParams
-from pdserve.engine.tp_shard import keep, shard_mlp
+from pdserve.engine.tp_shard import shard_mlp
 from pdserve.model.attention import MLAttention
 from pdserve.model.fusion import fuse_projections
 from pdserve.model.layers import MLP
@@ -84,7 +84,7 @@ def test_a_replaced_part_falls_back_until_stacked_again(tiny_checkpoints):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, model.config.hidden_size, dtype=torch.float64, generator=g)
     wk = attn.indexer.wk
-    keep(wk.weight, wk.weight * 2)  # a new storage: the stack would still read the old rows
+    wk.weight.data = (wk.weight * 2).contiguous()  # a new storage: the stack would still read the old rows
     assert not attn.a_stack.live()
     q_a, kv_a, wk_x = attn._project_input(x)
     assert wk_x is None  # the indexer computes wk itself, from the new weight

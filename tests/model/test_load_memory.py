@@ -11,10 +11,11 @@ import textwrap
 
 import pytest
 
-SCRIPT = textwrap.dedent(
+# Runs `load` (a statement that sets `model`) in a fresh process while a thread samples RssAnon;
+# `peak_kb` is the growth over the process's memory before it (file pages are not counted).
+PEAK_SCRIPT = textwrap.dedent(
     """
     import threading, time, torch
-    from pdserve.model.random_checkpoint import make_model
     from pdserve.model.weights import load_model
 
     def anon_kb():
@@ -22,7 +23,7 @@ SCRIPT = textwrap.dedent(
             if line.startswith("RssAnon:"):
                 return int(line.split()[1])
 
-    path = make_model(r"{out}", "glm_moe_dsa", "small", seed=0, max_shard_bytes={shard}, quantize={quantize!r})
+    {setup}
     torch.zeros(1)
     base, peak, stop = anon_kb(), [0], threading.Event()
 
@@ -33,12 +34,24 @@ SCRIPT = textwrap.dedent(
 
     t = threading.Thread(target=sample)
     t.start()
-    messages = []
-    model = load_model(path, progress=messages.append)
+    {load}
     stop.set(); t.join()
-    weights_kb = sum(p.numel() * p.element_size() for p in model.parameters()) // 1024
-    print(weights_kb, peak[0] - base, len(messages), len(list(path.glob("model-*.safetensors"))))
+    peak_kb = peak[0] - base
+    {report}
     """
+)
+
+
+def peak_script(setup: str, load: str, report: str) -> str:
+    return PEAK_SCRIPT.format(setup=setup, load=load, report=report)
+
+
+SCRIPT = peak_script(
+    "from pdserve.model.random_checkpoint import make_model\n"
+    'path = make_model(r"{out}", "glm_moe_dsa", "small", seed=0, max_shard_bytes={shard}, quantize={quantize!r})',
+    "messages = []; model = load_model(path, progress=messages.append)",
+    "weights_kb = sum(p.numel() * p.element_size() for p in model.parameters()) // 1024\n"
+    'print(weights_kb, peak_kb, len(messages), len(list(path.glob("model-*.safetensors"))))',
 )
 
 

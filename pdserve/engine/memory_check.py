@@ -1,0 +1,53 @@
+"""Does a rank fit its device? Its weights (by dtype), KV pool and a workspace against the device's
+memory, checked on the meta-device model before anything is allocated, so a rank that cannot fit
+refuses to start with the numbers instead of failing in the middle of a load.
+
+Available memory: on cuda the device's free memory (torch.cuda.mem_get_info), on the CPU the host's
+MemAvailable (/proc/meminfo). The workspace is an estimate of what a step allocates beside the
+weights and the pool (activations, kernels' scratch, the CUDA context's share)."""
+
+from __future__ import annotations
+
+WORKSPACE_BYTES = {"cuda": 2 << 30, "cpu": 64 << 20}
+
+
+class RankMemoryError(ValueError):
+    """A rank's weights + KV + workspace exceed its device's memory; the message names the numbers."""
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def available_bytes(device) -> tuple[int, str]:
+    """(bytes free for this rank, where they are)."""
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.mem_get_info(device)[0], f"{device} has"
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024, "the host has"
+    raise RankMemoryError("cannot read MemAvailable from /proc/meminfo")
+
+
+def check_rank_fits(
+    who: str, weights: dict[str, int], kv_bytes: int, available: int, where: str, workspace: int
+) -> None:
+    need = sum(weights.values()) + kv_bytes + workspace
+    if need <= available:
+        return
+    by_dtype = ", ".join(f"{d} {gib(n)}" for d, n in sorted(weights.items(), key=lambda kv: -kv[1]))
+    raise RankMemoryError(
+        f"{who} cannot start: it needs {gib(need)} (weights {gib(sum(weights.values()))}: {by_dtype}; "
+        f"KV cache {gib(kv_bytes)}; workspace {gib(workspace)}) but {where} {gib(available)} free; "
+        "use more ranks (--tp-size / --cp-size with --moe-tp), fewer KV slots, or fp8 weights "
+        "(an fp8 checkpoint on cuda without --dequantize)"
+    )
+
+
+def check_device_fits(who: str, device, weights: dict[str, int], kv_bytes: int) -> None:
+    """check_rank_fits against `device`'s free memory now."""
+    available, where = available_bytes(device)
+    check_rank_fits(who, weights, kv_bytes, available, where, WORKSPACE_BYTES.get(device.type, 0))
