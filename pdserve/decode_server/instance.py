@@ -13,8 +13,11 @@ reserves the rest, and the reservation tells the prefill side how many leading t
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from ..engine.batch_sampler import SampleRow
 from ..engine.launcher import LaunchConfig, RankGroup, RankInstance
 from ..engine.page_allocator import PageAllocator
 from ..engine.pipe_tensors import from_pipe
@@ -38,9 +41,11 @@ from .rank_worker import (
     DecodeRankWorker,
     DecodeWorkerConfig,
     DumpCmd,
+    ForgetSamplingCmd,
     LoadCmd,
     ReconfigureCmd,
     StepCmd,
+    StepResult,
 )
 
 
@@ -95,10 +100,38 @@ class DecodeInstance(RankInstance):
         lengths: list[int],
         request_ids: tuple[str, ...] = (),
     ) -> torch.Tensor:
-        """One decode step over requests with these pages and context lengths; returns logits [B, vocab].
+        """One decode step over requests with these pages and context lengths; returns logits [B, vocab]
+        (checks: serving samples on rank 0, `sample_step`).
         CommandFailed when a rank raised (the group stays usable); RankError when the group broke."""
         cmd = StepCmd(token_ids, pages, lengths, self.allocator.page_size, tuple(request_ids))
         return from_pipe(self.ranks.call(cmd)[0])  # rank 0's logits
+
+    def sample_step(
+        self,
+        token_ids: list[int],
+        pages: list[list[int]],
+        lengths: list[int],
+        rows: list[SampleRow],
+        forget: tuple[str, ...] = (),
+        logits: bool = False,
+    ) -> StepResult:
+        """One decode step whose next tokens rank 0 samples (one SampleRow per request): its
+        StepResult, with the [B, vocab] logits as a tensor when `logits` asks for them (checks).
+        `forget`: ended requests whose generators rank 0 drops first. Raises as step() does."""
+        ids = tuple(r.request_id for r in rows)
+        cmd = StepCmd(token_ids, pages, lengths, self.allocator.page_size, ids, tuple(rows), forget, logits)
+        result = self.ranks.call(cmd)[0]
+        if result.logits is not None:
+            result = dataclasses.replace(result, logits=from_pipe(result.logits))
+        return result
+
+    def forget_sampling(self, request_ids: tuple[str, ...]) -> None:
+        """Rank 0 drops these requests' generators (they ended, and no step carries the news)."""
+        self.ranks.call(ForgetSamplingCmd(tuple(request_ids)))
+
+    def sampling_streams(self) -> list[str]:
+        """The requests rank 0 holds a generator for (checks)."""
+        return self.ranks.call("sampling_streams")[0]
 
     def dump(self, slots: list[int]) -> list[dict]:
         return self.ranks.call(DumpCmd(slots))

@@ -1,8 +1,11 @@
 """What one decode rank process does: its weight slices, its rows of the cache, one step at a time.
 
 The launcher sends every rank the same command. A step runs the model on every running request's
-newest token (tensor parallel over the W ranks, context parallel over the DCP group); rank 0
-returns the logits (every rank holds the same replicated LM head, so one answer is enough).
+newest token (tensor parallel over the W ranks, context parallel over the DCP group); rank 0 (every
+rank holds the same replicated LM head, so one answer is enough) samples each request's next token
+on its device (engine/batch_sampler.py: the step carries one `SampleRow` per request) and answers a
+`StepResult`: token ids and the logprobs asked for, never [B, vocab] logits, which it returns only
+for checks (a step without sampling rows, or one that asks for them beside the tokens).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..engine.attn_ops import make_attention_ops
+from ..engine.batch_sampler import BatchSampler, Sampled, SampleRow
 from ..engine.comm import CPU_COMMS, make_comm
 from ..engine.device import check_devices, rank_device
 from ..engine.faults import check_fault
@@ -96,6 +100,10 @@ class StepCmd:
     lengths: list[int]  # per request: S, so positions 0..S-1 are read and S-1 is the newest token
     page_size: int
     request_ids: tuple[str, ...] = ()  # for error messages and the test-only fault hook (engine/faults.py)
+    # one per request: rank 0 samples and answers a StepResult; None: rank 0 answers the logits (checks)
+    sampling: tuple[SampleRow, ...] | None = None
+    forget: tuple[str, ...] = ()  # requests that ended: rank 0 drops their generators first
+    return_logits: bool = False  # with sampling rows: the StepResult carries the logits too (checks)
 
     def slots(self) -> list[torch.Tensor]:
         out = []
@@ -106,6 +114,22 @@ class StepCmd:
                 + pos % self.page_size
             )
         return out
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Rank 0's answer to a StepCmd with sampling rows: one outcome per request, in the batch's order."""
+
+    rows: list[Sampled]
+    # [B, vocab], only when asked: engine/pipe_tensors.py wire (DecodeInstance.sample_step rebuilds it)
+    logits: tuple | torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class ForgetSamplingCmd:
+    """Requests that ended with no step to carry them: rank 0 drops their generators now."""
+
+    request_ids: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -136,6 +160,8 @@ class ReconfigureCmd:
 
 
 class DecodeRankWorker(RankWorker):
+    _batch_sampler: BatchSampler | None = None  # rank 0's generators and sampling, built on first use
+
     def __init__(self, rank: int, world: int, cfg: DecodeWorkerConfig):
         if world % cfg.dcp_size:
             raise ValueError(f"--dcp-size {cfg.dcp_size} must divide --tp-size {world}")
@@ -228,11 +254,23 @@ class DecodeRankWorker(RankWorker):
             CopyCmd: self.copy,
             DumpCmd: self.dump,
             ReconfigureCmd: self._reconfigure,
+            ForgetSamplingCmd: self._forget_sampling,
             TRANSFER_CMDS: lambda cmd: self.receiver.handle(cmd),
             "info": lambda _: self.info(),
             # the last step's selected positions per indexer layer (for checks)
             "selections": lambda _: {layer: sel.cpu() for layer, sel in self.backend.selections.items()},
+            # the requests rank 0 holds a generator for (checks: none once every request ended)
+            "sampling_streams": lambda _: self._sampler().request_ids if self.rank == 0 else [],
         }
+
+    def _sampler(self) -> BatchSampler:
+        if self._batch_sampler is None:
+            self._batch_sampler = BatchSampler()
+        return self._batch_sampler
+
+    def _forget_sampling(self, cmd: ForgetSamplingCmd) -> None:
+        if self.rank == 0:
+            self._sampler().forget(cmd.request_ids)
 
     def _reconfigure(self, cmd: ReconfigureCmd) -> DecodeRankInfo:
         self._build(cmd.index_mode, cmd.comm)
@@ -272,6 +310,8 @@ class DecodeRankWorker(RankWorker):
 
     @torch.inference_mode()
     def step(self, cmd: StepCmd):
+        if self.rank == 0 and cmd.forget:  # first: a failure below must not keep them
+            self._sampler().forget(cmd.forget)
         dev = self.device
         self.backend.begin(DecodeBatch([s.to(dev) for s in cmd.slots()]))
         positions = torch.tensor(cmd.lengths, dtype=torch.int64, device=dev) - 1
@@ -279,7 +319,13 @@ class DecodeRankWorker(RankWorker):
         hidden = self.model(ids, positions, self.backend)  # [B, hidden]
         if self.rank == self.world - 1:  # after every collective: the other ranks still answer
             check_fault(cmd.request_ids)
-        return to_pipe(self.model.compute_logits(hidden)) if self.rank == 0 else None  # through a pipe
+        if self.rank != 0:
+            return None
+        logits = self.model.compute_logits(hidden)  # [B, vocab]
+        if cmd.sampling is None:
+            return to_pipe(logits)  # through a pipe
+        rows = self._sampler().sample(logits, cmd.sampling)
+        return StepResult(rows, to_pipe(logits) if cmd.return_logits else None)
 
     def dump(self, cmd: DumpCmd) -> dict:
         slots = torch.tensor(cmd.slots, dtype=torch.int64, device=self.device)

@@ -1,32 +1,40 @@
 """Drives a decode instance: schedule -> forward -> postprocess, one step at a time.
 
 The scheduler decides (plain Python over requests and pages), the instance executes on its ranks,
-the sampler picks tokens. Requests submitted with their cache given directly (or computed by a
-local single-rank prefill when none is given) are the path the KV hand-off replaces.
+and rank 0 samples on its device (engine/batch_sampler.py): each step carries one `SampleRow` per
+request, built here with the grammar's mask from this process's matchers (`Sampler`), and answers
+token ids and logprobs; the matchers then consume the tokens. Rank 0 keeps the requests' generators
+and drops them when they end (with the next step, or at once when nothing else runs).
+Requests submitted with their cache given directly (or computed by a local single-rank prefill when
+none is given) are the path the KV hand-off replaces: its first token is sampled here and, as a
+hand-off's is by the prefill, with a generator of its own, so the decode's stream starts fresh.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..engine.batch_sampler import SampleRow
 from ..engine.constraint import Grammars
 from ..engine.launcher import RankError
 from ..engine.llm_engine import LLMEngine
-from ..engine.request import SamplingParams, TokenLogprob
+from ..engine.request import SamplingParams, TokenLogprob, choice_id
 from ..engine.sampler import Sampler
 from .instance import DecodeInstance
+from .rank_worker import StepResult
 from .scheduler import DecodeRequest, DecodeScheduler
 
 
 class DecodeStepDriver:
-    def __init__(self, instance: DecodeInstance, max_batch: int = 64):
+    def __init__(self, instance: DecodeInstance, max_batch: int = 64, keep_logits: bool = False):
+        """keep_logits: rank 0 also returns each step's logits, kept in `last_logits` (checks)."""
         self.instance = instance
         self.scheduler = DecodeScheduler(
             instance.allocator, instance.model_config.eos_token_ids, max_batch, cache=instance.cache
         )
         mcfg = instance.model_config
         grammars = Grammars(instance.worker.model_dir, mcfg.vocab_size, mcfg.eos_token_ids)
-        self.sampler = Sampler(grammars, mcfg.eos_token_ids)
+        self.sampler = Sampler(grammars, mcfg.eos_token_ids)  # the local prefill's and the grammars' matchers
         self._caches: dict[str, tuple[torch.Tensor, dict[int, torch.Tensor], int]] = {}
         self._local: LLMEngine | None = None
         self._remote: set[str] = set()  # requests whose cache comes by KV hand-off (transfer/decode_room.py)
@@ -36,7 +44,10 @@ class DecodeStepDriver:
             tuple[DecodeRequest, int | None]
         ] = []  # choices 1.. started by kv_ready: events of
         # the next step() (the loop steps while there are any, even when every choice already finished)
-        self.last_logits: dict[str, torch.Tensor] = {}  # request id -> [vocab] of the last step (for checks)
+        self.keep_logits = keep_logits
+        self.last_logits: dict[str, torch.Tensor] = {}  # request id -> [vocab] of the last step (keep_logits)
+        self._sampled: set[str] = set()  # requests rank 0 may hold a generator for
+        self._forget: set[str] = set()  # ... that ended: rank 0 drops them with the next rank call
 
     def _local_prefill(self) -> LLMEngine:
         if self._local is None:  # built on first use: only the direct-load path needs it
@@ -65,6 +76,7 @@ class DecodeStepDriver:
         if cache is None:  # before queueing: a failed prefill must leave nothing behind
             logits, kv, index = self._local_prefill().prefill_with_cache(list(prompt_ids))
             (first, lp), *more = self.sampler.sample_choices(logits, params, req.request_id)
+            self.sampler.forget_choices(req.request_id, params.n)  # as the prefill does: decode starts fresh
             cache = (kv, index, first)
             self._firsts[req.request_id] = (lp, more)
         self._caches[req.request_id] = cache
@@ -121,7 +133,7 @@ class DecodeStepDriver:
                 child.logprobs.append(lp)
             self.pending.append((child, token))
         if req.state == "finished":
-            self.sampler.forget(request_id)
+            self._ended(request_id)
         return req
 
     def abort(self, request_id: str, hold_s: float = 0.0) -> DecodeRequest | None:
@@ -130,8 +142,16 @@ class DecodeStepDriver:
         self._caches.pop(request_id, None)
         self._firsts.pop(request_id, None)
         req = self.scheduler.abort(request_id, hold_s)
-        self.sampler.forget_choices(request_id, req.params.n if req is not None and req.parent is None else 1)
+        for i in range(req.params.n if req is not None and req.parent is None else 1):
+            self._ended(choice_id(request_id, i))
         return req
+
+    def _ended(self, request_id: str) -> None:
+        """The request ended: its matcher goes, and rank 0's generator with the next rank call."""
+        self.sampler.forget(request_id)
+        if request_id in self._sampled:
+            self._sampled.discard(request_id)
+            self._forget.add(request_id)
 
     def step(self) -> list[tuple[DecodeRequest, int | None]]:
         """Admits what fits (loading its cache), then decodes one token for every running request.
@@ -145,57 +165,106 @@ class DecodeStepDriver:
             events += self._decode(batch)
         for req, _ in events:
             if req.state in ("finished", "aborted", "failed"):
-                self.sampler.forget(req.request_id)
+                self._ended(req.request_id)
+        if not self.scheduler.running:  # no step soon to carry the news
+            self.forget_ended()
         return events
 
-    def _decode(self, batch: list[DecodeRequest]) -> list[tuple[DecodeRequest, int | None]]:
+    def forget_ended(self) -> None:
+        """Rank 0 drops the generators of the requests that ended since the last rank call (a step
+        carries them; the loop calls this when it has no step to run, so an idle instance holds none)."""
+        if not self._forget:
+            return
         try:
-            logits = self._forward(batch)
+            self.instance.forget_sampling(tuple(sorted(self._forget)))
+        except RankError:
+            raise
+        except Exception:  # kept: the next rank call carries them again
+            return
+        self._forget.clear()
+
+    def _decode(self, batch: list[DecodeRequest]) -> list[tuple[DecodeRequest, int | None]]:
+        batch, rows, events = self._sample_rows(batch)
+        if not batch:
+            return events
+        try:
+            result = self._forward(batch, rows)
         except RankError:
             raise
         except Exception:  # CommandFailed (the group is usable) or a main-process error
-            return self._decode_one_by_one(batch)
-        return self._sample(batch, logits)
+            return events + self._decode_one_by_one(batch, rows)
+        return events + self._accept(batch, result)
 
-    def _forward(self, batch: list[DecodeRequest]) -> torch.Tensor:
-        return self.instance.step(
+    def _sample_rows(
+        self, batch: list[DecodeRequest]
+    ) -> tuple[list[DecodeRequest], list[SampleRow], list[tuple[DecodeRequest, None]]]:
+        """Each request's SampleRow (its grammar's mask from its matcher); a request whose matcher
+        fails leaves the batch, failed."""
+        kept, rows, events = [], [], []
+        eos = self.instance.model_config.eos_token_ids
+        for req in batch:
+            try:
+                mask = self.sampler.grammar_mask(req.params, req.request_id, req.output_ids)
+                rows.append(SampleRow.of(req.request_id, req.params, req.output_ids, eos, mask))
+                kept.append(req)
+            except Exception as e:
+                events.append(self._fail(req, e))
+        return kept, rows, events
+
+    def _forward(self, batch: list[DecodeRequest], rows: list[SampleRow]) -> StepResult:
+        self._sampled.update(r.request_id for r in batch if not r.params.greedy)
+        forget = tuple(sorted(self._forget))
+        result = self.instance.sample_step(
             [r.output_ids[-1] for r in batch],
             [r.pages for r in batch],
             [r.num_tokens for r in batch],
-            tuple(r.request_id for r in batch),
+            rows,
+            forget,
+            self.keep_logits,
         )
+        self._forget.difference_update(forget)
+        return result
 
-    def _decode_one_by_one(self, batch: list[DecodeRequest]) -> list[tuple[DecodeRequest, int | None]]:
+    def _decode_one_by_one(
+        self, batch: list[DecodeRequest], rows: list[SampleRow]
+    ) -> list[tuple[DecodeRequest, int | None]]:
         """A batched step failed and the rank group is still usable: each request runs alone, and
         only those that fail alone fail. A decode step is idempotent per request (running it again
-        writes the same entry into the same slot), so re-running the others changes nothing."""
+        writes the same entry into the same slot, and rank 0 redraws the same token: its generators
+        remember their last step), so re-running the others changes nothing."""
         events = []
-        for req in batch:
+        for req, row in zip(batch, rows):
             try:
-                logits = self._forward([req])
+                result = self._forward([req], [row])
             except RankError:
                 raise
             except Exception as e:
                 events.append(self._fail(req, e))
                 continue
-            events += self._sample([req], logits)
+            events += self._accept([req], result)
         return events
 
-    def _sample(
-        self, batch: list[DecodeRequest], logits: torch.Tensor
+    def _accept(
+        self, batch: list[DecodeRequest], result: StepResult
     ) -> list[tuple[DecodeRequest, int | None]]:
-        """One token per request, sampled row by row so that a failure fails only its own request."""
+        """Rank 0's tokens: each fed to its request's grammar matcher; a row's error fails only its request."""
         events, ok, tokens = [], [], []
-        for i, req in enumerate(batch):
+        for i, (req, row) in enumerate(zip(batch, result.rows)):
+            if row.error is not None:
+                self.scheduler.fail(req, row.error)
+                events.append((req, None))
+                continue
             try:
-                token, lp = self.sampler.sample_row(logits[i], req.params, req.request_id, req.output_ids)
-                tokens.append(token)
-                if lp is not None:
-                    req.logprobs.append(lp)
-                ok.append(req)
-                self.last_logits[req.request_id] = logits[i]
+                self.sampler.consume(req.params, req.request_id, row.token)
             except Exception as e:
                 events.append(self._fail(req, e))
+                continue
+            if row.logprob is not None:
+                req.logprobs.append(row.logprob)
+            ok.append(req)
+            tokens.append(row.token)
+            if result.logits is not None:
+                self.last_logits[req.request_id] = result.logits[i]
         self.scheduler.postprocess(ok, tokens)
         return events + list(zip(ok, tokens))
 
@@ -227,6 +296,7 @@ class DecodeStepDriver:
     def run_until_idle(self, max_steps: int = 100_000) -> None:
         for _ in range(max_steps):
             if self.scheduler.is_idle() or self._only_awaiting_transfers():
+                self.forget_ended()
                 return
             self.step()
         raise RuntimeError("decode engine did not become idle")

@@ -82,16 +82,22 @@ class Matcher:
         if self._m.is_error():
             raise GrammarError(f"grammar: {self._m.get_error()}")
 
+    def bitmask(self) -> bytes:
+        """The tokens the grammar permits next, as llguidance packs them: little-endian 32-bit words,
+        bit i of word j is token 32j + i (what a decode step carries to the sampling rank)."""
+        mask = self._m.compute_bitmask()
+        self._check()
+        return mask
+
     def allowed(self):
         """[V] bool tensor (the router never calls this: torch is imported here, not at the top)."""
         import torch
 
-        mask = torch.frombuffer(
-            bytearray(self._m.compute_bitmask()), dtype=torch.uint8
-        )  # bit i of byte j: token 8j + i
-        self._check()
-        bits = (mask.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8)) & 1  # [V / 8, 8]
-        return bits.flatten()[: self.vocab_size].bool()
+        from .logits_process import bitmask_words, unpack_bitmask
+
+        return unpack_bitmask(
+            bitmask_words([self.bitmask()], self.vocab_size, torch.device("cpu")), self.vocab_size
+        )[0]
 
     def consume(self, token: int) -> None:
         self._m.consume_token(token)

@@ -1,5 +1,6 @@
 """Decode scheduling: lifecycle, admission by pages, continuous batching, stops, aborts; the
-decode engine end to end on real ranks; nothing leaks after hundreds of random aborts."""
+decode engine end to end on real ranks, rank 0 sampling exactly as the CPU sampler would from the
+same logits; nothing leaks after hundreds of random aborts (pages, rank 0's generators)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ from pdserve.decode_server.instance import DecodeInstance
 from pdserve.decode_server.rank_worker import DecodeWorkerConfig
 from pdserve.decode_server.scheduler import DecodeRequest, DecodeScheduler
 from pdserve.decode_server.step_driver import DecodeStepDriver
+from pdserve.engine.constraint import Grammars, grammar_for
 from pdserve.engine.launcher import LaunchConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.page_allocator import PageAllocator
 from pdserve.engine.request import SamplingParams
+from pdserve.engine.sampler import Sampler
 from tests.reference import free_port
 
 
@@ -71,6 +74,43 @@ def test_continuous_batching_matches_single_rank_generate(tiny_checkpoints, engi
 
 
 @pytest.mark.slow
+def test_rank0_samples_as_the_cpu_sampler(engine):
+    """Every decode token rank 0 sampled (seeded temperature / top-k / top-p, penalties, logit_bias,
+    min_tokens, a grammar's mask, logprobs) is the one Sampler.sample_row gives from the logits rank
+    0 returned beside it (keep_logits), with the same logprobs; then rank 0 holds no generator."""
+    mcfg = engine.instance.model_config
+    eos = mcfg.eos_token_ids
+    grammar = grammar_for("regex", "[a-z]{10,20}")
+    sp = lambda **kw: SamplingParams(max_tokens=6, ignore_eos=True, **kw)  # noqa: E731
+    prompts = [list(range(20, 31)), [9] * 5, list(range(40, 47)), [3, 4, 5]]
+    params = [
+        sp(temperature=0.9, seed=3, logprobs=2, presence_penalty=0.4, repetition_penalty=1.3,
+           prompt_ids=tuple(prompts[0])),
+        sp(logprobs=0, logit_bias=((17, 4.0),)),
+        sp(temperature=1.0, seed=4, logprobs=1, grammar=grammar),
+        sp(temperature=0.7, top_k=20, top_p=0.8, seed=5, min_tokens=4, stop_token_ids=(8,)),
+    ]  # fmt: skip
+    ref = Sampler(Grammars(engine.instance.worker.model_dir, mcfg.vocab_size, eos), eos)
+    engine.keep_logits = True
+    try:
+        reqs = {r.request_id: r for r in (engine.submit(ids, p) for ids, p in zip(prompts, params))}
+        checked = 0
+        while not engine.scheduler.is_idle():
+            engine.step()
+            for rid, logits in engine.last_logits.items():
+                req = reqs[rid]
+                before = req.output_ids[:-1]  # this step's token is the last one
+                token, lp = ref.sample_row(logits, req.params, rid, before)
+                assert req.output_ids[-1] == token, (rid, len(before))
+                assert lp is None or req.logprobs[len(before)] == lp, (rid, len(before))
+                checked += 1
+    finally:
+        engine.keep_logits = False
+    assert checked == 4 * 5 and all(r.finish_reason == "length" for r in reqs.values())
+    assert engine.instance.sampling_streams() == []
+
+
+@pytest.mark.slow
 def test_n_choices_share_one_prompt_cache_and_equal_separate_requests(engine):
     """One prefill for n choices: choice i (its prompt rows copied into its own pages) samples exactly
     as a separate request with seed + i; every page and generator is released, after an abort too."""
@@ -97,6 +137,7 @@ def test_n_choices_share_one_prompt_cache_and_equal_separate_requests(engine):
     engine.run_until_idle()
     alloc.check_integrity()
     assert alloc.num_free == alloc.num_pages and not engine.sampler._generators
+    assert engine.instance.sampling_streams() == []  # rank 0 dropped every choice's generator
 
 
 @pytest.mark.slow
@@ -117,6 +158,7 @@ def test_500_requests_with_random_aborts_leave_the_allocator_idle(engine):
     alloc.check_integrity()
     assert alloc.num_free == alloc.num_pages
     assert not engine._caches and not engine.sampler._generators
+    assert engine.instance.sampling_streams() == []
 
 
 @pytest.mark.slow

@@ -87,8 +87,11 @@ def test_one_token_prompt_alone_decodes_exactly(path, single, monkeypatch, c):
         inst.shutdown()
 
 
-def run_loop(engine: DecodeStepDriver, requests: dict[str, list[int]]) -> dict[str, list]:
-    """Submits every request to a running DecodeLoop; returns each request's events once it ended."""
+def run_loop(
+    engine: DecodeStepDriver, requests: dict[str, list[int]], params: dict[str, SamplingParams] | None = None
+) -> dict[str, list]:
+    """Submits every request to a running DecodeLoop (greedy unless `params` names it); returns each
+    request's events once it ended."""
     loop = DecodeLoop(engine, on_fatal=lambda msg: pytest.fail(f"the instance stopped: {msg}"))
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()
@@ -105,9 +108,8 @@ def run_loop(engine: DecodeStepDriver, requests: dict[str, list[int]]) -> dict[s
 
     try:
         for rid, ids in requests.items():
-            loop.submit(ids, SamplingParams(max_tokens=TOKENS, ignore_eos=True), rid, listener(rid)).result(
-                60
-            )
+            p = (params or {}).get(rid, SamplingParams(max_tokens=TOKENS, ignore_eos=True))
+            loop.submit(ids, p, rid, listener(rid)).result(60)
         for f in ended.values():
             f.result(120)
     finally:
@@ -122,13 +124,15 @@ def test_injected_fault_fails_only_its_request(path, single, monkeypatch):
         prompts = {
             "short": [5],
             "mid": list(range(10, 19)),
+            "seeded": list(range(100, 110)),  # running when FAULTY's first step fails the batch
             FAULTY: list(range(30, 50)),
             "long": list(range(60, 90)),
         }
-        events = run_loop(engine, prompts)
+        seeded = {"seeded": SamplingParams(max_tokens=TOKENS, ignore_eos=True, temperature=1.0, seed=7)}
+        events = run_loop(engine, prompts, seeded)
         assert events[FAULTY][-1][0] == "error" and "injected fault" in events[FAULTY][-1][1], events[FAULTY]
         for rid, ids in prompts.items():
-            if rid == FAULTY:
+            if rid in (FAULTY, "seeded"):
                 continue
             want = single.generate([ids], SamplingParams(max_tokens=TOKENS, ignore_eos=True))[0]
             assert events[rid][-1] == ("finish", "length"), (rid, events[rid][-3:])
@@ -138,6 +142,12 @@ def test_injected_fault_fails_only_its_request(path, single, monkeypatch):
         assert engine.instance.ranks.unhealthy() is None
         again = run_loop(engine, {"after": [5]})  # the instance keeps serving
         assert again["after"][-1] == ("finish", "length")
+        # the seeded request's batch failed and was re-run request by request: rank 0 redrew the
+        # tokens it had drawn (its generator rewinds), so it samples as it does alone
+        alone = run_loop(engine, {"seeded": prompts["seeded"]}, seeded)
+        tokens = lambda evs: [v for k, v, *_ in evs if k == "token"]  # noqa: E731
+        assert tokens(events["seeded"]) == tokens(alone["seeded"]) and len(tokens(alone["seeded"])) == TOKENS
+        assert engine.instance.sampling_streams() == []
     finally:
         engine.instance.shutdown()
 

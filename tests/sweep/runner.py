@@ -67,7 +67,8 @@ class PairRunner:
             # prefill ranks started could be taken by one of their own sockets meanwhile (seen in CI:
             # "Address already in use" on the decode's rank 0)
             self.decode = DecodeStepDriver(
-                DecodeInstance(dw, LaunchConfig(pair.w, free_port()), page_size=pair.page_size)
+                DecodeInstance(dw, LaunchConfig(pair.w, free_port()), page_size=pair.page_size),
+                keep_logits=True,  # each step's logits are checked against the single-rank engine's
             )
             self.decode.instance.start()
         except BaseException:

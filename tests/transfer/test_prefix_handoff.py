@@ -66,7 +66,7 @@ def start_pair(path: str, pshape, dshape, index_mode, transfer="tcp"):
         transfer=transfer,
     )
     inst = DecodeInstance(dw, LaunchConfig(w, free_port()), page_size=PS, prefix_cache=True)
-    return prefill, DecodeStepDriver(inst.start())
+    return prefill, DecodeStepDriver(inst.start(), keep_logits=True)  # the last step's logits are checked
 
 
 def decode_idle(decode: DecodeStepDriver) -> None:
