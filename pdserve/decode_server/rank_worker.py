@@ -1,9 +1,10 @@
 """What one decode rank process does: its weight slices, its rows of the cache, one step at a time.
 
 The launcher sends every rank the same command. A step runs the model on every running request's
-newest token (tensor parallel over the W ranks, context parallel over the DCP group); rank 0 (every
-rank holds the same replicated LM head, so one answer is enough) samples each request's next token
-on its device (engine/batch_sampler.py: the step carries one `SampleRow` per request) and answers a
+newest token (tensor parallel over the W ranks, context parallel over the DCP group; the LM head is
+vocab-parallel and all-gathers the logits, so one rank's answer is enough); rank 0 samples each
+request's next token on its device (engine/batch_sampler.py: the step carries one `SampleRow` per
+request) and answers a
 `StepResult`: token ids and the logprobs asked for, never [B, vocab] logits, which it returns only
 for checks (a step without sampling rows, or one that asks for them beside the tokens).
 """
@@ -317,11 +318,11 @@ class DecodeRankWorker(RankWorker):
         positions = torch.tensor(cmd.lengths, dtype=torch.int64, device=dev) - 1
         ids = torch.tensor(cmd.token_ids, dtype=torch.int64, device=dev)
         hidden = self.model(ids, positions, self.backend)  # [B, hidden]
+        logits = self.model.compute_logits(hidden)  # [B, vocab] on every rank (the head is vocab-parallel)
         if self.rank == self.world - 1:  # after every collective: the other ranks still answer
             check_fault(cmd.request_ids)
         if self.rank != 0:
             return None
-        logits = self.model.compute_logits(hidden)  # [B, vocab]
         if cmd.sampling is None:
             return to_pipe(logits)  # through a pipe
         rows = self._sampler().sample(logits, cmd.sampling)

@@ -6,7 +6,8 @@ group's head slices are those of its members. Each rank keeps:
     slice of its group, so it can compute the whole group's queries without an all-gather;
   - W_UV and the o_proj columns of its own slice; o_proj's output is all-reduced over the W ranks;
   - 1/W of every MLP / expert (intermediate dim), all-reduced after the block;
-  - replicated: embeddings, norms, kv_a projection, the indexer, the router, the LM head.
+  - 1/W of the vocabulary's rows of the embedding and of the LM head (vocab_tp.py);
+  - replicated: norms, kv_a projection, the indexer, the router.
 
 `shard_decode_model` gives a (meta) model this rank's shapes, so the loader allocates and reads only
 them; `wrap_decode_tp` then adds the all-reduces; `apply_decode_tp` does both to a loaded model.
@@ -21,6 +22,7 @@ from ..engine.tp_shard import shard_ffn
 from ..model.attention import MLAttention
 from ..model.shard import cut_linear
 from ..model.transformer import CausalLM
+from .vocab_tp import shard_vocab, wrap_vocab
 
 
 class AllReduce(nn.Module):
@@ -69,11 +71,13 @@ def shard_decode_model(model: CausalLM, rank: int, world: int, dcp: int, replica
     for layer in model.model.layers:
         shard_attention(layer.self_attn, rank, world, dcp, replicate_q)
         shard_ffn(layer.mlp, rank, world)
+    shard_vocab(model, rank, world)
 
 
 @torch.no_grad()
 def wrap_decode_tp(model: CausalLM, rank: int, world: int, comm) -> None:
-    """The all-reduces after o_proj and after each MLP / MoE block, on a loaded sharded model."""
+    """The all-reduces after o_proj and after each MLP / MoE block and the vocab-parallel embedding
+    and LM head's collectives, on a loaded sharded model."""
     if world == 1:
         return
     for layer in model.model.layers:
@@ -82,6 +86,7 @@ def wrap_decode_tp(model: CausalLM, rank: int, world: int, comm) -> None:
             attn.o_proj.bias.zero_()  # the bias is added once, by rank 0
         attn.o_proj = AllReduce(attn.o_proj, comm)
         layer.mlp = AllReduce(layer.mlp, comm)
+    wrap_vocab(model, rank, world, comm)
 
 
 def apply_decode_tp(model: CausalLM, rank: int, world: int, dcp: int, replicate_q: bool, comm) -> None:

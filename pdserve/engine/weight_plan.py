@@ -7,7 +7,8 @@ how the servers split them:
     --replicate-q-proj); a prefill rank keeps all of them;
   - `ffn`: dense MLP, routed and shared experts: 1/W on a decode rank, 1/C_p on a prefill rank
     with --moe-tp, else all;
-  - `replicated`: embeddings, LM head, norms, kv_a / q_a projections, the indexer, the router.
+  - `vocab`: embeddings and LM head: 1/W on a decode rank (vocab-parallel), all on a prefill rank;
+  - `replicated`: norms, kv_a / q_a projections, the indexer, the router.
 This planner counts weights in the run dtype (an FP8 checkpoint dequantized, `--dequantize`); the few
 parameters the reference keeps in float32 (indexer weights_proj, routing bias) count 4 bytes. The
 exact bytes of a rank, fp8 kept, come from its meta model (check_plan.rank_weight_bytes).
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from . import capacity
 
 _HEADS = re.compile(r"self_attn\.(q_proj|q_b_proj|kv_b_proj|o_proj)\.weight$")
+_VOCAB = re.compile(r"^(model\.embed_tokens|lm_head)\.weight$")
 _FFN = re.compile(r"\.mlp\.(gate_proj|up_proj|down_proj|experts\.|shared_experts\.)")
 
 
@@ -32,17 +34,19 @@ class ParamBytes:
     q: int
     ffn: int
     replicated: int
+    vocab: int = 0
 
     @property
     def total(self) -> int:
-        return self.heads + self.ffn + self.replicated
+        return self.heads + self.ffn + self.replicated + self.vocab
 
     def decode_rank(self, tp_size: int, dcp_size: int = 1, replicate_q: bool = False) -> int:
         q_copies = dcp_size if replicate_q else 1
-        return (self.heads + self.q * (q_copies - 1)) // tp_size + self.ffn // tp_size + self.replicated
+        split = self.heads + self.q * (q_copies - 1) + self.ffn + self.vocab
+        return -(-split // tp_size) + self.replicated  # an uneven vocab split: the larger share
 
     def prefill_rank(self, cp_size: int, moe_tp: bool = False) -> int:
-        return self.heads + (self.ffn // cp_size if moe_tp else self.ffn) + self.replicated
+        return self.heads + (self.ffn // cp_size if moe_tp else self.ffn) + self.replicated + self.vocab
 
 
 def param_bytes(cfg, dtype) -> ParamBytes:
@@ -55,7 +59,7 @@ def param_bytes(cfg, dtype) -> ParamBytes:
     value_bytes = capacity.dtype_bytes(dtype)
     with torch.device("meta"):
         model = CausalLM(cfg)
-    sums = {"heads": 0, "q": 0, "ffn": 0, "replicated": 0}
+    sums = {"heads": 0, "q": 0, "ffn": 0, "replicated": 0, "vocab": 0}
     for name, p in model.named_parameters():
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue
@@ -67,6 +71,8 @@ def param_bytes(cfg, dtype) -> ParamBytes:
             sums["q"] += nbytes if m.group(1) in ("q_proj", "q_b_proj", "kv_b_proj") else 0
         elif _FFN.search(name):
             sums["ffn"] += nbytes
+        elif _VOCAB.match(name):
+            sums["vocab"] += nbytes
         else:
             sums["replicated"] += nbytes
     return ParamBytes(**sums)

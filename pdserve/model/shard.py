@@ -25,7 +25,7 @@ from torch import nn
 from .config import ModelConfig
 from .layers import Experts, Linear
 from .quant import SCALE_SUFFIX, quantizable
-from .transformer import CausalLM
+from .transformer import CausalLM, Embedding
 
 FP8 = torch.float8_e4m3fn
 # Parameters the reference keeps in float32 whatever the model dtype.
@@ -84,6 +84,13 @@ def cut_linear(lin: Linear, dim: int, span: slice) -> None:
             lin.weight_scale_inv, dim, slice(span.start // block, -(-span.stop // block))
         ).contiguous()
     lin.cut = _compose(lin.cut, dim, span, full)
+
+
+def cut_rows(emb: Embedding, span: slice) -> None:
+    """emb keeps rows `span` of its [vocab, hidden] weight (a vocab-parallel embedding or LM head)."""
+    full = emb.weight.shape[0]
+    _keep(emb.weight, emb.weight[span])
+    emb.cut = _compose(emb.cut, 0, span, full)
 
 
 def _compose(prev: Cut | None, dim: int, span: slice, full: int) -> Cut:

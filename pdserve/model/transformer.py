@@ -34,12 +34,20 @@ class DecoderLayer(nn.Module):
 
 
 class Embedding(nn.Module):
+    """[vocab, hidden] rows: looked up by token id (embeddings) or multiplied by the hidden states
+    (LM head, `logits`). A vocab-parallel rank holds a slice of the rows (model/shard.py `cut_rows`)."""
+
+    cut = None  # model/shard.Cut: the rows of the checkpoint tensor this rank holds (None: all)
+
     def __init__(self, vocab: int, hidden: int):
         super().__init__()
         self.weight = empty_param(vocab, hidden)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return nn.functional.embedding(ids, self.weight)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return linear(hidden, self.weight)
 
 
 class DecoderModel(nn.Module):
@@ -74,4 +82,4 @@ class CausalLM(nn.Module):
         return self.model(ids, positions, backend)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head.weight)
+        return self.lm_head.logits(hidden)

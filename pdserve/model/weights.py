@@ -32,7 +32,7 @@ from .fusion import fuse_projections
 from .layers import Experts, Linear
 from .quant import SCALE_SUFFIX, QuantizationError, check_scale, dequantize_fp8
 from .shard import EXPERT_KEY, FP8, Cut, build_rank_model, materialize, quantized_modules
-from .transformer import CausalLM
+from .transformer import CausalLM, Embedding
 
 _LAYER_PREFIX = "model.layers."
 
@@ -120,6 +120,8 @@ class _Filler:
             return _Dest(key, self.params[key], None, fused=True)  # read by _Reader._read_fused
         if isinstance(module, Linear) and attr == "weight":
             return _Dest(key, self.params[key], None, module.weight_scale_inv)
+        if isinstance(module, Embedding):  # vocab-parallel: its rows
+            return _Dest(key, self.params[key], module.cut)
         return _Dest(key, self.params[key], cut)
 
     def _expert_target(self, prefix: str, e: int, kind: str):
