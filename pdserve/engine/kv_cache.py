@@ -27,6 +27,7 @@ from .row_sums import row_sums
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_KV_SCALE = 1.0  # the latent entries' static scale: stored value = entry / scale
 
 
 class KVPool:
@@ -202,6 +203,13 @@ class KVPool:
         reading them converts nothing (not fp8, stored in the pool's dtype), else None."""
         table = self.kv[self.kv_row[layer]]
         return table if not self.fp8 and table.dtype == self.dtype else None
+
+    kv_scale = FP8_KV_SCALE
+
+    def kv_stored(self, layer: int) -> torch.Tensor:
+        """The latent rows of `layer` as stored ([rows, c + rope], fp8 too: entry = row * kv_scale),
+        for a kernel that converts tiles itself (engine/attn_ops.TritonOps)."""
+        return self.kv[self.kv_row[layer]]
 
     def kv_row_ids(self, slots: torch.Tensor) -> torch.Tensor:
         """The storage rows of latent-entry slots (any shape), on the pool's device."""
