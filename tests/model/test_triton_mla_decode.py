@@ -4,7 +4,8 @@ the torch reference: the cache dequantized, gathered and attended in float64 (mo
 Cases: lengths that differ per request and are not multiples of the kernel's 32-key step, selected
 rows in any order with -1 padding (the DSA decode's top-k positions, a DCP rank's share), a request
 with no key (lse -inf, out exactly 0), heads not a multiple of the 16-head block, dv not a power of
-two, the split-KV partials merged, an fp8 cache with a kv_scale. Tolerances: float32 queries
+two, the split-KV partials merged, an fp8 cache with a kv_scale; then the wiring: engine/attn_ops'
+TritonOps over real pools and a DCP decode step of the tiny DSA model over an fp8 pool. Tolerances: float32 queries
 multiply in float32 (1e-5 relative); bf16 ones round the probabilities to bf16 (2e-2).
 The interpreter patches are test_triton_kernels.py's (its module docstring says why)."""
 
@@ -140,3 +141,32 @@ def test_attend_cached_reads_the_pool_as_stored(mla, kv_cache_dtype, monkeypatch
         TorchOps().attend(q.double(), pool.read_kv(0, slots[0]).double(), valid, 0.3, cfg.kv_lora_rank),
         1e-5,
     )
+
+
+def test_a_dcp_decode_step_over_an_fp8_pool(mla, tmp_path):
+    """The tiny DSA model's decode step through decode_server/dcp_backend.py with an fp8 pool: the
+    triton ops (the cache read as stored, the indexer's top-k rows) give the torch ops' hidden states
+    (which dequantize the gathered rows) and select the same keys."""
+    from pdserve.decode_server.dcp_backend import DCPBackend, DCPGroup, DecodeBatch
+    from pdserve.engine.comm import GlooComm
+    from pdserve.model.random_checkpoint import make_model
+    from pdserve.model.weights import load_model
+
+    model = load_model(make_model(tmp_path / "m", "glm_moe_dsa", "tiny", seed=3), torch.float32)
+    cfg, lengths = model.config, (31, 45)  # longer than the top-k of 8: the indexer selects
+
+    def step(ops):
+        pool = KVPool(cfg, 128, torch.float32, kv_cache_dtype="fp8_e4m3")
+        g = torch.Generator().manual_seed(6)
+        for layer in range(cfg.num_layers):  # the prompts' cache, as a hand-off would leave it
+            index = torch.randn(128, cfg.index_head_dim, generator=g) if cfg.has_indexer(layer) else None
+            pool.write(layer, torch.arange(128), torch.randn(128, cfg.kv_entry_dim, generator=g), index)
+        backend = DCPBackend(cfg, pool, DCPGroup(0, 1, GlooComm(0, 1)), "copy", "a2a", False, ops)
+        backend.begin(DecodeBatch([torch.arange(n) + 60 * i for i, n in enumerate(lengths)]))
+        pos = torch.tensor([n - 1 for n in lengths])
+        with torch.inference_mode():
+            return model(torch.tensor([7, 9]), pos, backend), backend.selections
+
+    (want, want_sel), (got, got_sel) = step(TorchOps()), step(TritonOps())
+    assert want_sel and all(torch.equal(got_sel[k], want_sel[k]) for k in want_sel)
+    assert rel(got, want) < 1e-5
