@@ -7,7 +7,8 @@ kv_cache_dtype "auto" stores in the model dtype. "fp8_e4m3" stores one byte per 
     of an RMSNorm (c_kv) or are rope'd keys of similar size, so one fixed scale keeps them in range;
   - index keys with one float32 scale per key (token x layer): their magnitudes vary a lot between
     tokens, and a per-key scale keeps small keys as accurate as large ones (132 bytes per key at 128).
-Reads always return the pool's compute dtype, so attention code never sees fp8.
+Reads return the pool's compute dtype, so attention code never sees fp8, except a kernel that
+converts tiles itself: `kv_stored` hands the triton decode (engine/attn_ops.TritonOps) the fp8 rows.
 
 Device: the tensors live on `device` (a rank's GPU on cuda). Slot indices and written values may
 come from the host (the TCP hand-off's frames, a test's LoadCmd): they are moved to the pool's
