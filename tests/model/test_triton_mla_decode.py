@@ -170,3 +170,39 @@ def test_a_dcp_decode_step_over_an_fp8_pool(mla, tmp_path):
     (want, want_sel), (got, got_sel) = step(TorchOps()), step(TritonOps())
     assert want_sel and all(torch.equal(got_sel[k], want_sel[k]) for k in want_sel)
     assert rel(got, want) < 1e-5
+
+
+def test_kernel_compiles_for_sm90(monkeypatch, tmp_path):
+    """The variants tests/gpu/test_mla_decode_cuda.py launches, at GLM-5's dims (kv_lora 512 + rope
+    64, 64 heads), compiled for sm90 on the CPU down to ptxas (test_triton_kernels' _CompileForSm90),
+    within sm90's shared memory: bf16 queries over fp8 and bf16 caches, float32 over fp8."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+
+    from tests.model.test_triton_kernels import SM90_SHARED_MAX, _CompileForSm90, triton
+
+    ptxas = __import__("pathlib").Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
+    if not ptxas.is_file():
+        pytest.skip("this triton has no nvidia backend (ptxas)")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    saved = {MODULE: sys.modules.pop(MODULE, None)}
+    try:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        module = importlib.import_module(MODULE)
+        target = GPUTarget("cuda", 90, 32)
+        backend, compiled = make_backend(target), []
+        kernel = _CompileForSm90(module._mla_decode_kernel, backend, target, compiled)
+        monkeypatch.setattr(module, "_mla_decode_kernel", kernel)
+        rows = torch.zeros(4, 2048, dtype=torch.int64)
+        for q_dtype, table_dtype in (
+            (torch.bfloat16, FP8),
+            (torch.bfloat16, torch.bfloat16),
+            (torch.float32, FP8),
+        ):
+            q = torch.zeros(4, 64, 576, dtype=q_dtype)
+            module.mla_decode(q, torch.empty(8192, 576, dtype=table_dtype), rows, 0.04, 512)
+    finally:
+        _restore(saved)
+    assert len(compiled) == 3
+    for _, out in compiled:
+        assert out.asm.get("cubin") and out.metadata.shared <= SM90_SHARED_MAX
