@@ -16,6 +16,7 @@ from functools import partial
 from pathlib import Path
 
 from .engine import capacity
+from .engine.memory_check import DEFAULT_GPU_MEMORY_UTILIZATION, WORKSPACE_BYTES, kv_tokens_for_memory
 
 
 def model_for_check(model: Path | None, builtin_dir: Path, builtin_config: dict) -> Path:
@@ -103,15 +104,32 @@ def decode_plan(
     dtype: str,
     kv_cache_dtype: str,
     page_size: int,
-    slots: int,
+    slots: int | None,
     gpu_memory: int | None = None,
     keep_fp8: bool = False,
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
 ) -> dict:
-    """keep_fp8: the ranks keep an fp8 checkpoint's weights fp8 (--device cuda without --dequantize)."""
+    """keep_fp8: the ranks keep an fp8 checkpoint's weights fp8 (--device cuda without --dequantize).
+    slots None: the ranks size the pool from gpu_memory_utilization of their GPUs at startup; with
+    gpu_memory the plan shows what that gives on such a GPU (nothing else in use)."""
     mcfg = _model(model)
     by_rank = rank_weight_bytes(model, dtype, tp_size, dcp_size, replicate_q, keep_fp8)
     weights = max(sum(r.values()) for r in by_rank)
     page = capacity.page_bytes_per_rank(mcfg, dcp_size, dcp_index, page_size, kv_cache_dtype, dtype)
+    u, workspace = gpu_memory_utilization, WORKSPACE_BYTES["cuda"]
+    fit = (
+        None
+        if gpu_memory is None
+        else kv_tokens_for_memory(gpu_memory, 0, weights, workspace, u, page, page_size)
+    )
+    if slots is None:
+        slots, source = (
+            fit,
+            f"--gpu-memory-utilization {u} of "
+            + ("--gpu-memory" if fit is not None else "each GPU at startup"),
+        )
+    else:
+        source = "--max-kv-tokens / --kv-memory"
     plan = {
         "model_type": mcfg.model_type,
         "checkpoint_quantization": _quant(mcfg, keep_fp8),
@@ -120,24 +138,23 @@ def decode_plan(
         "dtype": dtype,
         "weight_bytes_per_rank": weights,
         "weight_bytes_by_dtype_per_rank": by_rank,
-        "kv_tokens": slots,
-        "kv_bytes_per_rank": slots // page_size * page,
+        "kv_tokens": slots,  # None: chosen by the ranks at startup
+        "kv_tokens_from": source,
+        "kv_bytes_per_rank": None if slots is None else slots // page_size * page,
     }
     if gpu_memory is not None:
         from .engine.weight_plan import gpu_plan
 
         sizes = sorted({1, 2, 4, 8, dcp_size})
-        from .engine.memory_check import WORKSPACE_BYTES
-
-        per_token = capacity.bytes_per_token_per_rank(mcfg, dcp_size, dcp_index, kv_cache_dtype, dtype)
-        left = gpu_memory - weights - WORKSPACE_BYTES["cuda"]
         plan["gpu"] = {
             "gpu_memory": gpu_memory,
-            "fits": plan["weight_bytes_per_rank"] + plan["kv_bytes_per_rank"] <= gpu_memory,
+            "fits": weights + plan["kv_bytes_per_rank"] + workspace <= gpu_memory,
             "weights_fit": weights <= gpu_memory,
-            "workspace_bytes": WORKSPACE_BYTES["cuda"],
-            # the KV tokens one instance holds in what the weights and the workspace leave on each GPU
-            "kv_tokens_fit": int(max(left, 0) // per_token) // page_size * page_size,
+            "workspace_bytes": workspace,
+            "gpu_memory_utilization": u,
+            # the KV tokens one instance holds in what the weights and the workspace leave of
+            # gpu_memory_utilization of each GPU (what --gpu-memory-utilization gives at startup)
+            "kv_tokens_fit": fit,
             "rows": gpu_plan(
                 mcfg,
                 _weights(mcfg, dtype),
@@ -197,9 +214,14 @@ def describe(plan: dict) -> str:
         lines.append(
             f"{p['topology']}: {p['model_type']}, checkpoint quantization {p['checkpoint_quantization']}"
         )
-        lines.append(
-            f"  weights {p['weight_bytes_per_rank'] / 2**30:,.2f} GiB per rank; KV cache "
+        kv = (
             f"{p['kv_tokens']:,} tokens, {p['kv_bytes_per_rank'] / 2**30:,.2f} GiB per rank"
+            if p["kv_tokens"] is not None
+            else "sized at startup"
+        )
+        source = f" ({p['kv_tokens_from']})" if "kv_tokens_from" in p else ""
+        lines.append(
+            f"  weights {p['weight_bytes_per_rank'] / 2**30:,.2f} GiB per rank; KV cache {kv}{source}"
         )
         if "weight_bytes_by_dtype_per_rank" in p:
             widest = max(p["weight_bytes_by_dtype_per_rank"], key=lambda d: sum(d.values()))

@@ -52,6 +52,7 @@ class AttentionOps(str, Enum):
     auto = "auto"
     torch = "torch"
     flashinfer = "flashinfer"
+    triton = "triton"
 
 
 class LinearOps(str, Enum):

@@ -109,8 +109,9 @@ def device_args(device: Device, gpu_ids: Optional[str]) -> dict:
 
 
 def check_gpus(cfg, world_size: int) -> None:
-    """Before anything starts: the GPUs the ranks need exist, and `--attention-ops flashinfer`, an
-    explicit `--linear-ops` or `--moe-ops` can run there (else a clear error, never a fallback)."""
+    """Before anything starts: the GPUs the ranks need exist, and `--attention-ops flashinfer` or
+    `triton` (or `auto` with an fp8 cache on cuda), an explicit `--linear-ops` or `--moe-ops` can
+    run there (else a clear error, never a fallback)."""
     import torch
 
     from .engine.attn_ops import gather_facts, select_attention_ops
@@ -126,8 +127,8 @@ def check_gpus(cfg, world_size: int) -> None:
         facts = gemm_ops.gather_facts(dev, parse_dtype(cfg.dtype))  # the loader keeps the run dtype
         gemm_ops.select_linear_ops(cfg.linear_ops, facts)
         gemm_ops.select_moe_ops(cfg.moe_ops, facts)
-    if cfg.attention_ops == "flashinfer":
+    kv = getattr(cfg, "kv_cache_dtype", "auto")
+    if cfg.attention_ops in ("flashinfer", "triton") or (plan.device == "cuda" and kv != "auto"):
         dev = torch.device("cuda", plan.gpus[0]) if plan.device == "cuda" else torch.device("cpu")
         mcfg = ModelConfig.from_pretrained(cfg.model)
-        kv = getattr(cfg, "kv_cache_dtype", "auto")
-        select_attention_ops("flashinfer", gather_facts(dev, parse_dtype(cfg.dtype), mcfg, kv))
+        select_attention_ops(cfg.attention_ops, gather_facts(dev, parse_dtype(cfg.dtype), mcfg, kv))

@@ -108,6 +108,7 @@ def decode(
                 num_slots,
                 parse_bytes(gpu_memory) if gpu_memory is not None else None,
                 keep_fp8=cfg.device == "cuda" and not cfg.dequantize,
+                gpu_memory_utilization=cfg.gpu_memory_utilization,
             )
     except (ValueError, FileNotFoundError) as e:
         fail(str(e))

@@ -253,6 +253,7 @@ class DecodeCapacity(LoadAnswer):
     tp_size: int | None = None
     dcp_size: int | None = None
     kv_cache_dtype: str | None = None
+    kv_tokens_from: str | None = None  # what sized total_tokens: a flag (--gpu-memory-utilization: the ranks)
     dtype: str | None = None
     held_tokens: int | None = None  # pages held after failed hand-offs (quarantine)
     running: int | None = None

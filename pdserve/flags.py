@@ -44,9 +44,11 @@ GPU_IDS_HELP = (
     "Default: rank r uses GPU r."
 )
 ATTENTION_OPS_HELP = (
-    "Attention kernels: torch (any device and dtype), flashinfer (CUDA, bf16/fp16, MLA dims 512 + 64, "
-    "flashinfer-python installed) or auto (flashinfer where it can run, else torch). The choice and its "
-    "reason are printed at startup; flashinfer where it cannot run is an error."
+    "Attention kernels: torch (any device and dtype; the float32 reference), flashinfer (CUDA, bf16/fp16, "
+    "MLA dims 512 + 64, flashinfer-python installed), triton (CUDA: MLA decode reading an fp8 or bf16 "
+    "cache as stored, float32 accumulation; fp8 on compute capability 8.9+) or auto (flashinfer where it "
+    "can run; with --kv-cache-dtype fp8_e4m3 on cuda triton, an error where neither runs; else torch). "
+    "The choice and its reason are printed at startup; flashinfer or triton where it cannot run is an error."
 )
 LINEAR_OPS_HELP = (
     "Products with fp8 weights: torch (dequantized 128 rows at a time), triton (block-scaled fp8 GEMM, "

@@ -183,7 +183,21 @@ def test_glm5_fp8_at_w8_fits_an_h200_with_fp8_kept():
     assert set(by_rank[0]) == {"float8_e4m3fn", "bfloat16", "float32"}
     assert 85 * GIB < by_rank[0]["float8_e4m3fn"] < 90 * GIB and by_rank[0]["bfloat16"] < 5 * GIB
     assert plan["weight_bytes_per_rank"] == sum(by_rank[0].values()) < 141e9
-    assert plan["gpu"]["weights_fit"] and plan["gpu"]["kv_tokens_fit"] > 1_000_000
+    assert plan["gpu"]["weights_fit"] and plan["gpu"]["kv_tokens_fit"] > 800_000
+    # no pool size on cuda: the ranks take what --gpu-memory-utilization (0.9) leaves, as planned here
+    assert plan["kv_tokens"] == plan["gpu"]["kv_tokens_fit"] and plan["gpu"]["gpu_memory_utilization"] == 0.9
+    assert plan["kv_tokens_from"] == "--gpu-memory-utilization 0.9 of --gpu-memory"
+    page = plan["kv_bytes_per_rank"] // (plan["kv_tokens"] // 64)
+    left = int(0.9 * 141e9) - plan["weight_bytes_per_rank"] - plan["gpu"]["workspace_bytes"]
+    assert plan["kv_tokens"] == left // page * 64 and plan["gpu"]["fits"]
+    half = json.loads(
+        cli(*args, "--gpu-memory", "141GB", "--gpu-memory-utilization", "0.75", "--check-config").stdout
+    )
+    left = int(0.75 * 141e9) - plan["weight_bytes_per_rank"] - plan["gpu"]["workspace_bytes"]
+    assert 0 < half["plan"]["kv_tokens"] == left // page * 64 < plan["kv_tokens"]
+    unknown = json.loads(cli(*args, "--check-config").stdout)
+    assert unknown["num_slots"] is None and unknown["plan"]["kv_tokens"] is None
+    assert unknown["plan"]["kv_tokens_from"] == "--gpu-memory-utilization 0.9 of each GPU at startup"
     assert "kept fp8" in plan["checkpoint_quantization"]
     r = cli(*args, "--dequantize", "--gpu-memory", "141GB", "--check-config")
     plan = json.loads(r.stdout)["plan"]

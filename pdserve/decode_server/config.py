@@ -8,6 +8,7 @@ from typing import Optional
 
 from ..choices import CpuComm, DcpComm, DcpIndex, KVCacheDType, check
 from ..engine import capacity
+from ..engine.memory_check import DEFAULT_GPU_MEMORY_UTILIZATION, check_gpu_memory_utilization
 from ..flags import option
 from ..instance_options import InstanceOptions
 from ..model.config import ModelConfig
@@ -41,11 +42,21 @@ class DecodeServerConfig(InstanceOptions):
         "KV cache budget per rank, e.g. 80GiB, 512MiB or plain bytes; sets the token capacity (instead of --max-kv-tokens).",
         cli_type=Optional[str],
     )
-    max_kv_tokens: int | None = option(  # neither given: DEFAULT_MAX_KV_TOKENS
-        None,
-        "KV cache capacity in tokens of the whole instance, rounded up to whole pages (default 65536 unless --kv-memory is given).",
-        min=1,
-        cli_type=Optional[int],
+    max_kv_tokens: int | None = (
+        option(  # neither given: --gpu-memory-utilization (cuda), DEFAULT_MAX_KV_TOKENS (cpu)
+            None,
+            "KV cache capacity in tokens of the whole instance, rounded up to whole pages (default: on cuda "
+            "what --gpu-memory-utilization leaves, on cpu 65536; unless --kv-memory is given).",
+            min=1,
+            cli_type=Optional[int],
+        )
+    )
+    gpu_memory_utilization: float = option(
+        DEFAULT_GPU_MEMORY_UTILIZATION,
+        "--device cuda without --kv-memory or --max-kv-tokens: the share of each GPU's memory a rank may "
+        "use; the KV pool takes what the weights, the workspace and what is already in use leave of it "
+        "(whole pages, the same on every rank; printed at startup, total_tokens in GET /info). An "
+        "explicit pool size is still checked against free memory. Accepted and ignored on cpu (65536 tokens).",
     )
     page_size: int = option(
         64, "KV slots per page; must be a multiple of --dcp-size (pages are C_d-wide).", min=1
@@ -90,7 +101,8 @@ class DecodeServerConfig(InstanceOptions):
             )
         if self.kv_memory is not None and self.max_kv_tokens is not None:
             raise ValueError("give either --kv-memory or --max-kv-tokens, not both")
-        if self.kv_memory is None and self.max_kv_tokens is None:
+        check_gpu_memory_utilization(self.gpu_memory_utilization)
+        if self.kv_memory is None and self.max_kv_tokens is None and self.device != "cuda":
             object.__setattr__(self, "max_kv_tokens", DEFAULT_MAX_KV_TOKENS)
         if (self.kv_memory or 1) < 1 or (self.max_kv_tokens or 1) < 1:
             raise ValueError("--kv-memory and --max-kv-tokens must be positive")
@@ -106,8 +118,15 @@ class DecodeServerConfig(InstanceOptions):
                 "connect to (on Kubernetes, the pod IP)"
             )
 
-    def num_slots(self) -> int:
-        """Global KV slots of the instance: whole pages that fit the per-rank budget, or max_kv_tokens rounded up."""
+    def sized_by_memory(self) -> bool:
+        """The ranks size the pool from --gpu-memory-utilization (cuda, no explicit size)."""
+        return self.kv_memory is None and self.max_kv_tokens is None
+
+    def num_slots(self) -> int | None:
+        """Global KV slots of the instance: whole pages that fit the per-rank budget, or max_kv_tokens
+        rounded up; None when the ranks size it from their GPUs' memory (`sized_by_memory`)."""
+        if self.sized_by_memory():
+            return None
         if self.kv_memory is None:
             return -(-self.max_kv_tokens // self.page_size) * self.page_size
         mcfg = ModelConfig.from_pretrained(self.model)

@@ -23,10 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from ..choices import DcpComm, DcpIndex, values
-from ..engine.attn_ops import TorchOps, attend_cached
+from ..engine.attn_ops import TorchOps, attend_cached, cached_index_scores
 from ..model.backend import IndexerInputs
 from ..model.config import ModelConfig
-from ..model.kernels import index_scores
 
 INDEX_MODES = values(DcpIndex)
 COMM_MODES = values(DcpComm)
@@ -127,14 +126,12 @@ class DCPBackend:
         return self._slots.gather(1, sel.clamp(min=0)) // self.dcp.size, mine
 
     def _select_copy(self, layer: int, index: IndexerInputs) -> torch.Tensor:
-        idx_keys = self.pool.read_index(layer, self._slots)  # [B, Smax, Di]: every token's key
-        scores = index_scores(index.q, index.weights, idx_keys, index.softmax_scale)
+        scores = cached_index_scores(self.pool, layer, self._slots, index)  # [B, Smax]: every token
         return self.ops.topk(scores, self._valid, self.cfg.index_topk)
 
     def _select_split(self, layer: int, index: IndexerInputs) -> torch.Tensor:
         k = self.cfg.index_topk
-        idx_keys = self.pool.read_index(layer, self._own_rows)  # [B, N, Di]: own tokens' keys only
-        scores = index_scores(index.q, index.weights, idx_keys, index.softmax_scale)  # [B, N]
+        scores = cached_index_scores(self.pool, layer, self._own_rows, index)  # [B, N]: own tokens only
         cand_score, cand_pos = self._candidates(scores, k)
         packed = torch.stack([cand_score.double(), cand_pos.double()], dim=-1)  # [B, k, 2]: one collective
         every = self.dcp.comm.all_gather(packed)  # [C, B, k, 2]

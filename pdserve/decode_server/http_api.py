@@ -7,6 +7,8 @@ GET  /capacity     total / free KV tokens, bytes per token per rank (docs/design
                    tp_size, dcp_size, kv_cache_dtype, page_size, running / queued requests, ranks (pid, cache bytes)
 GET  /info         /capacity plus each rank's weight bytes and their split by dtype (fp8 weights and
                   their block scales, the run dtype, float32 islands); the KV tokens are total_tokens
+                  and kv_tokens_from the flag that sized them (on cuda by default
+                  --gpu-memory-utilization: the ranks' choice)
 POST /v1/generate  {"token_ids": [...], "max_tokens": 16, "temperature", "top_p", "top_k", "seed",
                     "stop_token_ids": [], "ignore_eos": false, "min_tokens", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "logit_bias": [[id, bias]], "logprobs"?,
@@ -77,6 +79,11 @@ def create_app(cfg, instance, engine_loop, dead_rank, drain=None) -> FastAPI:
         "tp_size": cfg.tp_size,
         "dcp_size": cfg.dcp_size,
         "kv_cache_dtype": cfg.kv_cache_dtype,
+        "kv_tokens_from": (
+            f"--gpu-memory-utilization {cfg.gpu_memory_utilization}"
+            if cfg.sized_by_memory()
+            else ("--kv-memory" if cfg.kv_memory is not None else "--max-kv-tokens")
+        ),
         "dtype": cfg.dtype,
         "ranks": [RankInfo(rank=r.rank, pid=r.pid, cache_bytes=r.cache_bytes) for r in instance.rank_infos],
     }

@@ -66,18 +66,31 @@ class DecodeInstance(RankInstance):
             raise ValueError(
                 f"{self.model_config.num_heads} heads cannot be split over --tp-size {launch.world_size}"
             )
-        self.worker, self.launch = worker, launch
-        self.allocator = PageAllocator(worker.num_slots // page_size, page_size)
+        # the ranks size the pool from their GPUs' memory when num_slots is None: pages of this size
+        self.worker, self.launch = dataclasses.replace(worker, page_size=page_size), launch
+        self.page_size, self.prefix_cache = page_size, prefix_cache
+        self.allocator: PageAllocator | None = None
         self.cache: RadixCache | None = None
-        if prefix_cache:
-            self.cache = RadixCache(page_size, self.allocator.free)
-            self.allocator.evictor = self.cache
+        if worker.num_slots is not None:
+            self._make_allocator(worker.num_slots)
         self.handoff_skipped_bytes = 0  # payload the prefix cache kept off the wire (reservations)
         self.ranks = RankGroup(DecodeRankWorker, worker, launch)
         self.rank_infos: list[DecodeRankInfo] = []
         self._last_plan: tuple[tuple, list[Transfer]] | None = (
             None  # reservation, expect_totals, handoff_bytes share it
         )
+
+    def _make_allocator(self, num_slots: int) -> None:
+        self.allocator = PageAllocator(num_slots // self.page_size, self.page_size)
+        if self.prefix_cache:
+            self.cache = RadixCache(self.page_size, self.allocator.free)
+            self.allocator.evictor = self.cache
+
+    def start(self):
+        super().start()
+        if self.allocator is None:  # the ranks agreed on the slots their GPUs hold
+            self._make_allocator(self.rank_infos[0].num_slots)
+        return self
 
     def slots(self, pages: list[int], n: int) -> list[int]:
         return self.allocator.slots(pages, 0, n)

@@ -12,6 +12,7 @@ for checks (a step without sampling rows, or one that asks for them beside the t
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from ..engine.attn_ops import make_attention_ops
 from ..engine.batch_sampler import BatchSampler, Sampled, SampleRow
+from ..engine.capacity import page_bytes_per_rank
 from ..engine.comm import CPU_COMMS, make_comm
 from ..engine.device import check_devices, rank_device
 from ..engine.faults import check_fault
@@ -26,7 +28,16 @@ from ..engine.gemm_ops import apply_gemm_ops
 from ..engine.kv_cache import KVPool
 from ..engine.launcher import RankWorker
 from ..engine.llm_engine import parse_dtype
-from ..engine.memory_check import check_device_fits
+from ..engine.memory_check import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    WORKSPACE_BYTES,
+    RankMemoryError,
+    check_device_fits,
+    check_gpu_memory_utilization,
+    device_memory,
+    gib,
+    kv_tokens_for_memory,
+)
 from ..engine.pipe_tensors import to_pipe
 from ..model.shard import weight_bytes_by_dtype
 from ..model.weights import load_model
@@ -40,7 +51,9 @@ from .tp import shard_decode_model, wrap_decode_tp
 @dataclass(frozen=True)
 class DecodeWorkerConfig:
     model_dir: str
-    num_slots: int  # global slots of the instance; each rank stores num_slots / dcp_size rows
+    # global slots of the instance (each rank stores num_slots / dcp_size rows); None on cuda: the
+    # ranks size it from gpu_memory_utilization of their GPUs' memory, in pages of page_size
+    num_slots: int | None
     dcp_size: int = 1
     index_mode: str = "copy"
     comm: str = "a2a"
@@ -62,6 +75,8 @@ class DecodeWorkerConfig:
     )
     # data frames must be signed with it (transfer/frames.py)
     frame_key: bytes = field(default=DEV_FRAME_KEY, repr=False)
+    page_size: int = 64
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
 
     def __post_init__(self):
         check_transfer(self.transfer)
@@ -71,8 +86,11 @@ class DecodeWorkerConfig:
             raise ValueError(f"--dcp-comm must be one of {', '.join(COMM_MODES)}, got {self.comm!r}")
         if self.cpu_comm not in CPU_COMMS:
             raise ValueError(f"--cpu-comm must be one of {', '.join(CPU_COMMS)}, got {self.cpu_comm!r}")
-        if self.dcp_size < 1 or self.num_slots % self.dcp_size:
+        if self.dcp_size < 1 or (self.num_slots or 0) % self.dcp_size:
             raise ValueError(f"num_slots {self.num_slots} must be a multiple of --dcp-size {self.dcp_size}")
+        if self.num_slots is None and self.device != "cuda":
+            raise ValueError("the KV pool is sized from GPU memory only with --device cuda")
+        check_gpu_memory_utilization(self.gpu_memory_utilization)
 
 
 @dataclass(frozen=True)
@@ -145,6 +163,7 @@ class DecodeRankInfo:
     index_mode: str  # follows ReconfigureCmd
     data_endpoint: str | None  # its KV hand-off receiver
     weight_bytes_by_dtype: dict[str, int] = field(default_factory=dict)  # "float8_e4m3fn", "bfloat16", ...
+    num_slots: int = 0  # the instance's KV slots (chosen by the ranks under --gpu-memory-utilization)
 
 
 @dataclass(frozen=True)
@@ -173,8 +192,11 @@ class DecodeRankWorker(RankWorker):
         who = f"decode rank {rank}"
 
         def fits(meta_model) -> None:  # before anything is allocated: weights + KV + workspace
+            weights = weight_bytes_by_dtype(meta_model)
+            if cfg.num_slots is None:
+                self.cfg = replace(cfg, num_slots=self._slots_from_memory(meta_model.config, weights, who))
             kv = self._make_pool(meta_model.config, cfg.index_mode, "meta").nbytes
-            check_device_fits(who, self.device, weight_bytes_by_dtype(meta_model), kv)
+            check_device_fits(who, self.device, weights, kv)
 
         self.model = load_model(
             cfg.model_dir,
@@ -212,8 +234,37 @@ class DecodeRankWorker(RankWorker):
             cfg.data_host,
             cfg.transfer_quarantine_s,
             cfg.frame_key,
-            cfg.num_slots,
+            self.cfg.num_slots,
         )
+
+    def _slots_from_memory(self, mcfg, weights: dict[str, int], who: str) -> int:
+        """The instance's slots under --gpu-memory-utilization: what this rank's GPU holds
+        (memory_check.kv_tokens_for_memory), the least over the ranks (every rank the same slots)."""
+        cfg, workspace = self.cfg, WORKSPACE_BYTES["cuda"]
+        total, used = device_memory(self.device)
+        page = page_bytes_per_rank(
+            mcfg, cfg.dcp_size, cfg.index_mode, cfg.page_size, cfg.kv_cache_dtype, self.dtype
+        )
+        w, u = sum(weights.values()), cfg.gpu_memory_utilization
+        mine = kv_tokens_for_memory(total, used, w, workspace, u, page, cfg.page_size)
+        least = torch.tensor(
+            [mine], dtype=torch.int64, device=self.device if dist.get_backend() == "nccl" else "cpu"
+        )
+        if self.world > 1:
+            dist.all_reduce(least, op=dist.ReduceOp.MIN)
+        slots = int(least[0])  # once, at startup
+        print(
+            f"{who}: KV pool {slots} tokens (--gpu-memory-utilization {u}: {self.device} {gib(total)} total, "
+            f"{gib(used)} in use, weights {gib(w)}, workspace {gib(workspace)}; this GPU alone {mine})",
+            file=sys.stderr,
+            flush=True,
+        )
+        if slots == 0:
+            raise RankMemoryError(
+                f"{who}: --gpu-memory-utilization {u} leaves no KV page ({page} bytes per rank) after the "
+                f"weights ({gib(w)}), the workspace ({gib(workspace)}) and the {gib(used)} in use of {gib(total)}"
+            )
+        return slots
 
     def _make_pool(self, mcfg, index_mode: str, device) -> KVPool:
         cfg = self.cfg
@@ -246,6 +297,7 @@ class DecodeRankWorker(RankWorker):
             self.cfg.index_mode,
             self.receiver.endpoint if hasattr(self, "receiver") else None,
             by_dtype,
+            self.cfg.num_slots,
         )
 
     def commands(self) -> dict:

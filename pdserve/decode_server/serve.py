@@ -43,6 +43,8 @@ def build_instance(cfg: DecodeServerConfig) -> DecodeInstance:
         moe_ops=cfg.moe_ops,
         keep_fp8=cfg.device == "cuda" and not cfg.dequantize,
         float32_islands=not cfg.exact_dtype,
+        page_size=cfg.page_size,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
     )
     launch = LaunchConfig.of_server(cfg, cfg.tp_size)
     return DecodeInstance(worker, launch, page_size=cfg.page_size, prefix_cache=cfg.prefix_cache == "on")

@@ -7,7 +7,8 @@ kv_cache_dtype "auto" stores in the model dtype. "fp8_e4m3" stores one byte per 
     of an RMSNorm (c_kv) or are rope'd keys of similar size, so one fixed scale keeps them in range;
   - index keys with one float32 scale per key (token x layer): their magnitudes vary a lot between
     tokens, and a per-key scale keeps small keys as accurate as large ones (132 bytes per key at 128).
-Reads always return the pool's compute dtype, so attention code never sees fp8.
+Reads return the pool's compute dtype, so attention code never sees fp8, except a kernel that
+converts tiles itself: `kv_stored` hands the triton decode (engine/attn_ops.TritonOps) the fp8 rows.
 
 Device: the tensors live on `device` (a rank's GPU on cuda). Slot indices and written values may
 come from the host (the TCP hand-off's frames, a test's LoadCmd): they are moved to the pool's
@@ -27,6 +28,7 @@ from .row_sums import row_sums
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_KV_SCALE = 1.0  # the latent entries' static scale: stored value = entry / scale
 
 
 class KVPool:
@@ -202,6 +204,13 @@ class KVPool:
         reading them converts nothing (not fp8, stored in the pool's dtype), else None."""
         table = self.kv[self.kv_row[layer]]
         return table if not self.fp8 and table.dtype == self.dtype else None
+
+    kv_scale = FP8_KV_SCALE
+
+    def kv_stored(self, layer: int) -> torch.Tensor:
+        """The latent rows of `layer` as stored ([rows, c + rope], fp8 too: entry = row * kv_scale),
+        for a kernel that converts tiles itself (engine/attn_ops.TritonOps)."""
+        return self.kv[self.kv_row[layer]]
 
     def kv_row_ids(self, slots: torch.Tensor) -> torch.Tensor:
         """The storage rows of latent-entry slots (any shape), on the pool's device."""

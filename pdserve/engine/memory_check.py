@@ -4,11 +4,17 @@ refuses to start with the numbers instead of failing in the middle of a load.
 
 Available memory: on cuda the device's free memory (torch.cuda.mem_get_info), on the CPU the host's
 MemAvailable (/proc/meminfo). The workspace is an estimate of what a step allocates beside the
-weights and the pool (activations, kernels' scratch, the CUDA context's share)."""
+weights and the pool (activations, kernels' scratch, the CUDA context's share).
+
+`--gpu-memory-utilization` (cuda, no explicit pool size): the pool takes what the weights and the
+workspace leave of that share of the device (`kv_tokens_for_memory`, a pure function)."""
 
 from __future__ import annotations
 
+import math
+
 WORKSPACE_BYTES = {"cuda": 2 << 30, "cpu": 64 << 20}
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
 class RankMemoryError(ValueError):
@@ -51,3 +57,30 @@ def check_device_fits(who: str, device, weights: dict[str, int], kv_bytes: int) 
     """check_rank_fits against `device`'s free memory now."""
     available, where = available_bytes(device)
     check_rank_fits(who, weights, kv_bytes, available, where, WORKSPACE_BYTES.get(device.type, 0))
+
+
+def check_gpu_memory_utilization(fraction: float) -> float:
+    if not (isinstance(fraction, (int, float)) and math.isfinite(fraction) and 0 < fraction <= 1):
+        raise ValueError(f"--gpu-memory-utilization must be a number in (0, 1], got {fraction!r}")
+    return float(fraction)
+
+
+def kv_tokens_for_memory(
+    total: int, used: int, weights: int, workspace: int, utilization: float, page_bytes: int, page_size: int
+) -> int:
+    """KV tokens (whole pages) a rank gets from `utilization` of a device of `total` bytes of which
+    `used` are already in use (this process's CUDA context, other processes), after its weights and
+    workspace: floor((utilization * total - used - weights - workspace) / page_bytes) pages."""
+    check_gpu_memory_utilization(utilization)
+    if page_bytes < 1 or page_size < 1:
+        raise ValueError(f"page_bytes {page_bytes} and page_size {page_size} must be positive")
+    left = math.floor(utilization * total) - used - weights - workspace
+    return max(left, 0) // page_bytes * page_size
+
+
+def device_memory(device) -> tuple[int, int]:
+    """(total, in use now) bytes of a cuda device."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info(device)
+    return total, total - free

@@ -18,8 +18,7 @@ import torch
 
 from ..model.backend import IndexerInputs
 from ..model.config import ModelConfig
-from ..model.kernels import index_scores
-from .attn_ops import TorchOps, attend_cached
+from .attn_ops import TorchOps, attend_cached, cached_index_scores
 from .kv_cache import KVPool
 from .prefill_attention import prefill_attention
 
@@ -115,8 +114,7 @@ class SingleRankBackend:
         if not cfg.is_sparse:
             return attend_cached(self.ops, self.pool, layer, q, slots, valid, scale, cfg.kv_lora_rank)[0]
         if index is not None:  # a full layer selects; the shared layers after it reuse the selection
-            idx_keys = self.pool.read_index(layer, slots)  # [B, Smax, Di]
-            scores = index_scores(index.q, index.weights, idx_keys, index.softmax_scale)
+            scores = cached_index_scores(self.pool, layer, slots, index)  # [B, Smax]
             self.decode_selection = sel = self.ops.topk(scores, valid, cfg.index_topk)  # [B, k]
             self._decode_pick = (slots.gather(1, sel.clamp(min=0)), sel >= 0)  # [B, k] slots, valid
         picked, picked_valid = self._decode_pick  # [B, k] slots

@@ -11,16 +11,23 @@ import types
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pdserve.engine.attn_flashinfer import FlashinferOps
 from pdserve.engine.attn_ops import (
     FLASHINFER_VERSION,
     OpsFacts,
     TorchOps,
+    cached_index_scores,
     select_attention_ops,
 )
 from pdserve.engine.device import DevicePlan, check_devices
+from pdserve.engine.kv_cache import KVPool
 from pdserve.engine.placement import parse_gpu_ids
+from pdserve.model.backend import IndexerInputs
+from pdserve.model.config import ModelConfig
+from pdserve.model.kernels import index_scores
+from pdserve.model.presets import hf_config
 
 H100, A100, T4 = (9, 0), (8, 0), (7, 5)
 GOOD = dict(
@@ -30,7 +37,9 @@ GOOD = dict(
     dtype="bfloat16",
     kv_lora_rank=512,
     rope_dim=64,
+    triton="3.6.0",
 )
+L40 = (8, 9)
 
 # (requested, facts that differ from GOOD, expected ops, fa backend, error/reason fragment)
 TABLE = [
@@ -48,7 +57,23 @@ TABLE = [
     ("flashinfer", {"dtype": "float64"}, None, None, "not float64"),
     ("auto", {"kv_lora_rank": 32, "rope_dim": 16}, "torch", None, "has 32 and 16"),
     ("flashinfer", {"kv_lora_rank": 32, "rope_dim": 16}, None, None, "kv_lora_rank 512"),
-    ("auto", {"kv_cache_dtype": "fp8_e4m3"}, "torch", None, "fp8_e4m3"),
+    # an fp8 cache on cuda: triton (flashinfer does not take it), never the float32 torch ops
+    ("auto", {"kv_cache_dtype": "fp8_e4m3"}, "triton", None, "fp8 KV cache, triton 3.6.0"),
+    ("auto", {"kv_cache_dtype": "fp8_e4m3", "flashinfer": None}, "triton", None, "not installed"),
+    ("auto", {"kv_cache_dtype": "fp8_e4m3", "capability": L40}, "triton", None, "triton 3.6.0"),
+    ("auto", {"kv_cache_dtype": "fp8_e4m3", "capability": A100}, None, None, "capability 8.9"),
+    ("auto", {"kv_cache_dtype": "fp8_e4m3", "triton": None}, None, None, "triton is not installed"),
+    ("auto", {"kv_cache_dtype": "fp8_e4m3", "dtype": "float64"}, None, None, "not float64"),
+    ("torch", {"kv_cache_dtype": "fp8_e4m3"}, "torch", None, "--attention-ops torch"),
+    ("auto", {"kv_cache_dtype": "fp8_e4m3", "device": "cpu", "capability": None}, "torch", None, "cuda"),
+    ("auto", {"flashinfer": None, "triton": None}, "torch", None, "not installed"),  # bf16: torch
+    ("triton", {}, "triton", None, "--attention-ops triton"),
+    ("triton", {"kv_cache_dtype": "fp8_e4m3", "capability": L40}, "triton", None, "triton 3.6.0"),
+    ("triton", {"device": "cpu", "capability": None}, None, None, "triton needs --device cuda"),
+    ("triton", {"triton": None}, None, None, "triton is not installed"),
+    ("triton", {"capability": T4}, None, None, "capability 8.0"),
+    ("triton", {"kv_cache_dtype": "fp8_e4m3", "capability": A100}, None, None, "capability 8.9"),
+    ("triton", {"dtype": "float64"}, None, None, "not float64"),
     ("torch", {"device": "cpu", "capability": None, "dtype": "float64"}, "torch", None, "torch"),
 ]
 
@@ -68,7 +93,7 @@ def test_selection_table(requested, diff, name, backend, why):
 
 def test_unknown_ops_name():
     with pytest.raises(ValueError, match="--attention-ops must be one of"):
-        select_attention_ops("triton", OpsFacts(**GOOD))
+        select_attention_ops("cutlass", OpsFacts(**GOOD))
 
 
 # ---- device plans: startup errors instead of silent fallbacks ------------------------------------
@@ -236,3 +261,69 @@ def test_adapter_merge_is_the_exact_merge():
     a, b = _ops().merge(outs, lses)
     c, d = TorchOps().merge(outs, lses)
     assert torch.equal(a, c) and torch.equal(b, d)
+
+
+# ---- indexer scores over a pool: no float32 copy of every key --------------------------------------
+class _LargestFloat32(TorchDispatchMode):
+    """The most elements of any float32 tensor an op made while it was open."""
+
+    def __init__(self):
+        super().__init__()
+        self.most = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                self.most = max(self.most, t.numel())
+        return out
+
+
+def _index_case(kv_cache_dtype: str, dtype: torch.dtype, weights_dtype: torch.dtype, s: int = 50):
+    cfg = ModelConfig.from_dict(hf_config("glm_moe_dsa", "tiny"))
+    layer = cfg.indexer_layers[0]
+    pool = KVPool(cfg, 64, dtype, kv_cache_dtype=kv_cache_dtype)
+    g = torch.Generator().manual_seed(5)
+    pool.write_index(layer, torch.arange(64), torch.randn(64, cfg.index_head_dim, generator=g, dtype=dtype))
+    B, Hi, Di = 3, cfg.index_n_heads, cfg.index_head_dim
+    index = IndexerInputs(
+        q=torch.randn(B, Hi, Di, generator=g, dtype=dtype),
+        k=None,
+        weights=torch.rand(B, Hi, generator=g, dtype=weights_dtype),
+        softmax_scale=Di**-0.5,
+    )
+    rows = torch.stack([torch.randperm(64, generator=g)[:s] for _ in range(B)])
+    return pool, layer, rows, index
+
+
+@pytest.mark.parametrize(
+    "kv_cache_dtype,dtype",
+    [("auto", torch.bfloat16), ("fp8_e4m3", torch.bfloat16), ("fp8_e4m3", torch.float32)],
+)
+def test_cached_index_scores_in_pieces_equal_the_whole(kv_cache_dtype, dtype):
+    pool, layer, rows, index = _index_case(kv_cache_dtype, dtype, torch.float32)
+    whole = index_scores(index.q, index.weights, pool.read_index(layer, rows), index.softmax_scale)
+    B, S, Di = *rows.shape, pool.index_k.shape[-1]
+    piece = 7 * B * Di * 4  # 7 columns a piece: 50 = 7 x 7 + 1
+    with _LargestFloat32() as seen:
+        got = cached_index_scores(pool, layer, rows, index, chunk_bytes=piece)
+    assert got.dtype == torch.float32 and got.shape == (B, S)
+    torch.testing.assert_close(got, whole, rtol=1e-6, atol=1e-6)
+    # the largest float32 tensor: a piece's keys [B, 7, Di] or per-head scores [B, Hi, 7], the queries
+    # [B, Hi, Di] or the answer [B, S]
+    Hi = index.q.shape[1]
+    assert seen.most <= max(B * 7 * max(Di, Hi), B * Hi * Di, B * S) < B * S * Di
+    with _LargestFloat32() as seen:
+        cached_index_scores(pool, layer, rows, index)
+    assert seen.most >= B * S * Di  # one piece: every key converted at once (what the pieces avoid)
+    assert torch.equal(cached_index_scores(pool, layer, rows, index), whole)  # one piece: the same call
+    empty = cached_index_scores(pool, layer, rows[:, :0], index, chunk_bytes=piece)
+    assert empty.shape == (B, 0)
+
+
+def test_cached_index_scores_float64_is_unchanged():
+    """Keys stored in the scores' dtype (the float64 model path) are scored at once, whatever the piece
+    size: bit for bit what index_scores of every key gives."""
+    pool, layer, rows, index = _index_case("auto", torch.float64, torch.float64)
+    whole = index_scores(index.q, index.weights, pool.read_index(layer, rows), index.softmax_scale)
+    assert torch.equal(cached_index_scores(pool, layer, rows, index, chunk_bytes=1), whole)
