@@ -66,6 +66,8 @@ class DecodeInstance(RankInstance):
             raise ValueError(
                 f"{self.model_config.num_heads} heads cannot be split over --tp-size {launch.world_size}"
             )
+        if worker.moe_ep:
+            self.model_config.experts_per_rank(launch.world_size)
         self.worker, self.launch = worker, launch
         self.allocator = PageAllocator(worker.num_slots // page_size, page_size)
         self.cache: RadixCache | None = None

@@ -45,6 +45,7 @@ class DecodeWorkerConfig:
     comm: str = "a2a"
     replicate_q: bool = False
     dtype: str = "float32"
+    moe_ep: bool = False  # routed experts by id across the W ranks (engine/expert_parallel.py)
     kv_cache_dtype: str = "auto"
     float32_islands: bool = True
     cpu_comm: str = "auto"  # collectives between the ranks: shared memory or gloo (engine/comm.py)
@@ -180,7 +181,7 @@ class DecodeRankWorker(RankWorker):
             self.dtype,
             self.device,
             float32_islands=cfg.float32_islands,
-            shard=lambda m: shard_decode_model(m, rank, world, cfg.dcp_size, cfg.replicate_q),
+            shard=lambda m: shard_decode_model(m, rank, world, cfg.dcp_size, cfg.replicate_q, cfg.moe_ep),
             keep_fp8=cfg.keep_fp8,
             check=fits,
         )

@@ -1,7 +1,7 @@
 """Shard-only loading (issue 39 item 1, model/shard.py): a rank that builds only its slices on the meta
 device and reads only them from the safetensors files holds exactly what a full load sliced
 afterwards holds (bf16/float32 and fp8 checkpoints, decode TP with DCP and a replicated q
-projection, prefill --moe-tp); fp8 weights kept fp8 are the checkpoint's bytes of the rank's slice
+projection, prefill --moe-tp, --moe-ep's whole experts by id); fp8 weights kept fp8 are the checkpoint's bytes of the rank's slice
 and its block scales, and multiply to the dequantized model's results exactly in float64; a rank's
 peak memory while loading is its share, not the model."""
 
@@ -22,7 +22,7 @@ from pdserve.model.quant import dequantize_fp8
 from pdserve.model.random_checkpoint import make_model
 from pdserve.model.shard import weight_bytes_by_dtype
 from pdserve.model.weights import load_model
-from pdserve.prefill_server.moe_tp import shard_moe_tp
+from pdserve.prefill_server.moe_tp import shard_moe_tp, shard_prefill_ffn
 from tests.conftest import ARCHS
 from tests.model.test_load_memory import peak_script
 
@@ -146,6 +146,45 @@ def test_prefill_moe_tp_rank_holds_the_slices_of_a_full_load(checkpoints, arch):
         got = dict(part.named_parameters())
         for name, w in full.named_parameters():
             assert torch.equal(got[name], w), name
+
+
+@pytest.mark.parametrize("quant", [None, "fp8"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_moe_ep_rank_holds_its_whole_experts_of_a_full_load(checkpoints, arch, quant):
+    """--moe-ep (decode W = 2 and 4, prefill C_p = 2 with and without --moe-tp): a rank allocates and
+    reads only its E/W experts, whole; they equal the full load's expert slices, fp8 kept bit for bit
+    with their scales (a whole expert is block-aligned), the rest as the TP / replicated cuts say."""
+    path = checkpoints[(arch, quant)]
+    full = load_model(path, torch.float64)
+    shards = [
+        (w, partial(shard_decode_model, world=w, dcp=1, replicate_q=False, moe_ep=True)) for w in (2, 4)
+    ]
+    shards += [(2, partial(shard_prefill_ffn, world=2, moe_tp=tp, moe_ep=True)) for tp in (False, True)]
+    for world, shard in shards:
+        for rank in range(world):
+            want = load_model(path, torch.float64)
+            shard(want, rank=rank)  # the same cuts applied to a whole model
+            part = load_model(path, torch.float64, shard=partial(shard, rank=rank))
+            got = dict(part.named_parameters())
+            assert got.keys() == dict(want.named_parameters()).keys()
+            for name, w in want.named_parameters():
+                assert torch.equal(got[name], w), (world, rank, name)
+            for layer, whole in zip(part.model.layers, full.model.layers):
+                ex = layer.mlp.experts if hasattr(layer.mlp, "experts") else None
+                if ex is None:
+                    continue
+                per = whole.mlp.experts.n_routed // world
+                assert (ex.first_expert, ex.n_routed) == (rank * per, per)
+                ids = slice(rank * per, (rank + 1) * per)
+                assert torch.equal(ex.gate_up_proj, whole.mlp.experts.gate_up_proj[ids])
+                assert torch.equal(ex.down_proj, whole.mlp.experts.down_proj[ids])
+            if quant == "fp8":
+                kept = load_model(path, torch.float64, shard=partial(shard, rank=rank), keep_fp8=True)
+                ex = kept.model.layers[-1].mlp.experts
+                assert ex.gate_up_proj.dtype == FP8 and ex.gate_up_proj.shape[0] == per
+                got8 = dequantized_state(kept)
+                for name, w in want.named_parameters():
+                    assert torch.equal(got8[name], w), (world, rank, name, "fp8 kept")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
