@@ -7,6 +7,7 @@ peak memory while loading is its share, not the model."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from functools import partial
@@ -14,13 +15,14 @@ from functools import partial
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from pdserve.decode_server.tp import shard_decode_model
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.model.layers import Experts, Linear
 from pdserve.model.quant import dequantize_fp8
 from pdserve.model.random_checkpoint import make_model
-from pdserve.model.shard import weight_bytes_by_dtype
+from pdserve.model.shard import EXPERT_KEY, weight_bytes_by_dtype
 from pdserve.model.weights import load_model
 from pdserve.prefill_server.moe_tp import shard_moe_tp, shard_prefill_ffn
 from tests.conftest import ARCHS
@@ -185,6 +187,44 @@ def test_moe_ep_rank_holds_its_whole_experts_of_a_full_load(checkpoints, arch, q
                 got8 = dequantized_state(kept)
                 for name, w in want.named_parameters():
                     assert torch.equal(got8[name], w), (world, rank, name, "fp8 kept")
+
+
+def stacked_checkpoint(src, out):
+    """src's checkpoint with every layer's experts in transformers' stacked in-memory layout
+    (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]), which some versions save."""
+    out.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    state = load_file(str(src / "model.safetensors"))
+    parts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for key in list(state):
+        m = EXPERT_KEY.match(key)
+        if m:
+            parts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = state.pop(key)
+    for prefix, experts in parts.items():
+        ids = sorted(experts)
+        state[prefix + ".gate_up_proj"] = torch.stack(
+            [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]]) for e in ids]
+        )
+        state[prefix + ".down_proj"] = torch.stack([experts[e]["down_proj"] for e in ids])
+    save_file(state, str(out / "model.safetensors"))
+    return out
+
+
+def test_moe_ep_reads_its_experts_of_the_stacked_layout(checkpoints, tmp_path):
+    """A checkpoint with stacked experts: an EP rank reads its experts' rows of each stack, and holds
+    what the full load of the per-expert checkpoint holds for them."""
+    path = checkpoints[("glm_moe_dsa", None)]
+    stacked = stacked_checkpoint(path, tmp_path / "stacked")
+    for rank in range(2):
+        shard = partial(shard_decode_model, rank=rank, world=2, dcp=1, replicate_q=False, moe_ep=True)
+        want = load_model(path, torch.float64)
+        shard(want)
+        got = dict(load_model(stacked, torch.float64, shard=shard).named_parameters())
+        assert got["model.layers.1.mlp.experts.gate_up_proj"].shape[0] == 4
+        for name, w in want.named_parameters():
+            assert torch.equal(got[name], w), (rank, name)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
