@@ -45,7 +45,6 @@ class DecodeWorkerConfig:
     comm: str = "a2a"
     replicate_q: bool = False
     dtype: str = "float32"
-    moe_ep: bool = False  # routed experts by id across the W ranks (engine/expert_parallel.py)
     kv_cache_dtype: str = "auto"
     float32_islands: bool = True
     cpu_comm: str = "auto"  # collectives between the ranks: shared memory or gloo (engine/comm.py)
@@ -54,6 +53,7 @@ class DecodeWorkerConfig:
     attention_ops: str = "auto"  # engine/attn_ops.py
     linear_ops: str = "auto"  # engine/gemm_ops.py
     moe_ops: str = "auto"
+    moe_ep: bool = False  # routed experts by id across the W ranks (engine/expert_parallel.py)
     keep_fp8: bool = False  # fp8 checkpoint weights stay fp8 (model/shard.py): cuda without --dequantize
     transfer: str = "tcp"  # KV hand-off data path: "tcp" | "nixl"
     data_host: str = "127.0.0.1"  # address the TCP receivers bind and advertise to prefill ranks

@@ -47,7 +47,6 @@ class PrefillWorkerConfig:
     layout: str = "interleave"
     cache: str = "full"
     moe_tp: bool = False
-    moe_ep: bool = False  # routed experts by id across the ranks (engine/expert_parallel.py)
     query_block: int = 256
     float32_islands: bool = True  # False: true float64 (see ModelConfig)
     transfer: str = "tcp"  # KV hand-off data path: "tcp" | "nixl"
@@ -56,6 +55,7 @@ class PrefillWorkerConfig:
     attention_ops: str = "auto"  # engine/attn_ops.py
     linear_ops: str = "auto"  # engine/gemm_ops.py
     moe_ops: str = "auto"
+    moe_ep: bool = False  # routed experts by id across the ranks (engine/expert_parallel.py)
     keep_fp8: bool = False  # fp8 checkpoint weights stay fp8 (model/shard.py): cuda without --dequantize
     # data frames are signed with it (transfer/frames.py)
     frame_key: bytes = field(default=DEV_FRAME_KEY, repr=False)

@@ -102,3 +102,24 @@ def test_dispatch_combine_equals_the_whole_block(counts, unused):
         assert ok, (rank, err)
     if unused is not None:  # rank 2 owns experts 8..11: no token chose one, so it received nothing
         assert not set(out[0][3]) & set(unused)
+
+
+def test_moe_ep_reaches_the_rank_workers(tiny_checkpoints):
+    """`--moe-ep` on each server's config reaches its rank workers' config; an uneven split is refused
+    by validate_model (before any rank starts) and by the instance itself."""
+    from pdserve.decode_server.config import DecodeServerConfig
+    from pdserve.decode_server.serve import build_instance as build_decode
+    from pdserve.prefill_server.config import PrefillServerConfig
+    from pdserve.prefill_server.serve import build_instance as build_prefill
+
+    path = str(tiny_checkpoints[("glm_moe_dsa", "make-model")])  # 8 routed experts, 4 heads
+    decode = DecodeServerConfig(model=path, tp_size=2, moe_ep=True, max_kv_tokens=256)
+    decode.validate_model()
+    assert build_decode(decode).worker.moe_ep
+    prefill = PrefillServerConfig(model=path, cp_size=2, moe_ep=True)
+    prefill.validate_model()
+    assert build_prefill(prefill).worker.moe_ep
+    with pytest.raises(ValueError, match="8 routed experts cannot be split evenly over 3 ranks"):
+        PrefillServerConfig(model=path, cp_size=3, moe_ep=True).validate_model()
+    with pytest.raises(ValueError, match="cannot be split evenly over 3 ranks"):
+        build_prefill(PrefillServerConfig(model=path, cp_size=3, moe_ep=True))
