@@ -19,8 +19,9 @@ Two ways to bring tokens and experts together, by where the tokens are:
     their experts' part for the rows they received, a second exchange sends the parts back, and
     the token's rank sums them in rank order. The shared expert and dense MLPs stay replicated
     (`shared_tp=False`) and run on the token's own rank.
-In both, a token's output is sum over ranks r (in rank order) of sum over r's chosen experts (in
-ascending id) of weight x expert(x): the same association on both paths.
+In both, a token's output is the sum over the ranks of each rank's part (its chosen experts, in
+ascending id, weighted): a different order of the same sum than one rank's (all experts ascending)
+or TP's (per intermediate slice), so equal to rounding (float64: ~1e-15), not bit for bit.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class ExpertParallelMoE(nn.Module):
         this rank received; returns what combine needs."""
         owner = torch.zeros(x.shape[0], self.world, dtype=torch.bool, device=x.device)
         owner.scatter_(1, ids // self.per_rank, True)  # [T, W]: token t has an expert on rank r
-        dest, token = owner.t().nonzero(as_tuple=True)  # sorted by destination, then token
+        _, token = owner.t().nonzero(as_tuple=True)  # (destination, token) pairs, by destination then token
         send = owner.sum(0)  # [W]
         send_counts = send.tolist()
         recv_counts = exchange_counts(send, self.group)

@@ -3,9 +3,10 @@
 Parallelism (engine/tp_shard.py, engine/expert_parallel.py, decode_server/tp.py,
 prefill_server/moe_tp.py) is applied to a model built on the meta device, before any storage
 exists: `cut_linear`, `cut_experts` (intermediate dim) and `cut_expert_ids` (whole experts by id,
---moe-ep) give a module the shape of its slice and record which slice of the checkpoint's tensor that is (`Cut`), so
-the loader (weights.py) allocates only the rank's shapes and reads only its slices
-(safetensors `get_slice`). Applied to a loaded model, the same functions slice the real tensors.
+--moe-ep) give a module the shape of its slice and record which slice of the checkpoint's tensor
+that is (`Cut`, or the experts' `first_expert`), so the loader (weights.py) allocates only the
+rank's shapes and reads only its slices (safetensors `get_slice`). Applied to a loaded model, the
+same functions slice the real tensors.
 
 FP8 kept (`keep_fp8`): a Linear or Experts whose checkpoint weight is float8_e4m3fn with block scales
 stays fp8 in memory (weight + float32 `weight_scale_inv`, the checkpoint's layout) when its slice
