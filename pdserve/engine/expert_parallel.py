@@ -62,13 +62,15 @@ class ExpertParallelMoE(nn.Module):
     """A MoE block whose routed experts live across the ranks of `group` (torch.distributed; None:
     the world), for ranks that hold different tokens: dispatch, local experts, combine (module
     docstring). The shared expert moves here, so it is never folded into the routed ones
-    (engine/gemm_ops.py): it runs once per token, on the token's rank."""
+    (engine/gemm_ops.py): it runs once per token, on the token's rank. The counts are read on the
+    host (one sync per block, before the row exchange): a prefill-sized step's cost, and why decode
+    takes the exchange-free path."""
 
-    def __init__(self, moe: MoE, rank: int, world: int, group=None):
+    def __init__(self, moe: MoE, world: int, group=None):
         super().__init__()
         self.gate, self.experts = moe.gate, moe.experts
         self.shared_experts: MLP | None = moe.shared_experts
-        self.rank, self.world, self.group = rank, world, group
+        self.world, self.group = world, group
         self.per_rank = moe.experts.n_routed  # every rank holds as many
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,10 +113,10 @@ class ExpertParallelMoE(nn.Module):
         return out
 
 
-def wrap_moe_ep(model: CausalLM, rank: int, world: int, group=None) -> None:
+def wrap_moe_ep(model: CausalLM, world: int, group=None) -> None:
     """Every MoE block of a loaded, EP-sharded (shared_tp=False) model exchanges its tokens."""
     if world == 1:
         return
     for layer in model.model.layers:
         if isinstance(layer.mlp, MoE):
-            layer.mlp = ExpertParallelMoE(layer.mlp, rank, world, group)
+            layer.mlp = ExpertParallelMoE(layer.mlp, world, group)

@@ -146,7 +146,7 @@ class PrefillRankWorker(RankWorker):
         if cfg.moe_tp:
             wrap_moe_tp(self.model, self.split)
         elif cfg.moe_ep:
-            wrap_moe_ep(self.model, rank, world)
+            wrap_moe_ep(self.model, world)
         apply_gemm_ops(self.model, cfg.linear_ops, cfg.moe_ops, dev, f"prefill rank {rank} ({dev})")
         self.pool = self._make_pool(self.mcfg, layers, dev)
         ops = make_attention_ops(cfg.attention_ops, dev, dtype, self.mcfg, who=f"prefill rank {rank} ({dev})")

@@ -68,7 +68,7 @@ def _worker(rank: int, world: int, port: int, counts: list[int], unused, results
             want = whole(torch.cat(xs)).split(counts)[rank]
             part, _ = block(unused)
             cut_expert_ids(part.experts, expert_span(E, rank, world))
-            ep = ExpertParallelMoE(part, rank, world)
+            ep = ExpertParallelMoE(part, world)
             out = ep(xs[rank])
             _, ids = whole.gate(torch.cat(xs))
         err = (out - want).abs().max().item() if out.numel() else 0.0
