@@ -14,6 +14,7 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.kernels import attend
 from pdserve.model.layers import Experts, Linear
 from pdserve.model.quant import FP8_BLOCK, quantizable, quantize_fp8
+from pdserve.model.shard import cut_expert_ids
 from pdserve.model.transformer import DecoderLayer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,9 +91,8 @@ def build_layer(shape: RankShape, device: torch.device, weight_dtype: str, seed:
     with torch.device("meta"):
         layer = DecoderLayer(cfg, 0)
     if shape.first_expert is not None:
-        n = cfg.n_routed_experts // RANKS
-        layer.mlp.experts = Experts(n, cfg.hidden_size, cfg.moe_intermediate_size).to("meta")
-        layer.mlp.experts.first_expert = shape.first_expert
+        n = cfg.n_routed_experts // RANKS  # this rank's whole experts, as --moe-ep cuts them
+        cut_expert_ids(layer.mlp.experts, slice(shape.first_expert, shape.first_expert + n))
     layer = layer.to(dtype).to_empty(device=device)  # run-dtype storage (meta modules start float32)
     g = torch.Generator(device=device).manual_seed(seed)
     fp8 = weight_dtype == "fp8"

@@ -58,9 +58,18 @@ def _quant(mcfg, keep_fp8: bool = False) -> str:
     return f"{q.method} {q.block[0]}x{q.block[1]} blocks ({kept})"
 
 
-def rank_weight_bytes(model: str, dtype: str, tp_size: int, dcp_size: int, replicate_q: bool, keep_fp8: bool):
+def rank_weight_bytes(
+    model: str,
+    dtype: str,
+    tp_size: int,
+    dcp_size: int,
+    replicate_q: bool,
+    keep_fp8: bool,
+    moe_ep: bool = False,
+):
     """Each decode rank's weight bytes by dtype, from its meta-device model (model/shard.py): what
-    the rank would allocate, fp8 weights and their block scales included."""
+    the rank would allocate, fp8 weights and their block scales included (with --moe-ep: its
+    whole experts, which stay fp8 where intermediate slices would not fall on blocks)."""
     from .decode_server.tp import shard_decode_model
     from .engine.llm_engine import parse_dtype
     from .model.shard import weight_bytes_by_dtype
@@ -72,7 +81,12 @@ def rank_weight_bytes(model: str, dtype: str, tp_size: int, dcp_size: int, repli
             model,
             parse_dtype(dtype),
             shard=partial(
-                shard_decode_model, rank=rank, world=tp_size, dcp=dcp_size, replicate_q=replicate_q
+                shard_decode_model,
+                rank=rank,
+                world=tp_size,
+                dcp=dcp_size,
+                replicate_q=replicate_q,
+                moe_ep=moe_ep,
             ),
             keep_fp8=keep_fp8,
         )
@@ -80,16 +94,19 @@ def rank_weight_bytes(model: str, dtype: str, tp_size: int, dcp_size: int, repli
     return out
 
 
-def prefill_plan(model: str, cp_size: int, cache: str, moe_tp: bool, dtype: str, slots: int) -> dict:
+def prefill_plan(
+    model: str, cp_size: int, cache: str, moe_tp: bool, dtype: str, slots: int, moe_ep: bool = False
+) -> dict:
     mcfg = _model(model)
     per_token = capacity.entry_bytes(mcfg, "auto", dtype) + capacity.index_bytes(mcfg, "auto", dtype)
     kv = slots * per_token if cache == "full" else -(-slots * per_token // cp_size)
     return {
         "model_type": mcfg.model_type,
         "checkpoint_quantization": _quant(mcfg),
-        "topology": f"1 prefill instance of {cp_size} rank(s) (context parallel, cache {cache})",
+        "topology": f"1 prefill instance of {cp_size} rank(s) (context parallel, cache {cache})"
+        + (f", experts EP={cp_size}" if moe_ep and cp_size > 1 else ""),
         "ranks": cp_size,
-        "weight_bytes_per_rank": _weights(mcfg, dtype).prefill_rank(cp_size, moe_tp),
+        "weight_bytes_per_rank": _weights(mcfg, dtype).prefill_rank(cp_size, moe_tp, moe_ep),
         "kv_tokens": slots,
         "kv_bytes_per_rank": kv,
     }
@@ -108,12 +125,14 @@ def decode_plan(
     gpu_memory: int | None = None,
     keep_fp8: bool = False,
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+    moe_ep: bool = False,
 ) -> dict:
     """keep_fp8: the ranks keep an fp8 checkpoint's weights fp8 (--device cuda without --dequantize).
     slots None: the ranks size the pool from gpu_memory_utilization of their GPUs at startup; with
-    gpu_memory the plan shows what that gives on such a GPU (nothing else in use)."""
+    gpu_memory the plan shows what that gives on such a GPU (nothing else in use).
+    moe_ep: routed experts by id across the ranks (the per-rank bytes come from the ranks' meta models)."""
     mcfg = _model(model)
-    by_rank = rank_weight_bytes(model, dtype, tp_size, dcp_size, replicate_q, keep_fp8)
+    by_rank = rank_weight_bytes(model, dtype, tp_size, dcp_size, replicate_q, keep_fp8, moe_ep)
     weights = max(sum(r.values()) for r in by_rank)
     page = capacity.page_bytes_per_rank(mcfg, dcp_size, dcp_index, page_size, kv_cache_dtype, dtype)
     u, workspace = gpu_memory_utilization, WORKSPACE_BYTES["cuda"]
@@ -133,7 +152,8 @@ def decode_plan(
     plan = {
         "model_type": mcfg.model_type,
         "checkpoint_quantization": _quant(mcfg, keep_fp8),
-        "topology": f"1 decode instance of {tp_size} rank(s): TP={tp_size}, DCP C_d={dcp_size}, index {dcp_index}",
+        "topology": f"1 decode instance of {tp_size} rank(s): TP={tp_size}, DCP C_d={dcp_size}, index {dcp_index}"
+        + (f", experts EP={tp_size}" if moe_ep and tp_size > 1 else ""),
         "ranks": tp_size,
         "dtype": dtype,
         "weight_bytes_per_rank": weights,

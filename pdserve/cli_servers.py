@@ -59,7 +59,9 @@ def prefill(
         if check_config:
             from .check_plan import echo_plan, prefill_plan
 
-            plan = prefill_plan(cfg.model, cfg.cp_size, cfg.cache, cfg.moe_tp, cfg.dtype, cfg.num_slots)
+            plan = prefill_plan(
+                cfg.model, cfg.cp_size, cfg.cache, cfg.moe_tp, cfg.dtype, cfg.num_slots, cfg.moe_ep
+            )
     except (ValueError, FileNotFoundError) as e:
         fail(str(e))
     if check_config:
@@ -109,6 +111,7 @@ def decode(
                 parse_bytes(gpu_memory) if gpu_memory is not None else None,
                 keep_fp8=cfg.device == "cuda" and not cfg.dequantize,
                 gpu_memory_utilization=cfg.gpu_memory_utilization,
+                moe_ep=cfg.moe_ep,
             )
     except (ValueError, FileNotFoundError) as e:
         fail(str(e))

@@ -232,6 +232,7 @@ class PrefillInfo(LoadAnswer):
     layout: str | None = None
     cache: str | None = None
     moe_tp: bool | None = None
+    moe_ep: bool | None = None
     chunk_size: int | None = None
     dtype: str | None = None
     queue_depth: int | None = Field(None, ge=0)  # the old name of `queued`, sent for one release
@@ -252,6 +253,7 @@ class DecodeCapacity(LoadAnswer):
     index_mode: str | None = None
     tp_size: int | None = None
     dcp_size: int | None = None
+    moe_ep: bool | None = None  # routed experts by id across the ranks
     kv_cache_dtype: str | None = None
     kv_tokens_from: str | None = None  # what sized total_tokens: a flag (--gpu-memory-utilization: the ranks)
     dtype: str | None = None

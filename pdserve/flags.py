@@ -66,6 +66,14 @@ MOE_OPS_HELP = (
     "the shared expert folded in; CUDA) or auto (triton where it can run). Printed at startup; triton "
     "where it cannot run is an error."
 )
+MOE_EP_HELP = (
+    "Expert parallelism: the routed experts are split by id across the ranks (rank r holds experts "
+    "[r E/W, (r+1) E/W) whole, fp8 kept as in the checkpoint) instead of each rank holding a slice "
+    "of every expert; the number of routed experts must be a multiple of the ranks. Decode: every "
+    "rank holds every token, so nothing is exchanged beyond the usual all-reduce. Prefill: tokens go "
+    "to their experts' ranks and back by all-to-all (with --moe-tp: no exchange, the block already "
+    "sees every token)."
+)
 PREFIX_CACHE_HELP = (
     "Prefix cache: a radix tree over token ids keeps the KV pages of finished prompts, so a prompt "
     "that starts with a cached prefix (a shared system prompt, an earlier turn) computes only the "

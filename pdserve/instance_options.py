@@ -22,6 +22,7 @@ from .flags import (
     INTERNAL_TOKEN_HELP,
     LINEAR_OPS_HELP,
     MODEL_HELP,
+    MOE_EP_HELP,
     MOE_OPS_HELP,
     PREFIX_CACHE_HELP,
     SHUTDOWN_GRACE_HELP,
@@ -44,6 +45,7 @@ class InstanceOptions(ABC):
     attention_ops: str = option("auto", ATTENTION_OPS_HELP, choices=AttentionOps)
     linear_ops: str = option("auto", LINEAR_OPS_HELP, choices=LinearOps)
     moe_ops: str = option("auto", MOE_OPS_HELP, choices=MoeOps)
+    moe_ep: bool = option(False, MOE_EP_HELP)
     dequantize: bool = option(False, DEQUANTIZE_HELP)
     threads_per_rank: int = option(
         1, "torch threads in each rank process (decode: also in the server's local prefill).", min=1

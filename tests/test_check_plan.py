@@ -16,10 +16,12 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.quant import quantizable
 from pdserve.model.random_checkpoint import tensor_specs
 from pdserve.model.weights import WeightError, check_tensor_names, load_model
+from pdserve.prefill_server.moe_tp import shard_prefill_ffn
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 RELEASES = {"glm5": 744e9, "deepseek_v32": 671e9, "deepseek_v3": 671e9}  # parameters the model cards state
 GIB = 2**30
+GLM5_W8 = ("decode", "--model", str(CONFIGS / "glm5"), "--tp-size", "8", "--device", "cuda")  # fp8 kept
 
 
 def cli(*args: str, env: dict | None = None):
@@ -115,16 +117,60 @@ def test_admin_capacity_sizes_glm5_on_h200():
     assert "C_d=8: 16 ranks" in table
 
 
+@pytest.mark.parametrize("moe_ep", [False, True])
 @pytest.mark.parametrize("tp,dcp,replicate", [(2, 1, False), (2, 2, True), (4, 2, True)])
-def test_decode_rank_bytes_are_what_tp_sharding_keeps(tiny_checkpoints, tp, dcp, replicate):
-    """The planner against the real decode sharding (decode_server/tp.py) of a tiny model."""
+def test_decode_rank_bytes_are_what_tp_sharding_keeps(tiny_checkpoints, tp, dcp, replicate, moe_ep):
+    """The planner against the real decode sharding (decode_server/tp.py) of a tiny model; with
+    --moe-ep (E/W whole experts) a rank holds as many bytes as with the experts' intermediate slices."""
     path = tiny_checkpoints[("deepseek_v32", "make-model")]
     pb = param_bytes(ModelConfig.from_pretrained(path), "float32")
     for rank in (0, tp - 1):
         model = load_model(path)
-        apply_decode_tp(model, rank, tp, dcp, replicate, comm=None)
+        apply_decode_tp(model, rank, tp, dcp, replicate, comm=None, moe_ep=moe_ep)
         kept = sum(p.numel() * p.element_size() for p in model.parameters())
         assert kept == pb.decode_rank(tp, dcp, replicate), (rank, kept)
+        assert (model.model.layers[-1].mlp.inner.experts.first_expert is not None) == moe_ep
+
+
+@pytest.mark.parametrize("moe_tp", [False, True])
+def test_prefill_rank_bytes_with_moe_ep(tiny_checkpoints, moe_tp):
+    """--moe-ep on a prefill rank: 1/C_p of the routed experts; the shared experts and dense MLPs
+    whole, or 1/C_p with --moe-tp too. The planner's bytes are the sharded rank's."""
+    path = tiny_checkpoints[("glm_moe_dsa", "make-model")]
+    pb = param_bytes(ModelConfig.from_pretrained(path), "float32")
+    assert 0 < pb.routed < pb.ffn
+    for rank in (0, 1):
+        model = load_model(path)
+        shard_prefill_ffn(model, rank, 2, moe_tp, moe_ep=True)
+        kept = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert kept == pb.prefill_rank(2, moe_tp, moe_ep=True), (rank, kept)
+    assert pb.prefill_rank(2, moe_ep=True) == pb.total - pb.routed // 2
+
+
+def test_moe_ep_check_config(tiny_checkpoints, heads12_checkpoints):
+    """--check-config with --moe-ep: GLM-5-FP8 at W = 8 holds 32 whole experts per rank, kept fp8, in
+    the bytes TP's slices take; routed experts that do not split evenly over the ranks are refused
+    before any rank starts, for decode and prefill alike."""
+    args = [*GLM5_W8, "--check-config"]
+    tp, ep = (json.loads(cli(*args, *extra).stdout)["plan"] for extra in ([], ["--moe-ep"]))
+    assert "experts EP=8" in ep["topology"] and "EP" not in tp["topology"]
+    assert ep["weight_bytes_by_dtype_per_rank"] == tp["weight_bytes_by_dtype_per_rank"]
+    assert ep["weight_bytes_by_dtype_per_rank"][0]["float8_e4m3fn"] > 80 * GIB
+    r = cli(
+        "decode",
+        "--model",
+        str(heads12_checkpoints["glm_moe_dsa"]),
+        "--tp-size",
+        "3",
+        "--moe-ep",
+        "--check-config",
+    )
+    assert r.exit_code != 0 and "8 routed experts cannot be split evenly over 3 ranks" in r.output, r.output
+    path = str(tiny_checkpoints[("glm_moe_dsa", "make-model")])
+    r = cli("prefill", "--model", path, "--cp-size", "3", "--moe-ep", "--check-config")
+    assert r.exit_code != 0 and "cannot be split evenly over 3 ranks" in r.output, r.output
+    r = cli("prefill", "--model", path, "--cp-size", "2", "--moe-ep", "--check-config")
+    assert r.exit_code == 0 and "experts EP=2" in json.loads(r.stdout)["plan"]["topology"], r.output
 
 
 @pytest.mark.parametrize("release", list(RELEASES))
@@ -164,17 +210,7 @@ def test_glm5_fp8_at_w8_fits_an_h200_with_fp8_kept():
     """Issue 39: GLM-5-FP8 kept in fp8 on cuda, W = 8, 141 GB: each rank's weights (~91 GiB: fp8
     experts and projections, bf16 embeddings / LM head / kv_b, float32 scales) fit, with KV room
     beside them; dequantized to bf16 (--dequantize) they do not."""
-    args = [
-        "decode",
-        "--model",
-        str(CONFIGS / "glm5"),
-        "--tp-size",
-        "8",
-        "--dcp-size",
-        "8",
-        "--device",
-        "cuda",
-    ]
+    args = [*GLM5_W8, "--dcp-size", "8"]
     r = cli(*args, "--gpu-memory", "141GB", "--check-config")
     assert r.exit_code == 0, r.output
     plan = json.loads(r.stdout)["plan"]

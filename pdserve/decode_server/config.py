@@ -150,9 +150,11 @@ class DecodeServerConfig(InstanceOptions):
 
     def validate_model(self) -> None:
         """Checks that need the checkpoint's config (a clear error before any rank starts)."""
-        heads = ModelConfig.from_pretrained(self.model).num_heads
-        if heads % self.tp_size:
+        mcfg = ModelConfig.from_pretrained(self.model)
+        if mcfg.num_heads % self.tp_size:
             raise ValueError(
-                f"the model's {heads} attention heads cannot be split over --tp-size {self.tp_size}"
+                f"the model's {mcfg.num_heads} attention heads cannot be split over --tp-size {self.tp_size}"
             )
+        if self.moe_ep:
+            mcfg.experts_per_rank(self.tp_size)
         self.num_slots()

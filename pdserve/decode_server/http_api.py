@@ -4,7 +4,7 @@ GET  /live         200 while the HTTP server runs (Kubernetes liveness; /health 
 GET  /health       200 {"status": "ok"} while every rank lives; 503 {"error": "rank 1 (pid ...) ..."} otherwise;
                    503 {"status": "draining"} after SIGTERM (new requests get 503, running ones finish)
 GET  /capacity     total / free KV tokens, bytes per token per rank (docs/design.md invariant 6), index mode,
-                   tp_size, dcp_size, kv_cache_dtype, page_size, running / queued requests, ranks (pid, cache bytes)
+                   tp_size, dcp_size, moe_ep, kv_cache_dtype, page_size, running / queued requests, ranks (pid, cache bytes)
 GET  /info         /capacity plus each rank's weight bytes and their split by dtype (fp8 weights and
                   their block scales, the run dtype, float32 islands); the KV tokens are total_tokens
                   and kv_tokens_from the flag that sized them (on cuda by default
@@ -78,6 +78,7 @@ def create_app(cfg, instance, engine_loop, dead_rank, drain=None) -> FastAPI:
         "index_mode": cfg.dcp_index,
         "tp_size": cfg.tp_size,
         "dcp_size": cfg.dcp_size,
+        "moe_ep": cfg.moe_ep,
         "kv_cache_dtype": cfg.kv_cache_dtype,
         "kv_tokens_from": (
             f"--gpu-memory-utilization {cfg.gpu_memory_utilization}"

@@ -66,6 +66,8 @@ class DecodeInstance(RankInstance):
             raise ValueError(
                 f"{self.model_config.num_heads} heads cannot be split over --tp-size {launch.world_size}"
             )
+        if worker.moe_ep:
+            self.model_config.experts_per_rank(launch.world_size)
         # the ranks size the pool from their GPUs' memory when num_slots is None: pages of this size
         self.worker, self.launch = dataclasses.replace(worker, page_size=page_size), launch
         self.page_size, self.prefix_cache = page_size, prefix_cache

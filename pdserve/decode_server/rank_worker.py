@@ -67,6 +67,7 @@ class DecodeWorkerConfig:
     attention_ops: str = "auto"  # engine/attn_ops.py
     linear_ops: str = "auto"  # engine/gemm_ops.py
     moe_ops: str = "auto"
+    moe_ep: bool = False  # routed experts by id across the W ranks (engine/expert_parallel.py)
     keep_fp8: bool = False  # fp8 checkpoint weights stay fp8 (model/shard.py): cuda without --dequantize
     transfer: str = "tcp"  # KV hand-off data path: "tcp" | "nixl"
     data_host: str = "127.0.0.1"  # address the TCP receivers bind and advertise to prefill ranks
@@ -203,7 +204,7 @@ class DecodeRankWorker(RankWorker):
             self.dtype,
             self.device,
             float32_islands=cfg.float32_islands,
-            shard=lambda m: shard_decode_model(m, rank, world, cfg.dcp_size, cfg.replicate_q),
+            shard=lambda m: shard_decode_model(m, rank, world, cfg.dcp_size, cfg.replicate_q, cfg.moe_ep),
             keep_fp8=cfg.keep_fp8,
             check=fits,
         )

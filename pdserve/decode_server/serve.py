@@ -41,6 +41,7 @@ def build_instance(cfg: DecodeServerConfig) -> DecodeInstance:
         attention_ops=cfg.attention_ops,
         linear_ops=cfg.linear_ops,
         moe_ops=cfg.moe_ops,
+        moe_ep=cfg.moe_ep,
         keep_fp8=cfg.device == "cuda" and not cfg.dequantize,
         float32_islands=not cfg.exact_dtype,
         page_size=cfg.page_size,

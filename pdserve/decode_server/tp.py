@@ -5,7 +5,10 @@ group's head slices are those of its members. Each rank keeps:
   - the query projection (and W_UK) for its own slice, or with --replicate-q-proj for every head
     slice of its group, so it can compute the whole group's queries without an all-gather;
   - W_UV and the o_proj columns of its own slice; o_proj's output is all-reduced over the W ranks;
-  - 1/W of every MLP / expert (intermediate dim), all-reduced after the block;
+  - 1/W of every MLP / expert (intermediate dim), all-reduced after the block; with --moe-ep the
+    routed experts are split by id instead (E/W whole experts per rank, engine/expert_parallel.py):
+    every rank holds every token of the step, so no token is exchanged and the same all-reduce
+    sums the ranks' experts (the shared expert and dense MLPs stay cut by intermediate dim);
   - 1/W of the vocabulary's rows of the embedding and of the LM head (vocab_tp.py);
   - replicated: norms, kv_a projection, the indexer, the router.
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..engine.expert_parallel import shard_moe_ep
 from ..engine.tp_shard import shard_ffn
 from ..model.attention import MLAttention
 from ..model.shard import cut_linear
@@ -64,13 +68,19 @@ def shard_attention(attn: MLAttention, rank: int, world: int, dcp: int, replicat
     attn.out_heads = slice(own.start - q_heads.start, own.stop - q_heads.start)
 
 
-def shard_decode_model(model: CausalLM, rank: int, world: int, dcp: int, replicate_q: bool) -> None:
+def shard_decode_model(
+    model: CausalLM, rank: int, world: int, dcp: int, replicate_q: bool, moe_ep: bool = False
+) -> None:
     """This rank's slices of every layer (shapes only on a meta model; the loader fills them)."""
     if world == 1:
         return
     for layer in model.model.layers:
         shard_attention(layer.self_attn, rank, world, dcp, replicate_q)
-        shard_ffn(layer.mlp, rank, world)
+    if moe_ep:
+        shard_moe_ep(model, rank, world, shared_tp=True)
+    else:
+        for layer in model.model.layers:
+            shard_ffn(layer.mlp, rank, world)
     shard_vocab(model, rank, world)
 
 
@@ -89,7 +99,9 @@ def wrap_decode_tp(model: CausalLM, rank: int, world: int, comm) -> None:
     wrap_vocab(model, rank, world, comm)
 
 
-def apply_decode_tp(model: CausalLM, rank: int, world: int, dcp: int, replicate_q: bool, comm) -> None:
+def apply_decode_tp(
+    model: CausalLM, rank: int, world: int, dcp: int, replicate_q: bool, comm, moe_ep: bool = False
+) -> None:
     """Both steps on a loaded (whole) model. comm: collectives over all W ranks (engine/comm.py)."""
-    shard_decode_model(model, rank, world, dcp, replicate_q)
+    shard_decode_model(model, rank, world, dcp, replicate_q, moe_ep)
     wrap_decode_tp(model, rank, world, comm)

@@ -1,10 +1,14 @@
 """Collectives over rows when each rank holds a different number of rows (uneven token splits).
 
-Rows are padded to the largest count so that one fixed-size collective carries them all. CUDA
-tensors in a gloo group (ranks sharing a GPU, engine/device.py) travel through host memory.
+Gathers and reduce-scatters pad rows to the largest count so that one fixed-size collective carries
+them all; `all_to_all_rows` sends each rank its own number of rows with torch's uneven
+`all_to_all_single` (gloo on CPU tensors, NCCL on CUDA ones). CUDA tensors in a gloo group (ranks
+sharing a GPU, engine/device.py) travel through host memory.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -44,6 +48,28 @@ def reduce_scatter_rows(x: torch.Tensor, counts: list[int], rank: int, group=Non
     out = x.new_empty((width,) + tuple(x.shape[1:]))
     _through_host(REDUCE_SCATTER_FLAT, out, padded, group)
     return out[: counts[rank]]
+
+
+def all_to_all_rows(
+    x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group=None
+) -> torch.Tensor:
+    """x [sum(send_counts), ...]: rows laid out by destination rank (send_counts[j] rows to rank j)
+    -> [sum(recv_counts), ...]: recv_counts[j] rows from rank j, rank by rank. A count may be 0."""
+    if len(send_counts) == 1:
+        return x
+    out = x.new_empty((sum(recv_counts),) + tuple(x.shape[1:]))
+    op = partial(dist.all_to_all_single, output_split_sizes=recv_counts, input_split_sizes=send_counts)
+    _through_host(op, out, x.contiguous(), group)
+    return out
+
+
+def exchange_counts(send_counts: torch.Tensor, group=None) -> list[int]:
+    """send_counts [size] (int64: what this rank sends each rank) -> what each rank sends this one."""
+    if send_counts.numel() == 1:
+        return send_counts.tolist()
+    out = torch.empty_like(send_counts)
+    _through_host(dist.all_to_all_single, out, send_counts.contiguous(), group)
+    return out.tolist()
 
 
 def _through_host(op, out: torch.Tensor, x: torch.Tensor, group) -> None:

@@ -5,8 +5,9 @@ how the servers split them:
   - `heads`: q_proj / q_b_proj and kv_b_proj rows (one slice per head), o_proj columns: a decode
     rank keeps 1/W (its head slice; q and kv_b for the C_d slices of its group with
     --replicate-q-proj); a prefill rank keeps all of them;
-  - `ffn`: dense MLP, routed and shared experts: 1/W on a decode rank, 1/C_p on a prefill rank
-    with --moe-tp, else all;
+  - `ffn`: dense MLP, routed and shared experts: 1/W on a decode rank (--moe-ep or not), 1/C_p on a
+    prefill rank with --moe-tp, else all; `routed`, its routed experts' part: 1/C_p on a prefill
+    rank with --moe-ep;
   - `vocab`: embeddings and LM head: 1/W on a decode rank (vocab-parallel), all on a prefill rank;
   - `replicated`: norms, kv_a / q_a projections, the indexer, the router.
 This planner counts weights in the run dtype (an FP8 checkpoint dequantized, `--dequantize`); the few
@@ -28,13 +29,15 @@ _FFN = re.compile(r"\.mlp\.(gate_proj|up_proj|down_proj|experts\.|shared_experts
 
 @dataclass(frozen=True)
 class ParamBytes:
-    """Bytes of each split class at the run dtype; `q` is the part of `heads` a replicated q projection copies."""
+    """Bytes of each split class at the run dtype; `q` is the part of `heads` a replicated q projection
+    copies, `routed` the part of `ffn` in routed experts."""
 
     heads: int
     q: int
     ffn: int
     replicated: int
     vocab: int = 0
+    routed: int = 0
 
     @property
     def total(self) -> int:
@@ -45,8 +48,14 @@ class ParamBytes:
         split = self.heads + self.q * (q_copies - 1) + self.ffn + self.vocab
         return -(-split // tp_size) + self.replicated  # an uneven vocab split: the larger share
 
-    def prefill_rank(self, cp_size: int, moe_tp: bool = False) -> int:
-        return self.heads + (self.ffn // cp_size if moe_tp else self.ffn) + self.replicated + self.vocab
+    def prefill_rank(self, cp_size: int, moe_tp: bool = False, moe_ep: bool = False) -> int:
+        if moe_tp:
+            ffn = self.ffn // cp_size
+        elif moe_ep:  # the shared experts and dense MLPs stay whole
+            ffn = self.routed // cp_size + self.ffn - self.routed
+        else:
+            ffn = self.ffn
+        return self.heads + ffn + self.replicated + self.vocab
 
 
 def param_bytes(cfg, dtype) -> ParamBytes:
@@ -59,7 +68,7 @@ def param_bytes(cfg, dtype) -> ParamBytes:
     value_bytes = capacity.dtype_bytes(dtype)
     with torch.device("meta"):
         model = CausalLM(cfg)
-    sums = {"heads": 0, "q": 0, "ffn": 0, "replicated": 0, "vocab": 0}
+    sums = {"heads": 0, "q": 0, "ffn": 0, "replicated": 0, "vocab": 0, "routed": 0}
     for name, p in model.named_parameters():
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue
@@ -71,6 +80,7 @@ def param_bytes(cfg, dtype) -> ParamBytes:
             sums["q"] += nbytes if m.group(1) in ("q_proj", "q_b_proj", "kv_b_proj") else 0
         elif _FFN.search(name):
             sums["ffn"] += nbytes
+            sums["routed"] += nbytes if ".mlp.experts." in name else 0
         elif _VOCAB.match(name):
             sums["vocab"] += nbytes
         else:

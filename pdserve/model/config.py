@@ -127,6 +127,10 @@ class ModelConfig:
         """Values per token and layer in the latent cache: normed c_kv then roped k_pe."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
+    def experts_per_rank(self, world: int) -> int:
+        """Expert parallelism (--moe-ep) over `world` ranks: each rank's whole routed experts."""
+        return experts_per_rank(self.n_routed_experts, world)
+
     def has_indexer(self, layer: int) -> bool:
         return self.is_sparse and self.indexer_types[layer] == "full"
 
@@ -205,6 +209,17 @@ class ModelConfig:
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in {model_dir}")
         return cls.from_dict(json.loads(path.read_text()))
+
+
+def experts_per_rank(n_experts: int, world: int) -> int:
+    """E / world routed experts per rank; a model without them, or an uneven split, is refused."""
+    if not n_experts:
+        raise ValueError("--moe-ep: the model has no routed experts")
+    if n_experts % world:
+        raise ValueError(
+            f"--moe-ep: the model's {n_experts} routed experts cannot be split evenly over {world} ranks"
+        )
+    return n_experts // world
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:

@@ -1,10 +1,12 @@
 """A rank's part of the model: which slice of each checkpoint tensor it holds, and in which dtype.
 
-Parallelism (engine/tp_shard.py, decode_server/tp.py, prefill_server/moe_tp.py) is applied to a
-model built on the meta device, before any storage exists: `cut_linear` and `cut_experts` give a
-module the shape of its slice and record which slice of the checkpoint's tensor that is (`Cut`), so
-the loader (weights.py) allocates only the rank's shapes and reads only its slices
-(safetensors `get_slice`). Applied to a loaded model, the same functions slice the real tensors.
+Parallelism (engine/tp_shard.py, engine/expert_parallel.py, decode_server/tp.py,
+prefill_server/moe_tp.py) is applied to a model built on the meta device, before any storage
+exists: `cut_linear`, `cut_experts` (intermediate dim) and `cut_expert_ids` (whole experts by id,
+--moe-ep) give a module the shape of its slice and record which slice of the checkpoint's tensor
+that is (`Cut`, or the experts' `first_expert`), so the loader (weights.py) allocates only the
+rank's shapes and reads only its slices (safetensors `get_slice`). Applied to a loaded model, the
+same functions slice the real tensors.
 
 FP8 kept (`keep_fp8`): a Linear or Experts whose checkpoint weight is float8_e4m3fn with block scales
 stays fp8 in memory (weight + float32 `weight_scale_inv`, the checkpoint's layout) when its slice
@@ -115,6 +117,24 @@ def cut_experts(ex: Experts, span: slice) -> None:
         ex.gate_up_scale_inv = torch.cat([s[:, :half][:, rows], s[:, half:][:, rows]], dim=1)
         ex.down_scale_inv = ex.down_scale_inv[:, :, span.start // b1 : -(-span.stop // b1)].contiguous()
     ex.cut = _compose(ex.cut, -1, span, inter)
+
+
+def cut_expert_ids(ex: Experts, span: slice) -> None:
+    """Expert parallelism: ex keeps routed experts `span` (by id) whole, with their block scales (a
+    whole expert is block-aligned, so fp8 stays fp8); the other experts are other ranks'. The loader
+    reads only these experts (weights.py `_expert_target`)."""
+    if ex.first_expert is not None or ex.cut is not None or ex.shared_slot is not None:
+        raise ValueError("experts are cut by id once, before any other cut or fold")
+    if not 0 <= span.start < span.stop <= ex.n_routed:
+        raise ValueError(
+            f"experts {span.start}..{span.stop - 1} are not among the {ex.n_routed} routed experts"
+        )
+    _keep(ex.gate_up_proj, ex.gate_up_proj[span])
+    _keep(ex.down_proj, ex.down_proj[span])
+    if ex.gate_up_scale_inv is not None:
+        ex.gate_up_scale_inv = ex.gate_up_scale_inv[span].contiguous()
+        ex.down_scale_inv = ex.down_scale_inv[span].contiguous()
+    ex.first_expert, ex.n_routed = span.start, span.stop - span.start
 
 
 def quantized_modules(cfg: ModelConfig, checkpoint_keys: Iterable[str] | None) -> set[str]:

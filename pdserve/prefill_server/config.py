@@ -66,4 +66,7 @@ class PrefillServerConfig(InstanceOptions):
         """Checks that need the checkpoint's config (a clear error before any rank starts)."""
         from ..model.config import ModelConfig
 
-        check_layout_allowed(ModelConfig.from_pretrained(self.model).model_type, self.cp_layout)
+        mcfg = ModelConfig.from_pretrained(self.model)
+        check_layout_allowed(mcfg.model_type, self.cp_layout)
+        if self.moe_ep:
+            mcfg.experts_per_rank(self.cp_size)

@@ -58,6 +58,8 @@ class PrefillInstance(RankInstance):
     ):
         self.model_config = ModelConfig.from_pretrained(worker.model_dir)
         check_layout_allowed(self.model_config.model_type, worker.layout)
+        if worker.moe_ep:
+            self.model_config.experts_per_rank(launch.world_size)
         if chunk_size < 1:
             raise ValueError(f"chunk size must be >= 1, got {chunk_size}")
         self.worker, self.launch, self.chunk_size = worker, launch, chunk_size
@@ -79,6 +81,7 @@ class PrefillInstance(RankInstance):
             "layout": self.worker.layout,
             "cache": self.worker.cache,
             "moe_tp": self.worker.moe_tp,
+            "moe_ep": self.worker.moe_ep,
             "chunk_size": self.chunk_size,
             "dtype": self.worker.dtype,
             "ranks": [asdict(r) for r in self.rank_infos],

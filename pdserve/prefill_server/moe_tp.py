@@ -5,6 +5,10 @@ their tokens, every rank applies its column slice of gate/up and the matching ro
 (for the dense MLP, every routed expert and the shared experts) to all tokens, and a
 reduce-scatter sums the partial outputs and hands each rank back its own tokens. Each rank then
 holds about 1/C of the MLP weights. The router is replicated, so every rank routes identically.
+
+With --moe-ep as well the routed experts are split by id instead (engine/expert_parallel.py): the
+block already sees every token, so no token is exchanged and the reduce-scatter sums the ranks'
+experts. --moe-ep alone exchanges tokens by all-to-all (ExpertParallelMoE).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import torch
 from torch import nn
 
 from ..engine.collectives import all_gather_rows, reduce_scatter_rows
+from ..engine.expert_parallel import shard_moe_ep
 from ..engine.tp_shard import shard_ffn
 from ..model.transformer import CausalLM
 
@@ -41,6 +46,16 @@ def shard_moe_tp(model: CausalLM, rank: int, world: int) -> None:
     """This rank's slice of every MLP / MoE block (shapes only on a meta model; the loader fills them)."""
     for layer in model.model.layers:
         shard_ffn(layer.mlp, rank, world)
+
+
+def shard_prefill_ffn(model: CausalLM, rank: int, world: int, moe_tp: bool, moe_ep: bool) -> None:
+    """A prefill rank's MLP / MoE weights: --moe-tp cuts them by intermediate dim, --moe-ep the routed
+    experts by id (with --moe-tp the shared expert and dense MLPs still by intermediate dim, else
+    whole); neither: every rank holds them all."""
+    if moe_ep:
+        shard_moe_ep(model, rank, world, shared_tp=moe_tp)
+    elif moe_tp:
+        shard_moe_tp(model, rank, world)
 
 
 def wrap_moe_tp(model: CausalLM, split: TokenSplit) -> None:

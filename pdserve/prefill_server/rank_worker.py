@@ -16,6 +16,7 @@ from ..choices import CacheMode, values
 from ..engine.attn_ops import make_attention_ops
 from ..engine.constraint import Grammars
 from ..engine.device import rank_device
+from ..engine.expert_parallel import wrap_moe_ep
 from ..engine.faults import check_fault
 from ..engine.gemm_ops import apply_gemm_ops
 from ..engine.kv_cache import KVPool
@@ -33,7 +34,7 @@ from ..transfer.frames import DEV_FRAME_KEY
 from ..transfer.rank_commands import SendCmd, TransferStatusCmd
 from .cp_backend import ChunkPlan, CPBackend, layer_owners
 from .layouts import split_positions
-from .moe_tp import TokenSplit, shard_moe_tp, wrap_moe_tp
+from .moe_tp import TokenSplit, shard_prefill_ffn, wrap_moe_tp
 
 CACHE_MODES = values(CacheMode)
 
@@ -54,6 +55,7 @@ class PrefillWorkerConfig:
     attention_ops: str = "auto"  # engine/attn_ops.py
     linear_ops: str = "auto"  # engine/gemm_ops.py
     moe_ops: str = "auto"
+    moe_ep: bool = False  # routed experts by id across the ranks (engine/expert_parallel.py)
     keep_fp8: bool = False  # fp8 checkpoint weights stay fp8 (model/shard.py): cuda without --dequantize
     # data frames are signed with it (transfer/frames.py)
     frame_key: bytes = field(default=DEV_FRAME_KEY, repr=False)
@@ -135,7 +137,7 @@ class PrefillRankWorker(RankWorker):
             dtype,
             dev,
             float32_islands=cfg.float32_islands,
-            shard=(lambda m: shard_moe_tp(m, rank, world)) if cfg.moe_tp else None,
+            shard=lambda m: shard_prefill_ffn(m, rank, world, cfg.moe_tp, cfg.moe_ep),
             keep_fp8=cfg.keep_fp8,
             check=fits,
         )
@@ -143,6 +145,8 @@ class PrefillRankWorker(RankWorker):
         self.split = TokenSplit(rank, world)
         if cfg.moe_tp:
             wrap_moe_tp(self.model, self.split)
+        elif cfg.moe_ep:
+            wrap_moe_ep(self.model, world)
         apply_gemm_ops(self.model, cfg.linear_ops, cfg.moe_ops, dev, f"prefill rank {rank} ({dev})")
         self.pool = self._make_pool(self.mcfg, layers, dev)
         ops = make_attention_ops(cfg.attention_ops, dev, dtype, self.mcfg, who=f"prefill rank {rank} ({dev})")

@@ -7,6 +7,7 @@ C_d, one long enough that some rank selects no token in some layer) decodes 32 g
 The prompt caches come from the single-rank engine and are loaded directly. The short prompts run
 batched with the 70-token one here, so no rank is ever empty: a short request alone in the batch is
 test_failure_isolation.py's regression test and a drawn case of tests/sweep/test_sweep.py.
+With --moe-ep (experts by id across the ranks) the same, and equal to TP over the same W.
 """
 
 from __future__ import annotations
@@ -114,3 +115,42 @@ def test_dense_model_decode_matches_single_rank(tiny_checkpoints, expected, tp, 
         for (ids, want_tokens, want_logits, _), got_t, got_l in zip(expected["deepseek_v3"], tokens, logits):
             assert got_t == want_tokens
             assert_close(got_l, want_logits, f"deepseek_v3 W={tp} C_d={dcp} prompt {len(ids)}")
+
+
+@pytest.mark.parametrize(
+    "arch,tp,dcp",
+    [("glm_moe_dsa", 2, 1), pytest.param("deepseek_v3", 4, 2, marks=pytest.mark.slow)],
+    ids=["glm-w2", "dsv3-w4-dcp2"],
+)
+def test_moe_ep_decode_matches_tp_and_single_rank(tiny_checkpoints, expected, arch, tp, dcp):
+    """--moe-ep: each rank holds E/W whole experts (tokens are replicated in decode, so nothing is
+    exchanged; the all-reduce after the block sums the ranks' experts). The same greedy tokens as the
+    single-rank engine and as TP over the same W (experts cut by intermediate dim), and logits within
+    1e-8 of the single rank's (this file's bound) and 1e-12 of TP's in float64 (measured: about
+    8e-15 and 3e-15 at W = 2, logits of size 4): the three sum a token's expert outputs in different
+    orders (all experts ascending; per rank, then over ranks; per intermediate slice), so they agree
+    to rounding, not bitwise."""
+    runs, weight_bytes = {}, {}
+    for moe_ep in (True, False):
+        worker = DecodeWorkerConfig(
+            str(tiny_checkpoints[(arch, "make-model")]),
+            num_slots=1024,
+            dcp_size=dcp,
+            dtype="float64",
+            float32_islands=False,
+            moe_ep=moe_ep,
+        )
+        with DecodeInstance(worker, LaunchConfig(tp, free_port()), page_size=4) as inst:
+            runs[moe_ep] = decode_all(inst, expected[arch])
+            weight_bytes[moe_ep] = sum(r.weight_bytes for r in inst.rank_info())
+    (ep_tokens, ep_logits), (tp_tokens, tp_logits) = runs[True], runs[False]
+    for (ids, want_tokens, want_logits, _), et, el, tt, tl in zip(
+        expected[arch], ep_tokens, ep_logits, tp_tokens, tp_logits
+    ):
+        tag = f"{arch} W={tp} C_d={dcp} --moe-ep prompt {len(ids)}"
+        assert et == want_tokens == tt, tag
+        assert_close(el, want_logits, tag)
+        assert_close(el, tl, tag + " vs TP", tol=1e-12)
+    # EP really ran (its sums are not TP's bit for bit), and holds the same bytes over the ranks
+    assert any(not torch.equal(el, tl) for el, tl in zip(ep_logits, tp_logits))
+    assert weight_bytes[True] == weight_bytes[False]

@@ -1,12 +1,13 @@
 """Shard-only loading (issue 39 item 1, model/shard.py): a rank that builds only its slices on the meta
 device and reads only them from the safetensors files holds exactly what a full load sliced
 afterwards holds (bf16/float32 and fp8 checkpoints, decode TP with DCP and a replicated q
-projection, prefill --moe-tp); fp8 weights kept fp8 are the checkpoint's bytes of the rank's slice
+projection, prefill --moe-tp, --moe-ep's whole experts by id); fp8 weights kept fp8 are the checkpoint's bytes of the rank's slice
 and its block scales, and multiply to the dequantized model's results exactly in float64; a rank's
 peak memory while loading is its share, not the model."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from functools import partial
@@ -14,15 +15,16 @@ from functools import partial
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from pdserve.decode_server.tp import shard_decode_model
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.model.layers import Experts, Linear
 from pdserve.model.quant import dequantize_fp8
 from pdserve.model.random_checkpoint import make_model
-from pdserve.model.shard import weight_bytes_by_dtype
+from pdserve.model.shard import EXPERT_KEY, weight_bytes_by_dtype
 from pdserve.model.weights import load_model
-from pdserve.prefill_server.moe_tp import shard_moe_tp
+from pdserve.prefill_server.moe_tp import shard_moe_tp, shard_prefill_ffn
 from tests.conftest import ARCHS
 from tests.model.test_load_memory import peak_script
 
@@ -146,6 +148,83 @@ def test_prefill_moe_tp_rank_holds_the_slices_of_a_full_load(checkpoints, arch):
         got = dict(part.named_parameters())
         for name, w in full.named_parameters():
             assert torch.equal(got[name], w), name
+
+
+@pytest.mark.parametrize("quant", [None, "fp8"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_moe_ep_rank_holds_its_whole_experts_of_a_full_load(checkpoints, arch, quant):
+    """--moe-ep (decode W = 2 and 4, prefill C_p = 2 with and without --moe-tp): a rank allocates and
+    reads only its E/W experts, whole; they equal the full load's expert slices, fp8 kept bit for bit
+    with their scales (a whole expert is block-aligned), the rest as the TP / replicated cuts say."""
+    path = checkpoints[(arch, quant)]
+    full = load_model(path, torch.float64)
+    shards = [
+        (w, partial(shard_decode_model, world=w, dcp=1, replicate_q=False, moe_ep=True)) for w in (2, 4)
+    ]
+    shards += [(2, partial(shard_prefill_ffn, world=2, moe_tp=tp, moe_ep=True)) for tp in (False, True)]
+    for world, shard in shards:
+        for rank in range(world):
+            want = load_model(path, torch.float64)
+            shard(want, rank=rank)  # the same cuts applied to a whole model
+            part = load_model(path, torch.float64, shard=partial(shard, rank=rank))
+            got = dict(part.named_parameters())
+            assert got.keys() == dict(want.named_parameters()).keys()
+            for name, w in want.named_parameters():
+                assert torch.equal(got[name], w), (world, rank, name)
+            for layer, whole in zip(part.model.layers, full.model.layers):
+                ex = layer.mlp.experts if hasattr(layer.mlp, "experts") else None
+                if ex is None:
+                    continue
+                per = whole.mlp.experts.n_routed // world
+                assert (ex.first_expert, ex.n_routed) == (rank * per, per)
+                ids = slice(rank * per, (rank + 1) * per)
+                assert torch.equal(ex.gate_up_proj, whole.mlp.experts.gate_up_proj[ids])
+                assert torch.equal(ex.down_proj, whole.mlp.experts.down_proj[ids])
+            if quant == "fp8":
+                kept = load_model(path, torch.float64, shard=partial(shard, rank=rank), keep_fp8=True)
+                ex = kept.model.layers[-1].mlp.experts
+                assert ex.gate_up_proj.dtype == FP8 and ex.gate_up_proj.shape[0] == per
+                got8 = dequantized_state(kept)
+                for name, w in want.named_parameters():
+                    assert torch.equal(got8[name], w), (world, rank, name, "fp8 kept")
+
+
+def stacked_checkpoint(src, out):
+    """src's checkpoint with every layer's experts in transformers' stacked in-memory layout
+    (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]), which some versions save."""
+    out.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    state = load_file(str(src / "model.safetensors"))
+    parts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for key in list(state):
+        m = EXPERT_KEY.match(key)
+        if m:
+            parts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = state.pop(key)
+    for prefix, experts in parts.items():
+        ids = sorted(experts)
+        state[prefix + ".gate_up_proj"] = torch.stack(
+            [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]]) for e in ids]
+        )
+        state[prefix + ".down_proj"] = torch.stack([experts[e]["down_proj"] for e in ids])
+    save_file(state, str(out / "model.safetensors"))
+    return out
+
+
+def test_moe_ep_reads_its_experts_of_the_stacked_layout(checkpoints, tmp_path):
+    """A checkpoint with stacked experts: an EP rank reads its experts' rows of each stack, and holds
+    what the full load of the per-expert checkpoint holds for them."""
+    path = checkpoints[("glm_moe_dsa", None)]
+    stacked = stacked_checkpoint(path, tmp_path / "stacked")
+    for rank in range(2):
+        shard = partial(shard_decode_model, rank=rank, world=2, dcp=1, replicate_q=False, moe_ep=True)
+        want = load_model(path, torch.float64)
+        shard(want)
+        got = dict(load_model(stacked, torch.float64, shard=shard).named_parameters())
+        assert got["model.layers.1.mlp.experts.gate_up_proj"].shape[0] == 4
+        for name, w in want.named_parameters():
+            assert torch.equal(got[name], w), (rank, name)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

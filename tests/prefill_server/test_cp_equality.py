@@ -4,7 +4,8 @@ exactly the cache entries, and computes exactly the first-token logits, of the s
 Float64, max abs difference <= 1e-8, for C_p in {1, 2, 3, 4}, every allowed layout, both storage
 modes, with and without --moe-tp (in CI each (C_p, layout) with one rotating storage mode; the whole
 grid with `pytest --deep`), chunk sizes {whole prompt, 7, 64}, prompt lengths
-{1, C_p - 1, C_p + 1, index_topk + 1, 257}, plus a cached prefix where only the new tokens are split.
+{1, C_p - 1, C_p + 1, index_topk + 1, 257}, plus a cached prefix where only the new tokens are split;
+and --moe-ep (experts by id: all-to-all dispatch, or with --moe-tp none) against the same reference.
 """
 
 from __future__ import annotations
@@ -91,3 +92,38 @@ def test_prefill_instance_matches_single_rank(tiny_checkpoints, arch, cp, layout
         assert first.request_id not in inst.held and not inst.held
         inst.allocator.check_integrity()
         assert inst.allocator.num_free == inst.allocator.num_pages
+
+
+@pytest.mark.parametrize(
+    "arch,cp,with_tp",
+    [
+        ("glm_moe_dsa", 2, False),
+        pytest.param("deepseek_v3", 4, False, marks=pytest.mark.slow),
+        ("glm_moe_dsa", 2, True),
+    ],
+    ids=["glm-c2-a2a", "dsv3-c4-a2a", "glm-c2-with-moe-tp"],
+)
+def test_moe_ep_prefill_matches_single_rank(tiny_checkpoints, arch, cp, with_tp):
+    """--moe-ep: each rank holds E/C_p whole experts. Alone, every MoE block sends each token to the
+    ranks of its experts and back by all-to-all (a 1-token prompt leaves the other ranks with no
+    token: they send nothing but still compute what they receive); with --moe-tp the block already
+    sees every token and the reduce-scatter sums the ranks' experts. Logits and cache entries as
+    the single rank's (float64, 1e-8: the expert outputs are summed per rank, then over ranks)."""
+    path = str(tiny_checkpoints[(arch, "make-model")])
+    engine = LLMEngine.from_pretrained(path, "float64", float32_islands=False, max_kv_tokens=512)
+    worker = PrefillWorkerConfig(
+        path,
+        num_slots=1024,
+        dtype="float64",
+        layout=ALLOWED_LAYOUTS[arch][0],
+        moe_tp=with_tp,
+        moe_ep=True,
+        query_block=16,
+        float32_islands=False,
+    )
+    with PrefillInstance(worker, LaunchConfig(cp, free_port())) as inst:
+        for n, chunk in itertools.product((1, cp + 1, 70), (None, 7)):
+            ids = torch.randint(4, 500, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+            check_instance(inst, engine, ids, chunk or n, f"--moe-ep C_p={cp} n={n} chunk={chunk}")
+        infos = inst.rank_infos
+    assert len({r.weight_bytes for r in infos}) == 1  # as many whole experts on every rank

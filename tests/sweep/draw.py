@@ -1,7 +1,7 @@
 """What the randomized equality sweep draws (issue 14), as plain seeded Python.
 
-A *pair* is the instance topology: architecture, prefill (C_p, layout, cache, moe-tp), decode (W,
-C_d, replicated q, kv-cache dtype, page size) and the data path between them. Starting rank
+A *pair* is the instance topology: architecture, prefill (C_p, layout, cache, moe-tp, moe-ep), decode
+(W, C_d, replicated q, kv-cache dtype, page size, moe-ep) and the data path between them. Starting rank
 processes costs seconds, so each pair serves CASES_PER_PAIR drawn *cases*: index mode and merge
 backend (switched on the running decode ranks), prefill chunk size, and a batch of 1-5 requests with
 prompt lengths drawn to include 1, < C_d, = C_d and index_topk +- 1, and max_tokens 1-40.
@@ -13,7 +13,7 @@ Case K of seed S belongs to pair K // CASES_PER_PAIR and is drawn from its own g
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -23,6 +23,7 @@ ARCHS = ("glm_moe_dsa", "deepseek_v32", "deepseek_v3")
 DECODE_SHAPES = ((1, 1), (2, 1), (2, 2), (3, 1), (3, 3), (4, 1), (4, 2), (4, 4))  # (W, C_d), C_d | W
 CASES_PER_PAIR = 12
 TOPK = 8  # the tiny presets' index_topk
+EXPERTS = 8  # the tiny presets' routed experts: --moe-ep only where the ranks divide them
 TEST_FILE = "tests/sweep/test_sweep.py"
 
 
@@ -41,6 +42,8 @@ class Pair:
     page_size: int  # a multiple of C_d
     dtype: str = "float64"
     islands: bool = False  # the float32 islands (the servers' default); never with float64 here
+    prefill_ep: bool = False  # --moe-ep on the prefill ranks
+    decode_ep: bool = False  # --moe-ep on the decode ranks
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,7 @@ def draw_pair(seed: int, p: int) -> Pair:
     shapes = [s for s in DECODE_SHAPES if s[1] >= 2] if p < len(ARCHS) else DECODE_SHAPES
     w, c = rng.choice(shapes)
     layouts = ALLOWED_LAYOUTS[arch] if cp > 1 else ALLOWED_LAYOUTS[arch][:1]
-    return Pair(
+    pair = Pair(
         arch,
         rng.choice(("tcp", "nixl")),
         cp,
@@ -89,6 +92,12 @@ def draw_pair(seed: int, p: int) -> Pair:
         c > 1 and rng.random() < 0.5,
         "fp8_e4m3" if rng.random() < 0.3 else "auto",
         c * rng.choice((1, 2, 4)),
+    )
+    # drawn last, so the fields above draw as they did before --moe-ep existed
+    return replace(
+        pair,
+        prefill_ep=rng.random() < 0.4 and cp > 1 and EXPERTS % cp == 0,
+        decode_ep=rng.random() < 0.4 and w > 1 and EXPERTS % w == 0,
     )
 
 

@@ -2,8 +2,9 @@
 invariants 2, 3 and 5), through the whole path with real rank processes.
 
 Each drawn pair (tests/sweep/draw.py) starts a prefill instance (C_p 1-4, every allowed layout, full
-or layer-split, moe-tp on/off) and a decode instance (W 1-4, C_d | W, replicated q on/off, kv cache in
-the model dtype or fp8) joined by TCP or NIXL, on 12-head tiny checkpoints of glm_moe_dsa,
+or layer-split, moe-tp on/off, moe-ep on/off where C_p divides the experts) and a decode instance
+(W 1-4, C_d | W, replicated q on/off, kv cache in the model dtype or fp8, moe-ep on/off where W
+divides the experts) joined by TCP or NIXL, on 12-head tiny checkpoints of glm_moe_dsa,
 deepseek_v32 and deepseek_v3; each drawn case hands off a batch of 1-5 requests (copy or split
 index, a2a or ag_rs, a drawn chunk size) and decodes them together. In float64 without islands:
   - every request's tokens equal the single-rank engine's and every decode step's logits are
