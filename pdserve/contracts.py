@@ -17,6 +17,7 @@ additions do not break an older reader, while a wrong type fails the parse (Valu
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Literal, Union
 
@@ -105,6 +106,14 @@ class _Sampling(StrictModel):
 
 
 # router -> prefill -------------------------------------------------------------------------------
+async def checked_params(body: _Sampling, vocab: int, max_tokens: int, **extra) -> SamplingParams:
+    """body.sampling_params at an async edge: a body with a grammar is checked on a worker thread
+    (llguidance validates a large grammar in seconds; the event loop serves the other requests)."""
+    if body.grammar is None:
+        return body.sampling_params(vocab, max_tokens, **extra)
+    return await asyncio.to_thread(body.sampling_params, vocab, max_tokens, **extra)
+
+
 class PrefillRequest(_Sampling):
     """With `handoff` the request_id is a room: the cache goes to the decode instance reserving it."""
 

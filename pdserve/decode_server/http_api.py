@@ -55,6 +55,7 @@ from ..contracts import (
     Logprob,
     RankInfo,
     TokenEvent,
+    checked_params,
     event_line,
 )
 from ..engine import capacity
@@ -113,7 +114,7 @@ def create_app(cfg, instance, engine_loop, dead_rank, drain=None) -> FastAPI:
     @app.post("/v1/generate")
     async def generate(body: GenerateRequest, request: Request):
         refuse_if_draining(drain)
-        params = _sampling_params(body, mcfg.vocab_size)
+        params = await _sampling_params(body, mcfg.vocab_size)
         request_id = body.request_id or f"gen-{uuid.uuid4().hex}"
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         accepted = engine_loop.submit(
@@ -150,11 +151,11 @@ def create_app(cfg, instance, engine_loop, dead_rank, drain=None) -> FastAPI:
     return app
 
 
-def _sampling_params(body: GenerateRequest, vocab: int) -> SamplingParams:
+async def _sampling_params(body: GenerateRequest, vocab: int) -> SamplingParams:
     if body.n > 1 and not body.stream:
         raise HTTPException(400, "n > 1 needs stream: true (each line names its choice)")
     try:
-        return body.sampling_params(vocab, body.max_tokens)
+        return await checked_params(body, vocab, body.max_tokens)
     except ValueError as e:
         raise HTTPException(400, str(e)) from None
 

@@ -69,6 +69,8 @@ class DecodeLoop(InstanceLoop):
         if not s.is_idle() or self.engine.pending:  # pending: choices a hand-off started
             self._dispatch(self.engine.step())  # admits: rooms it admitted are reserved now
             self.remote.reserve_admitted()
+            if self.engine.grammar_wait:  # every running request waits for its grammar's compile
+                self.take_commands(TRANSFER_POLL_S)
         else:
             self.engine.forget_ended()  # rank 0's generators of requests aborted since the last step
         self.stats = self._snapshot()

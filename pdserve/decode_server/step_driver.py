@@ -46,6 +46,7 @@ class DecodeStepDriver:
         # the next step() (the loop steps while there are any, even when every choice already finished)
         self.keep_logits = keep_logits
         self.last_logits: dict[str, torch.Tensor] = {}  # request id -> [vocab] of the last step (keep_logits)
+        self.grammar_wait = False  # the last step left out every running request: their grammars compile
         self._sampled: set[str] = set()  # requests rank 0 may hold a generator for
         self._forget: set[str] = set()  # ... that ended: rank 0 drops them with the next rank call
 
@@ -73,6 +74,7 @@ class DecodeStepDriver:
         if request_id:
             req.request_id = request_id
         self.scheduler.check_fits(req)
+        self._prepare_grammar(params)
         if cache is None:  # before queueing: a failed prefill must leave nothing behind
             logits, kv, index = self._local_prefill().prefill_with_cache(list(prompt_ids))
             (first, lp), *more = self.sampler.sample_choices(logits, params, req.request_id)
@@ -100,7 +102,14 @@ class DecodeStepDriver:
             req.request_id = request_id
         self.scheduler.submit(req)
         self._remote.add(req.request_id)
+        self._prepare_grammar(req.params)  # compiles while the prefill runs
         return req
+
+    def _prepare_grammar(self, params: SamplingParams) -> None:
+        try:
+            self.sampler.grammar_ready(params)
+        except Exception:  # a grammar that fails to compile fails its request at its first step
+            pass
 
     def kv_ready(
         self,
@@ -160,7 +169,7 @@ class DecodeStepDriver:
         events = self.admit()  # may start choices 1.. of a request (pending, before their decode tokens)
         events, self.pending = self.pending + events, []
         batch = list(self.scheduler.running)
-        self.last_logits = {}
+        self.last_logits, self.grammar_wait = {}, False
         if batch:
             events += self._decode(batch)
         for req, _ in events:
@@ -186,6 +195,7 @@ class DecodeStepDriver:
     def _decode(self, batch: list[DecodeRequest]) -> list[tuple[DecodeRequest, int | None]]:
         batch, rows, events = self._sample_rows(batch)
         if not batch:
+            self.grammar_wait = not events
             return events
         try:
             result = self._forward(batch, rows)
@@ -198,12 +208,15 @@ class DecodeStepDriver:
     def _sample_rows(
         self, batch: list[DecodeRequest]
     ) -> tuple[list[DecodeRequest], list[SampleRow], list[tuple[DecodeRequest, None]]]:
-        """Each request's SampleRow (its grammar's mask from its matcher); a request whose matcher
-        fails leaves the batch, failed."""
+        """Each request's SampleRow (its grammar's mask from its matcher); a request whose grammar
+        still compiles (in the background: engine/constraint.py) sits this step out, one whose
+        matcher fails leaves the batch, failed."""
         kept, rows, events = [], [], []
         eos = self.instance.model_config.eos_token_ids
         for req in batch:
             try:
+                if not self.sampler.grammar_ready(req.params):
+                    continue
                 mask = self.sampler.grammar_mask(req.params, req.request_id, req.output_ids)
                 rows.append(SampleRow.of(req.request_id, req.params, req.output_ids, eos, mask))
                 kept.append(req)

@@ -51,16 +51,22 @@ class Sampler:
         return out
 
     def sample_row(
-        self, logits: torch.Tensor, p: SamplingParams, request_id: str, output_ids: Sequence[int] = ()
+        self,
+        logits: torch.Tensor,
+        p: SamplingParams,
+        request_id: str,
+        output_ids: Sequence[int] = (),
+        allowed: torch.Tensor | None = None,
     ) -> tuple[int, TokenLogprob | None]:
         """[V] logits of a request that produced `output_ids` so far -> (token, its logprobs when
         p.logprobs is set). The grammar's matcher consumes the output tokens it has not seen yet
-        (the prefill's first token, on the decode side) and then the sampled one."""
+        (the prefill's first token, on the decode side) and then the sampled one. `allowed`: [V]
+        bool, a grammar's mask computed elsewhere (a prefill rank's first token; p.grammar is None)."""
         raw = logits
-        if p.processes_logits:
-            logits = logits_process.process(
-                logits, p, output_ids, self.eos_ids, self._allowed(p, request_id, output_ids)
-            )
+        if p.processes_logits or allowed is not None:
+            if allowed is None:
+                allowed = self._allowed(p, request_id, output_ids)
+            logits = logits_process.process(logits, p, output_ids, self.eos_ids, allowed)
         if p.greedy:
             token = int(logits.argmax())
         else:
@@ -72,15 +78,26 @@ class Sampler:
         return token, lp
 
     def sample_choices(
-        self, logits: torch.Tensor, p: SamplingParams, request_id: str
+        self, logits: torch.Tensor, p: SamplingParams, request_id: str, allowed: torch.Tensor | None = None
     ) -> list[tuple[int, TokenLogprob | None]]:
         """A prompt's first token for each of its p.n choices from the same [V] logits, choice i with
-        p.choice_params(i) under its own id (request.choice_id)."""
-        return [self.sample_row(logits, p.choice_params(i), choice_id(request_id, i)) for i in range(p.n)]
+        p.choice_params(i) under its own id (request.choice_id); `allowed` as in sample_row."""
+        return [
+            self.sample_row(logits, p.choice_params(i), choice_id(request_id, i), (), allowed)
+            for i in range(p.n)
+        ]
 
     def forget_choices(self, request_id: str, n: int) -> None:
         for i in range(n):
             self.forget(choice_id(request_id, i))
+
+    def grammar_ready(self, p: SamplingParams) -> bool:
+        """Whether the request's grammar is compiled (True without one); it starts compiling in the
+        background if it is not. GrammarError if its compile failed or ran out of time."""
+        if p.grammar is None or self.grammars is None:
+            return True
+        self.grammars.prepare(p.grammar)
+        return self.grammars.ready(p.grammar)
 
     def grammar_mask(self, p: SamplingParams, request_id: str, output_ids: Sequence[int]) -> bytes | None:
         """The request's grammar mask for its next token (constraint.Matcher.bitmask: what a decode

@@ -26,7 +26,7 @@ import time
 
 from fastapi import FastAPI, HTTPException
 
-from ..contracts import Logprob, PrefillInfo, PrefillReply, PrefillRequest
+from ..contracts import Logprob, PrefillInfo, PrefillReply, PrefillRequest, checked_params
 from ..engine.http_edge import add_flush_route, instance_app, refuse_if_draining, too_busy
 from ..engine.instance_loop import Unavailable
 from ..engine.request import Overloaded
@@ -59,8 +59,8 @@ def create_app(
     async def prefill(body: PrefillRequest) -> PrefillReply:
         refuse_if_draining(drain)
         try:  # max_tokens 1: the prefill samples the first token only
-            params = body.sampling_params(
-                instance.model_config.vocab_size, 1, prompt_logprobs=body.prompt_logprobs
+            params = await checked_params(
+                body, instance.model_config.vocab_size, 1, prompt_logprobs=body.prompt_logprobs
             )
         except ValueError as e:
             raise HTTPException(400, str(e)) from None

@@ -20,6 +20,7 @@ import dataclasses
 import threading
 from dataclasses import asdict, dataclass, field
 
+from ..engine.constraint import Grammars
 from ..engine.launcher import LaunchConfig, RankGroup, RankInstance
 from ..engine.page_allocator import PageAllocator
 from ..engine.radix_cache import Node, RadixCache
@@ -73,6 +74,9 @@ class PrefillInstance(RankInstance):
             self.allocator.evictor = self.cache
         self._cached: dict[str, tuple[list[int], Node]] = {}  # held request -> (prompt, locked node)
         self._lock = threading.RLock()
+        # grammars compile here, off the loop (the scheduler waits for `ready`); ranks get the mask
+        mcfg = self.model_config
+        self.grammars = Grammars(worker.model_dir, mcfg.vocab_size, mcfg.eos_token_ids)
 
     def info(self) -> dict:
         return {
@@ -137,15 +141,17 @@ class PrefillInstance(RankInstance):
             with self._lock:
                 pages = self._pages_for(token_ids, prefix_of, cached_len)
         try:
+            params, first_mask = self._first_mask(params or SamplingParams())
             slots = self.allocator.slots(pages, 0, len(token_ids))
             cmd = PrefillCmd(
                 request_id,
                 list(token_ids),
                 slots,
                 chunk_size or self.chunk_size,
-                params or SamplingParams(),
+                params,
                 cached_len,
                 want_logits,
+                first_mask,
             )
             replies = self.ranks.call(cmd)
         except BaseException:
@@ -165,6 +171,14 @@ class PrefillInstance(RankInstance):
             _merge_prompt_logprobs(replies, len(token_ids)),
             owner.more,
         )
+
+    def _first_mask(self, params: SamplingParams) -> tuple[SamplingParams, bytes | None]:
+        """(params without the grammar, the grammar's mask for the first token): the ranks apply the
+        mask and compile nothing (a copy of the grammar compiled here, once per distinct grammar)."""
+        if params.grammar is None:
+            return params, None
+        mask = self.grammars.matcher(params.grammar).bitmask()
+        return dataclasses.replace(params, grammar=None), mask
 
     def _pages_for(self, token_ids: list[int], prefix_of: str | None, cached_len: int) -> list[int]:
         if prefix_of is None:

@@ -47,8 +47,8 @@ class PrefillLoop(InstanceLoop):
             log.exception("prefill loop: unexpected error")
             s.fail_current(f"internal error: {type(e).__name__}: {e}")
             return
-        if not ran and s.blocked_on_pages:
-            self.take_commands(PAGES_WAIT_S)  # waiting for pages held by hand-offs in flight
+        if not ran and (s.blocked_on_pages or s.blocked_on_grammars):
+            self.take_commands(PAGES_WAIT_S)  # waiting for pages held by hand-offs in flight, or grammars
 
     def accept(self, cmd: Submit) -> None:
         self.scheduler.submit(cmd.payload)

@@ -14,7 +14,6 @@ import torch
 
 from ..choices import CacheMode, values
 from ..engine.attn_ops import make_attention_ops
-from ..engine.constraint import Grammars
 from ..engine.device import rank_device
 from ..engine.expert_parallel import wrap_moe_ep
 from ..engine.faults import check_fault
@@ -22,7 +21,7 @@ from ..engine.gemm_ops import apply_gemm_ops
 from ..engine.kv_cache import KVPool
 from ..engine.launcher import RankWorker
 from ..engine.llm_engine import parse_dtype
-from ..engine.logits_process import prompt_logprobs
+from ..engine.logits_process import bitmask_words, prompt_logprobs, unpack_bitmask
 from ..engine.memory_check import check_device_fits
 from ..engine.request import SamplingParams, TokenLogprob
 from ..engine.sampler import Sampler
@@ -80,6 +79,9 @@ class PrefillCmd:
     params: SamplingParams
     cached_len: int = 0  # positions [0, cached_len) are already in the cache at those slots
     want_logits: bool = False
+    # the grammar's mask for the first token (constraint.Matcher.bitmask), computed by the server
+    # process, which compiles grammars off its loop; params.grammar is None then: ranks compile none
+    first_mask: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -151,8 +153,7 @@ class PrefillRankWorker(RankWorker):
         self.pool = self._make_pool(self.mcfg, layers, dev)
         ops = make_attention_ops(cfg.attention_ops, dev, dtype, self.mcfg, who=f"prefill rank {rank} ({dev})")
         self.backend = CPBackend(self.mcfg, self.pool, rank, world, cfg.query_block, ops)
-        grammars = Grammars(cfg.model_dir, self.mcfg.vocab_size, self.mcfg.eos_token_ids)
-        self.sampler = Sampler(grammars, self.mcfg.eos_token_ids)
+        self.sampler = Sampler(None, self.mcfg.eos_token_ids)  # grammars: the server's (first_mask)
         self.sender = make_sender(
             cfg.transfer, rank, self.pool, cfg.frame_key
         )  # KV hand-off data path (transfer/tcp.py, nixl.py)
@@ -210,8 +211,14 @@ class PrefillRankWorker(RankWorker):
         token, logits, lp, more = None, None, None, []
         if last_hidden is not None:
             logits = self.model.compute_logits(last_hidden)  # [1, vocab]
+            allowed = None
+            if cmd.first_mask is not None:
+                words = bitmask_words([cmd.first_mask], self.mcfg.vocab_size, logits.device)
+                allowed = unpack_bitmask(words, self.mcfg.vocab_size)[0]
             try:  # n > 1: every choice's first token from these logits, each with its own seed stream
-                (token, lp), *more = self.sampler.sample_choices(logits[0], cmd.params, cmd.request_id)
+                (token, lp), *more = self.sampler.sample_choices(
+                    logits[0], cmd.params, cmd.request_id, allowed
+                )
             finally:
                 self.sampler.forget_choices(cmd.request_id, cmd.params.n)
             logits = logits[0].cpu() if cmd.want_logits else None

@@ -89,6 +89,7 @@ class PrefillScheduler:
         self.waiting: deque[PrefillJob] = deque()
         self.rooms = PrefillRooms(instance, bootstrap) if bootstrap is not None else None
         self.blocked_on_pages = False  # the last run_once found the next request's pages held
+        self.blocked_on_grammars = False  # ... found every waiting request's grammar compiling
         self.current: PrefillJob | None = None
 
     def submit(self, job: PrefillJob) -> PrefillJob:
@@ -103,6 +104,8 @@ class PrefillScheduler:
             raise Overloaded(f"the prefill queue is full ({self.max_queue} requests waiting)")
         if job.handoff:
             self.rooms.open(job.request_id, job.token_ids, job.params, job.bootstrap_timeout_s)
+        if job.params.grammar is not None:  # compiles in the background while the job waits
+            self.instance.grammars.prepare(job.params.grammar)
         self.waiting.append(job)
         return job
 
@@ -139,8 +142,10 @@ class PrefillScheduler:
         if job is not None:
             self.waiting.remove(job)
             self.current, job.state = job, JobState.prefilling
-        if job is None:  # every waiting request waits for its reservation: block on the socket briefly
-            self.bootstrap.drain(BOOTSTRAP_POLL_MS)
+        if job is None:  # every waiting request waits for its reservation or its grammar
+            if self.bootstrap is not None:  # block on the socket briefly (the loop need not wait too)
+                self.bootstrap.drain(BOOTSTRAP_POLL_MS)
+                self.blocked_on_grammars = False
             return False
         if job.handoff:
             return self._run_handoff(job)
@@ -163,10 +168,15 @@ class PrefillScheduler:
 
     def _next_ready(self) -> PrefillJob | None:
         """The first waiting job that can run; fails hand-offs whose room failed
-        (bootstrap timeout, decode abort)."""
+        (bootstrap timeout, decode abort) and jobs whose grammar failed to compile. A job whose
+        grammar still compiles (engine/constraint.py, in the background) lets later ones go first."""
         if self.rooms is not None:
             self.rooms.tidy()
+        self.blocked_on_grammars = False
         for job in list(self.waiting):
+            if not self._grammar_ready(job):
+                self.blocked_on_grammars |= job in self.waiting  # still compiling (not failed)
+                continue
             if not job.handoff:
                 return job
             room = self.rooms.get(job.request_id)
@@ -178,6 +188,18 @@ class PrefillScheduler:
                 self.rooms.close(job.request_id)
                 self._finish(job, error=room.s.reason)
         return None
+
+    def _grammar_ready(self, job: PrefillJob) -> bool:
+        if job.params.grammar is None:
+            return True
+        try:
+            return self.instance.grammars.ready(job.params.grammar)
+        except Exception as e:  # GrammarError: its compile failed or ran out of time
+            self.waiting.remove(job)
+            if job.handoff:
+                self.rooms.abort(job.request_id, str(e))
+            self._finish(job, error=str(e))
+            return False
 
     def _run_handoff(self, job: PrefillJob) -> bool:
         if not self.instance.allocator.can_allocate(len(job.token_ids)):

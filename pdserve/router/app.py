@@ -48,7 +48,7 @@ from .metrics import Metrics
 from .orchestrator import GenParams, Orchestrator
 from .pool import NoInstance, Pool, TooLong
 from .prompt import PromptLimits, chat_prompt, completion_prompt
-from .structured import response_grammar
+from .structured import check_choices_grammar, response_grammar
 from .tools import forced_grammar, plan_tools, prompt_opens_reasoning
 
 DISCONNECT_POLL_S = 0.5
@@ -207,6 +207,7 @@ async def _serve(
         )
         if params.grammar is not None and params.ignore_eos:
             raise P.ApiError(400, "ignore_eos cannot be combined with response_format", "ignore_eos")
+        check_choices_grammar(params.grammar, params.n)
         state.orch.check_fits(len(prompt), params.max_tokens, params.n)
     except P.ApiError:
         state.metrics.finished("client_error")

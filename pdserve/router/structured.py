@@ -12,11 +12,16 @@ prefill for the first token and the decode for the rest (engine/sampler.py).
 from __future__ import annotations
 
 import asyncio
+import json
 
 from ..engine.constraint import GrammarError, grammar_for
+from ..engine.request import MAX_GRAMMAR_CHARS
 from .protocol import ApiError
 
-MAX_SPEC_CHARS = 1 << 18  # a regex or Lark grammar as the client sends it
+MAX_SPEC_CHARS = 1 << 18  # a regex, Lark grammar or JSON schema (as compact JSON) as the client sends it
+# n x the compiled grammar's characters: what the instances hold for a request's choices (each
+# choice's matcher is a copy of one compiled grammar, but every choice's state grows with it)
+MAX_CHOICES_GRAMMAR_CHARS = 1 << 23
 
 
 async def response_grammar(fmt: dict | None, tool_grammar: str | None = None) -> str | None:
@@ -28,22 +33,46 @@ async def response_grammar(fmt: dict | None, tool_grammar: str | None = None) ->
                 400, "response_format cannot be combined with a forced tool_choice", "response_format"
             )
         try:
-            return await asyncio.to_thread(grammar_for, "lark", tool_grammar)
+            grammar = await asyncio.to_thread(grammar_for, "lark", tool_grammar)
         except GrammarError as e:
             raise ApiError(
                 400, f"the tools' parameters cannot be compiled: {str(e)[:2000]}", "tools"
             ) from None
+        return check_grammar_size(grammar, "tools")
     if fmt is None:
         return None
     kind, spec = _spec(fmt)
     if kind is None:
         return None
     try:
-        return await asyncio.to_thread(grammar_for, kind, spec)
+        grammar = await asyncio.to_thread(grammar_for, kind, spec)
     except GrammarError as e:
         raise ApiError(
             400, f"response_format cannot be compiled: {str(e)[:2000]}", "response_format"
         ) from None
+    return check_grammar_size(grammar, "response_format")
+
+
+def check_grammar_size(grammar: str, param: str) -> str:
+    """The compiled grammar, or ApiError(400) when it is larger than the instances accept."""
+    if len(grammar) > MAX_GRAMMAR_CHARS:
+        raise ApiError(
+            400,
+            f"{param} compiles to a grammar of {len(grammar)} characters; at most {MAX_GRAMMAR_CHARS}",
+            param,
+        )
+    return grammar
+
+
+def check_choices_grammar(grammar: str | None, n: int) -> None:
+    """n choices of one grammar: ApiError(400) past MAX_CHOICES_GRAMMAR_CHARS."""
+    if grammar is not None and n * len(grammar) > MAX_CHOICES_GRAMMAR_CHARS:
+        raise ApiError(
+            400,
+            f"n = {n} choices of a {len(grammar)}-character grammar exceed {MAX_CHOICES_GRAMMAR_CHARS} "
+            "characters in all: use fewer choices or a smaller schema",
+            "n",
+        )
 
 
 def _spec(fmt: dict) -> tuple[str | None, object]:
@@ -83,7 +112,15 @@ def _spec(fmt: dict) -> tuple[str | None, object]:
                 f"response_format.json_schema has unknown fields {sorted(unknown)}",
                 "response_format.json_schema",
             )
-        return kind, js.get("schema", {})
+        schema = js.get("schema", {})
+        size = len(json.dumps(schema, separators=(",", ":")))
+        if size > MAX_SPEC_CHARS:
+            raise ApiError(
+                400,
+                f"response_format.json_schema.schema is {size} characters as compact JSON; at most {MAX_SPEC_CHARS}",
+                "response_format.json_schema.schema",
+            )
+        return kind, schema
     spec = fmt.get(kind)
     if not isinstance(spec, str) or not 0 < len(spec) <= MAX_SPEC_CHARS:
         raise ApiError(

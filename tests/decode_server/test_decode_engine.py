@@ -19,6 +19,8 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.page_allocator import PageAllocator
 from pdserve.engine.request import SamplingParams
 from pdserve.engine.sampler import Sampler
+from pdserve.model.tokenizer import Tokenizer
+from tests.engine.test_grammar_cache import big_schema
 from tests.reference import free_port
 
 
@@ -182,3 +184,31 @@ def test_fp8_cache_decodes_with_one_byte_entries(tiny_checkpoints):
         assert req.output_ids[0] == first[0]  # the first token comes from the (unquantized) prefill
         engine.run_until_idle()
         assert len(req.output_ids) == 6 and req.finish_reason == "length"
+
+
+@pytest.mark.slow
+def test_a_compiling_grammar_holds_only_its_own_request(engine):
+    """Issue 40 item 1: a request whose grammar compiles (in the background, engine/constraint.py)
+    sits the steps out while the others decode; once compiled it decodes within its grammar."""
+    grammar = grammar_for("json_schema", big_schema(3000))
+    model_dir = engine.instance.worker.model_dir
+    tok = Tokenizer.from_pretrained(model_dir)
+    (brace,) = tok.encode('{"')  # the token the grammar allows first (an object with required keys)
+    prompt = [5, 6, 7, 8]
+    kv, index = engine._local_prefill().prefill_with_cache(prompt)[1:]
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=2, grammar=grammar)
+    slow = engine.submit(prompt, params, cache=(kv, index, brace))
+    other = engine.submit([9, 10, 11], SamplingParams(max_tokens=4, ignore_eos=True))
+    for _ in range(20):
+        engine.step()
+        if other.state == "finished":
+            break
+    assert other.state == "finished" and len(other.output_ids) == 4
+    assert slow.output_ids == [brace], "the grammar compiled before the other request finished"
+    engine.run_until_idle()
+    assert slow.state == "finished" and len(slow.output_ids) > 1, slow.error
+    matcher = Grammars(model_dir, tok.vocab_size, tok.eos_token_ids).matcher(grammar)
+    for t in slow.output_ids:
+        if t not in tok.eos_token_ids:
+            assert bool(matcher.allowed()[t]), (t, tok.decode(slow.output_ids))
+            matcher.consume(t)
