@@ -31,9 +31,9 @@ import numpy as np
 import pytest
 import torch
 
+from pdserve.engine.sync_check import forbid_host_sync
 from pdserve.model.moe_ops import dequant_linear, moe_torch
 from pdserve.model.quant import dequantize_fp8, quantize_fp8
-from pdserve.engine.sync_check import forbid_host_sync
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
