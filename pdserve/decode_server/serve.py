@@ -41,6 +41,8 @@ def build_instance(cfg: DecodeServerConfig) -> DecodeInstance:
         attention_ops=cfg.attention_ops,
         linear_ops=cfg.linear_ops,
         moe_ops=cfg.moe_ops,
+        max_batch=cfg.max_batch,
+        cuda_graphs=cfg.cuda_graphs,
         keep_fp8=cfg.device == "cuda" and not cfg.dequantize,
         float32_islands=not cfg.exact_dtype,
     )
