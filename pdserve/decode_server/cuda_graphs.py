@@ -58,7 +58,8 @@ class CudaCapture:
     def __call__(self, forward: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: a receiver thread storing hand-off rows meanwhile is not part of the capture
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = forward()  # recorded, not run: its output tensor lives in the pool
         self.pool = graph.pool()
         return graph.replay, out
