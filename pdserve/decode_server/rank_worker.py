@@ -61,6 +61,7 @@ class DecodeWorkerConfig:
     max_batch: int = 64  # --max-batch: the largest batch bucket (decode_server/step_metadata.py)
     cuda_graphs: str = "off"  # on | off | auto (cuda's default): decode_server/cuda_graphs.py
     forbid_host_sync: bool = False  # tests: the step raises on any host sync (engine/sync_check.py)
+    pad_steps: bool | None = None  # steps in bucket shapes with padding rows (None: on cuda; tests: cpu)
     keep_fp8: bool = False  # fp8 checkpoint weights stay fp8 (model/shard.py): cuda without --dequantize
     transfer: str = "tcp"  # KV hand-off data path: "tcp" | "nixl"
     data_host: str = "127.0.0.1"  # address the TCP receivers bind and advertise to prefill ranks
@@ -329,7 +330,8 @@ class DecodeRankWorker(RankWorker):
     def _step_metadata(self, page_size: int) -> StepMetadata:
         if self.metadata is None or self.metadata.page_size != page_size:
             cfg = self.cfg
-            pad = self.device.type == "cuda"  # fixed shapes: buffers (and graphs) per bucket
+            pad = self.device.type == "cuda" if cfg.pad_steps is None else cfg.pad_steps
+            # padded: fixed shapes, buffers (and graphs) per bucket
             self.metadata = StepMetadata(
                 self.device, page_size, cfg.num_slots // page_size, cfg.max_batch, pad
             )

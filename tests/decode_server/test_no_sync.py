@@ -1,7 +1,8 @@
 """A decode step never syncs with the host (issue 39 item 4): real rank processes run every step
 under engine/sync_check.forbid_host_sync (`DecodeWorkerConfig.forbid_host_sync`), single rank, TP
 and DCP, the dense MLA and the DSA model, and still decode exactly like the single-rank engine
-(float64 logits within 1e-8, the same greedy tokens). A rank that synced would raise, and the step
+(float64 logits within 1e-8, the same greedy tokens), also in padded bucket shapes (what cuda runs:
+padding rows in the DCP collectives and the split index's candidate exchange). A rank that synced would raise, and the step
 would fail. In-process: the check does bite on the step's path (the grouped torch MoE syncs), and
 the sync-free MoE it takes instead equals it in float64."""
 
@@ -63,10 +64,16 @@ def decode_checked(inst: DecodeInstance, cases, tag: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "arch,tp,dcp",
-    [("glm_moe_dsa", 1, 1), ("glm_moe_dsa", 2, 1), ("glm_moe_dsa", 2, 2), ("deepseek_v3", 2, 2)],
+    "arch,tp,dcp,pad",
+    [
+        ("glm_moe_dsa", 1, 1, False),
+        ("glm_moe_dsa", 2, 1, False),
+        ("glm_moe_dsa", 2, 2, False),
+        ("deepseek_v3", 2, 2, False),
+        ("glm_moe_dsa", 2, 2, True),  # as on cuda: 3 requests in bucket 4, page tables 32 wide
+    ],
 )
-def test_decode_step_does_not_sync(tiny_checkpoints, expected, arch, tp, dcp):
+def test_decode_step_does_not_sync(tiny_checkpoints, expected, arch, tp, dcp, pad):
     worker = DecodeWorkerConfig(
         str(tiny_checkpoints[(arch, "make-model")]),
         num_slots=512,
@@ -74,6 +81,7 @@ def test_decode_step_does_not_sync(tiny_checkpoints, expected, arch, tp, dcp):
         dtype="float64",
         float32_islands=False,
         forbid_host_sync=True,
+        pad_steps=pad,
     )
     with DecodeInstance(worker, LaunchConfig(tp, free_port()), page_size=4) as inst:
         modes = (
