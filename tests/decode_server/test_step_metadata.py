@@ -78,13 +78,13 @@ def model(request, tmp_path_factory):
     return m
 
 
-def _rank(model, index_mode: str = "copy") -> DCPBackend:
+def _rank(model) -> DCPBackend:
     """A single decode rank's pool (every slot random, as after many requests) and backend."""
     pool = KVPool(model.config, SLOTS, torch.float64, CPU, index_slots=SLOTS, scratch=True)
     g = torch.Generator().manual_seed(1)
     pool.kv.copy_(torch.randn(pool.kv.shape, generator=g, dtype=torch.float64))
     pool.index_k.copy_(torch.randn(pool.index_k.shape, generator=g, dtype=torch.float64))
-    return DCPBackend(model.config, pool, DCPGroup(0, 1, GlooComm(0, 1)), index_mode, "a2a", False)
+    return DCPBackend(model.config, pool, DCPGroup(0, 1, GlooComm(0, 1)), "copy", "a2a", False)
 
 
 BATCH = ([11, 12, 13], [[5, 9, 2, 7, 30, 31], [3, 4], [40, 41, 42]], [21, 2, 9])  # 3 requests: bucket 4
@@ -136,8 +136,8 @@ class ReplayCapture:
 
 @torch.inference_mode()
 def test_replay_of_a_bucket_equals_the_eager_step(model):
-    graphs, capture = StepGraphs(ReplayCapture()), None
-    capture = graphs.capture
+    capture = ReplayCapture()
+    graphs = StepGraphs(capture)
     replayed, eager = _rank(model), _rank(model)
     meta, eager_meta = StepMetadata(CPU, P, 16, 8, pad=True), StepMetadata(CPU, P, 16, 8, pad=True)
     tokens, pages, lengths = BATCH
