@@ -3,22 +3,29 @@ under engine/sync_check.forbid_host_sync (`DecodeWorkerConfig.forbid_host_sync`)
 and DCP, the dense MLA and the DSA model, and still decode exactly like the single-rank engine
 (float64 logits within 1e-8, the same greedy tokens), also in padded bucket shapes (what cuda runs:
 padding rows in the DCP collectives and the split index's candidate exchange). A rank that synced would raise, and the step
-would fail. In-process: the check does bite on the step's path (the grouped torch MoE syncs), and
-the sync-free MoE it takes instead equals it in float64."""
+would fail. In-process: the check does bite on the step's path (the grouped torch MoE syncs), the
+sync-free MoE it takes instead equals it in float64, and float32 (native kernels) and fp8-cache
+steps do not sync either."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from pdserve.decode_server.dcp_backend import DCPBackend, DCPGroup
 from pdserve.decode_server.instance import DecodeInstance
-from pdserve.decode_server.rank_worker import DecodeWorkerConfig
+from pdserve.decode_server.rank_worker import DecodeWorkerConfig, step_forward
+from pdserve.decode_server.step_metadata import StepMetadata
+from pdserve.engine.comm import GlooComm
+from pdserve.engine.kv_cache import KVPool
 from pdserve.engine.launcher import LaunchConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import SamplingParams
 from pdserve.engine.sync_check import HostSyncError, forbid_host_sync
 from pdserve.model.layers import Experts
 from pdserve.model.moe_ops import moe_dense
+from pdserve.model.random_checkpoint import make_model
+from pdserve.model.weights import load_model
 from tests.reference import assert_close, free_port, reference_prefill
 
 STEPS = 4
@@ -121,3 +128,23 @@ def test_the_check_bites_and_the_static_moe_equals_the_grouped_one(tokens):
     assert_close(
         one, moe_dense(x[:1], ex.gate_up_proj, ex.down_proj, weights[:1, 1:].sum(1, True), e2[:, 1:2]), "-1"
     )
+
+
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [(torch.float32, "auto"), (torch.float32, "fp8_e4m3")])
+def test_float32_and_fp8_cache_steps_do_not_sync(tmp_path, dtype, kv_cache_dtype):
+    """The paths the float64 ranks above do not take: float32 on the CPU (the native kernels,
+    model/native.py) and an fp8 cache (per-key scales written and read), a padded bucket."""
+    path = make_model(tmp_path / "m", "glm_moe_dsa", "tiny", seed=4)
+    model = load_model(path, dtype, torch.device("cpu"))
+    for m in model.modules():
+        if isinstance(m, Experts):
+            m.static_shapes = True
+    pool = KVPool(
+        model.config, 256, dtype, "cpu", kv_cache_dtype=kv_cache_dtype, index_slots=256, scratch=True
+    )
+    backend = DCPBackend(model.config, pool, DCPGroup(0, 1, GlooComm(0, 1)), "copy", "a2a", False)
+    meta = StepMetadata(torch.device("cpu"), 16, 16, 8, pad=True)
+    inputs = meta.fill([5, 7, 9], [[0, 1, 2], [3], [4, 5]], [40, 3, 20])  # 40 > the tiny top-k
+    with torch.inference_mode(), forbid_host_sync():
+        logits = step_forward(model, backend, inputs, logits=True)
+    assert logits.shape == (4, model.config.vocab_size) and torch.isfinite(logits[:3]).all()
