@@ -19,11 +19,11 @@ import torch
 
 from pdserve.engine.attn_ops import TorchOps, TritonOps, attend_cached
 from pdserve.engine.kv_cache import KVPool
+from pdserve.engine.sync_check import forbid_host_sync
 from pdserve.model.config import ModelConfig
 from pdserve.model.kernels import attend
 from pdserve.model.presets import hf_config
 from tests.model.test_triton_kernels import _create_dot, _patch_lang_tensor, _restore, interp, rel
-from tests.nosync import forbid_host_sync
 
 MODULE = "pdserve.model.triton_mla_decode"
 FP8 = torch.float8_e4m3fn
