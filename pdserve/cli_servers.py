@@ -89,6 +89,7 @@ def decode(
     try:
         if values["kv_memory"] is not None:
             values["kv_memory"] = parse_bytes(values["kv_memory"])
+        values["cuda_graphs"] = values["cuda_graphs"] or ""  # on where it can run with --device cuda
         cfg = DecodeServerConfig(**_server_values(values, internal_token_file, check_config))
         cfg.validate_model()
         if not check_config:

@@ -62,6 +62,10 @@ def test_cuda_without_a_gpu_is_a_startup_error(ckpt, cmd):
             "flashinfer needs --device cuda",
         ),
         (
+            ("decode", "--cuda-graphs", "on", "--max-kv-tokens", "64"),
+            "--cuda-graphs on needs --device cuda (device is cpu)",
+        ),
+        (
             ("prefill", "--gpu-ids", "0,1", "--device", "cuda", "--check-config"),
             "lists 2 GPU(s) for 1 rank(s)",
         ),
@@ -84,11 +88,12 @@ def test_check_config_shows_device_fields_and_cuda_dtype(ckpt):
     )
     assert res.exit_code == 0, res.output
     cfg = json.loads(res.output.strip().splitlines()[-1])
-    assert (cfg["device"], cfg["gpu_ids"], cfg["dtype"], cfg["attention_ops"]) == (
+    assert (cfg["device"], cfg["gpu_ids"], cfg["dtype"], cfg["attention_ops"], cfg["cuda_graphs"]) == (
         "cuda",
         [0, 0],
         "bfloat16",
         "auto",
+        "auto",  # on where the ranks can capture; two ranks on GPU 0 cannot (each rank says so)
     )
 
 
@@ -97,6 +102,9 @@ def test_server_configs_resolve_dtype_per_device(ckpt):
     assert PrefillServerConfig(ckpt, device="cuda").dtype == "bfloat16"
     assert PrefillServerConfig(ckpt, device="cuda", dtype="float64").dtype == "float64"
     assert DecodeServerConfig(ckpt, device="cuda", max_kv_tokens=64).dtype == "bfloat16"
+    assert DecodeServerConfig(ckpt, max_kv_tokens=64).cuda_graphs == "off"  # --cuda-graphs per device
+    assert DecodeServerConfig(ckpt, device="cuda", max_kv_tokens=64).cuda_graphs == "auto"
+    assert DecodeServerConfig(ckpt, device="cuda", max_kv_tokens=64, cuda_graphs="off").cuda_graphs == "off"
     with pytest.raises(ValueError, match="--attention-ops must be one of"):
         PrefillServerConfig(ckpt, attention_ops="fast")
 

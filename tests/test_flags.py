@@ -77,6 +77,7 @@ FILLED_IN = {
     "log_dir",
     "dtype",
     "gpu_ids",
+    "cuda_graphs",
 }  # by the command
 
 

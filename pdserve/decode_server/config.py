@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ..choices import CpuComm, DcpComm, DcpIndex, KVCacheDType, check
+from ..choices import CpuComm, DcpComm, DcpIndex, KVCacheDType, Switch, check, values
 from ..engine import capacity
 from ..engine.memory_check import DEFAULT_GPU_MEMORY_UTILIZATION, check_gpu_memory_utilization
 from ..flags import option
@@ -62,6 +62,15 @@ class DecodeServerConfig(InstanceOptions):
         64, "KV slots per page; must be a multiple of --dcp-size (pages are C_d-wide).", min=1
     )
     max_batch: int = option(64, "Most requests decoded together in one step (continuous batching).", min=1)
+    cuda_graphs: str = option(  # "": the default, filled in: auto on cuda (on where it can run), else off
+        "",
+        "Replay each decode step from a CUDA graph, one per batch bucket (1, 2, 4, ... up to "
+        "--max-batch) and page-table width, captured on first use. Default: on with --device cuda "
+        "where the step can be captured (not with the flashinfer attention ops, nor with ranks "
+        "sharing a GPU: each rank prints why), off on cpu. on where it cannot run is an error.",
+        cli_type=Optional[Switch],
+        cli_default=None,
+    )
     cpu_comm: str = option("auto", choices=CpuComm)
     transfer_timeout_s: float = option(
         30.0,
@@ -95,6 +104,12 @@ class DecodeServerConfig(InstanceOptions):
         check(self.kv_cache_dtype, KVCacheDType, "--kv-cache-dtype")
         check(self.dcp_comm, DcpComm, "--dcp-comm")
         check(self.cpu_comm, CpuComm, "--cpu-comm")
+        if self.cuda_graphs not in ("", "auto", *values(Switch)):
+            raise ValueError(f"--cuda-graphs must be on or off, got {self.cuda_graphs!r}")
+        if self.cuda_graphs == "on" and self.device != "cuda":
+            raise ValueError(f"--cuda-graphs on needs --device cuda (device is {self.device})")
+        if not self.cuda_graphs:
+            object.__setattr__(self, "cuda_graphs", "auto" if self.device == "cuda" else "off")
         if self.page_size < 1 or self.page_size % self.dcp_size:  # pages are C_d-wide (invariant 4)
             raise ValueError(
                 f"--page-size {self.page_size} must be a positive multiple of --dcp-size {self.dcp_size}"

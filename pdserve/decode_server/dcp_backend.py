@@ -4,7 +4,9 @@ Inside a DCP group of C_d ranks, global slot s lives on group rank s % C_d at ro
 are C_d-wide and C_d-aligned, so a request's token p is on group rank p % C_d. One decode step
 (one new token per request) in each attention layer:
   1. the new token's latent entry is written by the rank that owns its slot; its index key by
-     every rank (copied index) or by the owner (split index);
+     every rank (copied index) or by the owner (split index); the other ranks write it into their
+     pool's scratch row, as padding rows do (no boolean mask: the step never syncs with the host,
+     decode_server/step_metadata.py);
   2. every rank gets the queries of all head slices of its group (all-gather, or computed locally
      with a replicated query projection);
   3. sparse models select keys: with a copied index every rank scores every token and computes
@@ -26,6 +28,7 @@ from ..choices import DcpComm, DcpIndex, values
 from ..engine.attn_ops import TorchOps, attend_cached, cached_index_scores
 from ..model.backend import IndexerInputs
 from ..model.config import ModelConfig
+from .step_metadata import derive_slots
 
 INDEX_MODES = values(DcpIndex)
 COMM_MODES = values(DcpComm)
@@ -33,7 +36,11 @@ COMM_MODES = values(DcpComm)
 
 @dataclass
 class DecodeBatch:
-    slots: list[torch.Tensor]  # per request: global slots of positions 0..S-1 (S-1 is the new token)
+    """A step's requests as device tensors (decode_server/step_metadata.py)."""
+
+    page_table: torch.Tensor  # [B, W] int: each request's pages (0 past its last one)
+    lengths: torch.Tensor  # [B] int: context length S, positions 0..S-1 read; 0: a padding row
+    page_size: int
 
 
 @dataclass(frozen=True)
@@ -55,34 +62,38 @@ class DCPBackend:
         self.ops = ops or TorchOps()  # engine/attn_ops.py
         self.device = pool.kv.device
         self.index_mode, self.comm, self.replicate_q = index_mode, comm, replicate_q
-        self.empty_selections = 0  # (request, layer) pairs where this rank selected no token
+        if pool.scratch_row is None:
+            raise ValueError("a decode pool needs its scratch row (KVPool(scratch=True))")
+        self._empty = torch.zeros((), dtype=torch.int64, device=self.device)  # see empty_selections
         self.selections: dict[int, torch.Tensor] = {}
 
     def begin(self, batch: DecodeBatch) -> None:
+        """The step's slots, masks and write rows, derived on the device (no host sync)."""
         C, me = self.dcp.size, self.dcp.rank
-        lens = [s.numel() for s in batch.slots]
-        smax = max(lens)
-        dev = self.device
-        self._slots = torch.zeros(
-            len(lens), smax, dtype=torch.int64, device=dev
-        )  # [B, Smax] global slots, 0-padded
-        for i, s in enumerate(batch.slots):
-            self._slots[i, : lens[i]] = s
-        lens_t = torch.tensor(lens, device=dev)
-        self._valid = torch.arange(smax, device=dev)[None, :] < lens_t[:, None]  # [B, Smax]
-        # positions this rank may own; none when its first one is past every context (a short
-        # request alone in the batch): an empty rank still joins every collective, with lse = -inf
-        own_pos = torch.arange(me, max(me, smax), C, device=dev)
-        self._own_pos = own_pos.expand(len(lens), -1)  # [B, N]
+        self._slots, self._valid = derive_slots(batch.page_table, batch.lengths, batch.page_size)  # [B, S]
+        B, S = self._slots.shape  # S = W * page_size, a multiple of C: every rank owns S / C positions
+        own_pos = torch.arange(me, S, C, device=self.device)
+        self._own_pos = own_pos.expand(B, -1)  # [B, N]
         self._own_valid = self._valid[:, own_pos]
         self._own_rows = self._slots[:, own_pos] // C
-        last = lens_t - 1
-        new_slots = self._slots[torch.arange(len(lens), device=dev), last]
-        self._new_mine = (last % C) == me
-        self._new_rows = new_slots // C
-        self._new_slots = new_slots
+        lengths = batch.lengths.long()
+        self._live = lengths > 0  # [B]: not a padding row
+        last = (lengths - 1).clamp(min=0)
+        new_slots = self._slots.gather(1, last[:, None]).squeeze(1)  # [B]
+        mine = self._live & (last % C == me)
+        # rows this rank does not keep write the pool's scratch row: every row writes, none is masked out
+        self._new_rows = torch.where(mine, new_slots // C, self.pool.scratch_row)
+        if self.index_mode == "copy":
+            self._new_index = torch.where(self._live, new_slots, self.pool.scratch_index)
+        else:
+            self._new_index = torch.where(mine, new_slots // C, self.pool.scratch_index)
         self._selection: torch.Tensor | None = None
         self.selections: dict[int, torch.Tensor] = {}  # indexer layer -> [B, k]: this step's (for checks)
+
+    @property
+    def empty_selections(self) -> int:
+        """(request, layer) pairs where this rank selected no token: read on the host between steps."""
+        return int(self._empty)
 
     # ---- the AttentionBackend method ------------------------------------------------------
     def attention(
@@ -91,7 +102,7 @@ class DCPBackend:
         self._store(layer, kv, index)
         q_group = q if (self.replicate_q or self.dcp.size == 1) else self._gather_heads(q)  # [B, Hg, D]
         rows, valid = self._keys(layer, index)
-        self.empty_selections += int((valid.sum(-1) == 0).sum())
+        self._empty += ((valid.sum(-1) == 0) & self._live).sum()  # a device counter: no host read
         out, lse = attend_cached(  # [B, Hg, c], [B, Hg]
             self.ops, self.pool, layer, q_group, rows, valid, scale, self.cfg.kv_lora_rank
         )
@@ -102,13 +113,9 @@ class DCPBackend:
 
     # ---- cache -------------------------------------------------------------------------------
     def _store(self, layer: int, kv: torch.Tensor, index: IndexerInputs | None) -> None:
-        mine = self._new_mine
-        self.pool.write_kv(layer, self._new_rows[mine], kv[mine])
+        self.pool.write_kv(layer, self._new_rows, kv)
         if index is not None:
-            if self.index_mode == "copy":
-                self.pool.write_index(layer, self._new_slots, index.k)
-            else:
-                self.pool.write_index(layer, self._new_rows[mine], index.k[mine])
+            self.pool.write_index(layer, self._new_index, index.k)
 
     def _keys(self, layer: int, index: IndexerInputs | None) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's pool slots of each request's keys [B, n] and which of them are read [B, n]."""
@@ -145,13 +152,7 @@ class DCPBackend:
 
     def _candidates(self, scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's best k (score, global position) per request [B, k], padded with (-inf, -1);
-        all padding when the rank owns no position yet (scores [B, 0])."""
-        B = scores.shape[0]
-        if scores.shape[1] == 0:
-            dev = scores.device
-            return torch.full((B, k), float("-inf"), dtype=scores.dtype, device=dev), torch.full(
-                (B, k), -1, dtype=torch.int64, device=dev
-            )
+        all padding when the rank owns no valid position yet."""
         local = self.ops.topk(scores, self._own_valid, k)  # [B, k] indices into own tokens
         ok, at = local >= 0, local.clamp(min=0)
         cand_score = torch.where(ok, scores.gather(1, at), torch.full_like(scores[:, :1], float("-inf")))

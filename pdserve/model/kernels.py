@@ -180,12 +180,10 @@ def topk_earliest(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Te
         return idx
     s = scores.masked_fill(~valid, float("-inf"))
     kk = min(k, S)
-    top, picked = s.topk(kk, dim=-1)
-    kth = top[:, -1:]  # [B, 1]: the k-th largest score
-    if bool(((s >= kth).sum(dim=-1) == kk).all()) and bool((kth > float("-inf")).all()):
-        # no tie crosses the k-th place and every pick is valid: topk's set is the answer
-        idx = picked.sort(dim=-1).values
-        return idx if kk == k else torch.cat([idx, idx.new_full((B, k - kk), -1)], dim=1)
+    kth = s.topk(kk, dim=-1).values[:, -1:]  # [B, 1]: the k-th largest score
+    # No shortcut when no tie crosses the k-th place (topk's own set would do): telling would read a
+    # value on the host, and a decode step must not (engine/sync_check.py); the rule below gives
+    # that set then too.
     n_valid = valid.sum(dim=-1, keepdim=True)  # [B, 1]
     above = s > kth
     tied = (s == kth) & valid

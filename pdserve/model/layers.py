@@ -15,7 +15,7 @@ from . import native
 from .config import ModelConfig
 from .fp8_matmul import fp8_matmul
 from .kernels import FEW_ROWS, onednn_linear, uses_onednn, uses_onednn_gemv
-from .moe_ops import moe_torch
+from .moe_ops import moe_dense, moe_torch
 from .quant import FP8_BLOCK
 
 
@@ -187,7 +187,9 @@ class Experts(nn.Module):
     [E, ceil(H/b0), ceil(I/b1)]). `ops` (engine/gemm_ops.py) is "torch" (the grouped loop below; fp8
     through model/moe_ops.moe_torch) or "triton" (model/triton_moe.fused_moe: no host sync).
     With expert parallelism a rank holds experts first_expert .. first_expert + E - 1; a token's
-    choice of another rank's expert adds nothing here (the all-to-all brings it to that rank)."""
+    choice of another rank's expert adds nothing here (the all-to-all brings it to that rank).
+    `static_shapes` (a decode rank's step, which must not sync with the host): the torch paths
+    become moe_ops.moe_dense, whose shapes do not depend on the routing."""
 
     def __init__(self, n_experts: int, hidden: int, intermediate: int):
         super().__init__()
@@ -201,6 +203,7 @@ class Experts(nn.Module):
         self.n_routed = n_experts  # this rank's routed experts (the stacks may hold a shared one after)
         self.shared_slot: int | None = None  # MoE.fold_shared_expert: the shared expert's index
         self.cut = None  # model/shard.Cut (dim -1): the intermediate rows / columns held (TP)
+        self.static_shapes = False
 
     def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Router ids -> this rank's expert ids, -1 for another rank's expert (device ops, no sync)."""
@@ -231,7 +234,9 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         fp8 = self.gate_up_proj.dtype == torch.float8_e4m3fn
-        if self.ops == "triton" or fp8 or self.first_expert is not None or self.shared_slot is not None:
+        general = fp8 or self.first_expert is not None or self.shared_slot is not None
+        native_rows = not general and native.moe_usable(x, self.gate_up_proj, self.down_proj)
+        if self.ops == "triton" or general or (self.static_shapes and not native_rows):
             scales = (self.gate_up_scale_inv, self.down_scale_inv)
             weights, ids = self.with_shared(weights, self.local_ids(ids))
             args = (x, self.gate_up_proj, self.down_proj, weights, ids, *scales)
@@ -239,8 +244,8 @@ class Experts(nn.Module):
                 from .triton_moe import fused_moe  # triton is imported only where it runs
 
                 return fused_moe(*args)
-            return moe_torch(*args, block=self.block)
-        if native.moe_usable(x, self.gate_up_proj, self.down_proj):
+            return (moe_dense if self.static_shapes else moe_torch)(*args, block=self.block)
+        if native_rows:
             # a decode step's few float32 rows on the CPU: one native call reads each chosen expert once
             return native.moe_rows(x, self.gate_up_proj, self.down_proj, ids, weights)
         if x.shape[0] == 1:

@@ -81,6 +81,35 @@ def moe_torch(
     return out.to(x.dtype)
 
 
+def moe_dense(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block: tuple[int, int] = (128, 128),
+) -> torch.Tensor:
+    """`moe_torch` without a host sync: every expert multiplies every token, weighted by the token's
+    routing weight for it (0 where it did not choose it), experts in ascending order as moe_torch
+    adds them -- no shape depends on the routing, so a CUDA graph can hold it. For a decode step's
+    few tokens (the decode ranks' torch MoE, Experts.static_shapes): it reads every expert, which a
+    decode batch of some tokens reads anyway, and computes E / k times the products."""
+    work = work_dtype(x.dtype)
+    ids = topk_ids.long()
+    weights = topk_weights.to(work)
+    xw = x.to(work)
+    out = torch.zeros(x.shape, dtype=work, device=x.device)
+    for e in range(w13.shape[0]):
+        w_e = torch.where(ids == e, weights, torch.zeros_like(weights)).sum(dim=-1)  # [T]
+        s13 = None if w13_scale is None else w13_scale[e]
+        s2 = None if w2_scale is None else w2_scale[e]
+        gate, up = (xw @ _weight(w13[e], s13, block, work).T).chunk(2, dim=-1)
+        out += ((F.silu(gate) * up) @ _weight(w2[e], s2, block, work).T) * w_e[:, None]
+    return out.to(x.dtype)
+
+
 def dequant_linear(
     x: torch.Tensor,
     w: torch.Tensor,

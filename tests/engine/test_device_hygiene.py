@@ -84,11 +84,11 @@ def test_dcp_backend_under_meta_default(model, index_mode):
     prefix = 30
 
     def run():
-        pool = KVPool(cfg, 64, torch.float32, device="cpu")
+        pool = KVPool(cfg, 64, torch.float32, device="cpu", scratch=True)
         group = DCPGroup(0, 1, GlooComm(0, 1))
         backend = DCPBackend(cfg, pool, group, index_mode, "a2a", replicate_q=False)
-        seqs = [torch.arange(prefix + 1 + i, dtype=torch.int64, device="cpu") for i in range(2)]
-        backend.begin(DecodeBatch(seqs))
+        pages = torch.tensor([[0, 1], [0, 1]], dtype=torch.int32, device="cpu")
+        backend.begin(DecodeBatch(pages, torch.tensor([prefix + 1, prefix + 2], device="cpu"), 16))
         ids = torch.tensor([7, 9], dtype=torch.int64, device="cpu")
         pos = torch.tensor([prefix, prefix + 1], dtype=torch.int64, device="cpu")
         with torch.inference_mode():

@@ -1,6 +1,6 @@
 """The triton kernels (model/triton_moe.py, model/triton_gemm.py) on the CPU, through triton's
 interpreter, against the torch references (model/moe_ops.py); the references against naive loops;
-moe_align's invariants; and forbid_host_sync (tests/nosync.py).
+moe_align's invariants; neither syncs with the host (engine/sync_check.py).
 
 The interpreter. triton decides at `@triton.jit` time (knobs.runtime.interpret, which reads
 TRITON_INTERPRET from the environment at each access) whether a kernel is compiled or interpreted,
@@ -31,9 +31,9 @@ import numpy as np
 import pytest
 import torch
 
+from pdserve.engine.sync_check import forbid_host_sync
 from pdserve.model.moe_ops import dequant_linear, moe_torch
 from pdserve.model.quant import dequantize_fp8, quantize_fp8
-from tests.nosync import HostSyncError, forbid_host_sync
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
@@ -217,39 +217,6 @@ def test_moe_align_and_fused_moe_do_not_sync(kern):
     with forbid_host_sync():
         kern.moe.moe_align(ids, 8, 16)
         kern.moe.fused_moe(x, w13, w2, weights, ids)  # its torch ops; the interpreter's launch too
-
-
-# --- forbid_host_sync -----------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "call",
-    [
-        lambda t: t[0].item(),
-        lambda t: t.tolist(),
-        lambda t: bool(t[0]),
-        lambda t: int(t[0]),
-        lambda t: t.nonzero(),
-        lambda t: t[t > 1],
-        lambda t: torch.unique(t),
-        lambda t: torch.bincount(t),
-        lambda t: t.repeat_interleave(t),
-    ],
-    ids=["item", "tolist", "bool", "int", "nonzero", "mask", "unique", "bincount", "repeat_interleave"],
-)
-def test_forbid_host_sync_rejects(call):
-    t = torch.tensor([3, 0, 2])
-    with pytest.raises(HostSyncError), forbid_host_sync():
-        call(t)
-    assert t.tolist() == [3, 0, 2]  # Tensor.tolist is itself again
-
-
-def test_forbid_host_sync_lets_static_ops_through():
-    t = torch.tensor([3, 0, 2])
-    with forbid_host_sync():
-        out = (t + 1, t[torch.tensor([0, 2])], torch.sort(t, stable=True), t.repeat_interleave(2))
-        out += (torch.where(t > 1, t, -1), torch.searchsorted(t.sort().values, t), t.cumsum(0))
-    assert out[0].tolist() == [4, 1, 3]
 
 
 # --- fused_moe ------------------------------------------------------------------------------------

@@ -19,11 +19,11 @@ import torch
 
 from pdserve.engine.attn_ops import TorchOps, TritonOps, attend_cached
 from pdserve.engine.kv_cache import KVPool
+from pdserve.engine.sync_check import forbid_host_sync
 from pdserve.model.config import ModelConfig
 from pdserve.model.kernels import attend
 from pdserve.model.presets import hf_config
 from tests.model.test_triton_kernels import _create_dot, _patch_lang_tensor, _restore, interp, rel
-from tests.nosync import forbid_host_sync
 
 MODULE = "pdserve.model.triton_mla_decode"
 FP8 = torch.float8_e4m3fn
@@ -156,13 +156,16 @@ def test_a_dcp_decode_step_over_an_fp8_pool(mla, tmp_path):
     cfg, lengths = model.config, (31, 45)  # longer than the top-k of 8: the indexer selects
 
     def step(ops):
-        pool = KVPool(cfg, 128, torch.float32, kv_cache_dtype="fp8_e4m3")
+        pool = KVPool(cfg, 128, torch.float32, kv_cache_dtype="fp8_e4m3", scratch=True)
         g = torch.Generator().manual_seed(6)
         for layer in range(cfg.num_layers):  # the prompts' cache, as a hand-off would leave it
             index = torch.randn(128, cfg.index_head_dim, generator=g) if cfg.has_indexer(layer) else None
             pool.write(layer, torch.arange(128), torch.randn(128, cfg.kv_entry_dim, generator=g), index)
         backend = DCPBackend(cfg, pool, DCPGroup(0, 1, GlooComm(0, 1)), "copy", "a2a", False, ops)
-        backend.begin(DecodeBatch([torch.arange(n) + 60 * i for i, n in enumerate(lengths)]))
+        table = torch.zeros(len(lengths), max(lengths), dtype=torch.int32)  # pages of one slot
+        for i, n in enumerate(lengths):
+            table[i, :n] = torch.arange(n) + 60 * i
+        backend.begin(DecodeBatch(table, torch.tensor(lengths), 1))
         pos = torch.tensor([n - 1 for n in lengths])
         with torch.inference_mode():
             return model(torch.tensor([7, 9]), pos, backend), backend.selections

@@ -2,19 +2,25 @@
 
 Code meant to be captured in a CUDA graph (the fused MoE, a decode step) must never read a value
 of a device tensor on the host: `.item()`, `.tolist()`, `bool(t)` / `if t:`, `int(t)`, `float(t)`,
-and the ops whose output shape depends on values (nonzero, boolean-mask indexing, unique,
-repeat_interleave with tensor repeats, bincount, which reads max().item() on CUDA, ...). On the GPU
-`torch.cuda.set_sync_debug_mode("error")` catches them where they run; this catches them on the
-CPU too, where nothing would ever wait, so CPU tests can prove a code path sync-free:
+`torch.equal`, and the ops whose output shape depends on values (nonzero, boolean-mask indexing
+and writes, masked_select, unique, repeat_interleave with tensor repeats, bincount, which reads
+max().item() on CUDA, ...). On the GPU `torch.cuda.set_sync_debug_mode("error")` catches them where
+they run; this catches them on the CPU too, where nothing would ever wait, so CPU tests can prove a
+code path sync-free:
 
     with forbid_host_sync():
         moe_align(topk_ids, n_experts, 16)   # raises HostSyncError if any such op runs
+
+A decode rank runs its step under it when its config asks (`DecodeWorkerConfig.forbid_host_sync`,
+tests only: tests/decode_server/test_no_sync.py).
 
 It is a TorchDispatchMode (every aten op passes through it, on any device) plus a patch of
 Tensor.tolist, which reads the data without dispatching an op. What it sees is the aten op and its
 arguments: a sync hidden inside another op's C++ kernel is caught by the list below only when the
 op is listed (bincount, unique, ...). Tensor.tolist is patched process-wide while the context is
-open: use it in tests and checks, not in a multi-threaded server.
+open: use it in tests and checks, not in a multi-threaded server. Code that must touch host
+memory inside a checked region without a device behind it (the shared-memory collectives'
+flags) reads it through numpy, which torch's dispatcher never sees.
 """
 
 from __future__ import annotations
