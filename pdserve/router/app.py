@@ -201,10 +201,9 @@ async def _serve(
     """make_shaper: () -> a chat choice's ChatShaper (reasoning / content / tool calls); tool_grammar:
     a forced tool call's."""
     try:
-        params = GenParams(
-            **P.check_sampling(body, state.cfg.default_max_tokens, state.tokenizer.vocab_size),
-            grammar=await response_grammar(body.response_format, tool_grammar),
-        )
+        sampling = P.check_sampling(body, state.cfg.default_max_tokens, state.tokenizer.vocab_size)
+        P.check_response_budget(sampling, body.stream, state.cfg.max_response_budget)
+        params = GenParams(**sampling, grammar=await response_grammar(body.response_format, tool_grammar))
         if params.grammar is not None and params.ignore_eos:
             raise P.ApiError(400, "ignore_eos cannot be combined with response_format", "ignore_eos")
         state.orch.check_fits(len(prompt), params.max_tokens, params.n)

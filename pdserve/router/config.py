@@ -101,6 +101,11 @@ class RouterConfig:
         "Requests that may wait for an instance with room; beyond that the router answers 429 with Retry-After.",
         min=1,
     )
+    max_response_budget: int = option(  # n x max_tokens x (1 + top_logprobs) of a non-streamed answer
+        1 << 20,
+        "A request whose n x max_tokens x (1 + top_logprobs) exceeds this is served only with stream = true (else 400): a non-streamed answer is assembled whole in the router's memory.",
+        min=1,
+    )
     default_max_tokens: int = 16  # OpenAI's default for /v1/completions; chat uses it too
     discovery: str = option(  # "k8s": also the Ready pods matching `selector` (discovery.py)
         "static",
@@ -142,7 +147,14 @@ class RouterConfig:
             <= 0
         ):
             raise ValueError("health interval and timeouts must be > 0")
-        for name in ("max_body_bytes", "max_prompt_bytes", "max_prompt_tokens", "max_in_flight", "max_queue"):
+        for name in (
+            "max_body_bytes",
+            "max_prompt_bytes",
+            "max_prompt_tokens",
+            "max_in_flight",
+            "max_queue",
+            "max_response_budget",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.default_max_tokens < 1:
