@@ -11,6 +11,7 @@ from typing import Optional
 from ..choices import Discovery, Policy, values
 from ..engine.auth import check_strength
 from ..flags import INTERNAL_TOKEN_HELP, option
+from .instance_auth import check_entries
 
 POLICIES = values(Policy)
 ADMIN_TOKEN_ENV = "PDSERVE_ADMIN_TOKEN"
@@ -59,6 +60,12 @@ class RouterConfig:
     )
     internal_token: str | None = option(  # sent to the instances (engine/auth.py)
         None, INTERNAL_TOKEN_HELP, repr=False
+    )
+    allowed_instance_hosts: tuple[str, ...] = option(  # /admin/add may register these hosts too
+        (),
+        "A host name, IP address or CIDR network (e.g. 10.0.0.0/8) whose instances /admin/add may register, or * for any; repeat for several. The hosts of --prefill / --decode and of discovered pods are always allowed; any other is refused before anything is sent to it.",
+        cli_type=list[str],
+        cli_default=[],
     )
     health_interval_s: float = option(
         2.0, "Seconds between health checks of every instance.", name="--health-interval"
@@ -132,6 +139,7 @@ class RouterConfig:
             for url in urls:
                 if not url.startswith(("http://", "https://")):
                     raise ValueError(f"{role} instance URL must start with http:// or https://, got {url!r}")
+        check_entries(self.allowed_instance_hosts)
         urls = [u.rstrip("/") for u in self.prefill + self.decode]
         if len(set(urls)) < len(urls):
             raise ValueError("an instance URL is listed twice (each instance has one role)")

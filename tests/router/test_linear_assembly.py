@@ -205,7 +205,13 @@ def test_a_large_answer_is_served_only_streamed(model_dir):
     down = f"http://127.0.0.1:{free_port()}"
     cfg = router_config(model_dir, down, f"http://127.0.0.1:{free_port()}", max_response_budget=999)
     with running_router(cfg) as (url, _):
-        body = {"model": "tiny", "prompt": "hi", "n": 2, "max_tokens": 100, "logprobs": 4}  # 2 x 100 x 5 = 1000
+        body = {
+            "model": "tiny",
+            "prompt": "hi",
+            "n": 2,
+            "max_tokens": 100,
+            "logprobs": 4,
+        }  # 2 x 100 x 5 = 1000
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["code"] == "response_too_large", r.text
         assert "--max-response-budget" in r.json()["error"]["message"]
