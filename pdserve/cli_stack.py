@@ -38,6 +38,7 @@ def router(
                 "model": str(model_arg(values["model"], check_config)),
                 "prefill": tuple(values["prefill"]),
                 "decode": tuple(values["decode"]),
+                "allowed_instance_hosts": tuple(values["allowed_instance_hosts"]),
                 "admin_token": RouterConfig.token_from_env(values["admin_token"]),
                 "api_key": values["api_key"] or os.environ.get("PDSERVE_API_KEY") or None,
                 "internal_token": internal_token(values["internal_token"], internal_token_file, check_config),

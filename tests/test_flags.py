@@ -74,6 +74,7 @@ FILLED_IN = {
     "kv_memory",
     "prefill",
     "decode",
+    "allowed_instance_hosts",
     "log_dir",
     "dtype",
     "gpu_ids",

@@ -3,6 +3,9 @@
 One internal token per deployment authenticates everything between pdserve's own processes:
 - instance HTTP APIs (everything but /health and /live) require `Authorization: Bearer <token>`;
   the router sends it;
+- an instance proves it holds the token before the router sends it the token: a request with
+  `X-PDServe-Challenge: <nonce>` (on the open /health too) gets `X-PDServe-Proof:
+  <token_proof(token, nonce, the Host it was addressed as)>` (router/instance_auth.py checks it);
 - side-channel and TCP data-path frames carry an HMAC-SHA256 tag under a key derived from it
   (`frame_key`), so a peer without the token can neither reserve, abort nor write.
 The token comes from `--internal-token`, `--internal-token-file` or the environment variable
@@ -82,6 +85,18 @@ def bearer_ok(header: str | None, token: str) -> bool:
 def frame_key(token: str) -> bytes:
     """The HMAC key of side-channel and data-path frames (never the token itself on the wire)."""
     return hmac.new(token.encode(), b"pdserve frame key v1", hashlib.sha256).digest()
+
+
+CHALLENGE_HEADER = "x-pdserve-challenge"
+PROOF_HEADER = "x-pdserve-proof"
+MAX_NONCE_CHARS = 128
+
+
+def token_proof(token: str, nonce: str, host: str) -> str:
+    """An instance's answer to the router's challenge: a MAC over the nonce and the Host it was
+    addressed as, under a key derived from the token (the token itself never goes out)."""
+    key = hmac.new(token.encode(), b"pdserve instance proof v1", hashlib.sha256).digest()
+    return sign(key, nonce.encode(), host.lower().encode()).hex()
 
 
 def sign(key: bytes, *parts: bytes) -> bytes:

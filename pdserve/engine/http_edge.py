@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .auth import bearer_ok
+from .auth import CHALLENGE_HEADER, MAX_NONCE_CHARS, PROOF_HEADER, bearer_ok, token_proof
 from .instance_loop import Unavailable
 from .watchdog import add_health_route
 
@@ -138,6 +138,34 @@ class RequireBearer:
         await self.app(scope, receive, send)
 
 
+class AnswerChallenge:
+    """ASGI middleware of an instance: a request with `X-PDServe-Challenge: <nonce>` gets
+    `X-PDServe-Proof` in its answer (engine/auth.py token_proof), so that the router sends the
+    internal token only to a server that holds it (router/instance_auth.py)."""
+
+    def __init__(self, app, token: str):
+        self.app, self.token = app, token
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        nonce = headers.get(CHALLENGE_HEADER.encode(), b"").decode("latin-1")
+        if not 0 < len(nonce) <= MAX_NONCE_CHARS:
+            return await self.app(scope, receive, send)
+        proof = token_proof(self.token, nonce, headers.get(b"host", b"").decode("latin-1")).encode()
+
+        async def send_proved(message):
+            if message["type"] == "http.response.start":
+                message = {
+                    **message,
+                    "headers": [*message.get("headers", []), (PROOF_HEADER.encode(), proof)],
+                }
+            await send(message)
+
+        await self.app(scope, receive, send_proved)
+
+
 class BodyLimit:
     """ASGI middleware: reads a request's body up to `max_bytes` (413 beyond), then replays it."""
 
@@ -183,6 +211,8 @@ def instance_app(title: str, token: str | None, dead_rank, drain=None) -> FastAP
     503 naming a dead rank, or draining) and GET /live (200 while the HTTP server runs)."""
     app = FastAPI(title=title)
     install_edge(app, token=token)
+    if token is not None:
+        app.add_middleware(AnswerChallenge, token=token)
     add_health_route(app, dead_rank, drain and (lambda: drain.draining))
 
     @app.get("/live")

@@ -2,7 +2,11 @@
 
 GET  /admin/topology  {"policy", "instances": [row, ...]} (rows: pool.Instance.summary)
 GET  /admin/capacity  the same rows after a fresh poll of every instance
-POST /admin/add       {"role": "prefill" | "decode", "url"} -> the new row (polled at once)
+POST /admin/add       {"role": "prefill" | "decode", "url"} -> the new row (polled at once); 403 for a
+                      host outside the allowed instance hosts (nothing is sent to it) or an
+                      instance that answers without proving it holds the internal token
+                      (router/instance_auth.py; it is not added); an unreachable one is added
+                      unhealthy
 POST /admin/remove    {"url"} -> the removed row; its running requests finish
 POST /admin/drain     {"url"} -> the row; no new requests go to it, running ones finish
 POST /admin/undrain   {"url"} -> the row; it takes requests again
@@ -70,11 +74,19 @@ def admin_router(token: str | None) -> APIRouter:
 
     @router.post("/add")
     async def add(body: AddBody, request: Request):
+        p = pool(request)
         try:
-            inst = pool(request).add(body.role, body.url)
+            p.allowed.check(body.url)  # before anything is sent to it
+        except ValueError as e:
+            raise ApiError(403, str(e), "url", "host_not_allowed") from None
+        try:
+            inst = p.add(body.role, body.url)
         except ValueError as e:
             raise ApiError(400, str(e), "url") from None
-        await pool(request).poll(request.app.state.router.client, inst)
+        await p.poll(request.app.state.router.client, inst)
+        if inst.proven is False:  # it answered, without proving it holds the internal token
+            p.remove(inst.url)
+            raise ApiError(403, f"not added: {inst.error}", "url", "instance_not_proven")
         return inst.summary()
 
     @router.post("/remove")

@@ -44,6 +44,7 @@ from . import respond as R
 from .admin import admin_router
 from .chat import ChatShaper
 from .config import RouterConfig
+from .instance_auth import AllowedHosts, InstanceAuth
 from .metrics import Metrics
 from .orchestrator import GenParams, Orchestrator
 from .pool import NoInstance, Pool, TooLong
@@ -62,7 +63,15 @@ class RouterState:
         self.cfg, self.client = cfg, client
         self.tokenizer = Tokenizer.from_pretrained(cfg.model)
         self.model_type = _model_type(cfg.model)  # picks the tool-call and reasoning markup
-        self.pool = Pool(cfg.prefill, cfg.decode, cfg.policy, cfg.max_in_flight, cfg.cache_balance_threshold)
+        self.pool = Pool(
+            cfg.prefill,
+            cfg.decode,
+            cfg.policy,
+            cfg.max_in_flight,
+            cfg.cache_balance_threshold,
+            client.auth if isinstance(client.auth, InstanceAuth) else None,
+            AllowedHosts(cfg.allowed_instance_hosts),
+        )
         self.metrics = Metrics()
         self.metrics.cache_aware = self.pool.cache_aware
         self.orch = Orchestrator(
@@ -91,8 +100,8 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     async def lifespan(app: FastAPI):
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         timeout = httpx.Timeout(cfg.instance_timeout_s, connect=cfg.connect_timeout_s)
-        headers = {"Authorization": f"Bearer {cfg.internal_token}"} if cfg.internal_token else {}
-        async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
+        auth = InstanceAuth(cfg.internal_token) if cfg.internal_token else None  # only to proven instances
+        async with httpx.AsyncClient(limits=limits, timeout=timeout, auth=auth) as client:
             state = app.state.router = RouterState(cfg, client)
             await state.pool.poll_all(client)
             tasks = [asyncio.create_task(state.pool.health_loop(client, cfg.health_interval_s))]
@@ -201,10 +210,9 @@ async def _serve(
     """make_shaper: () -> a chat choice's ChatShaper (reasoning / content / tool calls); tool_grammar:
     a forced tool call's."""
     try:
-        params = GenParams(
-            **P.check_sampling(body, state.cfg.default_max_tokens, state.tokenizer.vocab_size),
-            grammar=await response_grammar(body.response_format, tool_grammar),
-        )
+        sampling = P.check_sampling(body, state.cfg.default_max_tokens, state.tokenizer.vocab_size)
+        P.check_response_budget(sampling, body.stream, state.cfg.max_response_budget)
+        params = GenParams(**sampling, grammar=await response_grammar(body.response_format, tool_grammar))
         if params.grammar is not None and params.ignore_eos:
             raise P.ApiError(400, "ignore_eos cannot be combined with response_format", "ignore_eos")
         check_choices_grammar(params.grammar, params.n)

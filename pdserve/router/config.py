@@ -11,6 +11,7 @@ from typing import Optional
 from ..choices import Discovery, Policy, values
 from ..engine.auth import check_strength
 from ..flags import INTERNAL_TOKEN_HELP, option
+from .instance_auth import check_entries
 
 POLICIES = values(Policy)
 ADMIN_TOKEN_ENV = "PDSERVE_ADMIN_TOKEN"
@@ -60,6 +61,12 @@ class RouterConfig:
     internal_token: str | None = option(  # sent to the instances (engine/auth.py)
         None, INTERNAL_TOKEN_HELP, repr=False
     )
+    allowed_instance_hosts: tuple[str, ...] = option(  # /admin/add may register these hosts too
+        (),
+        "A host name, IP address or CIDR network (e.g. 10.0.0.0/8) whose instances /admin/add may register, or * for any; repeat for several. The hosts of --prefill / --decode and of discovered pods are always allowed; any other is refused before anything is sent to it.",
+        cli_type=list[str],
+        cli_default=[],
+    )
     health_interval_s: float = option(
         2.0, "Seconds between health checks of every instance.", name="--health-interval"
     )
@@ -101,6 +108,11 @@ class RouterConfig:
         "Requests that may wait for an instance with room; beyond that the router answers 429 with Retry-After.",
         min=1,
     )
+    max_response_budget: int = option(  # n x max_tokens x (1 + top_logprobs) of a non-streamed answer
+        1 << 20,
+        "A request whose n x max_tokens x (1 + top_logprobs) exceeds this is served only with stream = true (else 400): a non-streamed answer is assembled whole in the router's memory.",
+        min=1,
+    )
     default_max_tokens: int = 16  # OpenAI's default for /v1/completions; chat uses it too
     discovery: str = option(  # "k8s": also the Ready pods matching `selector` (discovery.py)
         "static",
@@ -127,6 +139,7 @@ class RouterConfig:
             for url in urls:
                 if not url.startswith(("http://", "https://")):
                     raise ValueError(f"{role} instance URL must start with http:// or https://, got {url!r}")
+        check_entries(self.allowed_instance_hosts)
         urls = [u.rstrip("/") for u in self.prefill + self.decode]
         if len(set(urls)) < len(urls):
             raise ValueError("an instance URL is listed twice (each instance has one role)")
@@ -142,7 +155,14 @@ class RouterConfig:
             <= 0
         ):
             raise ValueError("health interval and timeouts must be > 0")
-        for name in ("max_body_bytes", "max_prompt_bytes", "max_prompt_tokens", "max_in_flight", "max_queue"):
+        for name in (
+            "max_body_bytes",
+            "max_prompt_bytes",
+            "max_prompt_tokens",
+            "max_in_flight",
+            "max_queue",
+            "max_response_budget",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.default_max_tokens < 1:

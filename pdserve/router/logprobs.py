@@ -53,9 +53,10 @@ class LogprobFormatter:
 
 
 def merge(into: dict | None, more: dict) -> dict:
-    """Two consecutive pieces' logprobs as one (a non-streamed choice)."""
+    """Two consecutive pieces' logprobs as one (a non-streamed choice): `more`'s lists extend
+    `into`'s in place (linear in the answer, however many pieces it came in)."""
     if into is None:
         return more
     for key, values in more.items():
-        into[key] = into[key] + values
+        into[key].extend(values)
     return into

@@ -20,6 +20,7 @@ import httpx
 
 from ..contracts import LOAD_PATHS, LoadAnswer
 from .cache_aware import CacheAwarePolicy, prefix_hashes
+from .instance_auth import AllowedHosts, InstanceAuth, origin
 
 ROLES = ("prefill", "decode")
 
@@ -47,6 +48,7 @@ class Instance:
     in_flight: int = 0  # requests this router has running on it
     served: int = 0  # requests that finished on it (both halves succeeded)
     last_poll: float = 0.0
+    proven: bool | None = None  # proved it holds the internal token (None: not asked, or no token)
 
     @property
     def usable(self) -> bool:
@@ -109,8 +111,13 @@ class Pool:
         policy: str,
         max_in_flight: int = 1 << 30,
         balance_threshold: int = 4,
+        auth: InstanceAuth | None = None,
+        allowed: AllowedHosts | None = None,
     ):
+        """auth: who gets the internal token (None: the instances are open, no token is sent);
+        allowed: the hosts /admin/add may register (those added here are learnt)."""
         self.instances: dict[str, Instance] = {}
+        self.auth, self.allowed = auth, allowed or AllowedHosts()
         self.policy, self.max_in_flight = policy, max_in_flight
         self.cache_aware = CacheAwarePolicy(balance_threshold) if policy == "cache_aware" else None
         self._room: asyncio.Event | None = None  # set (and replaced) whenever a request leaves an instance
@@ -129,6 +136,7 @@ class Pool:
         if url in self.instances:
             raise ValueError(f"{url} is already registered (as {self.instances[url].role})")
         self.instances[url] = inst = Instance(role, url)
+        self.allowed.learn(url)  # the operator's or the discovery's (/admin/add checks first)
         return inst
 
     def get(self, url: str) -> Instance:
@@ -140,6 +148,8 @@ class Pool:
     def remove(self, url: str) -> Instance:
         inst = self.get(url)
         del self.instances[inst.url]
+        if self.auth is not None and all(origin(i.url) != origin(inst.url) for i in self.instances.values()):
+            self.auth.revoke(inst.url)
         if self.cache_aware is not None:
             self.cache_aware.forget(inst.url)
         return inst
@@ -208,7 +218,12 @@ class Pool:
         """One health + load check; the instance is healthy iff both answered 200."""
         path, answer = LOAD_PATHS[inst.role]
         try:
-            health = await client.get(f"{inst.url}/health", timeout=5)
+            challenge = self.auth.challenge() if self.auth is not None else None
+            health = await client.get(f"{inst.url}/health", timeout=5, headers=challenge)
+            if self.auth is not None:  # before anything goes out with the token
+                inst.proven = False
+                self.auth.check(inst.url, health)
+                inst.proven = True
             if health.status_code != 200:  # an instance's own drain (SIGTERM) makes it unusable too
                 raise RuntimeError(("draining: " if _says_draining(health) else "") + _detail(health))
             load = await client.get(f"{inst.url}{path}", timeout=5)
@@ -219,7 +234,7 @@ class Pool:
                 self.cache_aware.model(inst.url).observe(
                     inst.value("total_tokens"), inst.value("evicted_tokens"), inst.value("prefix_cache")
                 )
-        except (httpx.HTTPError, RuntimeError, ValueError) as e:
+        except (httpx.HTTPError, RuntimeError, ValueError) as e:  # Unproven is a RuntimeError
             inst.healthy, inst.error = False, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         inst.last_poll = time.time()
 

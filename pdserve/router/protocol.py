@@ -193,6 +193,20 @@ def _logit_bias(bias: dict[str, float] | None, vocab: int) -> tuple[tuple[int, f
     return tuple(sorted(out))
 
 
+def check_response_budget(sampling: dict, stream: bool, budget: int) -> None:
+    """A non-streamed answer is built whole in the router's memory: n x max_tokens x (1 +
+    top_logprobs) token entries beyond `budget` (--max-response-budget) are served only streamed."""
+    size = sampling["n"] * sampling["max_tokens"] * (1 + (sampling["logprobs"] or 0))
+    if size > budget and not stream:
+        raise ApiError(
+            400,
+            f"n x max_tokens x (1 + top_logprobs) is {size}, more than {budget} (--max-response-budget) "
+            "for an answer that is not streamed: set stream = true, or ask for fewer",
+            "max_tokens",
+            "response_too_large",
+        )
+
+
 def _logprobs(req: _Common) -> dict:
     """Completions: logprobs = k (and echo: the prompt's too); chat: logprobs = true, top_logprobs = k."""
     if isinstance(req, ChatRequest):
