@@ -1,15 +1,18 @@
 """Keyed row hashes: what a hand-off's room MAC (transfer/base.py `RoomChecksum`) runs over.
 
-Per row of a [n, width] tensor, two hashes sum_j k_j * w_j mod P (P = 2^31 - 1) over the row's 16-bit
-words w_j, with secret coefficients k_j drawn from the cluster frame key (SHAKE-256): a polynomial
-universal hash (Carter-Wegman). For any two different rows, the chance over the key that one hash
-agrees is 1/P, both: ~2^-62; an attacker who does not hold the key cannot make a changed row keep
-its hashes, whatever he knows of the rows (the +d / -d edits that keep a wrapping int64 sum change
-them). The hashes never travel: RoomChecksum folds them, in the rows' order, into a keyed BLAKE2b.
+Per row of a [n, width] tensor, LANES hashes sum_j k_j * w_j mod P (P = 2^21 - 9, a prime) over the
+row's signed 16-bit words w_j, with secret coefficients k_j in [0, P) drawn from the cluster frame
+key (SHAKE-256): polynomial universal hashes (Carter-Wegman). For any two different rows the chance
+over the key that one lane agrees is 1/P, all three: ~2^-63; an attacker without the key cannot
+make a changed row keep its hashes, whatever he knows of the rows (the +d / -d edits that keep a
+wrapping int64 sum change them). The hashes never travel: RoomChecksum folds them, in the rows'
+order, into a keyed BLAKE2b.
 
-Vectorised torch on the rows' own device (a GPU hashes VRAM rows there, no host copy), and
-independent of how rows are cut into frames or chunks: a sender and a receiver that split a stream
-differently hash it alike.
+Computed as one float64 matrix product per block of rows, exact: |w| < 2^15 and k < 2^21, so every
+product and every partial sum of at most COLS of them stays an integer below 2^53 (a row of more
+words is summed COLS words at a time, each part reduced mod P). Torch on the rows' own device (a GPU
+hashes VRAM rows there, no host copy), independent of how rows are cut into frames or chunks: a
+sender and a receiver that split a stream differently hash it alike.
 """
 
 from __future__ import annotations
@@ -19,24 +22,24 @@ import hashlib
 
 import torch
 
-P = (1 << 31) - 1
-LANES = 2  # independent hashes per row
-BLOCK_WORDS = 1 << 22  # rows are hashed in blocks of about this many words (bounds the int64 temporary)
+P = (1 << 21) - 9
+LANES = 3  # independent hashes per row
+COLS = 1 << 16  # words summed exactly in float64 before a reduction
+BLOCK_WORDS = 1 << 18  # rows are converted to float64 in blocks of about this many words (2 MB)
 
 
 @functools.lru_cache(maxsize=64)
 def _coefficients(key: bytes, words: int, device: str) -> torch.Tensor:
-    """[LANES, words] int64 in [0, P), from the key alone (the same on every rank)."""
-    raw = hashlib.shake_256(b"pdserve row mac v1" + key + words.to_bytes(8, "little")).digest(
+    """[LANES, words] float64 integers in [0, P), from the key alone (the same on every rank)."""
+    raw = hashlib.shake_256(b"pdserve row mac v2" + key + words.to_bytes(8, "little")).digest(
         4 * LANES * words
     )
     k = torch.frombuffer(bytearray(raw), dtype=torch.int32).to(torch.int64) & 0x7FFFFFFF
-    return torch.remainder(k, P).view(LANES, words).to(device)
+    return torch.remainder(k, P).view(LANES, words).to(torch.float64).to(device)
 
 
 def row_macs(key: bytes, rows: torch.Tensor) -> torch.Tensor:
-    """[n, LANES] int64 keyed hashes of the n rows of `rows` ([n, ...], any dtype of even row bytes),
-    on the rows' device."""
+    """[n, LANES] int64 keyed hashes of the n rows of `rows` ([n, ...], any dtype), on the rows' device."""
     b = rows.reshape(len(rows), -1).contiguous().view(torch.uint8)
     if b.shape[1] % 2:
         b = torch.nn.functional.pad(b, (0, 1))
@@ -47,13 +50,15 @@ def row_macs(key: bytes, rows: torch.Tensor) -> torch.Tensor:
     w = b.view(torch.int16)
     k = _coefficients(key, w.shape[1], str(w.device))
     step = max(1, BLOCK_WORDS // w.shape[1])
-    out = torch.empty(len(w), LANES, dtype=torch.int64, device=w.device)
+    cols = min(COLS, w.shape[1])
+    buf = torch.empty(min(step, len(w)), cols, dtype=torch.float64, device=w.device)
+    out = torch.zeros(LANES, len(w), dtype=torch.float64, device=w.device)
     for i in range(0, len(w), step):
-        block = w[i : i + step].to(torch.int64)
-        for lane in range(LANES):
-            # |w| < 2^15, k < 2^31: each product < 2^46; reduced first when a row could overflow int64
-            prod = block * k[lane]
-            if w.shape[1] > 1 << 16:
-                prod = torch.remainder(prod, P)
-            out[i : i + step, lane] = torch.remainder(prod.sum(1), P)
-    return out
+        n = min(step, len(w) - i)
+        for j in range(0, w.shape[1], COLS):
+            m = min(COLS, w.shape[1] - j)
+            block = buf[:n, :m]
+            block.copy_(w[i : i + n, j : j + m])  # copy_ converts at memory speed, .to(float64) does not
+            part = torch.remainder(torch.mm(k[:, j : j + m], block.t()), P)  # [LANES, n], exact
+            out[:, i : i + n] = torch.remainder(out[:, i : i + n] + part, P)
+    return out.t().to(torch.int64)

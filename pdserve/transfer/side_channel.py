@@ -37,7 +37,7 @@ whatever comes in. Before a frame's HMAC is computed, cheap screens drop it: its
 muted, it has not [message, 32-byte tag] parts, or it does not begin as a registered message
 (`looks_like_message`). An identity (one connection) that sends more than STRIKES frames that fail
 a screen or their tag within STRIKE_WINDOW_S is muted for MUTE_S: its frames are read and dropped
-uncounted by HMAC. The lock that guards the room tables is taken per authenticated message, never
+without an HMAC (`muted_frames`). The lock that guards the room tables is taken per authenticated message, never
 while junk is read. ROUTER fair-queues its peers, so a keyed client's Hello is read within a few
 turns of a flood, and answered in the same turn.
 """
@@ -192,7 +192,8 @@ class BootstrapServer(_Endpoint):
             return None
         if len(parts) != 3 or len(parts[2]) != MAC_BYTES or not looks_like_message(parts[1]):
             self.unauthenticated += 1
-            return self._strike(identity, now)
+            self._strike(identity, now)
+            return None
         before = self.unauthenticated
         msg = self._open(parts[1:])
         if self.unauthenticated != before:
@@ -210,11 +211,10 @@ class BootstrapServer(_Endpoint):
                 del self.muted[next(iter(self.muted))]
             self.muted[identity] = now + MUTE_S
             self.mutes += 1
-            return None
+            return
         if len(self.strikes) >= MAX_PEERS:
             del self.strikes[next(iter(self.strikes))]
         self.strikes[identity] = (since, n + 1)
-        return None
 
     def _take(self, identity: bytes, msg) -> None:
         room = getattr(msg, "room", None)
