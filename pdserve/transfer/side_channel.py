@@ -35,8 +35,8 @@ receive loop is bounded: one `drain()` takes at most TURN_FRAMES frames or TURN_
 BootstrapService's thread sends its outbox (Welcomes, outcomes) and its heartbeats -- every turn,
 whatever comes in. Before a frame's HMAC is computed, cheap screens drop it: its ZMQ identity is
 muted, it has not [message, 32-byte tag] parts, or it does not begin as a registered message
-(`looks_like_message`). An identity (one connection) that sends more than STRIKES frames that fail
-a screen or their tag within STRIKE_WINDOW_S is muted for MUTE_S: its frames are read and dropped
+(`looks_like_message`). An identity (one connection) that never sent an authentic frame and sends
+STRIKES frames that fail a screen or their tag within STRIKE_WINDOW_S is muted for MUTE_S: its frames are read and dropped
 without an HMAC (`muted_frames`). The lock that guards the room tables is taken per authenticated message, never
 while junk is read. ROUTER fair-queues its peers, so a keyed client's Hello is read within a few
 turns of a flood, and answered in the same turn.
@@ -156,6 +156,7 @@ class BootstrapServer(_Endpoint):
         self._next_expiry = 0.0
         self.strikes: dict[bytes, tuple[float, int]] = {}  # identity -> (window start, bad frames in it)
         self.muted: dict[bytes, float] = {}  # identity -> until when (time.monotonic) its frames are dropped
+        self.keyed: dict[bytes, None] = {}  # identities that sent an authentic frame (oldest first)
         self.mutes = 0  # identities muted so far
         self.muted_frames = 0  # frames of muted identities, dropped before any check
 
@@ -198,10 +199,19 @@ class BootstrapServer(_Endpoint):
         msg = self._open(parts[1:])
         if self.unauthenticated != before:
             self._strike(identity, now)
+        else:  # it holds the key: never muted
+            self.keyed.pop(identity, None)
+            if len(self.keyed) >= MAX_PEERS:
+                del self.keyed[next(iter(self.keyed))]
+            self.keyed[identity] = None
+            self.strikes.pop(identity, None)
         return msg
 
     def _strike(self, identity: bytes, now: float) -> None:
-        """Counts one bad frame against its identity; STRIKES within STRIKE_WINDOW_S mute it for MUTE_S."""
+        """Counts one bad frame against an identity that never sent an authentic one; STRIKES within
+        STRIKE_WINDOW_S mute it for MUTE_S."""
+        if identity in self.keyed:
+            return
         since, n = self.strikes.pop(identity, (now, 0))
         if now - since > STRIKE_WINDOW_S:
             since, n = now, 0
