@@ -243,8 +243,10 @@ class NixlSender:
                     views, self.staging_used = [rows], spos + n * rb
                     self.bytes_packed += n * rb
                 else:
-                    for rows in views:  # hashed where they lie (on their device)
-                        checksum.update(self.rank, t.layer, t.kind, rows)
+                    # hashed on their device, in one call (row hashes do not depend on the split)
+                    checksum.update(
+                        self.rank, t.layer, t.kind, views[0] if len(views) == 1 else torch.cat(views)
+                    )
                     self.bytes_direct += n * rb
                 for rows in views:
                     _add_piece(pieces, rows.data_ptr(), rows.numel() * rows.element_size())
