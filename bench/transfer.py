@@ -17,9 +17,10 @@ invariant 8 requires of a verified hand-off (bench/transfer_raw.py).
     - memcpy: one single-threaded copy of the same bytes inside one process (the physical ceiling).
     Each is timed --repeats times; the median counts (min and max recorded).
 (b) pack: gathering one decode rank's rows (every other token, all layers) into a contiguous
-    buffer, as a sender does before a WRITE; and the checksum of the same rows (RoomChecksum),
-    which a hand-off's receivers take over every byte (invariant 8) and raw WRITEs do not (NIXL
-    senders take theirs from the sums their pools kept as the rows were stored).
+    buffer, as a sender does before a WRITE; and the room MAC of the same rows (RoomChecksum under
+    the frame key), which a hand-off's senders and receivers both take over every byte (invariants 8
+    and 11) and raw WRITEs do not, and the TCP frame tag (HMAC-SHA256) over them; `ratios` says
+    what share of each hand-off's time the two room MACs would take on one core.
 (c) the whole hand-off with --transfer tcp and nixl: the prompt is prefilled once, then the cache is
     sent --handoff-repeats times into fresh reservations (plan, expect, every prefill rank sends its
     share, every decode rank stores its rows); rate = payload bytes / median time. Also the CPU time
@@ -375,6 +376,10 @@ def main() -> None:
         ratios["verified_raw_over_aggregate_raw_nixl"] = ver["GBps_median"] / agg["GBps_median"]
     for t, h in res["handoff"].items():
         ratios[f"handoff_{t}_over_single_pair_nixl_raw_64MB"] = h["GBps"] / nixl64
+        # sender's + receiver's room MAC per byte, times the hand-off's bytes per second
+        ratios[f"room_macs_share_of_handoff_{t}"] = (
+            2 * res["checksum"]["seconds"] / res["checksum"]["bytes"] * h["GBps"] * 1e9
+        )
     print("\nratios:", json.dumps(ratios, indent=1))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -168,7 +168,6 @@ class PrefillRankWorker(RankWorker):
             device,
             layers=layers,
             residues=cfg.kv_residues or self.world,
-            sums=True,
         )
 
     def info(self) -> PrefillRankInfo:

@@ -18,13 +18,13 @@ Backends call `fail()` for every peer-caused problem, so a bad peer fails one ro
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
-import zlib
 from typing import Protocol
 
 import torch
 
-from ..engine.row_sums import row_sums
+from .row_mac import row_macs
 
 
 class KVPoll(enum.Enum):
@@ -95,66 +95,64 @@ class KVReceiver(Protocol):
 
 
 class RoomChecksum:
-    """Checksum of what one sender shipped to one receiver for one room, the same on both ends.
+    """The room MAC: what one sender shipped to one receiver for one room, keyed by the cluster frame
+    key and the same on both ends (docs/design.md invariant 11).
 
-    Per stream (src_rank, layer, kind), crc32 runs over the ROW DIGESTS of its payloads in the order
-    they were sent (`row_digest`: one wrapping int64 sum per row); the streams are then combined
-    sorted by key, so the result does not depend on how chunks of different streams interleave.
-    Any changed bit changes its row's sum, and the crc over the ordered row sums catches rows that
-    were dropped, repeated or moved -- at ~45 GB/s instead of crc32's ~7 GB/s over every byte (the
-    checksum is taken on both sides of every hand-off, so its speed bounds the hand-off's).
+    Per stream (src_rank, layer, kind), a keyed BLAKE2b runs over the keyed ROW HASHES of its
+    payloads in the order they were sent (`transfer/row_mac.py`: three universal hashes per row under
+    secret coefficients, taken on the rows' device); the streams are then combined sorted by key, so
+    the result does not depend on how chunks of different streams interleave, nor on how a stream was
+    cut into frames or chunks. A changed row changes its hashes (but with chance ~2^-63), and the
+    ordered MAC over them catches rows that were dropped, repeated or moved; without the key nobody
+    can make forged rows keep it, which the CRC of wrapping int64 row sums it replaced did not give
+    (+d on one word and -d on another kept a row's sum).
 
     A receiver whose payloads may land out of their sent order (NIXL WRITEs in flight together) gives
     each its place in the sender's sequence (`order`); payloads of equal order count in the order
-    given, so a path that delivers in order passes none."""
+    given, so a path that delivers in order passes none. `streams` of a sender's reply are keyed
+    MACs already: combining them (`value`, merge_checksums) needs no key."""
 
-    def __init__(self, streams: dict | None = None):
+    def __init__(self, streams: dict | None = None, key: bytes | None = None):
+        self.key = key
         self._given = dict(streams or {})  # whole streams (a sender's reply, merge_checksums)
         self._parts: dict[tuple[int, int, str], list[tuple[tuple, int, bytes]]] = {}
-        self._crcs: dict | None = None  # streams, once computed since the last update
+        self._macs: dict | None = None  # streams, once computed since the last update
 
     def update(self, src: int, layer: int, kind: str, rows, order: tuple = ()) -> None:
         """rows: a [n, width] tensor (n whole rows), or a bytes-like payload taken as one row."""
-        self.update_digest(src, layer, kind, row_digest(rows), order)
-
-    def update_digest(self, src: int, layer: int, kind: str, digest: bytes, order: tuple = ()) -> None:
-        """The same with the rows' digest already taken (`row_digest`, `sums_digest`)."""
+        if self.key is None:
+            raise ValueError("a RoomChecksum takes rows only with the frame key")
+        if not isinstance(rows, torch.Tensor):
+            rows = torch.frombuffer(bytearray(rows), dtype=torch.uint8).view(1, -1) if len(rows) else None
+        digest = b"" if rows is None else row_macs(self.key, rows).cpu().numpy().tobytes()
         parts = self._parts.setdefault((src, layer, kind), [])
         parts.append((order, len(parts), digest))
-        self._crcs = None
+        self._macs = None
 
     @property
     def streams(self) -> dict[tuple[int, int, str], int]:
-        """(src_rank, layer, kind) -> crc32 over its payloads' digests in their sent order."""
-        if self._crcs is None:
-            self._crcs = dict(self._given)
+        """(src_rank, layer, kind) -> keyed MAC (63 bits) of its row hashes in their sent order."""
+        if self._macs is None:
+            self._macs = dict(self._given)
             for key, parts in self._parts.items():
-                crc = 0
+                mac = hashlib.blake2b(key=self.key, digest_size=8, person=b"pdserve stream")
                 for _, _, digest in sorted(parts, key=lambda p: p[:2]):
-                    crc = zlib.crc32(digest, crc)
-                self._crcs[key] = crc
-        return self._crcs
+                    mac.update(digest)
+                self._macs[key] = _int63(mac.digest())
+        return self._macs
 
     def value(self) -> int:
-        crc = 0
+        """0 for nothing sent (a decode rank a plan gives no rows: TransferDone names no value)."""
+        if not self.streams:
+            return 0
+        h = hashlib.blake2b(digest_size=8, person=b"pdserve room")
         for (src, layer, kind), c in sorted(self.streams.items()):
-            crc = zlib.crc32(f"{src}/{layer}/{kind}/{c};".encode(), crc)
-        return crc
+            h.update(f"{src}/{layer}/{kind}/{c};".encode())
+        return _int63(h.digest())
 
 
-def row_digest(rows) -> bytes:
-    """The row sums (engine/row_sums.py) of a [n, width] tensor, or of a bytes-like payload taken as
-    one row, as the bytes a checksum stream runs over."""
-    if not isinstance(rows, torch.Tensor):
-        if not len(rows):
-            return bytes(8)  # one empty row: sum 0
-        rows = torch.frombuffer(bytearray(rows), dtype=torch.uint8).view(1, -1)
-    return sums_digest(row_sums(rows))
-
-
-def sums_digest(sums: torch.Tensor) -> bytes:
-    """Row sums already taken ([n] int64, any device; a pool's, engine/kv_cache.py) as those bytes."""
-    return sums.cpu().numpy().tobytes()
+def _int63(digest: bytes) -> int:
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 class SendClock:

@@ -21,6 +21,7 @@ import this module.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -117,7 +118,7 @@ class TransferDone:
 
     room: str
     first_token: int
-    checksums: dict[int, int]  # decode rank -> combined checksum of what was sent to it
+    checksums: dict[int, int]  # decode rank -> room MAC of what was sent to it (base.RoomChecksum)
     fingerprint: Fingerprint  # layout echo: the receiver re-checks it
     ticket: bytes = b""  # the reservation's (stamped by BootstrapServer.reply): an outcome of an earlier
     # use of the room id never counts for a later one
@@ -318,7 +319,7 @@ _SCHEMA: dict[type, dict[str, Callable]] = {
     TransferDone: {
         "room": _str(MAX_ROOM),
         "first_token": _int(0, 1 << 32),
-        "checksums": _rank_map(_int(0, 1 << 32)),
+        "checksums": _rank_map(_int(0, INT64)),
         "fingerprint": _nested(Fingerprint),
         "ticket": _ticket,
         "first_logprob": _logprob,
@@ -380,3 +381,18 @@ def decode(data: bytes) -> Any:
         raise
     except Exception as e:  # a value the dataclass itself refuses: still only a protocol error
         raise ProtocolError(f"{tag}: {type(e).__name__}: {e}"[:512]) from None
+
+
+@functools.cache
+def _prefixes() -> tuple[bytes, ...]:
+    """How every registered message's frame begins: its map header, then its type tag."""
+    out, tag = [], msgpack.packb(_TAG)
+    for cls in _REGISTRY.values():
+        b = msgpack.packb({_TAG: cls.TAG, **{f.name: None for f in dataclasses.fields(cls)}})
+        out.append(b[: b.index(tag) + len(tag) + len(msgpack.packb(cls.TAG))])
+    return tuple(out)
+
+
+def looks_like_message(frame: bytes) -> bool:
+    """A cheap screen before a frame's HMAC: it starts as one of the registered messages."""
+    return frame.startswith(_prefixes())

@@ -22,8 +22,8 @@ machines (prefill_room.py, decode_room.py) run unchanged over either backend.
                   CHUNK_BYTES, ONE WRITE per (sender, receiver) pair per chunk, each posted as soon
                   as it is laid out, every one waited for before the send returns (so chunks may
                   land in any order: each carries its offset, by which the receiver orders their
-                  checksum, RoomChecksum). Rows sent from the pool are checksummed from the sums
-                  the pool took as it stored them (KVPool sums=True), not read again.
+                  checksum, RoomChecksum). Rows sent from the pool are hashed where they lie (keyed
+                  row hashes on their device, transfer/row_mac.py), not copied.
                   A chunk's rows that lie in consecutive pool rows (KVPool.span: a copied index's
                   rows; a DCP rank's latent rows when the pool is residue-major by C_d) go straight
                   from the pool, one descriptor per run; other rows are packed into staging first
@@ -43,10 +43,12 @@ A notification is authentic only with a valid HMAC trailer under the cluster fra
 the protocol's (room.check_notif). A notified chunk counts only when it names a room that is open
 with the SAME ticket (128 random bits per reservation), every destination run lies in the room's
 own pages (room.RoomSlots, from the reservation: anything else fails the room) and it fits the
-rank's layout and the rows still expected (room.frame_rows); then its rows are checksummed where they now are (pool landing: in the pool,
-nothing to copy; region landing: copied into the pool first, then checksummed from the region, so
-bytes that change during the copy fail the room's checksum). A room's request runs only after
-every row arrived and the checksums match the sender's (verify_done).
+rank's layout and the rows still expected (room.frame_rows); then its rows are hashed where they now are (pool landing: in the pool,
+nothing to copy; region landing: copied into the pool first, then hashed from the region, so
+bytes that change during the copy fail the room). A room's request runs only after every row
+arrived and its room MAC (RoomChecksum: keyed row hashes under the cluster frame key, folded by a
+keyed BLAKE2b) equals the sender's, which comes in the authenticated TransferDone: rows changed on
+the way (an on-path attacker rewriting a WRITE) fail the room before anything of it is committed.
 
 Stale writes (docs/design.md 3.7-3.8). A one-sided WRITE cannot be refused by its target. What a room's
 senders may still write into -- its pool pages, or its region -- is not reused while a sender can
@@ -83,6 +85,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .base import RoomChecksum
 from .frames import DEV_FRAME_KEY, HEADER_MAX_BYTES, Liveness, open_notif, unpack
 from .nixl_agent import Arena, NixlEndpoint, agent_name, bind_device, make_agent, mem_type
 from .rank_commands import ExpectCmd, ForgetCmd, StageCmd, receive_command
@@ -183,7 +186,7 @@ class NixlReceiver:
         size = sum(n * self._row_bytes(kind) for kind, n in cmd.rows.get(self.rank, {}).items())
         self._drop(cmd.room, quiesced=False)  # an earlier use of the room id may still be written
         if (layout := self._pool_layout()) is not None:
-            self.rooms[cmd.room] = _Room(cmd.ticket, {}, direct=True)
+            self.rooms[cmd.room] = _Room(cmd.ticket, {}, checksum=RoomChecksum(key=self.key), direct=True)
             ep = NixlEndpoint(self.name, self.generation, self.metadata, 0, 0, layout, self.mem, self.dev)
             return {"endpoint": ep.encode(), "error": None}
         got = self.arena.alloc(size)
@@ -195,7 +198,9 @@ class NixlReceiver:
                 f"({len(self.quarantine)} regions quarantined)",
             }
         start, length = got
-        self.rooms[cmd.room] = _Room(cmd.ticket, {}, start=start, length=length, size=size)
+        self.rooms[cmd.room] = _Room(
+            cmd.ticket, {}, checksum=RoomChecksum(key=self.key), start=start, length=length, size=size
+        )
         ep = NixlEndpoint(
             self.name,
             self.generation,
@@ -236,7 +241,7 @@ class NixlReceiver:
             return
         self._drop(cmd.room, quiesced=False)
         self.rooms[cmd.room] = _Room(
-            cmd.ticket, expected, cmd.slots, expecting=True
+            cmd.ticket, expected, cmd.slots, checksum=RoomChecksum(key=self.key), expecting=True
         )  # no region: nothing can land for it
 
     def _drop(self, room: str, quiesced: bool) -> dict:

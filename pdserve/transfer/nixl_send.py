@@ -11,7 +11,7 @@ import time
 import msgpack
 import torch
 
-from .base import RoomChecksum, SendClock, sums_digest
+from .base import RoomChecksum, SendClock
 from .frames import DEV_FRAME_KEY, seal_notif
 from .nixl_agent import NixlEndpoint, agent_name, make_agent, mem_type
 from .plan import Run, Transfer
@@ -203,7 +203,7 @@ class NixlSender:
             dest = _PoolLayout(ep.pool, {k: self._row_bytes(k) for k in ("kv", "index")}) if ep.pool else None
         except ValueError as e:
             return str(e)
-        checksum = sums.setdefault(dst, RoomChecksum())
+        checksum = sums.setdefault(dst, RoomChecksum(key=self.key))
         pos, items, pieces = 0, [], []  # chunk bytes, headers, local [addr, bytes]
         remote: list | None = [] if dest else None  # pool destinations: remote [addr, bytes] per run
         for t in transfers:
@@ -243,7 +243,10 @@ class NixlSender:
                     views, self.staging_used = [rows], spos + n * rb
                     self.bytes_packed += n * rb
                 else:
-                    self._checksum_span(checksum, t, runs, views)
+                    # hashed on their device, in one call (row hashes do not depend on the split)
+                    checksum.update(
+                        self.rank, t.layer, t.kind, views[0] if len(views) == 1 else torch.cat(views)
+                    )
                     self.bytes_direct += n * rb
                 for rows in views:
                     _add_piece(pieces, rows.data_ptr(), rows.numel() * rows.element_size())
@@ -256,16 +259,6 @@ class NixlSender:
                         return str(e)
                 pos, done = pos + n * rb, done + n
         return self._write(cmd, ep, dst, offset, pos, items, pieces, remote) if items else None
-
-    def _checksum_span(self, checksum: RoomChecksum, t: Transfer, runs: list[Run], views: list) -> None:
-        """Checksums rows sent from where they lie in the pool: from the sums the pool took as it
-        stored them (KVPool sums=True), else by reading the rows."""
-        for r, rows in zip(runs, views):
-            kept = self.pool.span_sums(t.kind, t.layer, r.src, r.length, r.step)
-            if kept is None:
-                checksum.update(self.rank, t.layer, t.kind, rows)
-            else:
-                checksum.update_digest(self.rank, t.layer, t.kind, sums_digest(kept))
 
     def _load_peer(self, ep: NixlEndpoint) -> str | None:
         known = self.peers.get(ep.agent)

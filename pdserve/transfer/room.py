@@ -237,12 +237,13 @@ def store_rows(pool, r: RoomRows, h: dict, data: torch.Tensor) -> None:
 
 
 def count_rows(r: RoomRows, h: dict, parts: list[torch.Tensor]) -> None:
-    """Counts a checked frame's stored rows and checksums them (parts: [rows, width], in run order;
+    """Counts a checked frame's stored rows and hashes them for the room MAC (parts: [rows, width], in run order;
     h["order"], where given, is the frame's place in its sender's sequence: RoomChecksum)."""
     key = _count_key(r, h["src_rank"])
     if r.first_at is None:
         r.first_at = time.monotonic()
-    for rows in parts:
-        r.received[key] = r.received.get(key, 0) + len(rows)
+    r.received[key] = r.received.get(key, 0) + sum(len(rows) for rows in parts)
+    if parts:  # one hash call: row hashes do not depend on how the rows are split
+        rows = parts[0] if len(parts) == 1 else torch.cat(parts)
         r.checksum.update(h["src_rank"], h["layer"], h["kind"], rows, h.get("order", ()))
     r.last_at = time.monotonic()

@@ -29,10 +29,22 @@ only the peer that reserved a room can abort it. A reservation that no request c
 `reservation_ttl_s` expires; at most MAX_RESERVATIONS are kept. Heartbeat senders kept: MAX_PEERS.
 Every receive path is guarded: no frame, however malformed, stops BootstrapService's thread, and
 `unhealthy()` names a dead or wedged one (for /health).
+
+Floods (issue 40 item 2). The server's socket is open to anyone who can reach its port, so the
+receive loop is bounded: one `drain()` takes at most TURN_FRAMES frames or TURN_S seconds, then
+BootstrapService's thread sends its outbox (Welcomes, outcomes) and its heartbeats -- every turn,
+whatever comes in. Before a frame's HMAC is computed, cheap screens drop it: its ZMQ identity is
+muted, it has not [message, 32-byte tag] parts, or it does not begin as a registered message
+(`looks_like_message`). An identity (one connection) that never sent an authentic frame and sends
+STRIKES frames that fail a screen or their tag within STRIKE_WINDOW_S is muted for MUTE_S: its frames are read and dropped
+without an HMAC (`muted_frames`). The lock that guards the room tables is taken per authenticated message, never
+while junk is read. ROUTER fair-queues its peers, so a keyed client's Hello is read within a few
+turns of a flood, and answered in the same turn.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import queue
 import secrets
@@ -41,7 +53,7 @@ import time
 
 import zmq
 
-from ..engine.auth import sign, verify
+from ..engine.auth import MAC_BYTES, sign, verify
 from .frames import D2P, DEV_FRAME_KEY, P2D, SIDE_MAX_BYTES, Liveness
 from .messages import (
     DecodeReservation,
@@ -53,12 +65,15 @@ from .messages import (
     Welcome,
     decode,
     encode,
+    looks_like_message,
 )
 
 MAX_RESERVATIONS = 4096
 MAX_PEERS = 1024
 RESERVATION_TTL_S = 120.0
 EXPIRE_EVERY_S = 1.0
+TURN_FRAMES, TURN_S = 256, 0.01  # at most this many frames, or this long, per drain() turn
+STRIKES, STRIKE_WINDOW_S, MUTE_S = 64, 1.0, 5.0  # unauthenticated frames per identity before it is muted
 
 
 class BootstrapTimeout(TimeoutError):
@@ -139,20 +154,77 @@ class BootstrapServer(_Endpoint):
         )
         self.expired = 0
         self._next_expiry = 0.0
+        self.strikes: dict[bytes, tuple[float, int]] = {}  # identity -> (window start, bad frames in it)
+        self.muted: dict[bytes, float] = {}  # identity -> until when (time.monotonic) its frames are dropped
+        self.keyed: dict[bytes, None] = {}  # identities that sent an authentic frame (oldest first)
+        self.mutes = 0  # identities muted so far
+        self.muted_frames = 0  # frames of muted identities, dropped before any check
 
     def drain(self, timeout_ms: int = 0) -> None:
-        while (parts := self._recv(timeout_ms)) is not None:
-            timeout_ms = 0
-            try:
-                msg = self._open(parts[1:]) if len(parts) == 3 else None
-                if len(parts) != 3:
-                    self.unauthenticated += 1
-                elif msg is not None:
-                    self._take(parts[0], msg)
-            except Exception:  # never expected: the frame is dropped, the server goes on
-                self.bad_frames += 1
+        """Takes in what came, within one turn's budget (TURN_FRAMES frames, TURN_S seconds)."""
+        self._turn_in(timeout_ms)
         if time.monotonic() >= self._next_expiry:
             self.expire()
+
+    def _turn_in(self, timeout_ms: int) -> None:
+        deadline = time.monotonic() + TURN_S
+        for _ in range(TURN_FRAMES):
+            if (parts := self._recv(timeout_ms)) is None:
+                return
+            timeout_ms = 0
+            try:
+                msg = self._screen(parts)
+                if msg is not None:
+                    with self._guard():
+                        self._take(parts[0], msg)
+            except Exception:  # never expected: the frame is dropped, the server goes on
+                self.bad_frames += 1
+            if time.monotonic() >= deadline:
+                return
+
+    def _guard(self):
+        return contextlib.nullcontext()  # polled by its owner: nobody else touches the tables
+
+    def _screen(self, parts: list[bytes]):
+        """The message of [identity, frame, tag], or None: cheap screens first, then the HMAC."""
+        identity, now = parts[0], time.monotonic()
+        if self.muted.get(identity, 0.0) > now:
+            self.muted_frames += 1
+            return None
+        if len(parts) != 3 or len(parts[2]) != MAC_BYTES or not looks_like_message(parts[1]):
+            self.unauthenticated += 1
+            self._strike(identity, now)
+            return None
+        before = self.unauthenticated
+        msg = self._open(parts[1:])
+        if self.unauthenticated != before:
+            self._strike(identity, now)
+        else:  # it holds the key: never muted
+            self.keyed.pop(identity, None)
+            if len(self.keyed) >= MAX_PEERS:
+                del self.keyed[next(iter(self.keyed))]
+            self.keyed[identity] = None
+            self.strikes.pop(identity, None)
+        return msg
+
+    def _strike(self, identity: bytes, now: float) -> None:
+        """Counts one bad frame against an identity that never sent an authentic one; STRIKES within
+        STRIKE_WINDOW_S mute it for MUTE_S."""
+        if identity in self.keyed:
+            return
+        since, n = self.strikes.pop(identity, (now, 0))
+        if now - since > STRIKE_WINDOW_S:
+            since, n = now, 0
+        if n + 1 >= STRIKES:
+            self.muted.pop(identity, None)
+            if len(self.muted) >= MAX_PEERS:
+                del self.muted[next(iter(self.muted))]
+            self.muted[identity] = now + MUTE_S
+            self.mutes += 1
+            return
+        if len(self.strikes) >= MAX_PEERS:
+            del self.strikes[next(iter(self.strikes))]
+        self.strikes[identity] = (since, n + 1)
 
     def _take(self, identity: bytes, msg) -> None:
         room = getattr(msg, "room", None)
@@ -263,10 +335,9 @@ class BootstrapService(BootstrapServer):
 
     def _turn(self, next_beat: float) -> float:
         if self.sock.poll(5):
-            with self.lock:
-                super().drain()
+            self._turn_in(0)  # bounded; the lock is taken per authenticated message
             self._arrived.set()
-        elif time.monotonic() >= self._next_expiry:
+        if time.monotonic() >= self._next_expiry:
             with self.lock:
                 self.expire()
         while not self._outbox.empty():
@@ -285,6 +356,9 @@ class BootstrapService(BootstrapServer):
 
     def _send(self, frames: list[bytes]) -> None:
         self._outbox.put(frames)  # the thread sends it: the socket is its alone
+
+    def _guard(self):
+        return self.lock
 
     def forget(self, room: str) -> None:
         with self.lock:

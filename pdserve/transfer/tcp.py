@@ -4,8 +4,9 @@ Wire: one ZMQ multipart message per transfer (src_rank, dst_rank, layer, kind) o
     [msgpack header, payload, tag]
     header  {room, ticket, src_rank, layer, kind, runs: [[dst_start, length], ...], dtype, width, seq}
     payload the rows in run order, contiguous [rows, width] of `dtype` (raw bytes).
-    tag     HMAC-SHA256 of the header and the payload's length under the cluster frame key
-            (transfer/frames.py): checked first; a frame without a valid tag is dropped, undecoded.
+    tag     HMAC-SHA256 of the header and the payload bytes under the cluster frame key
+            (transfer/frames.py): checked first; a frame without a valid tag is dropped, undecoded,
+            and nothing of it is stored.
 One PUSH socket per destination endpoint (cached), so frames to one decode rank arrive in the
 order they were sent; `seq` counts frames per (room, destination) for debugging.
 
@@ -22,8 +23,8 @@ Receiver invariants (docs/design.md 3.7-3.8):
   - no frame stops the receiver thread: wrong part counts, tags, msgpack, field types and sizes are
     counted and dropped; the PULL socket's MAXMSGSIZE is the largest legitimate frame (a layer of
     the whole pool) plus headroom; `ListenerStatusCmd` says whether the thread lives (for /health);
-  - per room: rows received vs expected and a `RoomChecksum` over the payloads, which the
-    hand-off compares with the senders' (`TransferStatusCmd`); `ForgetCmd` drops the room.
+  - per room: rows received vs expected and its room MAC (`RoomChecksum`, keyed) over the stored
+    rows, which the hand-off compares with the senders' (`TransferStatusCmd`); `ForgetCmd` drops the room.
 The receiver thread and the rank's command loop share the room table: one lock guards it.
 """
 
@@ -121,7 +122,9 @@ class TcpReceiver:
         return {"endpoint": self.endpoint, "error": None}  # one socket for every room
 
     def expect(self, cmd: ExpectCmd) -> None:
-        self.rooms[cmd.room] = RoomRows(cmd.ticket, dict(cmd.expected.get(self.rank, {})), cmd.slots)
+        self.rooms[cmd.room] = RoomRows(
+            cmd.ticket, dict(cmd.expected.get(self.rank, {})), cmd.slots, checksum=RoomChecksum(key=self.key)
+        )
 
     def forget(self, cmd: ForgetCmd) -> None:
         self.rooms.pop(cmd.room, None)
@@ -145,7 +148,7 @@ class TcpReceiver:
         if (
             len(parts) != 3
             or len(parts[0]) > HEADER_MAX_BYTES
-            or not data_ok(self.key, parts[0], len(parts[1]), parts[2])
+            or not data_ok(self.key, parts[0], parts[1], parts[2])
         ):
             with self.lock:
                 self.unauthenticated += 1
@@ -211,9 +214,9 @@ class TcpSender:
         corrupt = cmd.corrupt
         for t in (t for t in cmd.plan if t.src_rank == self.rank):
             header, payload, rows = self._pack(cmd, t, seq)
-            sums.setdefault(t.dst_rank, RoomChecksum()).update(self.rank, t.layer, t.kind, rows)
+            sums.setdefault(t.dst_rank, RoomChecksum(key=self.key)).update(self.rank, t.layer, t.kind, rows)
             if corrupt:
-                payload[0] ^= 0x01  # after checksumming: as if flipped in flight
+                payload[0] ^= 0x01  # after the room MAC, before the frame tag: a corrupt sender
                 corrupt = False
             endpoint = cmd.endpoints[t.dst_rank]
             if not endpoint.startswith(
@@ -225,7 +228,7 @@ class TcpSender:
                 }
             try:
                 packed = msgpack.packb(header)
-                tag = seal_data(self.key, packed, len(payload))
+                tag = seal_data(self.key, packed, payload)
                 self._sock(endpoint, cmd.send_timeout_ms).send_multipart([packed, payload, tag])
             except zmq.Again:
                 self.socks.pop(endpoint).close()  # LINGER 0: its queued frames go with it

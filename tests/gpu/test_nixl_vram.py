@@ -1,6 +1,6 @@
 """NIXL in GPU memory: a VRAM-to-VRAM WRITE between two processes (the registered tensors are CUDA
 tensors: descriptor type VRAM, device id = GPU ordinal), with its notification, and the receiver's
-checksum of the landed rows (transfer/base.row_digest, computed on the GPU) equal to the sender's."""
+keyed row hashes of the landed rows (transfer/row_mac.row_macs, computed on the GPU) equal to the sender's."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ def _data() -> torch.Tensor:
 def _receiver(q_out, q_in, results) -> None:
     import time
 
-    from pdserve.transfer.base import row_digest
+    from pdserve.transfer.frames import DEV_FRAME_KEY
     from pdserve.transfer.nixl_agent import bind_device, make_agent, mem_type
+    from pdserve.transfer.row_mac import row_macs
 
     buf = torch.zeros(ROWS, WIDTH, dtype=torch.bfloat16, device="cuda:0")
     bind_device(buf)
@@ -33,7 +34,14 @@ def _receiver(q_out, q_in, results) -> None:
         notes = [m for msgs in agent.get_new_notifs().values() for m in msgs]
         time.sleep(0.001)
     torch.cuda.synchronize()
-    results.put(("recv", notes[:1], row_digest(buf), bool(torch.equal(buf.cpu(), _data()))))
+    results.put(
+        (
+            "recv",
+            notes[:1],
+            row_macs(DEV_FRAME_KEY, buf).cpu().tolist(),
+            bool(torch.equal(buf.cpu(), _data())),
+        )
+    )
     q_in.get(timeout=60)  # the sender is done with our memory
     agent.deregister_memory(reg)
 
@@ -41,8 +49,9 @@ def _receiver(q_out, q_in, results) -> None:
 def _sender(q_in, q_out, results) -> None:
     import time
 
-    from pdserve.transfer.base import row_digest
+    from pdserve.transfer.frames import DEV_FRAME_KEY
     from pdserve.transfer.nixl_agent import make_agent, mem_type
+    from pdserve.transfer.row_mac import row_macs
 
     torch.cuda.set_device(0)
     src = _data().to("cuda:0")
@@ -58,7 +67,7 @@ def _sender(q_in, q_out, results) -> None:
     state, t0 = agent.transfer(h), time.monotonic()
     while state == "PROC" and time.monotonic() - t0 < 60:
         state = agent.check_xfer_state(h)
-    results.put(("send", state, row_digest(src), mem))
+    results.put(("send", state, row_macs(DEV_FRAME_KEY, src).cpu().tolist(), mem))
     agent.release_xfer_handle(h)
     q_out.put("done")
     agent.deregister_memory(reg)

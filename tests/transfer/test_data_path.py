@@ -9,13 +9,17 @@ from __future__ import annotations
 import random
 import time
 
+import msgpack
 import pytest
 import torch
+import zmq
 
+from pdserve.engine.auth import sign, verify
 from pdserve.engine.kv_cache import KVPool
+from pdserve.engine.row_sums import row_sums
 from pdserve.model.config import ModelConfig
-from pdserve.transfer.base import RoomChecksum, row_digest
-from pdserve.transfer.frames import new_ticket
+from pdserve.transfer.base import RoomChecksum
+from pdserve.transfer.frames import DATA, DEV_FRAME_KEY, new_ticket
 from pdserve.transfer.nixl import NixlReceiver
 from pdserve.transfer.nixl_send import NixlSender
 from pdserve.transfer.plan import DecodeSide, PrefillSide, plan_transfer
@@ -28,6 +32,7 @@ from pdserve.transfer.rank_commands import (
     merge_checksums,
 )
 from pdserve.transfer.room import SLICE_RUNS, RoomSlots
+from pdserve.transfer.row_mac import P, _coefficients, row_macs
 from pdserve.transfer.tcp import (
     TcpReceiver,
     TcpSender,
@@ -36,7 +41,7 @@ from pdserve.transfer.tcp import (
 
 # ---- the checksum ------------------------------------------------------------------------------------
 def checksum(*chunks: torch.Tensor) -> int:
-    c = RoomChecksum()
+    c = RoomChecksum(key=DEV_FRAME_KEY)
     for rows in chunks:
         c.update(0, 3, "kv", rows)
     return c.value()
@@ -62,6 +67,33 @@ def test_moved_dropped_or_repeated_rows_change_the_checksum():
     assert checksum(torch.cat([rows, rows[-1:]])) != want
 
 
+def test_a_forged_row_that_keeps_its_int64_sum_changes_the_room_mac():
+    """+d on one int64 word and -d on another keep the row's wrapping sum (and so the CRC of row sums
+    that the room checksum was): the keyed room MAC changes, and differs under another key."""
+    rows = torch.randn(4, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    forged = rows.clone()
+    words = forged.view(torch.int64)
+    words[2, 1] += 12345
+    words[2, 7] -= 12345
+    assert torch.equal(rows.view(torch.int64).sum(1), words.sum(1))
+    assert checksum(forged) != checksum(rows)
+    other = RoomChecksum(key=bytes(32))
+    other.update(0, 3, "kv", rows)
+    assert other.value() != checksum(rows)
+
+
+def test_row_hashes_are_the_polynomial_hash_of_the_rows_words():
+    """row_macs against Python integers: sum_j k_j w_j mod P over each row's signed 16-bit words,
+    also for a wide row that takes the reduce-each-product path."""
+    for width in (10, (1 << 14) + 3):  # the second: 65548 words, more than COLS
+        rows = torch.randn(3, width, dtype=torch.float64, generator=torch.Generator().manual_seed(width))
+        got = row_macs(DEV_FRAME_KEY, rows)
+        words = rows.view(torch.int16).view(3, -1).tolist()
+        k = _coefficients(DEV_FRAME_KEY, len(words[0]), "cpu").tolist()  # [LANES, words]
+        want = [[sum(a * b for a, b in zip(lane, w)) % P for lane in k] for w in words]
+        assert got.tolist() == want
+
+
 def test_the_checksum_depends_on_the_rows_only():
     """Split into chunks at any row, or read from an unaligned view: the same value."""
     rows = torch.randn(9, 20, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(2))
@@ -71,7 +103,6 @@ def test_the_checksum_depends_on_the_rows_only():
     unaligned = buf[2:].view(torch.bfloat16).view(9, 20)  # 2-byte aligned, rows of 40 bytes read as int64
     unaligned.copy_(rows)
     assert checksum(unaligned) == want
-    assert row_digest(b"") == row_digest(torch.zeros(1, 0)) == bytes(8)
 
 
 # ---- both backends, both store paths ---------------------------------------------------------------------
@@ -179,27 +210,35 @@ def test_payloads_given_their_order_count_in_it_whatever_order_they_come():
     rows = torch.randn(12, 16, generator=torch.Generator().manual_seed(5))
     parts = [rows[:3], rows[3:4], rows[4:9], rows[9:]]
     sent = checksum(*parts)
-    landed = RoomChecksum()
+    landed = RoomChecksum(key=DEV_FRAME_KEY)
     for i in (2, 0, 3, 1):
         landed.update(0, 3, "kv", parts[i], (i * 100, 0))
     assert landed.value() == sent
-    unordered = RoomChecksum()
+    unordered = RoomChecksum(key=DEV_FRAME_KEY)
     for i in (2, 0, 3, 1):
         unordered.update(0, 3, "kv", parts[i])
     assert unordered.value() != sent
-    same_place = RoomChecksum()  # items of one chunk share its offset: they count in the order given
+    same_place = RoomChecksum(
+        key=DEV_FRAME_KEY
+    )  # items of one chunk share its offset: they count in the order given
     same_place.update(0, 3, "kv", rows[:6], (0, 0))
     same_place.update(0, 3, "kv", rows[6:], (0, 1))
     assert same_place.value() == sent
     assert RoomChecksum(landed.streams).value() == sent  # a reply's streams, merged
 
 
-def _one_nixl_room(cfg, src, plan, decode, name: str) -> tuple[dict, dict, dict]:
+def _one_nixl_room(cfg, src, plan, decode, name: str, on_path=None) -> tuple[dict, dict, dict]:
     """Sends `plan` from `src` into fresh decode pools over NIXL (several chunks in flight):
-    (the sender's reply, each decode rank's final status, the decode pools)."""
+    (the sender's reply, each decode rank's final status, the decode pools). on_path(rank, pool),
+    if given, runs on the receiver before it takes each notification, after that chunk's WRITE
+    landed: an on-path attacker who rewrote the WRITE's bytes."""
     ranks = range(decode.tp_size)
     dst = {r: KVPool(cfg, 400, src.dtype) for r in ranks}
     recv = {r: NixlReceiver(r, lambda r=r: dst[r], name=f"{name}-d{r}") for r in ranks}
+    if on_path is not None:
+        for r in ranks:
+            take = recv[r]._on_notif
+            recv[r]._on_notif = lambda msg, r=r, take=take: (on_path(r, dst[r]), take(msg))
     sender = NixlSender(0, src, chunk_bytes=16 << 10, name=f"{name}-p")
     try:
         rows = {r: {} for r in ranks}
@@ -224,12 +263,9 @@ def _one_nixl_room(cfg, src, plan, decode, name: str) -> tuple[dict, dict, dict]
         sender.close()
 
 
-def test_rows_sent_from_a_pool_with_sums_are_checksummed_from_them(model_path):
-    """A prefill pool's kept sums stand for its rows: sent from it in chunks WRITTEN together, the
-    rows arrive exactly and the checksums agree; a stored row changed behind the pool's back (not
-    through a write) no longer matches its sum, and the receiver's checksum catches it."""
-    cfg = ModelConfig.from_pretrained(model_path)
-    src = KVPool(cfg, 400, torch.float64, residues=2, sums=True)
+def _filled_pool(cfg: ModelConfig) -> KVPool:
+    """A prefill pool (latent rows residue-major by 2) with random rows in slots 40..339."""
+    src = KVPool(cfg, 400, torch.float64, residues=2)
     g = torch.Generator().manual_seed(8)
     stored = torch.arange(40, 340)
     for layer in range(cfg.num_layers):
@@ -240,6 +276,14 @@ def test_rows_sent_from_a_pool_with_sums_are_checksummed_from_them(model_path):
             torch.randn(300, cfg.kv_entry_dim, generator=g, dtype=torch.float64),
             idx if cfg.has_indexer(layer) else None,
         )
+    return src
+
+
+def test_rows_sent_straight_from_the_pool_arrive_with_equal_room_macs(model_path):
+    """Rows WRITTEN straight from a prefill pool, in chunks in flight together, arrive exactly and
+    the room MACs agree (a forged row among them: test_a_forged_nixl_payload_with_a_matching_checksum_fails)."""
+    cfg = ModelConfig.from_pretrained(model_path)
+    src = _filled_pool(cfg)
     prefill, decode = layout(cfg, "dcp2")
     plan = plan_transfer(prefill, decode, 300)
     reply, status, dst = _one_nixl_room(cfg, src, plan, decode, "test-sums")
@@ -250,7 +294,101 @@ def test_rows_sent_from_a_pool_with_sums_are_checksummed_from_them(model_path):
             for run in t.runs:
                 got = dst[t.dst_rank].read_kv(t.layer, torch.arange(run.dst, run.dst + run.length))
                 assert torch.equal(got, src.read_kv(t.layer, torch.tensor(list(run.src_rows()))))
-    src.kv[0, src.kv_row_ids(torch.tensor(100)), 3] += 1.0  # slot 100 at rest, not through write_kv
-    reply, status, _ = _one_nixl_room(cfg, src, plan, decode, "test-sums-stale")
+
+
+# ---- a forged payload whose old checksum (crc32 of wrapping int64 row sums) matches --------------------------
+def _forge(words: torch.Tensor) -> None:
+    """+d on one int64 word of a row, -d on another: its wrapping int64 sum stays."""
+    words[1] += 0x10001
+    words[5] -= 0x10001
+
+
+def test_a_forged_nixl_payload_with_a_matching_checksum_fails(model_path):
+    """An on-path attacker rewrites one row of a NIXL WRITE as it lands in the decode pool, keeping
+    the row's int64 sum (so the CRC of row sums the room checksum was would have matched): the
+    receiver's room MAC differs from the one the sender put in TransferDone, so the decode room
+    fails its check (decode_room._verify) and is never committed; the other rank's room agrees."""
+    cfg = ModelConfig.from_pretrained(model_path)
+    src = _filled_pool(cfg)
+    prefill, decode = layout(cfg, "dcp2")
+    plan = plan_transfer(prefill, decode, 300)
+    t = next(t for t in plan if t.kind == "kv" and t.rows)
+    run = t.runs[0]
+    genuine = src.read_kv(t.layer, torch.tensor([next(iter(run.src_rows()))]))[0].clone()
+    forged: list[torch.Tensor] = []
+
+    def on_path(rank: int, pool: KVPool) -> None:
+        if rank != t.dst_rank or forged:
+            return
+        li, row = pool.kv_row[t.layer], int(pool._kv_rows(torch.tensor([run.dst]))[0])
+        if torch.equal(pool.kv[li, row], genuine):  # the WRITE has landed, its notification not taken
+            _forge(pool.kv[li, row].view(torch.int64))
+            forged.append(pool.kv[li, row].clone())
+
+    reply, status, _ = _one_nixl_room(cfg, src, plan, decode, "test-forged", on_path)
+    assert forged and not torch.equal(forged[0], genuine)
+    assert torch.equal(row_sums(forged[0].view(1, -1)), row_sums(genuine.view(1, -1)))  # old checksum: same
     sums = merge_checksums([reply])
-    assert [status[r]["checksum"] == sums[r] for r in sorted(status)].count(False) == 1
+    assert status[t.dst_rank]["complete"] and status[t.dst_rank]["checksum"] != sums[t.dst_rank]
+    assert all(status[r]["checksum"] == sums[r] for r in status if r != t.dst_rank)
+
+
+def test_a_forged_tcp_payload_with_a_matching_checksum_is_refused(model_path):
+    """An on-path attacker between a TCP sender and receiver rewrites one frame's payload keeping
+    every row's int64 sum, and passes header and tag on: the tag covers the payload, so the frame is
+    dropped unstored (the old tag, over the payload's length only, would have verified); the room
+    stays incomplete and fails by its timeout, and its rows in the pool are untouched."""
+    cfg = ModelConfig.from_pretrained(model_path)
+    src = _filled_pool(cfg)
+    prefill, decode = layout(cfg, "fragmented")
+    plan = plan_transfer(prefill, decode, 300)
+    dst = KVPool(cfg, 400, torch.float64)
+    recv, sender = TcpReceiver(0, lambda: dst), TcpSender(0, src)
+    ctx = zmq.Context()
+    attacker = ctx.socket(zmq.PULL)
+    onward = ctx.socket(zmq.PUSH)
+    try:
+        path = f"tcp://127.0.0.1:{attacker.bind_to_random_port('tcp://127.0.0.1')}"
+        onward.connect(recv.endpoint)
+        ticket = new_ticket()
+        slots = RoomSlots.of(decode.pages, decode.page_size, decode.dcp_size, decode.index_mode)
+        expected = sum(t.rows for t in plan)
+        recv.handle(ExpectCmd("room", ticket, {0: {0: expected}}, slots))
+        assert sender.send(SendCmd("room", ticket, plan, {0: path}))["error"] is None
+        frames = [attacker.recv_multipart() for _ in plan]
+        header, payload, tag = frames[0]
+        forged = bytearray(payload)
+        words = torch.frombuffer(forged, dtype=torch.int64)
+        _forge(words)
+        width = msgpack.unpackb(header)["width"]
+        assert torch.equal(
+            row_sums(torch.frombuffer(bytearray(payload), dtype=torch.int64).view(-1, width)),
+            row_sums(words.view(-1, width)),
+        )
+        assert verify(
+            DEV_FRAME_KEY,
+            sign(DEV_FRAME_KEY, DATA, header, len(payload).to_bytes(8, "little")),
+            DATA,
+            header,
+            len(forged).to_bytes(8, "little"),
+        )
+        onward.send_multipart([header, bytes(forged), tag])
+        for f in frames[1:]:
+            onward.send_multipart(f)
+        rows = expected - plan[0].rows
+        deadline = time.monotonic() + 10
+        while recv.handle(TransferStatusCmd("room"))["rows"] < rows or recv.unauthenticated < 1:
+            assert time.monotonic() < deadline, recv.handle(TransferStatusCmd("room"))
+            time.sleep(0.002)
+        status = recv.handle(TransferStatusCmd("room"))
+        assert recv.unauthenticated == 1 and status["rows"] == rows and not status["complete"]
+        assert status["error"] is None
+        for dst_row, n in msgpack.unpackb(header)["runs"]:
+            read = dst.read_kv if plan[0].kind == "kv" else dst.read_index
+            assert not read(plan[0].layer, torch.arange(dst_row, dst_row + n)).any()  # never stored
+    finally:
+        attacker.close()
+        onward.close()
+        ctx.term()
+        recv.close()
+        sender.close()
