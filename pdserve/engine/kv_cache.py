@@ -24,7 +24,6 @@ from ..model.config import ModelConfig
 from ..model.kernels import take_rows
 from . import huge_pages
 from .capacity import check_kv_cache_dtype, entry_bytes, index_bytes, tokens_for_budget
-from .row_sums import row_sums
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -44,12 +43,6 @@ class KVPool:
     WRITE without packing them first (`span`). Index keys stay slot-ordered: a copied index sends
     every slot, which is contiguous that way.
 
-    sums=True (a prefill pool) keeps each stored row's sum (engine/row_sums.py) beside it, taken as
-    the row is written (while it is in cache) and moved with it by copy_*: a hand-off's sender
-    checksums its rows from these (`span_sums`) instead of reading every byte again. The sums cost
-    8 bytes per row (0.4% of a latent row, 1.6% of an index row) and are counted in nbytes; an fp8
-    pool keeps none (its sender sends dequantized rows, packed).
-
     scratch=True (a decode rank) adds one row past the slots to the latent entries and to the index
     keys (`scratch_row`, `scratch_index`): a decode step writes every request's new entry, and the
     rows that are not this rank's to keep (another rank's slot, a padding row of a batch bucket) go
@@ -67,7 +60,6 @@ class KVPool:
         kv_cache_dtype: str = "auto",
         index_slots: int | None = None,
         residues: int = 1,
-        sums: bool = False,
         scratch: bool = False,
     ):
         if residues < 1:
@@ -98,14 +90,10 @@ class KVPool:
         )  # [Li, slots, Di]
         # Per-key dequantization scale; None when keys are stored in the model dtype.
         self.index_scale = torch.ones(shape, dtype=torch.float32, device=device) if self.fp8 else None
-        keep = sums and not self.fp8  # all-zero rows sum to 0, so zeroed sums match zeroed rows
-        self.kv_sums = torch.zeros(self.kv.shape[:2], dtype=torch.int64, device=device) if keep else None
-        self.index_sums = torch.zeros(shape, dtype=torch.int64, device=device) if keep else None
 
     @property
     def nbytes(self) -> int:
         tensors = [self.kv, self.index_k] + ([self.index_scale] if self.fp8 else [])
-        tensors += [self.kv_sums, self.index_sums] if self.kv_sums is not None else []
         return sum(t.numel() * t.element_size() for t in tensors)
 
     @property
@@ -114,7 +102,6 @@ class KVPool:
         if self.scratch_row is None:
             return self.nbytes
         tensors = [self.kv, self.index_k] + ([self.index_scale] if self.fp8 else [])
-        tensors += [self.kv_sums, self.index_sums] if self.kv_sums is not None else []
         return self.nbytes - sum(t[:, :1].numel() * t.element_size() for t in tensors)
 
     def holds(self, layer: int) -> bool:
@@ -136,8 +123,6 @@ class KVPool:
             kv = kv.float().clamp(-FP8_MAX, FP8_MAX)
         row, rows, kv = self.kv_row[layer], self._kv_rows(rows), kv.to(self.kv.dtype)
         _put(self.kv[row], rows, kv)
-        if self.kv_sums is not None:
-            _put(self.kv_sums[row], rows, row_sums(kv))
 
     def write_index(self, layer: int, rows: torch.Tensor | slice, index_k: torch.Tensor) -> None:
         """Index rows may differ from latent rows (a decode rank's copied index holds every slot)."""
@@ -147,8 +132,6 @@ class KVPool:
             self.index_scale[row, _on(rows, self.index_scale)] = scale.to(self.index_scale.device)
         index_k = index_k.to(self.index_k.dtype)
         _put(self.index_k[row], rows, index_k)
-        if self.index_sums is not None:
-            _put(self.index_sums[row], rows, row_sums(index_k))
 
     def read_into(self, kind: str, layer: int, slots: torch.Tensor | slice, out: torch.Tensor) -> None:
         """read_kv ("kv") or read_index ("index") of 1-D `slots` (or a slice, a strided one too),
@@ -175,12 +158,6 @@ class KVPool:
         at = self._span(kind, layer, start, n, step)
         return None if at is None else (self.kv if kind == "kv" else self.index_k)[at[0], at[1] : at[1] + n]
 
-    def span_sums(self, kind: str, layer: int, start: int, n: int, step: int) -> torch.Tensor | None:
-        """The row sums of those rows ([n] int64), or None when `span` is None or no sums are kept."""
-        at = self._span(kind, layer, start, n, step)
-        table = self.kv_sums if kind == "kv" else self.index_sums
-        return None if at is None or table is None else table[at[0], at[1] : at[1] + n]
-
     def _span(self, kind: str, layer: int, start: int, n: int, step: int) -> tuple[int, int] | None:
         """(table, first row) of `span`'s rows, or None."""
         limit = self.num_slots if kind == "kv" else self.index_slots
@@ -206,15 +183,11 @@ class KVPool:
         table = self.kv[row]
         src, dst = self._kv_rows(_on(src, table)), self._kv_rows(_on(dst, table))
         table[dst] = table[src]
-        if self.kv_sums is not None:
-            self.kv_sums[row, dst] = self.kv_sums[row, src]
 
     def copy_index(self, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Index rows src -> dst as stored, with their fp8 scales."""
         row = self.index_row[layer]
         self.index_k[row, _on(dst, self.index_k)] = self.index_k[row, _on(src, self.index_k)]
-        if self.index_sums is not None:
-            self.index_sums[row, _on(dst, self.index_sums)] = self.index_sums[row, _on(src, self.index_sums)]
         if self.fp8:
             self.index_scale[row, _on(dst, self.index_scale)] = self.index_scale[
                 row, _on(src, self.index_scale)

@@ -1,8 +1,8 @@
 """Row sums: per row of a tensor, the wrapping int64 sum of its bytes, read as words of the widest
 integer type that divides the row's byte size (so a row's sum depends on its bytes only, not on
-where it sits). A pool built with `sums=True` keeps them for every row it stores (engine/kv_cache.py).
-Hand-offs no longer use them: their room MAC runs over keyed row hashes (transfer/row_mac.py), which
-a changed row cannot keep, as it could keep its sum."""
+where it sits). bench/transfer_raw.py verifies its raw pairs with them; hand-offs no longer do:
+their room MAC runs over keyed row hashes (transfer/row_mac.py), which a changed row cannot keep,
+as it could keep its sum."""
 
 from __future__ import annotations
 
