@@ -5,7 +5,9 @@ The shared library lives in ~/.cache/pdserve/native (or $PDSERVE_CACHE/native), 
 source, the flags, the compiler and the OpenMP runtime it links: torch's own libgomp, so the
 kernel's threads are torch's threads (torch.set_num_threads applies to it too).
 A machine where it cannot be built (no C compiler, a CPU without AVX2 and FMA, a torch without
-libgomp, PDSERVE_NATIVE=0) gets None from `_lib()` and the reason from `status()`.
+libgomp, PDSERVE_NATIVE=0) gets None from `_lib()` and the reason from `status()`. So does one whose
+cache directory or library another user could write (not owned by this user, or group / world
+writable): a library loaded from there would run whatever that user put in it.
 """
 
 from __future__ import annotations
@@ -66,9 +68,18 @@ def _torch_gomp() -> str | None:
     return sorted(paths)[0] if len(paths) == 1 else None
 
 
+def _untrusted(path: Path) -> str | None:
+    """Why a library at or under `path` could be another user's, or None."""
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        return f"{path} is owned by uid {st.st_uid}, not this user ({os.getuid()})"
+    if st.st_mode & 0o022:
+        return f"{path} is writable by group or others (mode {st.st_mode & 0o777:o})"
+    return None
+
+
 def _compile(cc: str, gomp: str, out: Path) -> str | None:
     """Builds the library at `out` (atomically: concurrent ranks each build and rename); an error or None."""
-    out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         objs, lib = [Path(tmp) / f"{src.stem}.o" for src in SOURCES], Path(tmp) / out.name
         steps = (
@@ -114,9 +125,15 @@ def _load() -> tuple[object | None, str]:
             ]
         )
     ).hexdigest()[:16]
-    out = _cache_dir() / f"rows-{key}.so"
+    cache = _cache_dir()
+    cache.mkdir(mode=0o700, parents=True, exist_ok=True)
+    out = cache / f"rows-{key}.so"
+    if why := _untrusted(cache):
+        return None, f"unavailable: {why}"
     if not out.is_file() and (err := _compile(cc, gomp, out)):
         return None, f"unavailable: {err}"
+    if why := _untrusted(out):
+        return None, f"unavailable: {why}"
     lib = ctypes.CDLL(str(out))
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)

@@ -98,6 +98,16 @@ def test_a_machine_without_the_kernel_keeps_torchs_kernels(tmp_path):
     assert not list(tmp_path.rglob("*.so"))  # nothing half-built left behind
 
 
+def test_a_cache_another_user_could_write_is_not_loaded(tmp_path):
+    """A world-writable cache directory (anyone could plant a library there) keeps torch's kernels."""
+    cache = tmp_path / "native"
+    cache.mkdir()
+    cache.chmod(0o777)
+    status = _status_in_a_fresh_process({}, tmp_path)
+    assert status.startswith("unavailable:") and "writable by group or others (mode 777)" in status, status
+    assert not list(cache.glob("*.so"))  # nothing built into it either
+
+
 def test_ranks_building_at_once_each_get_the_library(tmp_path):
     code = "from pdserve.model import native; import torch; print(native.status()); " + (
         "print(float(native.rows_linear(torch.ones(1, 9), torch.ones(5, 9)).sum()))"
