@@ -57,6 +57,10 @@ class RouterConfig:
         "API key clients must send as `Authorization: Bearer KEY` on /v1/* (default: $PDSERVE_API_KEY); without one the OpenAI API is open.",
         repr=False,
     )
+    report_cached_tokens: bool = option(  # off: usage.prompt_tokens_details.cached_tokens is always 0
+        False,
+        "Report the prompt tokens the prefix cache served in usage.prompt_tokens_details.cached_tokens (off: always 0; a cache hit tells a client that someone sent that prefix before, within its own cache namespace only: docs/security.md).",
+    )
     internal_token: str | None = option(  # sent to the instances (engine/auth.py)
         None, INTERNAL_TOKEN_HELP, repr=False
     )

@@ -73,6 +73,13 @@ class StackConfig:
         "Bearer token of the router's /admin API (default: PDSERVE_ADMIN_TOKEN); none disables it.",
         repr=False,
     )
+    report_cached_tokens: bool = option(  # the router's --report-cached-tokens
+        False, "The router's --report-cached-tokens: usage reports the prompt tokens the prefix cache served."
+    )
+    api_key_file: str | None = option(  # the router's --api-key-file
+        None,
+        "The router's --api-key-file: clients' API keys, one `name:key` a line (each name its own prefix-cache namespace).",
+    )
     log_dir: str = option(
         "pdserve-logs",
         "Directory for one log file per started process.",
@@ -274,6 +281,10 @@ class Stack:
             "--health-interval",
             str(ROUTER_HEALTH_INTERVAL_S),
         ]
+        if c.report_cached_tokens:
+            args.append("--report-cached-tokens")
+        if c.api_key_file:
+            args += ["--api-key-file", str(Path(c.api_key_file).resolve())]
         args += [a for p in prefill for a in ("--prefill", p.url)] + [
             a for d in decode for a in ("--decode", d.url)
         ]
@@ -347,7 +358,8 @@ def up(cfg: StackConfig, echo=print) -> int:
         stack.wait_ready(prefill + decode, deadline)
         router = stack.start_router(prefill, decode)
         stack.wait_ready([router], deadline)
-        model = httpx.get(f"{router.url}/v1/models", timeout=5).json()["data"][0]["id"]
+        models = httpx.get(f"{router.url}/v1/models", timeout=5)  # 401 behind API keys
+        model = models.json()["data"][0]["id"] if models.is_success else Path(cfg.model).resolve().name
         echo(f"router: {router.url} (pid {router.proc.pid}, log {router.log})")
         echo(f"ready: {router.url}/v1  (model {model!r}; Ctrl-C stops everything)")
         echo(
