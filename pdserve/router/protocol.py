@@ -94,6 +94,9 @@ class _Common(OpenAIModel):
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     response_format: dict[str, Any] | None = None
     user: str | None = Field(None, max_length=256)
+    cache_salt: str | None = Field(
+        None, min_length=1, max_length=1024
+    )  # narrows the cache namespace (tenants.py)
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
