@@ -175,6 +175,10 @@ def _discovery(cfg: RouterConfig, state: RouterState):
 def _add_error_handlers(app: FastAPI, max_body_bytes: int, api_keys: dict[str, str] | None) -> None:
     install_edge(app, max_body_bytes, tokens=api_keys, protect=_protected)
 
+    @app.exception_handler(P.ApiError)
+    async def api_error(request: Request, exc: P.ApiError):
+        return exc.response()
+
 
 def _protected(path: str) -> bool:
     """Paths that need an API key (when there are some): the OpenAI API and the metrics, whose
@@ -187,10 +191,6 @@ def _namespace(cfg: RouterConfig, request: Request, body) -> str:
     gateway header (only with --namespace-header) and by its own cache_salt."""
     header = request.headers.get(cfg.namespace_header) if cfg.namespace_header else None
     return cache_namespace(request.scope.get(PRINCIPAL_SCOPE_KEY), header, body.cache_salt)
-
-    @app.exception_handler(P.ApiError)
-    async def api_error(request: Request, exc: P.ApiError):
-        return exc.response()
 
 
 def _check_model(cfg: RouterConfig, model: str) -> None:
