@@ -76,7 +76,7 @@ def stack_token(flag: Optional[str], file: Optional[Path]) -> str:
 def masked(config: dict) -> dict:
     """A config for printing: secrets as "***" (or null when unset)."""
     return {
-        k: ("***" if v else None) if k in ("internal_token", "admin_token", "api_key", "api_keys") else v
+        k: ("***" if v else None) if k in ("internal_token", "admin_token", "api_key") else v
         for k, v in config.items()
     }
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -67,9 +67,6 @@ class RouterConfig:
         None,
         "Name of a request header set by a trusted gateway in front of the router whose value narrows the prefix-cache namespace (e.g. the gateway's tenant id); without this flag no header is read. It narrows the key's namespace, never reaches another key's.",
     )
-    api_keys: dict[str, str] | None = field(
-        default=None, init=False, repr=False, compare=False
-    )  # key -> name
     report_cached_tokens: bool = option(  # off: usage.prompt_tokens_details.cached_tokens is always 0
         False,
         "Report the prompt tokens the prefix cache served in usage.prompt_tokens_details.cached_tokens (off: always 0; a cache hit tells a client that someone sent that prefix before, within its own cache namespace only: docs/security.md).",
@@ -138,7 +135,8 @@ class RouterConfig:
     def __post_init__(self):
         from .tenants import load_api_keys
 
-        object.__setattr__(self, "api_keys", load_api_keys(self.api_key, self.api_key_file))
+        # key -> principal name; not a field: never printed by --check-config (cli_common.masked)
+        object.__setattr__(self, "_api_keys", load_api_keys(self.api_key, self.api_key_file))
         if self.namespace_header is not None and not HEADER_NAME.match(self.namespace_header):
             raise ValueError(f"--namespace-header must be an HTTP header name, got {self.namespace_header!r}")
         if self.admin_token is not None:
@@ -183,6 +181,11 @@ class RouterConfig:
             raise ValueError("--selector, --namespace and --k8s-api need --discovery k8s")
         if not (Path(self.model) / "tokenizer.json").is_file():
             raise ValueError(f"{self.model} has no tokenizer.json (the router needs the model's tokenizer)")
+
+    @property
+    def api_keys(self) -> dict[str, str] | None:
+        """{key: principal name} of --api-key and --api-key-file (router/tenants.py); None: open."""
+        return self._api_keys
 
     @property
     def model_name(self) -> str:
