@@ -119,6 +119,10 @@ class StackConfig:
     )
 
     def __post_init__(self):
+        if self.api_key_file is not None:  # a bad key file: an error now, not a router that never starts
+            from .tenants import load_api_keys
+
+            load_api_keys(None, self.api_key_file)
         if self.restart not in RESTART_POLICIES:
             raise ValueError(f"--restart must be one of {', '.join(RESTART_POLICIES)}, got {self.restart!r}")
         if self.shutdown_grace_s < 0:
@@ -268,6 +272,14 @@ class Stack:
 
     def start_router(self, prefill: list[Child], decode: list[Child]) -> Child:
         c = self.cfg
+        args = self.router_args([p.url for p in prefill], [d.url for d in decode])
+        child = self._spawn("router", lambda: args, c.port)
+        child.url = f"http://{'127.0.0.1' if c.host in ('0.0.0.0', '::') else c.host}:{c.port}"
+        return child
+
+    def router_args(self, prefill: list[str], decode: list[str]) -> list[str]:
+        """The router's `pdserve` arguments in front of these instance URLs."""
+        c = self.cfg
         args = [
             "router",
             "--model",
@@ -285,12 +297,11 @@ class Stack:
             args.append("--report-cached-tokens")
         if c.api_key_file:
             args += ["--api-key-file", str(Path(c.api_key_file).resolve())]
-        args += [a for p in prefill for a in ("--prefill", p.url)] + [
-            a for d in decode for a in ("--decode", d.url)
-        ]
-        child = self._spawn("router", lambda: args, c.port)
-        child.url = f"http://{'127.0.0.1' if c.host in ('0.0.0.0', '::') else c.host}:{c.port}"
-        return child
+        return (
+            args
+            + [a for p in prefill for a in ("--prefill", p)]
+            + [a for d in decode for a in ("--decode", d)]
+        )
 
     def wait_ready(self, children: list[Child], deadline: float) -> None:
         """Polls every child's /health until all answer 200; raises if one exits or the deadline passes."""

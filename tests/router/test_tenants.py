@@ -6,10 +6,18 @@ cached_tokens is always 0; /metrics needs a key; malformed key files are startup
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import subprocess
+import sys
+
 import httpx
 import openai
 import pytest
+from pydantic import ValidationError
 
+from pdserve.contracts import PrefillRequest
+from pdserve.router.launch import Stack, StackConfig
 from pdserve.router.tenants import MIN_API_KEY_CHARS, cache_namespace, load_api_keys
 from tests.router.helpers import router_config, running_router
 from tests.servers import http
@@ -132,3 +140,50 @@ def test_principals_and_namespaces(tmp_path):
         cache_namespace(*p) for p in [("a",), ("b",), ("a", None, "s"), ("b", None, "s"), ("a", "s"), ("as",)]
     }
     assert len(spaces) == 6 and all(len(s) == 32 for s in spaces)
+
+
+def test_namespace_header_narrows_only_when_named(model_dir, instances, key_file):
+    """--namespace-header X-Tenant: a gateway's tenant header splits a key's namespace; without the
+    flag the same header is ignored (the request stays in the key's namespace)."""
+    prompt = list(range(200, 240))
+    bob = {"Authorization": f"Bearer {KEYS['bob']}"}
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0.0}
+
+    def hit(url: str, tenant: str) -> int:
+        r = httpx.post(f"{url}/v1/completions", json=body, headers={**bob, "X-Tenant": tenant}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cfg = router_config(model_dir, *instances, api_key_file=key_file, report_cached_tokens=True)
+    with running_router(cfg) as (url, _):
+        assert [hit(url, "t1"), hit(url, "t2")] == [0, 32]  # header ignored: bob's one namespace
+    with running_router(dataclasses.replace(cfg, namespace_header="X-Tenant")) as (url, _):
+        assert [hit(url, "t1"), hit(url, "t1"), hit(url, "t2")] == [0, 32, 0]
+
+
+def test_instances_refuse_a_malformed_namespace():
+    PrefillRequest(token_ids=[1], cache_namespace=cache_namespace("alice"))
+    for bad in ("../x", "A" * 32, "a" * 65, "alice"):
+        with pytest.raises(ValidationError):
+            PrefillRequest(token_ids=[1], cache_namespace=bad)
+
+
+def test_up_passes_the_tenant_flags_to_its_router(model_dir, key_file, tmp_path):
+    cfg = StackConfig(
+        model=str(model_dir), log_dir=str(tmp_path), report_cached_tokens=True, api_key_file=key_file
+    )
+    args = Stack(cfg).router_args(["http://127.0.0.1:1"], ["http://127.0.0.1:2"])
+    out = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", *args, "--check-config"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    shown = json.loads(out.stdout)
+    assert shown["report_cached_tokens"] is True and shown["api_key_file"] == key_file
+    assert not any(k in out.stdout for k in KEYS.values())  # the keys themselves are never printed
+    bad = tmp_path / "bad-keys"
+    bad.write_text("alice:short\n")
+    with pytest.raises(ValueError, match="shorter than"):
+        StackConfig(model=str(model_dir), log_dir=str(tmp_path), api_key_file=str(bad))
