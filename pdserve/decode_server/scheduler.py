@@ -28,9 +28,10 @@ step_driver.py: submit and abort arrive there as commands; each iteration admits
 
 With a prefix cache (engine/radix_cache.py) and the prompt's token ids known, admission first locks
 the longest cached run of whole pages of the prompt in its cache namespace (params.cache_namespace;
-at most prompt_len - 1 tokens; `cached_len`) and reserves only the rest; the request's pages are the cached ones, then its own. A request that
-finishes (stop | length) puts the whole pages of prompt + output tokens whose cache it computed
-into the tree; an aborted or failed one only frees its own pages. Either way it unlocks its prefix.
+at most prompt_len - 1 tokens; `cached_len`) and reserves only the rest; the request's pages are
+the cached ones, then its own. A request that finishes (stop | length) puts the whole pages of
+prompt + output tokens whose cache it computed into the tree, in its namespace; an aborted or
+failed one only frees its own pages. Either way it unlocks its prefix.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ their cache entries:
     used leaves (a parent whose last child went becomes a leaf and a candidate in turn).
 
 Namespaces (tenant isolation, docs/security.md): every key lives under the root of its namespace
-(`namespace=`, a string the router derives from the client's API key and cache_salt; "" is the
-shared one). A lookup walks only its own namespace's root, so a prompt never matches pages another
+(`namespace=`, the request's SamplingParams.cache_namespace, which the router derives from the
+client's API key and cache_salt: router/tenants.py; "" is the shared one). A lookup walks only its own namespace's root, so a prompt never matches pages another
 namespace cached, whatever their tokens. A namespace's root goes once its last page is evicted.
 
 The tree owns the pages it holds: they are allocated in the PageAllocator (not free) and go back

@@ -135,7 +135,7 @@ class RouterConfig:
     def __post_init__(self):
         from .tenants import load_api_keys
 
-        # key -> principal name; not a field: never printed by --check-config (cli_common.masked)
+        # key -> principal name; not a field, so asdict (--check-config's output) never holds a key
         object.__setattr__(self, "_api_keys", load_api_keys(self.api_key, self.api_key_file))
         if self.namespace_header is not None and not HEADER_NAME.match(self.namespace_header):
             raise ValueError(f"--namespace-header must be an HTTP header name, got {self.namespace_header!r}")
