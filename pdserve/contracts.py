@@ -41,6 +41,7 @@ from .engine.request import (
 )
 
 BOOTSTRAP = r"^tcp://[A-Za-z0-9.\[\]-]{1,253}:[0-9]{1,5}$"  # a prefill's side channel, as /info gives it
+CACHE_NAMESPACE = r"^[0-9a-f]{0,64}$"  # a request's prefix-cache namespace: "" (shared) or a digest
 FinishReason = Literal["stop", "length", "abort"]
 TopLogprobs = list[tuple[StrictInt, float]]  # (token id, logprob), most likely first
 
@@ -64,6 +65,8 @@ class _Sampling(StrictModel):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the sampled token's + the top k
     grammar: str | None = Field(None, min_length=1, max_length=MAX_GRAMMAR_CHARS)  # llguidance's
     n: int = Field(1, ge=1, le=MAX_N)  # choices sampled from one prefill (seed + i for choice i)
+    # the prefix caches' namespace, set by the router (router/tenants.py): "" or a hex digest
+    cache_namespace: str = Field("", pattern=CACHE_NAMESPACE)
 
     def sampling_params(self, vocab: int, max_tokens: int, **extra) -> SamplingParams:
         """The engine's SamplingParams; ValueError (a 400 at the edge) for ids outside the vocabulary
@@ -101,6 +104,7 @@ class _Sampling(StrictModel):
             grammar=self.grammar,
             prompt_ids=tuple(self.token_ids) if self.repetition_penalty != 1.0 else (),
             n=self.n,
+            cache_namespace=self.cache_namespace,
             **extra,
         )
 

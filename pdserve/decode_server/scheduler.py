@@ -27,10 +27,11 @@ Only the decode loop thread (loop.py, the skeleton of engine/instance_loop.py) t
 step_driver.py: submit and abort arrive there as commands; each iteration admits and steps once.
 
 With a prefix cache (engine/radix_cache.py) and the prompt's token ids known, admission first locks
-the longest cached run of whole pages of the prompt (at most prompt_len - 1 tokens; `cached_len`)
-and reserves only the rest; the request's pages are the cached ones, then its own. A request that
-finishes (stop | length) puts the whole pages of prompt + output tokens whose cache it computed
-into the tree; an aborted or failed one only frees its own pages. Either way it unlocks its prefix.
+the longest cached run of whole pages of the prompt in its cache namespace (params.cache_namespace;
+at most prompt_len - 1 tokens; `cached_len`) and reserves only the rest; the request's pages are
+the cached ones, then its own. A request that finishes (stop | length) puts the whole pages of
+prompt + output tokens whose cache it computed into the tree, in its namespace; an aborted or
+failed one only frees its own pages. Either way it unlocks its prefix.
 """
 
 from __future__ import annotations
@@ -158,7 +159,8 @@ class DecodeScheduler:
                 return False
             req.pages = self.allocator.allocate(req.num_slots_needed)
             return True
-        match = self.cache.match(req.prompt_ids[: req.prompt_len - 1], count=False)
+        ns = req.params.cache_namespace
+        match = self.cache.match(req.prompt_ids[: req.prompt_len - 1], count=False, namespace=ns)
         self.cache.lock(match.node)
         cached = match.num_pages * self.allocator.page_size
         if not self.allocator.can_allocate(self._tokens_for(req) - cached):  # choices 1.. get their own pages
@@ -178,7 +180,7 @@ class DecodeScheduler:
         own = req.pages[req.cached_len // self.allocator.page_size :]
         if reason in ("stop", "length") and hold_s == 0:
             computed = req.prompt_ids + req.output_ids[:-1]  # the last token is never cached
-            self.allocator.free(self.cache.insert(computed, req.pages))
+            self.allocator.free(self.cache.insert(computed, req.pages, req.params.cache_namespace))
         else:
             self.allocator.free(own, hold_s)
         self.cache.unlock(node)

@@ -75,11 +75,16 @@ def require_token(token: str | None) -> str:
     return check_strength(token, "the internal token")
 
 
-def bearer_ok(header: str | None, token: str) -> bool:
-    """Constant-time check of an `Authorization: Bearer ...` header."""
+def bearer_principal(header: str | None, tokens: dict[str, str]) -> str | None:
+    """The name of the token an `Authorization: Bearer ...` header carries ({token: name}), or None;
+    every token is compared in constant time, so the time does not tell which one came close."""
     if not header or not header.startswith("Bearer "):
-        return False
-    return hmac.compare_digest(header[7:].encode(), token.encode())
+        return None
+    sent, found = header[7:].encode(), None
+    for token, name in tokens.items():
+        if hmac.compare_digest(sent, token.encode()):
+            found = name
+    return found
 
 
 def frame_key(token: str) -> bytes:

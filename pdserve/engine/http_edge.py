@@ -6,7 +6,8 @@
 - A request body size limit, checked before anything parses the body.
 - `StrictModel`: the pydantic base of request bodies; non-finite numbers are refused.
 - Bearer authentication (`RequireBearer`): an instance requires the internal token on every path
-  but /health and /live; the router, with --api-key, requires the API key on /v1/*.
+  but /health and /live; the router, with API keys, requires one of them on /v1/* and /metrics and
+  leaves the key's name (the principal) in the ASGI scope under PRINCIPAL_SCOPE_KEY.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .auth import CHALLENGE_HEADER, MAX_NONCE_CHARS, PROOF_HEADER, bearer_ok, token_proof
+from .auth import CHALLENGE_HEADER, MAX_NONCE_CHARS, PROOF_HEADER, bearer_principal, token_proof
 from .instance_loop import Unavailable
 from .watchdog import add_health_route
 
@@ -82,6 +83,7 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 OPEN_PATHS = ("/health", "/live")  # probes: no secret in a kubelet's config
+PRINCIPAL_SCOPE_KEY = "pdserve.principal"  # the authenticated key's name, in the request's ASGI scope
 
 
 def install_edge(
@@ -89,9 +91,11 @@ def install_edge(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     token: str | None = None,
     protect: Callable[[str], bool] = lambda path: path not in OPEN_PATHS,
+    tokens: dict[str, str] | None = None,
 ) -> None:
-    """Error handlers, the body size limit and, with `token`, bearer authentication of the paths
-    `protect` selects (every one but the probes, by default)."""
+    """Error handlers, the body size limit and, with `token` (or several: `tokens`, {token: its
+    principal's name}), bearer authentication of the paths `protect` selects (every one but the
+    probes, by default)."""
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, exc: RequestValidationError):  # 400, not FastAPI's 422
@@ -114,20 +118,25 @@ def install_edge(
         return error_response(500, f"internal error (error id {error_id})")
 
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
-    if token is not None:  # outermost: nothing of an unauthenticated request is read
-        app.add_middleware(RequireBearer, token=token, protect=protect)
+    if token is not None:
+        tokens = {**(tokens or {}), token: "internal"}
+    if tokens:  # outermost: nothing of an unauthenticated request is read
+        app.add_middleware(RequireBearer, tokens=tokens, protect=protect)
 
 
 class RequireBearer:
-    """ASGI middleware: 401 with an OpenAI error body unless `Authorization: Bearer <token>`."""
+    """ASGI middleware: 401 with an OpenAI error body unless `Authorization: Bearer <token>` with one
+    of `tokens` ({token: name}); the name goes into the scope (PRINCIPAL_SCOPE_KEY)."""
 
-    def __init__(self, app, token: str, protect: Callable[[str], bool]):
-        self.app, self.token, self.protect = app, token, protect
+    def __init__(self, app, tokens: dict[str, str], protect: Callable[[str], bool]):
+        self.app, self.tokens, self.protect = app, dict(tokens), protect
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and self.protect(scope["path"]):
             header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            if not bearer_ok(header, self.token):
+            principal = bearer_principal(header, self.tokens)
+            scope[PRINCIPAL_SCOPE_KEY] = principal
+            if principal is None:
                 response = error_response(
                     401,
                     "missing or invalid bearer token",

@@ -12,6 +12,11 @@ their cache entries:
   - LRU eviction of unreferenced leaves: under memory pressure `evict(n)` frees the least recently
     used leaves (a parent whose last child went becomes a leaf and a candidate in turn).
 
+Namespaces (tenant isolation, docs/security.md): every key lives under the root of its namespace
+(`namespace=`, the request's SamplingParams.cache_namespace, which the router derives from the
+client's API key and cache_salt: router/tenants.py; "" is the shared one). A lookup walks only its own namespace's root, so a prompt never matches pages another
+namespace cached, whatever their tokens. A namespace's root goes once its last page is evicted.
+
 The tree owns the pages it holds: they are allocated in the PageAllocator (not free) and go back
 to it only by eviction or `flush()`. Counters: `cached_pages` (in the tree), `evictable_pages` (in
 the tree, no reference), `protected_pages` (in the tree, referenced). The allocator asks the tree
@@ -55,7 +60,8 @@ class RadixCache:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size, self._free_pages, self.clock = page_size, free_pages, clock
-        self.root = Node(refs=1)  # never evicted, holds no page
+        self.root = Node(refs=1)  # namespace "": never evicted, holds no page
+        self.roots: dict[str, Node] = {"": self.root}  # namespace -> its root (parent None, no page)
         self.evictable_pages = 0
         self.protected_pages = 0
         self.hit_tokens = 0  # tokens served from the tree by match() (for metrics)
@@ -71,9 +77,19 @@ class RadixCache:
         return [tuple(token_ids[i : i + ps]) for i in range(0, len(token_ids) // ps * ps, ps)]
 
     # ---- lookups ----------------------------------------------------------------------------
-    def match(self, token_ids: list[int], count: bool = True) -> Match:
-        """The longest cached prefix of token_ids in whole pages (splits an edge matched in part)."""
-        keys, node, pages, now = self._split_pages(token_ids), self.root, [], self.clock()
+    def _root(self, namespace: str, create: bool) -> Node | None:
+        root = self.roots.get(namespace)
+        if root is None and create:
+            root = self.roots[namespace] = Node(refs=1)
+        return root
+
+    def match(self, token_ids: list[int], count: bool = True, namespace: str = "") -> Match:
+        """The longest cached prefix of token_ids in whole pages within `namespace` (splits an edge
+        matched in part)."""
+        node = self._root(namespace, create=False)
+        if node is None:  # nothing cached in this namespace: the shared empty root (no page)
+            node, token_ids = self.root, []
+        keys, pages, now = self._split_pages(token_ids), [], self.clock()
         node.last_use = now
         i = 0
         while i < len(keys) and (child := node.children.get(keys[i])) is not None:
@@ -98,7 +114,7 @@ class RadixCache:
     # ---- references -------------------------------------------------------------------------
     def lock(self, node: Node) -> None:
         """Pins node and its ancestors (their pages are read by a running request)."""
-        while node is not self.root:
+        while node.parent is not None:
             if node.refs == 0:
                 self.evictable_pages -= len(node.pages)
                 self.protected_pages += len(node.pages)
@@ -106,7 +122,7 @@ class RadixCache:
             node = node.parent
 
     def unlock(self, node: Node) -> None:
-        while node is not self.root:
+        while node.parent is not None:
             if node.refs <= 0:
                 raise ValueError("unlock of a node that is not locked")
             node.refs -= 1
@@ -116,14 +132,15 @@ class RadixCache:
             node = node.parent
 
     # ---- insertion --------------------------------------------------------------------------
-    def insert(self, token_ids: list[int], pages: list[int]) -> list[int]:
-        """Caches the whole pages of a computed prompt (pages[i] holds tokens [i*ps, (i+1)*ps)).
-        Returns the caller's pages the tree did not take: those of a prefix it already held
-        under other pages (duplicates) and a trailing partial page; the caller frees them."""
+    def insert(self, token_ids: list[int], pages: list[int], namespace: str = "") -> list[int]:
+        """Caches the whole pages of a computed prompt (pages[i] holds tokens [i*ps, (i+1)*ps)) in
+        `namespace`. Returns the caller's pages the tree did not take: those of a prefix it already
+        held under other pages (duplicates) and a trailing partial page; the caller frees them."""
         keys = self._split_pages(token_ids)
         if len(pages) < len(keys):
             raise ValueError(f"{len(keys)} full pages of tokens but only {len(pages)} pages")
-        rest, node, now, i = list(pages[len(keys) :]), self.root, self.clock(), 0
+        rest, now, i = list(pages[len(keys) :]), self.clock(), 0
+        node = self._root(namespace, create=bool(keys))
         while i < len(keys):
             child = node.children.get(keys[i])
             if child is None:
@@ -152,8 +169,10 @@ class RadixCache:
             parent = node.parent
             del parent.children[node.keys[0]]
             self.evictable_pages -= len(node.pages)
-            if parent is not self.root and not parent.children and parent.refs == 0:
+            if parent.parent is not None and not parent.children and parent.refs == 0:
                 heapq.heappush(heap, (parent.last_use, next(self._tick), parent))
+            elif parent.parent is None and not parent.children and parent is not self.root:
+                self.roots = {ns: r for ns, r in self.roots.items() if r is not parent}  # empty namespace
         if freed:
             self.evicted_pages += len(freed)
             self._free_pages(freed)
@@ -164,18 +183,18 @@ class RadixCache:
         return self.evict(self.evictable_pages)
 
     def _leaves(self) -> list[Node]:
-        out, stack = [], [self.root]
+        out, stack = [], list(self.roots.values())
         while stack:
             node = stack.pop()
             if node.children:
                 stack.extend(node.children.values())
-            elif node is not self.root:
+            elif node.parent is not None:
                 out.append(node)
         return out
 
     def all_pages(self) -> list[int]:
         """Every page the tree holds (for integrity checks)."""
-        out, stack = [], [self.root]
+        out, stack = [], list(self.roots.values())
         while stack:
             node = stack.pop()
             out.extend(node.pages)
@@ -186,7 +205,8 @@ class RadixCache:
         pages = self.all_pages()
         assert len(pages) == len(set(pages)), "a page is in the tree twice"
         assert len(pages) == self.cached_pages, f"{len(pages)} pages in the tree, counted {self.cached_pages}"
-        stack = list(self.root.children.values())
+        stack = [c for root in self.roots.values() for c in root.children.values()]
+        assert all(r.parent is None and not r.pages for r in self.roots.values()), "a root holds pages"
         while stack:
             node = stack.pop()
             assert node.keys and len(node.keys) == len(node.pages), "an empty or uneven edge"

@@ -51,6 +51,7 @@ class SamplingParams:
     prompt_ids: tuple[int, ...] = ()  # the prompt, set only when repetition_penalty needs it
     prompt_logprobs: int | None = None  # prefill: each prompt token's logprob and the top k (echo)
     n: int = 1  # choices sampled from one prompt's cache (choice_params(i) is choice i's)
+    cache_namespace: str = ""  # not sampling: the prefix cache's namespace (engine/radix_cache.py)
 
     def __post_init__(self):
         if not 1 <= self.max_tokens <= MAX_OUTPUT_TOKENS:

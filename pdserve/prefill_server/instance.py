@@ -72,7 +72,8 @@ class PrefillInstance(RankInstance):
         if prefix_cache:
             self.cache = RadixCache(page_size, self.allocator.free)
             self.allocator.evictor = self.cache
-        self._cached: dict[str, tuple[list[int], Node]] = {}  # held request -> (prompt, locked node)
+        # held request -> (prompt, locked node, its cache namespace)
+        self._cached: dict[str, tuple[list[int], Node, str]] = {}
         self._lock = threading.RLock()
         # grammars compile here, off the loop (the scheduler waits for `ready`); ranks get the mask
         mcfg = self.model_config
@@ -136,7 +137,8 @@ class PrefillInstance(RankInstance):
         if prefix_of is None and self.cache is not None:
             # prompt logprobs (echo) need every position computed: such a prompt is cached, never served
             reuse = params is None or params.prompt_logprobs is None
-            pages, cached_len = self._cached_pages_for(request_id, token_ids, reuse)
+            namespace = params.cache_namespace if params is not None else ""
+            pages, cached_len = self._cached_pages_for(request_id, token_ids, reuse, namespace)
         else:
             with self._lock:
                 pages = self._pages_for(token_ids, prefix_of, cached_len)
@@ -197,12 +199,13 @@ class PrefillInstance(RankInstance):
         return keep + self.allocator.allocate(len(token_ids) - cached_len)
 
     def _cached_pages_for(
-        self, request_id: str, token_ids: list[int], reuse: bool = True
+        self, request_id: str, token_ids: list[int], reuse: bool = True, namespace: str = ""
     ) -> tuple[list[int], int]:
-        """(pages, cached_len): the cached whole pages of the longest prefix (locked; none without
-        reuse) + new pages."""
+        """(pages, cached_len): the cached whole pages of the longest prefix in the request's cache
+        namespace (locked; none without reuse) + new pages."""
         with self._lock:
-            match = self.cache.match(token_ids[: len(token_ids) - 1] if reuse else [], count=False)
+            prefix = token_ids[: len(token_ids) - 1] if reuse else []
+            match = self.cache.match(prefix, count=False, namespace=namespace)
             self.cache.lock(match.node)
             cached_len = match.num_pages * self.allocator.page_size
             try:
@@ -211,7 +214,7 @@ class PrefillInstance(RankInstance):
                 self.cache.unlock(match.node)
                 raise
             self.cache.hit_tokens += cached_len
-            self._cached[request_id] = (list(token_ids), match.node)
+            self._cached[request_id] = (list(token_ids), match.node, namespace)
             return pages, cached_len
 
     def _drop(self, request_id: str, pages: list[int], cached_len: int) -> None:
@@ -234,8 +237,8 @@ class PrefillInstance(RankInstance):
             if cached is None:
                 self.allocator.free(pages)
                 return
-            token_ids, node = cached
-            self.allocator.free(self.cache.insert(token_ids, pages))
+            token_ids, node, namespace = cached
+            self.allocator.free(self.cache.insert(token_ids, pages, namespace))
             self.cache.unlock(node)
 
     def check_idle(self) -> None:

@@ -5,7 +5,7 @@ GET  /health               200 when at least one prefill and one decode instance
 GET  /v1/models            the one served model
 POST /v1/completions       prompt (string or token ids), sampling fields, stop strings, stream (SSE)
 POST /v1/chat/completions  messages rendered with the checkpoint's chat template
-GET  /metrics              Prometheus text (metrics.py)
+GET  /metrics              Prometheus text (metrics.py); behind the API keys when there are some
 /admin/...                 topology admin API, bearer token (admin.py)
 
 With --discovery k8s the instances also come and go with the pods of a label selector (discovery.py).
@@ -36,7 +36,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from ..engine.http_edge import install_edge
+from ..engine.http_edge import PRINCIPAL_SCOPE_KEY, install_edge
 from ..engine.http_server import server_config
 from ..model.tokenizer import Tokenizer
 from . import protocol as P
@@ -50,6 +50,7 @@ from .orchestrator import GenParams, Orchestrator
 from .pool import NoInstance, Pool, TooLong
 from .prompt import PromptLimits, chat_prompt, completion_prompt
 from .structured import check_choices_grammar, response_grammar
+from .tenants import cache_namespace
 from .tools import forced_grammar, plan_tools, prompt_opens_reasoning
 
 DISCONNECT_POLL_S = 0.5
@@ -114,7 +115,7 @@ def create_app(cfg: RouterConfig) -> FastAPI:
                     task.cancel()
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
-    _add_error_handlers(app, cfg.max_body_bytes, cfg.api_key)
+    _add_error_handlers(app, cfg.max_body_bytes, cfg.api_keys)
     app.include_router(admin_router(cfg.admin_token))
 
     @app.get("/live")
@@ -180,12 +181,25 @@ def _discovery(cfg: RouterConfig, state: RouterState):
     return K8sDiscovery(state.pool, cfg.selector, cfg.namespace, cfg.k8s_api, on_added=poll_now)
 
 
-def _add_error_handlers(app: FastAPI, max_body_bytes: int, api_key: str | None) -> None:
-    install_edge(app, max_body_bytes, token=api_key, protect=lambda path: path.startswith("/v1/"))
+def _add_error_handlers(app: FastAPI, max_body_bytes: int, api_keys: dict[str, str] | None) -> None:
+    install_edge(app, max_body_bytes, tokens=api_keys, protect=_protected)
 
     @app.exception_handler(P.ApiError)
     async def api_error(request: Request, exc: P.ApiError):
         return exc.response()
+
+
+def _protected(path: str) -> bool:
+    """Paths that need an API key (when there are some): the OpenAI API and the metrics, whose
+    prefix-cache hit counters would otherwise tell anyone what others' prompts hit."""
+    return path.startswith("/v1/") or path == "/metrics"
+
+
+def _namespace(cfg: RouterConfig, request: Request, body) -> str:
+    """The request's prefix-cache namespace (tenants.py): its principal, narrowed by the trusted
+    gateway header (only with --namespace-header) and by its own cache_salt."""
+    header = request.headers.get(cfg.namespace_header) if cfg.namespace_header else None
+    return cache_namespace(request.scope.get(PRINCIPAL_SCOPE_KEY), header, body.cache_salt)
 
 
 def _check_model(cfg: RouterConfig, model: str) -> None:
@@ -212,7 +226,11 @@ async def _serve(
     try:
         sampling = P.check_sampling(body, state.cfg.default_max_tokens, state.tokenizer.vocab_size)
         P.check_response_budget(sampling, body.stream, state.cfg.max_response_budget)
-        params = GenParams(**sampling, grammar=await response_grammar(body.response_format, tool_grammar))
+        params = GenParams(
+            **sampling,
+            grammar=await response_grammar(body.response_format, tool_grammar),
+            cache_namespace=_namespace(state.cfg, request, body),
+        )
         if params.grammar is not None and params.ignore_eos:
             raise P.ApiError(400, "ignore_eos cannot be combined with response_format", "ignore_eos")
         check_choices_grammar(params.grammar, params.n)

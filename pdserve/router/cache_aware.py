@@ -3,7 +3,9 @@
 The router never sees the instances' radix trees (engine/radix_cache.py); it keeps an approximate
 copy per instance, built from the prompts it routed there. A prompt is cut into blocks of BLOCK
 tokens and each block is named by a hash of the whole prefix up to its end (a hash chain), so "the
-instance holds the first k blocks" is k dictionary hits. An instance's model is an LRU of those
+instance holds the first k blocks" is k dictionary hits. The chain starts from the request's cache
+namespace (router/tenants.py), as the instances' radix trees do: a prompt never matches, and so is
+never routed toward, a prefix another namespace sent. An instance's model is an LRU of those
 prefix hashes, bounded by the instance's KV capacity in blocks, and it forgets its oldest entries
 when the instance reports evictions (`evicted_tokens` in its load answer grew) or when they are
 older than `max_age_s`.
@@ -23,9 +25,9 @@ BLOCK = 16  # tokens per block of the router's model (instances' pages are 16 or
 MAX_AGE_S = 600.0
 
 
-def prefix_hashes(token_ids: list[int], block: int = BLOCK) -> list[int]:
-    """One hash per whole block: hash i names token_ids[: (i + 1) * block]."""
-    out, h = [], 0
+def prefix_hashes(token_ids: list[int], block: int = BLOCK, namespace: str = "") -> list[int]:
+    """One hash per whole block: hash i names token_ids[: (i + 1) * block] in `namespace`."""
+    out, h = [], hash(("namespace", namespace)) if namespace else 0
     for i in range(0, len(token_ids) // block * block, block):
         h = hash((h, tuple(token_ids[i : i + block])))
         out.append(h)

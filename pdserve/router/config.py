@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -16,6 +17,7 @@ from .instance_auth import check_entries
 POLICIES = values(Policy)
 ADMIN_TOKEN_ENV = "PDSERVE_ADMIN_TOKEN"
 DISCOVERY = values(Discovery)
+HEADER_NAME = re.compile(r"^[A-Za-z0-9-]{1,64}$")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,8 +57,20 @@ class RouterConfig:
     )
     api_key: str | None = option(  # clients' bearer key on /v1/*; None: open
         None,
-        "API key clients must send as `Authorization: Bearer KEY` on /v1/* (default: $PDSERVE_API_KEY); without one the OpenAI API is open.",
+        'API key clients must send as `Authorization: Bearer KEY` on /v1/* and /metrics (default: $PDSERVE_API_KEY); its principal is named "default". Without any key the OpenAI API is open.',
         repr=False,
+    )
+    api_key_file: str | None = option(  # one `name:key` a line (router/tenants.py)
+        None,
+        "File of clients' API keys, one `name:key` a line (`#` comments and blank lines ignored; names of letters, digits, . _ -; keys of at least 16 characters, each name and key once). Each name is a principal with its own prefix-cache namespace; combines with --api-key.",
+    )
+    namespace_header: str | None = option(  # a trusted gateway's tenant; None: no header is read
+        None,
+        "Name of a request header set by a trusted gateway in front of the router whose value narrows the prefix-cache namespace (e.g. the gateway's tenant id); without this flag no header is read. It narrows the key's namespace, never reaches another key's.",
+    )
+    report_cached_tokens: bool = option(  # off: usage.prompt_tokens_details.cached_tokens is always 0
+        False,
+        "Report the prompt tokens the prefix cache served in usage.prompt_tokens_details.cached_tokens (off: always 0; a cache hit tells a client that someone sent that prefix before, within its own cache namespace only: docs/security.md).",
     )
     internal_token: str | None = option(  # sent to the instances (engine/auth.py)
         None, INTERNAL_TOKEN_HELP, repr=False
@@ -131,6 +145,12 @@ class RouterConfig:
     )
 
     def __post_init__(self):
+        from .tenants import load_api_keys
+
+        # key -> principal name; not a field, so asdict (--check-config's output) never holds a key
+        object.__setattr__(self, "_api_keys", load_api_keys(self.api_key, self.api_key_file))
+        if self.namespace_header is not None and not HEADER_NAME.match(self.namespace_header):
+            raise ValueError(f"--namespace-header must be an HTTP header name, got {self.namespace_header!r}")
         if self.admin_token is not None:
             check_strength(self.admin_token, "the admin token")
         if self.policy not in POLICIES:
@@ -181,6 +201,11 @@ class RouterConfig:
             raise ValueError("--selector, --namespace and --k8s-api need --discovery k8s")
         if not (Path(self.model) / "tokenizer.json").is_file():
             raise ValueError(f"{self.model} has no tokenizer.json (the router needs the model's tokenizer)")
+
+    @property
+    def api_keys(self) -> dict[str, str] | None:
+        """{key: principal name} of --api-key and --api-key-file (router/tenants.py); None: open."""
+        return self._api_keys
 
     @property
     def model_name(self) -> str:

@@ -73,6 +73,13 @@ class StackConfig:
         "Bearer token of the router's /admin API (default: PDSERVE_ADMIN_TOKEN); none disables it.",
         repr=False,
     )
+    report_cached_tokens: bool = option(  # the router's --report-cached-tokens
+        False, "The router's --report-cached-tokens: usage reports the prompt tokens the prefix cache served."
+    )
+    api_key_file: str | None = option(  # the router's --api-key-file
+        None,
+        "The router's --api-key-file: clients' API keys, one `name:key` a line (each name its own prefix-cache namespace).",
+    )
     log_dir: str = option(
         "pdserve-logs",
         "Directory for one log file per started process.",
@@ -112,6 +119,10 @@ class StackConfig:
     )
 
     def __post_init__(self):
+        if self.api_key_file is not None:  # a bad key file: an error now, not a router that never starts
+            from .tenants import load_api_keys
+
+            load_api_keys(None, self.api_key_file)
         if self.restart not in RESTART_POLICIES:
             raise ValueError(f"--restart must be one of {', '.join(RESTART_POLICIES)}, got {self.restart!r}")
         if self.shutdown_grace_s < 0:
@@ -261,6 +272,14 @@ class Stack:
 
     def start_router(self, prefill: list[Child], decode: list[Child]) -> Child:
         c = self.cfg
+        args = self.router_args([p.url for p in prefill], [d.url for d in decode])
+        child = self._spawn("router", lambda: args, c.port)
+        child.url = f"http://{'127.0.0.1' if c.host in ('0.0.0.0', '::') else c.host}:{c.port}"
+        return child
+
+    def router_args(self, prefill: list[str], decode: list[str]) -> list[str]:
+        """The router's `pdserve` arguments in front of these instance URLs."""
+        c = self.cfg
         args = [
             "router",
             "--model",
@@ -274,12 +293,15 @@ class Stack:
             "--health-interval",
             str(ROUTER_HEALTH_INTERVAL_S),
         ]
-        args += [a for p in prefill for a in ("--prefill", p.url)] + [
-            a for d in decode for a in ("--decode", d.url)
-        ]
-        child = self._spawn("router", lambda: args, c.port)
-        child.url = f"http://{'127.0.0.1' if c.host in ('0.0.0.0', '::') else c.host}:{c.port}"
-        return child
+        if c.report_cached_tokens:
+            args.append("--report-cached-tokens")
+        if c.api_key_file:
+            args += ["--api-key-file", str(Path(c.api_key_file).resolve())]
+        return (
+            args
+            + [a for p in prefill for a in ("--prefill", p)]
+            + [a for d in decode for a in ("--decode", d)]
+        )
 
     def wait_ready(self, children: list[Child], deadline: float) -> None:
         """Polls every child's /health until all answer 200; raises if one exits or the deadline passes."""
@@ -347,7 +369,8 @@ def up(cfg: StackConfig, echo=print) -> int:
         stack.wait_ready(prefill + decode, deadline)
         router = stack.start_router(prefill, decode)
         stack.wait_ready([router], deadline)
-        model = httpx.get(f"{router.url}/v1/models", timeout=5).json()["data"][0]["id"]
+        models = httpx.get(f"{router.url}/v1/models", timeout=5)  # 401 behind API keys
+        model = models.json()["data"][0]["id"] if models.is_success else Path(cfg.model).resolve().name
         echo(f"router: {router.url} (pid {router.proc.pid}, log {router.log})")
         echo(f"ready: {router.url}/v1  (model {model!r}; Ctrl-C stops everything)")
         echo(

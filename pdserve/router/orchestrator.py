@@ -59,12 +59,13 @@ class GenParams:
     grammar: str | None = None  # llguidance's (engine/constraint.py grammar_for)
     prompt_logprobs: int | None = None  # echo: the prefill's reply comes first in generate()
     n: int = 1  # choices from one prefill (the decode copies the prompt's cache for each)
+    cache_namespace: str = ""  # the prefix caches' namespace (tenants.py); "": the shared one
 
     def sampling(self) -> dict:
-        """The fields both halves sample with (contracts._Sampling)."""
+        """The fields both halves sample with (contracts._Sampling), and the cache namespace."""
         names = (
             "temperature top_p top_k seed ignore_eos stop_token_ids min_tokens presence_penalty "
-            "frequency_penalty repetition_penalty logit_bias logprobs grammar n"
+            "frequency_penalty repetition_penalty logit_bias logprobs grammar n cache_namespace"
         ).split()
         return {n: getattr(self, n) for n in names}
 
@@ -149,10 +150,11 @@ class Orchestrator:
         try:
             while True:
                 try:
+                    ns = params.cache_namespace
                     decode = self.pool.pick(
-                        "decode", params.n * (prompt_len + params.max_tokens), avoid, prompt
+                        "decode", params.n * (prompt_len + params.max_tokens), avoid, prompt, ns
                     )
-                    return self.pool.pick("prefill", prompt_len, avoid, prompt), decode
+                    return self.pool.pick("prefill", prompt_len, avoid, prompt, ns), decode
                 except Saturated:
                     if not queued:
                         if self.queued >= self.max_queue:

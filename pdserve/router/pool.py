@@ -162,13 +162,19 @@ class Pool:
 
     # choice -------------------------------------------------------------------------------
     def pick(
-        self, role: str, need_tokens: int, avoid: set[str] = frozenset(), prompt: list[int] | None = None
+        self,
+        role: str,
+        need_tokens: int,
+        avoid: set[str] = frozenset(),
+        prompt: list[int] | None = None,
+        namespace: str = "",
     ) -> Instance:
         """An instance of `role` for a request of `need_tokens` KV slots (prompt + max_tokens on a
-        decode); `prompt` (its token ids): for cache_aware (router/cache_aware.py)."""
+        decode); `prompt` (its token ids) and its cache `namespace`: for cache_aware (router/cache_aware.py)."""
         fresh = self.candidates(role, need_tokens, avoid)
         if self.cache_aware is not None and prompt is not None:
-            return self.cache_aware.choose(fresh, prefix_hashes(prompt), Instance.load, _busy)
+            hashes = prefix_hashes(prompt, namespace=namespace)
+            return self.cache_aware.choose(fresh, hashes, Instance.load, _busy)
         if self.policy in ("least_load", "cache_aware"):
             return min(fresh, key=Instance.load)
         return fresh[next(self._turn[role]) % len(fresh)]

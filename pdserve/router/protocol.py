@@ -94,6 +94,8 @@ class _Common(OpenAIModel):
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     response_format: dict[str, Any] | None = None
     user: str | None = Field(None, max_length=256)
+    # vLLM's and SGLang's field: narrows the request's prefix-cache namespace (tenants.py), never widens it
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -227,7 +229,8 @@ def _check_stop(stops: list[str]) -> None:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
-    """OpenAI's usage; prompt_tokens_details.cached_tokens when the prefill reported its cache hit."""
+    """OpenAI's usage; prompt_tokens_details.cached_tokens once the prefill answered (its cache hit
+    with --report-cached-tokens, else 0: respond.py)."""
     out = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,

@@ -73,7 +73,7 @@ async def pieces(
         async with aclosing(state.orch.generate(prompt, params, deadline)) as events:
             async for ev in events:
                 if isinstance(ev, PrefillReply):
-                    counts.cached_tokens = ev.cached_tokens
+                    counts.cached_tokens = ev.cached_tokens if state.cfg.report_cached_tokens else 0
                     for i in range(params.n if params.prompt_logprobs is not None else 0):  # echo
                         text = state.tokenizer.decode(prompt)
                         yield Piece(text, list(prompt), ev.prompt_logprobs, prompt=True, index=i)

@@ -117,3 +117,19 @@ def test_pool_forgets_a_removed_instance_and_polls_feed_the_model():
     assert inst.url not in pool.cache_aware.models
     policy = CacheAwarePolicy()
     assert policy.choose([inst], [], lambda i: 0, lambda i: 0) is inst  # no whole block: least_load
+
+
+def test_hashes_differ_across_namespaces_and_routing_never_follows_another_namespace():
+    """A probe in namespace B is routed as if nothing were cached, never toward the instance that
+    holds namespace A's copy of the same prompt (issue 40 item 4)."""
+    a_ns, b_ns = "a" * 32, "b" * 32
+    ha, hb, h0 = (prefix_hashes(SYSTEM, namespace=ns) for ns in (a_ns, b_ns, ""))
+    assert len(ha) == len(hb) == len(h0) == 4
+    assert not set(ha) & set(hb) and not set(ha) & set(h0) and h0 == prefix_hashes(SYSTEM)
+    pool = cache_pool()
+    victim = pool.pick("prefill", len(SYSTEM), prompt=SYSTEM, namespace=a_ns)
+    other = next(i for i in pool.of("prefill") if i is not victim)
+    victim.in_flight = 1  # least_load's choice (a miss's) is now the other one; a hit still wins
+    assert pool.pick("prefill", len(SYSTEM), prompt=SYSTEM, namespace=a_ns) is victim  # own hit
+    assert pool.pick("prefill", len(SYSTEM), prompt=SYSTEM, namespace=b_ns) is other
+    assert pool.cache_aware.model(victim.url).match(hb) == 0

@@ -37,7 +37,8 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def api(model_dir, instances):
-    with running_router(router_config(model_dir, *instances)) as (url, _):
+    cfg = router_config(model_dir, *instances, report_cached_tokens=True)  # usage's cached_tokens
+    with running_router(cfg) as (url, _):
         yield {
             "url": url,
             "client": openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60),
