@@ -19,6 +19,7 @@ from typing import Optional
 import typer
 
 from .choices import KVCacheDType, ModelDType
+from .flags import warn_secret_on_argv
 
 admin_app = typer.Typer(
     help="Operator tools: a deployment's sizing (capacity --config) and a running router's topology.",
@@ -61,6 +62,8 @@ def admin(
     ),
 ) -> None:
     """Operator tools: a deployment's sizing (capacity --config) and a running router's topology."""
+    if token is not None:
+        warn_secret_on_argv("--token")
     token = token or os.environ.get("PDSERVE_ADMIN_TOKEN")
     ctx.obj = {"router": router.rstrip("/") if router else None, "token": token}
 

@@ -141,6 +141,18 @@ def _default(f: dataclasses.Field, flag: Flag) -> Any:
     return flag.choices(default) if flag.choices is not None and default is not None else default
 
 
+def warn_secret_on_argv(flag: str) -> None:
+    """A secret given on the command line is readable by every user of the machine (ps,
+    /proc/PID/cmdline): said on stderr, once per flag (its --help names the variable or file form)."""
+    import sys
+
+    print(
+        f"warning: {flag} on the command line is visible to every user of this machine (ps, "
+        f"/proc/<pid>/cmdline); prefer its environment variable or file form (see --help)",
+        file=sys.stderr,
+    )
+
+
 def config_command(cls, after: dict[str, str] | None = None) -> Callable[[Callable], Callable]:
     """Decorator: `fn(values: dict, **extra)` becomes a typer command whose options are `cls`'s
     option fields (named and typed as declared there) plus fn's own keyword parameters `extra`;
@@ -175,11 +187,15 @@ def config_command(cls, after: dict[str, str] | None = None) -> Callable[[Callab
             ]
         params += [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own if p.name not in after]
 
+        secrets = {f.name: flag.flag_name(f.name) for f, flag in flagged_fields(cls) if not f.repr}
+
         def command(**kwargs):
             values = {}
             for pname, field_name in by_field.items():
                 value = kwargs.pop(pname)
                 values[field_name] = value.value if isinstance(value, Enum) else value
+                if field_name in secrets and value is not None:
+                    warn_secret_on_argv(secrets[field_name])
             return fn(values, **kwargs)
 
         command.__name__, command.__qualname__, command.__doc__ = fn.__name__, fn.__qualname__, fn.__doc__

@@ -239,3 +239,17 @@ def test_glm5_fp8_at_w8_fits_an_h200_with_fp8_kept():
     plan = json.loads(r.stdout)["plan"]
     assert set(plan["weight_bytes_by_dtype_per_rank"][0]) == {"bfloat16", "float32"}
     assert not plan["gpu"]["weights_fit"] and plan["gpu"]["kv_tokens_fit"] == 0
+
+
+def test_a_secret_on_the_command_line_is_warned_about():
+    """Issue 40 item 7: a token given as a flag is readable by every user (ps); the CLI says so and
+    names the safer forms; the same token from the environment says nothing."""
+    token = "a-strong-internal-token-0123456789abcdef"
+    args = ("decode", "--model", str(CONFIGS / "glm5"), "--tp-size", "8", "--check-config")
+    flagged = cli(*args, "--internal-token", token)
+    assert flagged.exit_code == 0, flagged.output
+    assert "warning: --internal-token on the command line is visible" in flagged.stderr
+    quiet = cli(*args, env={"PDSERVE_INTERNAL_TOKEN": token})
+    assert quiet.exit_code == 0 and "warning" not in quiet.stderr
+    admin = cli("admin", "--token", token, "capacity", "--config", str(CONFIGS / "glm5"))
+    assert "warning: --token on the command line is visible" in admin.stderr

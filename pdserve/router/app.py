@@ -114,7 +114,9 @@ def create_app(cfg: RouterConfig) -> FastAPI:
                 for task in tasks:
                     task.cancel()
 
-    app = FastAPI(title="pdserve router", lifespan=lifespan)
+    # behind API keys the API's map (/docs, /redoc, /openapi.json) is not served: it would be open
+    docs = {} if not cfg.api_keys else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="pdserve router", lifespan=lifespan, **docs)
     _add_error_handlers(app, cfg.max_body_bytes, cfg.api_keys)
     app.include_router(admin_router(cfg.admin_token))
 

@@ -61,6 +61,11 @@ def load_api_keys(api_key: str | None, api_key_file: str | None) -> dict[str, st
             raise ValueError(f"cannot read --api-key-file {api_key_file}: {e}") from None
         keys = parse_api_keys(text, f"--api-key-file {api_key_file}")
     if api_key is not None:
+        if len(api_key) < MIN_API_KEY_CHARS or len(set(api_key)) < 8:
+            raise ValueError(
+                f"--api-key is too weak: use at least {MIN_API_KEY_CHARS} random characters "
+                "(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(24))'`)"
+            )
         if api_key in keys:
             raise ValueError(f"--api-key is also {keys[api_key]!r}'s key in --api-key-file")
         if DEFAULT_PRINCIPAL in keys.values():

@@ -84,6 +84,8 @@ def test_router_api_key(model_dir, instances):
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 401
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        for path in ("/docs", "/redoc", "/openapi.json"):  # the API's map is not shown to strangers
+            assert httpx.get(f"{url}{path}", timeout=10).status_code == 404, path
         ok = httpx.post(
             f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30
         )
@@ -94,6 +96,9 @@ def test_weak_or_missing_secrets_are_startup_errors(model_dir):
     for weak in ("change-me", "short", "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"):
         with pytest.raises(ValueError, match="admin token is too weak"):
             RouterConfig(model=str(model_dir), admin_token=weak)
+    for weak in ("sk-test", "abababababababababab"):  # issue 40 item 7: API keys too
+        with pytest.raises(ValueError, match="--api-key is too weak"):
+            RouterConfig(model=str(model_dir), prefill=("http://p",), decode=("http://d",), api_key=weak)
     env = {k: v for k, v in os.environ.items() if k != "PDSERVE_INTERNAL_TOKEN"}
     for args in (["prefill"], ["decode"], ["router"]):
         out = subprocess.run(
