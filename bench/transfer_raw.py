@@ -12,9 +12,10 @@ processes on this machine. Both ends' buffers are allocated as the KV pools are 
 same kind of memory as the hand-off's.
 
 `round(verify=True)` adds the one thing a hand-off must do that a raw WRITE does not (invariant 8,
-docs/design.md): each receiver reads every byte that landed once, taking its row sums
-(engine/row_sums.py, the hand-off's checksum) as each sender's WRITE is notified. That is the floor
-of any verified transfer over this transport here, measured rather than estimated.
+docs/design.md): each receiver reads every byte that landed once, taking its row sums (`row_sums`:
+the cheapest read of every byte; the hand-off itself now runs a keyed MAC, transfer/row_mac.py,
+which costs more) as each sender's WRITE is notified. That is the floor of any verified transfer
+over this transport here, measured rather than estimated.
 
 `round(..., chunk_bytes=C)` splits each pair's bytes into WRITEs of at most C bytes (whole rows), all
 in flight together, each with a notification of its own, and a verifying receiver reads each chunk
@@ -36,6 +37,19 @@ from common import cpu_seconds
 from pdserve.engine import huge_pages
 
 POLL_S = 0.0002  # the hand-off's own status polls sleep too
+_WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+
+
+def row_sums(rows: torch.Tensor) -> torch.Tensor:
+    """[n] int64: per row of [n, ...], the wrapping int64 sum of its bytes, read as words of the
+    widest integer type that divides the row's byte size."""
+    b = rows.reshape(len(rows), -1).contiguous().view(torch.uint8)
+    if b.numel() == 0:
+        return torch.zeros(len(b), dtype=torch.int64, device=b.device)
+    size, word = next((n, t) for n, t in _WORDS if b.shape[1] % n == 0)
+    if b.storage_offset() % size or b.data_ptr() % size:
+        b = b.clone()  # a view at an odd offset: word loads need alignment
+    return b.view(word).sum(1, dtype=torch.int64)
 
 
 def pieces(offset: int, nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
@@ -52,7 +66,6 @@ def piece_tag(tag: bytes, offset: int) -> bytes:
 
 
 def _receiver(conn, idx: int, nbytes: int, row_bytes: int) -> None:
-    from pdserve.engine.row_sums import row_sums
     from pdserve.transfer.nixl_agent import make_agent
 
     torch.set_num_threads(1)

@@ -4,8 +4,6 @@ them, and the verified round reads each landed byte (its row sums add up to the 
 import pytest
 import torch
 
-from pdserve.engine.row_sums import row_sums
-
 
 @pytest.fixture
 def raw(bench_module):
@@ -31,10 +29,10 @@ def test_verified_rounds_read_exactly_what_each_pair_wrote(raw):
         s1 = sender_bytes(32 * row + 128 * row)
         s0 = sender_bytes(64 * row + tail)
         expected = {
-            0: row_sums(s0[: 64 * row].view(-1, row)).sum()
-            + row_sums(s0[64 * row :].view(1, -1)).sum()
-            + row_sums(s1[: 32 * row].view(-1, row)).sum(),
-            1: row_sums(s1[32 * row :].view(-1, row)).sum(),
+            0: raw.row_sums(s0[: 64 * row].view(-1, row)).sum()
+            + raw.row_sums(s0[64 * row :].view(1, -1)).sum()
+            + raw.row_sums(s1[: 32 * row].view(-1, row)).sum(),
+            1: raw.row_sums(s1[32 * row :].view(-1, row)).sum(),
         }
         assert rp.sums == {d: int(v) for d, v in expected.items()}
         assert rp.sums[0] != rp.sums[1]

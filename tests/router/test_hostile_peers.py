@@ -19,9 +19,11 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
+from pdserve.engine.http_edge import AnswerChallenge
 from pdserve.engine.http_server import server_config
 from tests.reference import free_port
 from tests.router.helpers import router_config, running_router
+from tests.servers import TEST_TOKEN
 
 CASES = {  # what the decode stand-in streams (chosen by the prompt's second id) before it stalls
     "not json": ["this is not json"],
@@ -35,8 +37,10 @@ NAMES = sorted(CASES)
 
 
 def _fake_instance(stall_s: float) -> FastAPI:
-    """Answers health and load polls like a prefill and a decode instance; its data answers misbehave."""
+    """Answers health and load polls like a prefill and a decode instance (proving it holds the
+    internal token, as a real one does); its data answers misbehave."""
     app = FastAPI()
+    app.add_middleware(AnswerChallenge, token=TEST_TOKEN)
 
     @app.get("/health")
     def health():
