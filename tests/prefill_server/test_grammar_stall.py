@@ -5,7 +5,7 @@ to a real `pdserve prefill` (C_p = 2) with the internal token, as a router would
 as any token holder could: its grammar is validated on a worker thread, compiled once on the
 instance's background compile thread (not per choice, not on a rank), and the job waits for it
 while the loop serves others. A 1-token request sent while it compiles is answered in under 2 s;
-the big one then completes with a first token the grammar allows."""
+the big one then completes with the first token the grammar allows."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from pdserve.engine.constraint import Grammars, grammar_for
+from pdserve.engine.constraint import grammar_for
 from pdserve.model.tokenizer import Tokenizer
 from tests.engine.test_grammar_cache import big_schema
 from tests.servers import AUTH, start_server
@@ -53,9 +53,10 @@ def test_a_12000_property_n128_grammar_leaves_other_requests_under_2s(tiny_check
         sender.join(timeout=600)
         reply = big["reply"]
         assert reply.status_code == 200, reply.text
-        tok = Tokenizer.from_pretrained(model)
-        allowed = Grammars(model, tok.vocab_size, tok.eos_token_ids).matcher(grammar).allowed()
-        assert bool(allowed[reply.json()["first_token"]])
+        # the one token this grammar allows first (an object with required keys: `{"`); compiling it
+        # again here to ask would cost the test as much as the instance's compile
+        assert Tokenizer.from_pretrained(model).decode([reply.json()["first_token"]]) == '{"'
+
     finally:
         proc.terminate()
         proc.wait(timeout=30)
