@@ -1,4 +1,4 @@
-"""5,000 random and malformed requests to each HTTP API (router, prefill, decode), seeded.
+"""2,500 random and malformed requests to each HTTP API (router, prefill, decode), seeded.
 
 Bodies are random bytes, random JSON of every shape, and mutations of valid bodies (fields
 dropped, retyped, made huge, NaN, nested deep); content types and methods vary. No answer may be a
@@ -19,7 +19,7 @@ from pdserve.engine.request import SamplingParams
 from tests.router.helpers import decode_idle, router_config, running_router, wait_until
 from tests.servers import AUTH, http
 
-PER_API = 5000
+PER_API = 2500  # make test must stay under 12 minutes: 5,000 took 50 s of it
 VALID = {
     "router": ("/v1/completions", {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}),
     "chat": (
@@ -130,7 +130,7 @@ async def _fire(base: str, path: str, valid: dict, seed: int, n: int) -> dict[in
 
 
 @pytest.mark.slow
-def test_five_thousand_malformed_requests_per_api(model_dir, instances):
+def test_thousands_of_malformed_requests_per_api(model_dir, instances):
     p_url, d_url = instances
     cfg = router_config(
         model_dir,
