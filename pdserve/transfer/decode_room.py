@@ -27,10 +27,10 @@ import time
 from typing import Callable
 
 from .base import KVPoll, TransferState
+from .decode_client import DecodeClient
 from .interfaces import Admitted, KVDestination
 from .messages import DecodeReservation, TransferDone, TransferFailed
 from .rank_commands import RoomStatus
-from .side_channel import DecodeClient
 
 
 class RoomFailure(Exception):

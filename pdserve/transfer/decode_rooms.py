@@ -30,10 +30,10 @@ import zmq
 from ..engine.launcher import RankError
 from ..engine.request import SamplingParams
 from .base import KVPoll
+from .decode_client import DecodeClient
 from .decode_room import DecodeRoom
 from .frames import DEV_FRAME_KEY
 from .interfaces import KVDestination
-from .side_channel import DecodeClient
 
 Emit = Callable[[str, tuple[str, object]], None]  # (request_id, event) -> delivered to its listener
 MAX_CLIENTS = 64

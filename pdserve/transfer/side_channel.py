@@ -7,7 +7,8 @@
     either  --Heartbeat-->                      (liveness; the last one seen per peer is kept)
 
 The prefill's `BootstrapServer` binds one ROUTER socket (ephemeral port, `endpoint`); every decode
-instance connects one DEALER (`DecodeClient`). The server answers a room on the DEALER that
+instance connects one DEALER (`DecodeClient`, transfer/decode_client.py; both sides' sockets are
+transfer/side_endpoint.py `Endpoint`s). The server answers a room on the DEALER that
 reserved it. Both sides are polled from one thread each (ZMQ sockets are not thread-safe).
 Frames that do not decode are counted and dropped: a bad peer can fail its rooms, not the server.
 
@@ -47,29 +48,25 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import queue
-import secrets
 import threading
 import time
 
 import zmq
 
-from ..engine.auth import MAC_BYTES, sign, verify
-from .frames import D2P, DEV_FRAME_KEY, P2D, SIDE_MAX_BYTES, Liveness
+from ..engine.auth import MAC_BYTES
+from .frames import D2P, DEV_FRAME_KEY, P2D, Liveness
 from .messages import (
     DecodeReservation,
     Heartbeat,
     Hello,
-    ProtocolError,
     TransferDone,
     TransferFailed,
     Welcome,
-    decode,
-    encode,
     looks_like_message,
 )
+from .side_endpoint import MAX_PEERS, Endpoint
 
 MAX_RESERVATIONS = 4096
-MAX_PEERS = 1024
 RESERVATION_TTL_S = 120.0
 EXPIRE_EVERY_S = 1.0
 TURN_FRAMES, TURN_S = 256, 0.01  # at most this many frames, or this long, per drain() turn
@@ -80,59 +77,7 @@ class BootstrapTimeout(TimeoutError):
     pass
 
 
-class _Endpoint:
-    """One side-channel socket: frames out are sealed under `send_label`, frames in must verify under `recv_label`."""
-
-    def __init__(
-        self, kind: int, key: bytes, send_label: bytes, recv_label: bytes, ctx: zmq.Context | None = None
-    ):
-        self.own_ctx = ctx is None
-        self.ctx = ctx or zmq.Context()
-        self.sock = self.ctx.socket(kind)
-        self.sock.setsockopt(zmq.LINGER, 0)  # a dead peer must not block close()
-        self.sock.setsockopt(zmq.MAXMSGSIZE, SIDE_MAX_BYTES + 4096)  # a larger frame disconnects its sender
-        self.key, self.send_label, self.recv_label = key, send_label, recv_label
-        self.bad_frames = 0  # authenticated, but not a message this side takes
-        self.unauthenticated = 0  # no valid tag: dropped undecoded
-        self.heartbeats: dict[str, float] = {}  # peer -> when (time.monotonic) its last heartbeat came
-
-    def _recv(self, timeout_ms: int) -> list[bytes] | None:
-        if not self.sock.poll(timeout_ms):
-            return None
-        return self.sock.recv_multipart()
-
-    def _seal(self, msg) -> list[bytes]:
-        frame = encode(msg)
-        return [frame, sign(self.key, self.send_label, frame)]
-
-    def _open(self, parts: list[bytes]):
-        """The message of [frame, tag], or None (counted) when it is not authentic or not a message."""
-        if len(parts) != 2 or not verify(self.key, parts[1], self.recv_label, parts[0]):
-            self.unauthenticated += 1
-            return None
-        try:
-            msg = decode(parts[0])
-        except ProtocolError:
-            self.bad_frames += 1
-            return None
-        if isinstance(msg, Heartbeat):
-            self._heard(msg.sender)
-            return None
-        return msg
-
-    def _heard(self, sender: str) -> None:
-        self.heartbeats.pop(sender, None)  # re-inserted last: the dict is oldest-first
-        if len(self.heartbeats) >= MAX_PEERS:
-            del self.heartbeats[next(iter(self.heartbeats))]
-        self.heartbeats[sender] = time.monotonic()
-
-    def close(self) -> None:
-        self.sock.close()
-        if self.own_ctx:
-            self.ctx.term()
-
-
-class BootstrapServer(_Endpoint):
+class BootstrapServer(Endpoint):
     """Prefill side: collects reservations (they may come before the prompt), answers per room."""
 
     def __init__(
@@ -376,92 +321,3 @@ class BootstrapService(BootstrapServer):
         self._stop.set()
         self._thread.join(2.0)
         super().close()
-
-
-MAX_HELD = 4096  # messages a client holds until its peer proved it has the key
-
-
-class DecodeClient(_Endpoint):
-    """Decode side: reserves rooms, receives their outcome. `ctx`: a shared ZMQ context (DecodeRooms
-    keeps one for all its clients, so a client costs a socket, not two I/O threads)."""
-
-    def __init__(self, bootstrap_endpoint: str, key: bytes = DEV_FRAME_KEY, ctx: zmq.Context | None = None):
-        super().__init__(zmq.DEALER, key, D2P, P2D, ctx)
-        self.endpoint = bootstrap_endpoint
-        self.sock.connect(bootstrap_endpoint)
-        self.nonce, self.ready = secrets.token_bytes(16), False
-        self.held: list = []  # messages waiting for the peer's Welcome
-        self.open: dict[str, bytes] = {}  # room -> ticket, reserved through this client: only their
-        # outcomes are kept, and only with that ticket (or none)
-        self.outcomes: dict[str, TransferDone | TransferFailed] = {}
-        self.stale = 0
-        self.used = time.monotonic()
-        self._post(Hello(self.nonce))
-
-    def _post(self, msg) -> None:
-        try:
-            self.sock.send_multipart(self._seal(msg), zmq.NOBLOCK)
-        except zmq.Again:  # the peer takes nothing: its rooms fail by heartbeat timeout
-            pass
-
-    def send(self, msg: DecodeReservation | TransferFailed | Heartbeat) -> None:
-        self.used = time.monotonic()
-        if isinstance(msg, DecodeReservation):
-            self.outcomes.pop(msg.room, None)
-            self.open[msg.room] = msg.ticket
-        if self.ready:
-            return self._post(msg)
-        if isinstance(msg, TransferFailed) and any(getattr(m, "room", None) == msg.room for m in self.held):
-            self.held = [
-                m for m in self.held if getattr(m, "room", None) != msg.room
-            ]  # never sent: nothing to abort
-            return
-        if len(self.held) < MAX_HELD:
-            self.held.append(msg)
-
-    def drain(self, timeout_ms: int = 0) -> None:
-        while (parts := self._recv(timeout_ms)) is not None:
-            timeout_ms = 0
-            try:
-                msg = self._open(parts)
-                if msg is not None:
-                    self._take(msg)
-            except Exception:  # never expected: the frame is dropped, the loop thread goes on
-                self.bad_frames += 1
-
-    def _take(self, msg) -> None:
-        if isinstance(msg, Welcome) and msg.nonce == self.nonce and not self.ready:
-            self.ready = True
-            held, self.held = self.held, []
-            for m in held:
-                self._post(m)
-        elif isinstance(msg, (TransferDone, TransferFailed)) and msg.room in self.open:
-            if msg.ticket in (b"", self.open[msg.room]):
-                self.outcomes[msg.room] = msg
-            else:
-                self.stale += 1  # the outcome of an earlier use of the room id
-        else:
-            self.bad_frames += 1
-
-    def wait_ready(self, timeout_s: float, pump=None) -> bool:
-        """Drains until the peer's Welcome came (True) or timeout_s passed; pump(), if given, runs
-        between tries (a polled BootstrapServer in the same thread: its drain answers the Hello)."""
-        deadline = time.monotonic() + timeout_s
-        while not self.ready and time.monotonic() < deadline:
-            if pump is not None:
-                pump()
-            self.drain(5)
-        return self.ready
-
-    def outcome(self, room: str) -> TransferDone | TransferFailed | None:
-        self.drain()
-        return self.outcomes.get(room)
-
-    def silent_for(self, peer: str, since: float) -> float:
-        """Seconds since `peer` was last heard from (a heartbeat), counting from `since` at the latest."""
-        return time.monotonic() - max(self.heartbeats.get(peer, since), since)
-
-    def forget(self, room: str) -> None:
-        self.outcomes.pop(room, None)
-        self.open.pop(room, None)
-        self.used = time.monotonic()

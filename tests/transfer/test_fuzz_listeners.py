@@ -16,6 +16,7 @@ import torch
 import zmq
 
 from pdserve.engine.auth import frame_key, sign
+from pdserve.transfer.decode_client import DecodeClient
 from pdserve.transfer.frames import D2P, P2D, new_ticket, seal_data, seal_notif
 from pdserve.transfer.messages import (
     DecodeReservation,
@@ -39,7 +40,7 @@ from pdserve.transfer.rank_commands import (
     TransferStatusCmd,
 )
 from pdserve.transfer.room import RoomSlots
-from pdserve.transfer.side_channel import BootstrapService, DecodeClient
+from pdserve.transfer.side_channel import BootstrapService
 from pdserve.transfer.tcp import (
     TcpReceiver,
     TcpSender,

@@ -12,9 +12,10 @@ import time
 import pytest
 
 from pdserve.transfer.base import IllegalTransition, KVPoll, TransferState
+from pdserve.transfer.decode_client import DecodeClient
 from pdserve.transfer.decode_room import DecodeRoom
 from pdserve.transfer.prefill_room import PrefillRooms
-from pdserve.transfer.side_channel import BootstrapServer, DecodeClient
+from pdserve.transfer.side_channel import BootstrapServer
 from tests.transfer.fakes import FakeDestination, FakeSource
 
 IDS = list(range(9))

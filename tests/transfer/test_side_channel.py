@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from pdserve.transfer.decode_client import DecodeClient
 from pdserve.transfer.frames import new_ticket
 from pdserve.transfer.messages import DecodeReservation, Fingerprint, Heartbeat, TransferDone, TransferFailed
 from pdserve.transfer.side_channel import (
@@ -17,7 +18,6 @@ from pdserve.transfer.side_channel import (
     BootstrapServer,
     BootstrapService,
     BootstrapTimeout,
-    DecodeClient,
 )
 
 FP = Fingerprint("h", "auto", "float64", 4, 4, 2, "copy")

@@ -14,6 +14,7 @@ import pytest
 import zmq
 
 from pdserve.engine.auth import frame_key, sign
+from pdserve.transfer.decode_client import DecodeClient
 from pdserve.transfer.frames import D2P, P2D, SIDE_MAX_BYTES, new_ticket
 from pdserve.transfer.messages import (
     DecodeReservation,
@@ -25,7 +26,7 @@ from pdserve.transfer.messages import (
     decode,
     encode,
 )
-from pdserve.transfer.side_channel import BootstrapServer, BootstrapService, DecodeClient
+from pdserve.transfer.side_channel import BootstrapServer, BootstrapService
 
 KEY, WRONG = (
     frame_key("the-cluster-token-for-these-tests-0123"),

@@ -14,9 +14,10 @@ import time
 import pytest
 
 from pdserve.engine.auth import frame_key
+from pdserve.transfer.decode_client import DecodeClient
 from pdserve.transfer.frames import new_ticket
 from pdserve.transfer.messages import DecodeReservation, Fingerprint, Hello, encode
-from pdserve.transfer.side_channel import HEARTBEAT_S, BootstrapService, DecodeClient
+from pdserve.transfer.side_channel import HEARTBEAT_S, BootstrapService
 
 KEY = frame_key("the-cluster-token-for-these-tests-0123")
 FLOOD = r"""
