@@ -73,12 +73,17 @@ def moe_torch(
     for e in sorted(set(ids.tolist()) - {-1}):
         sel = (ids == e).nonzero().flatten()
         tok = token_of[sel]
-        s13 = None if w13_scale is None else w13_scale[e]
-        s2 = None if w2_scale is None else w2_scale[e]
-        gate, up = (xw[tok] @ _weight(w13[e], s13, block, work).T).chunk(2, dim=-1)
-        y = (F.silu(gate) * up) @ _weight(w2[e], s2, block, work).T
+        y = _expert(xw[tok], e, w13, w2, w13_scale, w2_scale, block, work)
         out.index_add_(0, tok, y * weights[sel, None])
     return out.to(x.dtype)
+
+
+def _expert(xw, e: int, w13, w2, w13_scale, w2_scale, block, work) -> torch.Tensor:
+    """Expert e's SwiGLU over rows xw [n, H] (in the work dtype) -> [n, H]."""
+    s13 = None if w13_scale is None else w13_scale[e]
+    s2 = None if w2_scale is None else w2_scale[e]
+    gate, up = (xw @ _weight(w13[e], s13, block, work).T).chunk(2, dim=-1)
+    return (F.silu(gate) * up) @ _weight(w2[e], s2, block, work).T
 
 
 def moe_dense(
@@ -103,10 +108,7 @@ def moe_dense(
     out = torch.zeros(x.shape, dtype=work, device=x.device)
     for e in range(w13.shape[0]):
         w_e = torch.where(ids == e, weights, torch.zeros_like(weights)).sum(dim=-1)  # [T]
-        s13 = None if w13_scale is None else w13_scale[e]
-        s2 = None if w2_scale is None else w2_scale[e]
-        gate, up = (xw @ _weight(w13[e], s13, block, work).T).chunk(2, dim=-1)
-        out += ((F.silu(gate) * up) @ _weight(w2[e], s2, block, work).T) * w_e[:, None]
+        out += _expert(xw, e, w13, w2, w13_scale, w2_scale, block, work) * w_e[:, None]
     return out.to(x.dtype)
 
 
