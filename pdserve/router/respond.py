@@ -25,6 +25,7 @@ from .logprobs import LogprobFormatter
 from .logprobs import merge as merge_logprobs
 from .orchestrator import BadRequest, DeadlineExceeded, GenParams, Overloaded, RequestFailed
 from .pool import NoInstance
+from .redact import public, redact
 from .text import TextStream
 
 log = logging.getLogger("pdserve.router")
@@ -106,11 +107,14 @@ async def pieces(
         raise P.ApiError(503, str(e)) from None
     except BadRequest as e:
         outcome = "client_error"
-        raise P.ApiError(400, str(e)) from None
+        raise P.ApiError(400, redact(str(e))) from None
     except Overloaded as e:
         outcome = "rejected"
         raise P.ApiError(
-            429, str(e), code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}
+            429,
+            public(e, "every instance tried was full"),
+            code="overloaded",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
         ) from None
     except DeadlineExceeded as e:
         outcome = "timeout"
@@ -119,7 +123,7 @@ async def pieces(
         ) from None
     except RequestFailed as e:
         outcome = "failed"
-        raise P.ApiError(502, str(e)) from None
+        raise P.ApiError(502, public(e, "request failed")) from None
     except P.ApiError:
         outcome = "failed"
         raise
