@@ -1,6 +1,14 @@
 """The decode side of the hand-off's side channel (transfer/side_channel.py has the protocol): one
 DEALER per prefill instance, which says Hello first and holds every other message until the peer's
-Welcome proved it holds the frame key, reserves rooms and keeps their outcomes."""
+Welcome proved it holds the frame key, reserves rooms and keeps their outcomes.
+
+The proof holds for one connection, not for the socket (issue 40 item 7): a DEALER reconnects by
+itself, and whatever listens at the address next -- a restarted prefill, or anyone who took the
+port -- would get the reservations (NIXL agent metadata) without having proven anything. So a
+client never reconnects (ZMQ_RECONNECT_IVL -1): when its connection closes (a socket monitor says
+so) it is `dead`, sends nothing more, and DecodeRooms replaces it with a new client, whose new
+connection says a new Hello. Rooms open on the dead one fail by heartbeat timeout, as they did when a
+reconnected DEALER (a new identity to the ROUTER) never got their outcomes."""
 
 from __future__ import annotations
 
@@ -8,12 +16,14 @@ import secrets
 import time
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from .frames import D2P, DEV_FRAME_KEY, P2D
 from .messages import DecodeReservation, Heartbeat, Hello, TransferDone, TransferFailed, Welcome
 from .side_endpoint import Endpoint
 
 MAX_HELD = 4096  # messages a client holds until its peer proved it has the key
+REPLACE_AFTER_S = 0.1  # ZMQ's own reconnect interval
 
 
 class DecodeClient(Endpoint):
@@ -23,6 +33,10 @@ class DecodeClient(Endpoint):
     def __init__(self, bootstrap_endpoint: str, key: bytes = DEV_FRAME_KEY, ctx: zmq.Context | None = None):
         super().__init__(zmq.DEALER, key, D2P, P2D, ctx)
         self.endpoint = bootstrap_endpoint
+        self.sock.setsockopt(zmq.RECONNECT_IVL, -1)  # one connection per client: see the module doc
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
+        self.dead = False  # its connection closed (or never opened): DecodeRooms makes a new client
+        self.dead_since = 0.0  # time.monotonic() when it was found dead
         self.sock.connect(bootstrap_endpoint)
         self.nonce, self.ready = secrets.token_bytes(16), False
         self.held: list = []  # messages waiting for the peer's Welcome
@@ -33,7 +47,22 @@ class DecodeClient(Endpoint):
         self.used = time.monotonic()
         self._post(Hello(self.nonce))
 
+    def replaceable(self) -> bool:
+        """Dead for REPLACE_AFTER_S: a new client may try the address again (as often as a DEALER
+        would reconnect by itself, so an unreachable peer costs a socket per interval, not per poll)."""
+        self._watch()
+        return self.dead and time.monotonic() - self.dead_since >= REPLACE_AFTER_S
+
+    def _watch(self) -> bool:
+        """Whether the connection still lives (takes the monitor's news first)."""
+        while not self.dead and self.monitor.poll(0):
+            if recv_monitor_message(self.monitor)["event"] in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
+                self.dead, self.dead_since = True, time.monotonic()
+        return not self.dead
+
     def _post(self, msg) -> None:
+        if not self._watch():
+            return  # nothing goes out after the proven connection closed: its rooms fail by timeout
         try:
             self.sock.send_multipart(self._seal(msg), zmq.NOBLOCK)
         except zmq.Again:  # the peer takes nothing: its rooms fail by heartbeat timeout
@@ -55,6 +84,7 @@ class DecodeClient(Endpoint):
             self.held.append(msg)
 
     def drain(self, timeout_ms: int = 0) -> None:
+        self._watch()
         while (parts := self._recv(timeout_ms)) is not None:
             timeout_ms = 0
             try:
@@ -100,3 +130,8 @@ class DecodeClient(Endpoint):
         self.outcomes.pop(room, None)
         self.open.pop(room, None)
         self.used = time.monotonic()
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close()
+        super().close()

@@ -59,6 +59,7 @@ class DecodeRooms:
         self.ctx = zmq.Context()  # shared by every client
         self.clients: OrderedDict[str, DecodeClient] = OrderedDict()  # least recently used first
         self.clients_closed = 0
+        self.clients_replaced = 0  # clients whose connection closed (transfer/decode_client.py)
         self.listener_error: str | None = None  # a rank's receiver thread is dead or wedged (for /health)
         self._next_check = 0.0
         self.completed = self.failed = 0
@@ -139,6 +140,13 @@ class DecodeRooms:
 
     def _client(self, endpoint: str) -> DecodeClient:
         client = self.clients.get(endpoint)
+        if (
+            client is not None and client.replaceable()
+        ):  # its connection closed: a new one proves its peer anew
+            del self.clients[endpoint]
+            client.close()
+            self.clients_replaced += 1
+            client = None
         if client is None:
             self._close_idle(self.max_clients - 1)
             client = self.clients[endpoint] = DecodeClient(endpoint, self.frame_key, self.ctx)

@@ -15,6 +15,7 @@ import zmq
 
 from pdserve.engine.auth import frame_key, sign
 from pdserve.transfer.decode_client import DecodeClient
+from pdserve.transfer.decode_rooms import DecodeRooms
 from pdserve.transfer.frames import D2P, P2D, SIDE_MAX_BYTES, new_ticket
 from pdserve.transfer.messages import (
     DecodeReservation,
@@ -133,6 +134,40 @@ def test_reservation_metadata_goes_only_to_a_peer_that_proved_the_key():
         assert decode(frame).room == "secret"
     finally:
         client.close()
+        ctx.destroy(linger=0)
+
+
+def test_the_proof_lasts_one_connection():
+    """The proven prefill goes away and a listener without the key takes its port: the client's
+    next reservation reaches nobody (it does not reconnect), and the client that replaces it
+    (DecodeRooms, when the connection closed) says Hello again and holds its reservation until a
+    Welcome under the key comes -- which the new listener cannot give."""
+    server = BootstrapServer(key=KEY)
+    endpoint = server.endpoint
+    client = DecodeClient(endpoint, KEY)
+    ctx = zmq.Context()
+    rooms = DecodeRooms(dest=None, emit=lambda *_: None, frame_key=KEY)
+    try:
+        assert client.wait_ready(5, pump=server.drain)
+        server.close()
+        wait_for(lambda: client.drain() or client.dead)
+        taker = ctx.socket(zmq.ROUTER)
+        taker.setsockopt(zmq.LINGER, 0)
+        taker.bind(endpoint)  # the same address, without the key
+        client.send(reservation("secret", "nixl:agent-metadata"))
+        assert not taker.poll(500)  # a reconnecting DEALER would have sent it here
+        rooms.clients[endpoint] = client
+        time.sleep(0.1)  # REPLACE_AFTER_S
+        fresh = rooms._client(endpoint)
+        assert fresh is not client and rooms.clients_replaced == 1 and not fresh.dead
+        fresh.send(reservation("secret", "nixl:agent-metadata"))
+        assert taker.poll(5000)
+        _, frame, _ = taker.recv_multipart()
+        assert isinstance(decode(frame), Hello)  # a new proof is asked for ...
+        assert not fresh.wait_ready(0.3) and not taker.poll(200)  # ... and nothing else comes
+        taker.close()
+    finally:
+        rooms.close()
         ctx.destroy(linger=0)
 
 
