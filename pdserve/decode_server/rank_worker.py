@@ -249,7 +249,6 @@ class DecodeRankWorker(RankWorker):
             cfg.data_host,
             cfg.transfer_quarantine_s,
             cfg.frame_key,
-            self.cfg.num_slots,
         )
 
     def _slots_from_memory(self, mcfg, weights: dict[str, int], who: str) -> int:

@@ -21,19 +21,17 @@ def make_receiver(
     host: str = "127.0.0.1",
     quarantine_s: float = 60.0,
     key: bytes = DEV_FRAME_KEY,
-    slots: int | None = None,
 ):
     """A decode rank's receiver; pool() returns the rank's current KVPool. host: the address a TCP
     receiver binds and advertises (NIXL's addressing is UCX's: UCX_NET_DEVICES). quarantine_s: how
     long NIXL keeps what a failed room's senders may still WRITE into out of use. key: the cluster
-    frame key every data frame / notification must be signed with (transfer/frames.py). slots: the
-    instance's global slots (bounds the largest TCP frame)."""
+    frame key every data frame / notification must be signed with (transfer/frames.py)."""
     check_transfer(transfer)
     if transfer == "nixl":
         from .nixl import NixlReceiver
 
         return NixlReceiver(rank, pool, quarantine_s=quarantine_s, key=key)
-    return TcpReceiver(rank, pool, host, key, slots)
+    return TcpReceiver(rank, pool, host, key)
 
 
 def make_sender(transfer: str, rank: int, pool, key: bytes = DEV_FRAME_KEY):

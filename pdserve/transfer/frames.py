@@ -40,6 +40,12 @@ DATA, NOTIF = b"pdserve kv data frame", b"pdserve nixl notification"
 # the largest side-channel frame (a reservation of thousands of pages, NIXL endpoints)
 SIDE_MAX_BYTES = 4 << 20
 HEADER_MAX_BYTES = 1 << 20  # the largest data-frame header or notification (run lists)
+# A TCP data frame carries at most this many payload bytes and destination runs: a transfer larger
+# than that goes as several frames. A receiver takes a whole ZMQ message in before its tag can be
+# checked, so this -- not the size of a pool's layer -- bounds what a peer without the key makes
+# it hold per connection (issue 40 item 7).
+DATA_PAYLOAD_MAX, DATA_RUNS_MAX = 8 << 20, 16384
+DATA_FRAME_MAX = DATA_PAYLOAD_MAX + HEADER_MAX_BYTES + 1024
 WEDGED_S = 30.0  # a listener loop that has not come round for this long is reported wedged
 
 

@@ -1,6 +1,7 @@
 """TCP data path of a KV hand-off: prefill ranks PUSH packed rows, decode ranks PULL and store them.
 
-Wire: one ZMQ multipart message per transfer (src_rank, dst_rank, layer, kind) of the plan:
+Wire: one ZMQ multipart message per piece of a transfer (src_rank, dst_rank, layer, kind) of the
+plan -- at most DATA_PAYLOAD_MAX bytes and DATA_RUNS_MAX runs each (transfer/frames.py; `pieces`):
     [msgpack header, payload, tag]
     header  {room, ticket, src_rank, layer, kind, runs: [[dst_start, length], ...], dtype, width, seq}
     payload the rows in run order, contiguous [rows, width] of `dtype` (raw bytes).
@@ -21,8 +22,11 @@ Receiver invariants (docs/design.md 3.7-3.8):
   - a frame that does not fit (dtype, width, rows out of range, rows outside the room's own pages
     (`RoomSlots`), more rows than expected) marks the room failed and is not written;
   - no frame stops the receiver thread: wrong part counts, tags, msgpack, field types and sizes are
-    counted and dropped; the PULL socket's MAXMSGSIZE is the largest legitimate frame (a layer of
-    the whole pool) plus headroom; `ListenerStatusCmd` says whether the thread lives (for /health);
+    counted and dropped; the PULL socket's MAXMSGSIZE is the largest legitimate frame
+    (DATA_FRAME_MAX, whatever the pool's size) and it queues at most RECV_QUEUE messages per
+    connection, so a peer without the key makes a receiver hold at most (RECV_QUEUE + 1) x
+    DATA_FRAME_MAX per connection before their tags fail; `ListenerStatusCmd` says whether the
+    thread lives (for /health);
   - per room: rows received vs expected and its room MAC (`RoomChecksum`, keyed) over the stored
     rows, which the hand-off compares with the senders' (`TransferStatusCmd`); `ForgetCmd` drops the room.
 The receiver thread and the rank's command loop share the room table: one lock guards it.
@@ -38,7 +42,17 @@ import torch
 import zmq
 
 from .base import RoomChecksum, SendClock
-from .frames import DEV_FRAME_KEY, HEADER_MAX_BYTES, Liveness, data_ok, seal_data, unpack
+from .frames import (
+    DATA_FRAME_MAX,
+    DATA_PAYLOAD_MAX,
+    DATA_RUNS_MAX,
+    DEV_FRAME_KEY,
+    HEADER_MAX_BYTES,
+    Liveness,
+    data_ok,
+    seal_data,
+    unpack,
+)
 from .plan import Transfer
 from .rank_commands import ExpectCmd, ForgetCmd, SendCmd, StageCmd, receive_command
 from .room import (
@@ -71,12 +85,26 @@ def pack_rows(pool, kind: str, layer: int, runs, out: torch.Tensor) -> None:
         pos += r.length
 
 
-def max_frame_bytes(pool, slots: int | None = None) -> int:
-    """The largest legitimate data frame for this pool: one layer's rows of every slot (`slots`: the
-    instance's global slots, which bounds every index mode a reconfigure may switch to; default the
-    pool's own rows), in the widest dtype that travels, plus the header."""
-    slots = slots or max(pool.kv.shape[1], pool.index_k.shape[1])
-    return slots * max(pool.kv.shape[-1], pool.index_k.shape[-1]) * 8 + HEADER_MAX_BYTES
+RECV_QUEUE = 4  # whole messages a receiver queues per connection (ZMQ_RCVHWM)
+
+
+def pieces(runs: list[list[int]], row_bytes: int) -> list[tuple[int, int, list[list[int]]]]:
+    """A transfer's destination runs [[dst, length], ...] (rows in run order) cut into frames of at
+    most DATA_PAYLOAD_MAX bytes and DATA_RUNS_MAX runs: [(first row, end row, the frame's runs)]; a
+    run may be split between two frames."""
+    rows_max = max(1, DATA_PAYLOAD_MAX // max(1, row_bytes))
+    out, cur, start, n = [], [], 0, 0
+    for dst, length in runs:
+        while length:
+            take = min(length, rows_max - n)
+            cur.append([dst, take])
+            dst, length, n = dst + take, length - take, n + take
+            if n == rows_max or len(cur) == DATA_RUNS_MAX:
+                out.append((start, start + n, cur))
+                cur, start, n = [], start + n, 0
+    if cur or not out:
+        out.append((start, start + n, cur))
+    return out
 
 
 class TcpReceiver:
@@ -88,7 +116,6 @@ class TcpReceiver:
         pool: Callable[[], object],
         host: str = "127.0.0.1",
         key: bytes = DEV_FRAME_KEY,
-        slots: int | None = None,
     ):
         self.rank, self.pool, self.key = (
             rank,
@@ -98,13 +125,13 @@ class TcpReceiver:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(
-            zmq.MAXMSGSIZE, max_frame_bytes(pool(), slots)
-        )  # a larger frame disconnects its sender
+        self.sock.setsockopt(zmq.MAXMSGSIZE, DATA_FRAME_MAX)  # a larger frame disconnects its sender
+        self.sock.setsockopt(zmq.RCVHWM, RECV_QUEUE)
         port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
         self.lock = threading.Lock()
         self.rooms: dict[str, RoomRows] = {}
+        self.frames = 0  # frames stored
         self.dropped = 0  # frames for rooms not expected (late or stale): ignored by design
         self.unauthenticated = 0  # frames without a valid tag
         self.bad_frames = 0  # authentic frames whose header is not the protocol's
@@ -173,6 +200,7 @@ class TcpReceiver:
             r.error = f"bad frame from prefill rank {h['src_rank']}: {e}"
             return
         store_rows(self.pool(), r, h, payload_rows(bytearray(payload), h, rows))
+        self.frames += 1
 
     def close(self) -> None:
         self._stop.set()
@@ -213,7 +241,7 @@ class TcpSender:
         seq: dict[int, int] = {}
         corrupt = cmd.corrupt
         for t in (t for t in cmd.plan if t.src_rank == self.rank):
-            header, payload, rows = self._pack(cmd, t, seq)
+            header, payload, rows = self._pack(cmd, t)
             sums.setdefault(t.dst_rank, RoomChecksum(key=self.key)).update(self.rank, t.layer, t.kind, rows)
             if corrupt:
                 payload[0] ^= 0x01  # after the room MAC, before the frame tag: a corrupt sender
@@ -226,10 +254,14 @@ class TcpSender:
                     "sums": {},
                     "error": f"decode rank {t.dst_rank} offers a non-tcp endpoint {endpoint[:12]!r}...",
                 }
+            row_bytes = rows.shape[1] * rows.element_size()
             try:
-                packed = msgpack.packb(header)
-                tag = seal_data(self.key, packed, payload)
-                self._sock(endpoint, cmd.send_timeout_ms).send_multipart([packed, payload, tag])
+                sock = self._sock(endpoint, cmd.send_timeout_ms)
+                for first, end, runs in pieces(header["runs"], row_bytes):
+                    piece = memoryview(payload)[first * row_bytes : end * row_bytes]
+                    packed = msgpack.packb({**header, "runs": runs, "seq": seq.get(t.dst_rank, 0)})
+                    seq[t.dst_rank] = seq.get(t.dst_rank, 0) + 1
+                    sock.send_multipart([packed, piece, seal_data(self.key, packed, piece)])
             except zmq.Again:
                 self.socks.pop(endpoint).close()  # LINGER 0: its queued frames go with it
                 return {"sums": {}, "error": f"decode rank {t.dst_rank} at {endpoint} is not receiving"}
@@ -242,8 +274,8 @@ class TcpSender:
             **self.clock.status(),
         }
 
-    def _pack(self, cmd: SendCmd, t: Transfer, seq: dict[int, int]) -> tuple[dict, bytearray, torch.Tensor]:
-        """(header, payload, the payload's [rows, width] view): the rows in run order."""
+    def _pack(self, cmd: SendCmd, t: Transfer) -> tuple[dict, bytearray, torch.Tensor]:
+        """(header without its seq, payload, the payload's [rows, width] view): the rows in run order."""
         width = (self.pool.kv if t.kind == "kv" else self.pool.index_k).shape[-1]
         payload = bytearray(t.rows * width * self.pool.dtype.itemsize)
         rows = (
@@ -261,9 +293,7 @@ class TcpSender:
             "runs": [[r.dst, r.length] for r in t.runs],
             "dtype": str(rows.dtype),
             "width": rows.shape[1],
-            "seq": seq.get(t.dst_rank, 0),
         }
-        seq[t.dst_rank] = seq.get(t.dst_rank, 0) + 1
         return header, payload, rows
 
     def close(self) -> None:

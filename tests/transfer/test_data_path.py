@@ -17,6 +17,7 @@ import zmq
 from pdserve.engine.auth import sign, verify
 from pdserve.engine.kv_cache import KVPool
 from pdserve.model.config import ModelConfig
+from pdserve.transfer import tcp
 from pdserve.transfer.base import RoomChecksum
 from pdserve.transfer.frames import DATA, DEV_FRAME_KEY, new_ticket
 from pdserve.transfer.nixl import NixlReceiver
@@ -121,13 +122,20 @@ def layout(cfg: ModelConfig, kind: str, n: int = 300):
     return prefill, DecodeSide(1, 1, "copy", 2, pages)
 
 
-@pytest.mark.parametrize("backend", ["tcp", "nixl", "nixl-region"])
+@pytest.mark.parametrize("backend", ["tcp", "tcp-pieces", "nixl", "nixl-region"])
 @pytest.mark.parametrize("kind", ["dcp2", "fragmented"])
 @pytest.mark.parametrize("residues", [1, 2])
-def test_rows_arrive_exactly_and_the_checksums_agree(model_path, backend, kind, residues):
+def test_rows_arrive_exactly_and_the_checksums_agree(model_path, backend, kind, residues, monkeypatch):
     """residues: the prefill pool's latent layout; with 2 (= C_d) a DCP destination's rows are
     contiguous in it, and NIXL sends them straight from the pool. NIXL WRITEs land in the decode
-    pool ("nixl") or in a receive region the receiver copies from ("nixl-region", an fp8 pool's way)."""
+    pool ("nixl") or in a receive region the receiver copies from ("nixl-region", an fp8 pool's way).
+    "tcp-pieces": TCP frames of at most 5 rows' bytes and 3 runs, so every transfer goes as many
+    frames and runs are split between them."""
+    if backend == "tcp-pieces":
+        monkeypatch.setattr(
+            tcp, "DATA_PAYLOAD_MAX", 5 * 8 * ModelConfig.from_pretrained(model_path).kv_entry_dim
+        )
+        monkeypatch.setattr(tcp, "DATA_RUNS_MAX", 3)
     cfg = ModelConfig.from_pretrained(model_path)
     src = KVPool(cfg, 400, torch.float64, residues=residues)
     src.kv.normal_(generator=torch.Generator().manual_seed(3))
@@ -138,7 +146,7 @@ def test_rows_arrive_exactly_and_the_checksums_agree(model_path, backend, kind, 
     assert (most_runs > SLICE_RUNS) == (kind == "fragmented")  # both store paths are exercised
     ranks = range(decode.tp_size)
     dst = {r: KVPool(cfg, 400, torch.float64) for r in ranks}
-    if backend == "tcp":
+    if backend.startswith("tcp"):
         recv = {r: TcpReceiver(r, lambda r=r: dst[r]) for r in ranks}
         sender = TcpSender(0, src)
     else:
@@ -186,7 +194,9 @@ def test_rows_arrive_exactly_and_the_checksums_agree(model_path, backend, kind, 
                     t.kind,
                     run,
                 )
-        if backend != "tcp":
+        if backend == "tcp-pieces":
+            assert max(recv[r].frames for r in ranks) > 3 * len(plan)
+        if not backend.startswith("tcp"):
             assert all(
                 recv[r].handle(TransferStatusCmd("x"))["registered_pool"] == (2 if backend == "nixl" else 0)
                 for r in ranks
