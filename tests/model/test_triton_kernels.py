@@ -291,7 +291,7 @@ def test_fused_moe_fp8_w8a16(kern, tokens, hidden, inter):
     assert got16.dtype == torch.bfloat16 and rel(got16, want) < 2e-2
 
 
-@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("tokens", [1, 3])  # 4 and 12 pairs
 def test_fused_moe_per_pair_blocks_equal_the_grouped_ones(kern, monkeypatch, tokens):
     """Up to PER_PAIR_MAX pairs each pair is a block of its own (no moe_align): the same sums as
     the grouped path, for fp8 (w8a16, the default there; w8a8) and float32 weights, ids -1 included."""

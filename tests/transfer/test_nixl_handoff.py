@@ -63,8 +63,11 @@ def close_nixl_instances(instances):
     instances.close("nixl")  # the TCP ones stay for test_tcp_handoff.py
 
 
-@pytest.mark.parametrize("transfer", ["tcp", "nixl"])
-@pytest.mark.parametrize("dshape,index_mode,pshape", CASES, ids=lambda v: str(v).replace(" ", ""))
+@pytest.mark.parametrize(
+    "dshape,index_mode,pshape,transfer",
+    [(*c, "nixl") for c in CASES] + [(*CASES[0], "tcp")],  # CASES[1] over TCP: test_tcp_handoff.py
+    ids=lambda v: str(v).replace(" ", ""),
+)
 def test_handoff_matches_single_rank_over_both_paths(instances, single, dshape, index_mode, pshape, transfer):
     prefill = instances.get_prefill(*pshape, transfer=transfer)
     decode = instances.get_decode(*dshape, index_mode, transfer=transfer)
