@@ -92,10 +92,10 @@ class Orchestrator:
         the n-th FinishEvent is the last event.
         `deadline` (time.monotonic()) bounds the whole request, every try and wait included."""
         progress, budget = Progress(prompt, params, self.eos_ids), [self.max_migrations]
-        async for event in self._group(
-            progress, prompt, params, list(range(params.n)), deadline, budget, True
-        ):
-            yield event
+        choices = list(range(params.n))
+        async with aclosing(self._group(progress, prompt, params, choices, deadline, budget, True)) as events:
+            async for event in events:
+                yield event
 
     async def _group(
         self,
