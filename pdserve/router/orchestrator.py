@@ -35,7 +35,7 @@ from ..engine.request import Overloaded  # the router's queue is full, or every 
 from .halves import BadRequest, GenParams, Halves, TryFailed
 from .metrics import Metrics
 from .migration import Progress, merge
-from .pool import Instance, NoInstance, Pool, Saturated
+from .pool import Instance, NoInstance, Pool, Saturated, TooLong
 
 __all__ = ["BadRequest", "DeadlineExceeded", "GenParams", "Orchestrator", "Overloaded", "RequestFailed"]
 
@@ -187,7 +187,8 @@ class Orchestrator:
     ):
         """A (prefill, decode) pair with room, waiting for one while at most max_queue others wait.
         With `patience_s` (a continuation: its stream must go on) it also waits that long for a
-        usable instance when there is none (NoInstance after that)."""
+        usable instance when there is none (NoInstance after that, also when only instances too
+        small for it are up: check_fits passed before the request began)."""
         queued, prompt_len = False, len(prompt)
         patient = min(deadline, time.monotonic() + patience_s)
         try:
@@ -209,9 +210,9 @@ class Orchestrator:
                     if _left(deadline) <= 0:
                         raise DeadlineExceeded("no instance had room before the request's deadline") from None
                     await self.pool.wait_for_room(min(1.0, _left(deadline)))
-                except NoInstance:
+                except (NoInstance, TooLong) as e:  # TooLong: the instances it fitted are down
                     if time.monotonic() >= patient:
-                        raise
+                        raise e if isinstance(e, NoInstance) else NoInstance(str(e)) from None
                     await asyncio.sleep(min(HEALTH_CHECK_S, patient - time.monotonic()))
         finally:
             if queued:
