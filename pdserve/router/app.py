@@ -85,6 +85,7 @@ class RouterState:
             cfg.max_queue,
             cfg.max_migrations,
             tuple(self.tokenizer.eos_token_ids),
+            cfg.migration_wait_s,
         )
         self.metrics.queued = lambda: self.orch.queued
         self.metrics.instances = lambda: list(self.pool.instances.values())

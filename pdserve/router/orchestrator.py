@@ -41,7 +41,6 @@ __all__ = ["BadRequest", "DeadlineExceeded", "GenParams", "Orchestrator", "Overl
 
 PREFILL_ANSWER_GRACE_S = 1.0  # how long the last finish waits for a late prefill answer (usage)
 HEALTH_CHECK_S = 0.5  # a try whose decode is silent this long fails if its instance failed a health check
-NO_INSTANCE_WAIT_S = 30.0  # a continuation waits this long for a usable pair (e.g. a restarted instance)
 
 
 class RequestFailed(Exception):
@@ -72,10 +71,12 @@ class Orchestrator:
         max_queue: int = 1 << 30,
         max_migrations: int = 3,
         eos_ids: tuple[int, ...] = (),
+        migration_wait_s: float = 30.0,
     ):
+        """migration_wait_s: how long a continuation waits for a usable pair (a restarted instance)."""
         self.pool, self.client, self.metrics = pool, client, metrics
         self.max_attempts, self.backoff_s, self.timeout_s = max_attempts, backoff_s, timeout_s
-        self.max_migrations, self.eos_ids = max_migrations, eos_ids
+        self.max_migrations, self.eos_ids, self.migration_wait_s = max_migrations, eos_ids, migration_wait_s
         self.halves = Halves(client, metrics, timeout_s)
         self.max_queue, self.queued = max_queue, 0
         self._background: set[asyncio.Task] = set()
@@ -156,7 +157,7 @@ class Orchestrator:
                 await asyncio.sleep(min(self.backoff_s * 2 ** (attempt - 1), _left(deadline)))
             try:
                 prefill, decode = await self._pick(
-                    prompt, params, avoid, deadline, 0 if answer else NO_INSTANCE_WAIT_S
+                    prompt, params, avoid, deadline, 0 if answer else self.migration_wait_s
                 )
             except NoInstance:
                 if last is None:
