@@ -21,7 +21,7 @@ import asyncio
 import json
 from typing import Literal, Union
 
-from pydantic import Field, StrictInt, model_validator
+from pydantic import Field, StrictBool, StrictInt, model_validator
 
 from .engine.http_edge import REQUEST_ID, StrictModel
 from .engine.request import (
@@ -67,6 +67,18 @@ class _Sampling(StrictModel):
     n: int = Field(1, ge=1, le=MAX_N)  # choices sampled from one prefill (seed + i for choice i)
     # the prefix caches' namespace, set by the router (router/tenants.py): "" or a hex digest
     cache_namespace: str = Field("", pattern=CACHE_NAMESPACE)
+    # a migrated request (router/migration.py): the last `generated` token_ids are output the request
+    # it continues already produced; penalties and the grammar count them as output, max_tokens
+    # and min_tokens only what comes next. At least one token_id stays the prompt.
+    generated: int = Field(0, ge=0, le=MAX_OUTPUT_TOKENS)
+
+    @model_validator(mode="after")
+    def _generated_within_prompt(self):
+        if self.generated >= len(self.token_ids):
+            raise ValueError(
+                f"generated ({self.generated}) must be fewer than the token ids ({len(self.token_ids)})"
+            )
+        return self
 
     def sampling_params(self, vocab: int, max_tokens: int, **extra) -> SamplingParams:
         """The engine's SamplingParams; ValueError (a 400 at the edge) for ids outside the vocabulary
@@ -105,6 +117,7 @@ class _Sampling(StrictModel):
             prompt_ids=tuple(self.token_ids) if self.repetition_penalty != 1.0 else (),
             n=self.n,
             cache_namespace=self.cache_namespace,
+            generated=tuple(self.token_ids[len(self.token_ids) - self.generated :]),
             **extra,
         )
 
@@ -178,6 +191,9 @@ class FinishEvent(StrictModel):
 class ErrorEvent(StrictModel):
     error: str
     request_id: str
+    # the instance failed (a rank died, it stopped), not the request: the request may run elsewhere
+    # (the router migrates it: router/migration.py); false: the request itself failed
+    lost: StrictBool = False
 
 
 StreamEvent = Union[TokenEvent, FinishEvent, ErrorEvent]

@@ -15,7 +15,8 @@ POST /v1/generate  {"token_ids": [...], "max_tokens": 16, "temperature", "top_p"
                     "grammar"?, "stream": false, "request_id"?, "bootstrap"?}
                    -> {"request_id", "token_ids", "finish_reason", "logprobs"?}; with "stream": true,
                    newline-delimited JSON: one {"token": id, "logprob"?} line per token, then {"finish_reason", "request_id"}
-                   (or {"error", "request_id"} if the instance failed). Bad input is a 400 with the reason.
+                   (or {"error", "request_id", "lost"?} if it failed; "lost": true when the instance
+                   failed, not the request, e.g. a rank died). Bad input is a 400 with the reason.
                    (Bodies, answers and stream events: pdserve/contracts.py.)
                    With "bootstrap" (a prefill instance's side channel, tcp://host:port from its /info)
                    the cache comes by KV hand-off: request_id is the room the prefill is asked to
@@ -60,7 +61,7 @@ from ..contracts import (
 )
 from ..engine import capacity
 from ..engine.http_edge import add_flush_route, instance_app, refuse_if_draining, too_busy
-from ..engine.instance_loop import Unavailable
+from ..engine.instance_loop import InstanceFailed, Unavailable
 from ..engine.request import Overloaded, SamplingParams
 
 DISCONNECT_POLL_S = 1.0  # how often a non-streaming handler checks whether its client is still there
@@ -178,7 +179,8 @@ async def _stream(request_id: str, events: asyncio.Queue, engine_loop, watcher: 
                     return
                 continue
             ended = True
-            yield event_line(ErrorEvent(error=str(value), request_id=request_id))
+            lost = isinstance(value, InstanceFailed)  # the instance's failure: the router may migrate it
+            yield event_line(ErrorEvent(error=str(value), request_id=request_id, lost=lost))
             return
     finally:  # starlette cancels this generator when the client disconnects
         watcher.cancel()

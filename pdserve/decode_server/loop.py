@@ -11,6 +11,7 @@ from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from ..engine.faults import step_delay
 from ..engine.instance_loop import IDLE_WAIT_S, InstanceLoop, Listener, Submit
 from ..engine.request import Overloaded, SamplingParams, choice_id
 from ..transfer.decode_rooms import DecodeRooms
@@ -67,6 +68,7 @@ class DecodeLoop(InstanceLoop):
         self.take_commands(IDLE_WAIT_S if s.is_idle() else TRANSFER_POLL_S if not s.running else 0.0)
         self.remote.poll()
         if not s.is_idle() or self.engine.pending:  # pending: choices a hand-off started
+            step_delay()  # test-only, off by default (engine/faults.py)
             self._dispatch(self.engine.step())  # admits: rooms it admitted are reserved now
             self.remote.reserve_admitted()
             if self.engine.grammar_wait:  # every running request waits for its grammar's compile

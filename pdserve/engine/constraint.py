@@ -20,6 +20,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -209,6 +210,16 @@ class Matcher:
         _native(self._m.consume_token, token)
         self.consumed += 1
         self._check()
+
+    def advance(self, generated: Sequence[int], output_ids: Sequence[int]) -> None:
+        """Consumes the tokens of generated + output_ids not consumed yet: the output of the request
+        a migrated one continues (SamplingParams.generated), then its own. GrammarError if the
+        grammar refuses one (a continuation that cannot be advanced fails, never samples blind)."""
+        g = len(generated)
+        for token in generated[self.consumed :]:
+            self.consume(token)
+        for token in output_ids[max(0, self.consumed - g) :]:
+            self.consume(token)
 
     @property
     def stopped(self) -> bool:

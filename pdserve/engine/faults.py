@@ -4,14 +4,21 @@
 raises `InjectedFault` (decode: the last rank, after its forward, so every collective completed;
 prefill: every rank, before its forward). Rank processes inherit the environment when they start,
 so a test sets it before starting an instance. Nothing reads it unless it is set.
+
+`PDSERVE_TEST_STEP_DELAY_S` = seconds: a decode instance's loop waits this long before each
+decode step, so that a test can act while a stream is running (kill a rank after token 20 of 64).
+Read once, when the module is imported.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable
 
 FAULT_ENV = "PDSERVE_TEST_FAULT_IDS"
+STEP_DELAY_ENV = "PDSERVE_TEST_STEP_DELAY_S"
+_STEP_DELAY_S = float(os.environ.get(STEP_DELAY_ENV) or 0)
 
 
 class InjectedFault(RuntimeError):
@@ -25,3 +32,8 @@ def check_fault(request_ids: Iterable[str]) -> None:
     hit = sorted(set(wanted.split(",")) & set(request_ids))
     if hit:
         raise InjectedFault(f"injected fault for request {', '.join(hit)}")
+
+
+def step_delay() -> None:
+    if _STEP_DELAY_S > 0:
+        time.sleep(_STEP_DELAY_S)

@@ -34,6 +34,12 @@ IDLE_WAIT_S = 0.1  # how long an idle loop thread blocks on the command queue be
 Listener = Callable[[tuple[str, object]], None]
 
 
+class InstanceFailed(str):
+    """An error event's message when the instance failed, not the request (a rank died, the loop
+    stopped): the decode stream says `lost` (contracts.ErrorEvent) and the router may run the
+    request elsewhere."""
+
+
 class Unavailable(RuntimeError):
     """The instance is shutting down: the request was not accepted (HTTP 503)."""
 
@@ -191,9 +197,10 @@ class InstanceLoop(ABC):
                 pass
 
     def fail_listeners(self, message: str) -> None:
-        """Every live request ends with an error event naming `message`."""
+        """Every live request ends with an error event naming `message`: the instance's failure
+        (InstanceFailed), not theirs."""
         for request_id in list(self.listeners):
-            self.emit(request_id, ("error", message))
+            self.emit(request_id, ("error", InstanceFailed(message)))
 
     # --- what a role implements (a role missing one of these cannot be instantiated) ---------
 

@@ -2,8 +2,8 @@
 
 Order (vLLM's): logit_bias, min_tokens (EOS and stop token ids masked while fewer than min_tokens
 were produced), repetition penalty (over prompt and output tokens: positive logits divided,
-negative ones multiplied), presence and frequency penalties (over output tokens), then the grammar's
-token mask. Log-probabilities are taken before any of this (`token_logprob`), from the raw logits in
+negative ones multiplied), presence and frequency penalties (over output tokens, those of a
+migrated request's `SamplingParams.generated` included), then the grammar's token mask. Log-probabilities are taken before any of this (`token_logprob`), from the raw logits in
 float64, as vLLM and SGLang report them by default.
 
 Everything works on a batch of rows on the logits' own device (`process_batch`, `logprob_tensors`:
@@ -39,12 +39,15 @@ class RowProcessing:
 
     @classmethod
     def of(cls, p: SamplingParams, output_ids: Sequence[int], eos_ids: Sequence[int]) -> "RowProcessing":
-        """The processing of a request that produced `output_ids` so far."""
+        """The processing of a request that produced `output_ids` so far (p.generated, the output
+        of the request it continues, counts for the penalties, not for min_tokens)."""
         banned = ()
         if len(output_ids) < p.min_tokens:
             banned = (*p.stop_token_ids, *(() if p.ignore_eos else eos_ids))
-        seen = tuple(sorted({*p.prompt_ids, *output_ids})) if p.repetition_penalty != 1.0 else ()
-        counted = tuple(output_ids) if p.presence_penalty or p.frequency_penalty else ()
+        seen = ()
+        if p.repetition_penalty != 1.0:
+            seen = tuple(sorted({*p.prompt_ids, *p.generated, *output_ids}))
+        counted = (*p.generated, *output_ids) if p.presence_penalty or p.frequency_penalty else ()
         return cls(
             tuple(p.logit_bias),
             tuple(banned),

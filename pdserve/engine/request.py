@@ -52,6 +52,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # prefill: each prompt token's logprob and the top k (echo)
     n: int = 1  # choices sampled from one prompt's cache (choice_params(i) is choice i's)
     cache_namespace: str = ""  # not sampling: the prefix cache's namespace (engine/radix_cache.py)
+    # output ids produced before this request, now the end of its prompt (a request the router
+    # migrated: router/migration.py): the penalties and the grammar count them as output; max_tokens,
+    # min_tokens and the seed's stream count only the tokens this request produces
+    generated: tuple[int, ...] = ()
 
     def __post_init__(self):
         if not 1 <= self.max_tokens <= MAX_OUTPUT_TOKENS:
@@ -97,6 +101,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
         if self.grammar is not None and not 0 < len(self.grammar) <= MAX_GRAMMAR_CHARS:
             raise ValueError(f"a grammar must have 1 to {MAX_GRAMMAR_CHARS} characters")
+        if len(self.generated) > MAX_OUTPUT_TOKENS or any(t < 0 for t in self.generated):
+            raise ValueError(f"generated must be at most {MAX_OUTPUT_TOKENS} token ids >= 0")
 
     def choice_params(self, i: int) -> "SamplingParams":
         """Choice i of n: its own seed stream, seed + i (choice 0 samples as the request with n = 1)."""

@@ -119,8 +119,7 @@ class Sampler:
             if self.grammars is None:
                 raise ValueError("this instance cannot apply grammars")
             m = self._matchers[request_id] = self.grammars.matcher(p.grammar)
-        for token in output_ids[m.consumed :]:
-            m.consume(token)
+        m.advance(p.generated, output_ids)
         return m
 
 

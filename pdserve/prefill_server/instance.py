@@ -179,7 +179,9 @@ class PrefillInstance(RankInstance):
         mask and compile nothing (a copy of the grammar compiled here, once per distinct grammar)."""
         if params.grammar is None:
             return params, None
-        mask = self.grammars.matcher(params.grammar).bitmask()
+        matcher = self.grammars.matcher(params.grammar)
+        matcher.advance(params.generated, ())  # a migrated request's earlier output first
+        mask = matcher.bitmask()
         return dataclasses.replace(params, grammar=None), mask
 
     def _pages_for(self, token_ids: list[int], prefix_of: str | None, cached_len: int) -> list[int]:

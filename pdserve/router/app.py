@@ -83,6 +83,9 @@ class RouterState:
             cfg.retry_backoff_s,
             cfg.instance_timeout_s,
             cfg.max_queue,
+            cfg.max_migrations,
+            tuple(self.tokenizer.eos_token_ids),
+            cfg.migration_wait_s,
         )
         self.metrics.queued = lambda: self.orch.queued
         self.metrics.instances = lambda: list(self.pool.instances.values())

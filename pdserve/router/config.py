@@ -87,6 +87,17 @@ class RouterConfig:
     max_attempts: int = option(  # tries of one request on different pairs, while no token reached the client
         3, "Tries of one request on different instance pairs while no token reached the client.", min=1
     )
+    max_migrations: int = option(  # moves of one streaming request to another pair (migration.py)
+        3,
+        "Times one request may move to another instance pair when its decode instance fails after tokens reached the client (its stream breaks, its health check fails, or it lost the request): the request continues from the tokens already sent, and the client sees one unbroken stream. 0: such a failure ends the request with an error.",
+        min=0,
+    )
+    migration_wait_s: float = option(  # how long a moving request waits for a usable pair
+        30.0,
+        "Seconds a request moving to another instance pair (--max-migrations) waits for a usable one when none is (e.g. its only decode instance restarting); its stream stays open meanwhile. After that it ends with an error event.",
+        name="--migration-wait",
+        min=0.0,
+    )
     retry_backoff_s: float = 0.2  # doubled after every failed try
     request_timeout_s: float = option(  # deadline of a whole request (every try and wait included)
         600.0,
@@ -165,6 +176,10 @@ class RouterConfig:
             raise ValueError("an instance URL is listed twice (each instance has one role)")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.max_migrations < 0:
+            raise ValueError(f"--max-migrations must be >= 0, got {self.max_migrations}")
+        if not self.migration_wait_s >= 0:
+            raise ValueError(f"--migration-wait must be >= 0, got {self.migration_wait_s}")
         if (
             min(
                 self.health_interval_s,

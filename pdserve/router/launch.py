@@ -76,6 +76,11 @@ class StackConfig:
     report_cached_tokens: bool = option(  # the router's --report-cached-tokens
         False, "The router's --report-cached-tokens: usage reports the prompt tokens the prefix cache served."
     )
+    max_migrations: int = option(  # the router's --max-migrations
+        3,
+        "The router's --max-migrations: times a request may move to another instance pair when its decode instance fails mid-stream (0: it ends with an error).",
+        min=0,
+    )
     api_key_file: str | None = option(  # the router's --api-key-file
         None,
         "The router's --api-key-file: clients' API keys, one `name:key` a line (each name its own prefix-cache namespace).",
@@ -125,6 +130,8 @@ class StackConfig:
             load_api_keys(None, self.api_key_file)
         if self.restart not in RESTART_POLICIES:
             raise ValueError(f"--restart must be one of {', '.join(RESTART_POLICIES)}, got {self.restart!r}")
+        if self.max_migrations < 0:
+            raise ValueError(f"--max-migrations must be >= 0, got {self.max_migrations}")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"--shutdown-grace must be >= 0, got {self.shutdown_grace_s}")
         for name in ("prefill_instances", "prefill_cp", "decode_instances", "decode_tp", "decode_dcp"):
@@ -292,6 +299,8 @@ class Stack:
             c.policy,
             "--health-interval",
             str(ROUTER_HEALTH_INTERVAL_S),
+            "--max-migrations",
+            str(c.max_migrations),
         ]
         if c.report_cached_tokens:
             args.append("--report-cached-tokens")

@@ -2,7 +2,7 @@
 
 Histograms: time to first token, inter-token latency, end-to-end latency, prefill answer time
 (prefill request sent -> cache shipped). Counters: requests by outcome, retries by the role that
-failed, refusals by reason, generated tokens. Gauges come from the pool's last poll at scrape time
+failed, refusals by reason, migrations by cause (orchestrator.py, migration.py), generated tokens. Gauges come from the pool's last poll at scrape time
 (a collector of this module): health, queue depth, free, cached and total KV tokens, in-flight and
 served requests, completed and failed KV hand-offs per instance, and the prefix caches' hit tokens
 and the hand-off bytes they kept off the wire; with `cache_aware`, the prefix tokens its choices
@@ -15,6 +15,8 @@ from __future__ import annotations
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .migration import CAUSES
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 OUTCOMES = ("completed", "client_error", "unavailable", "failed", "aborted", "rejected", "timeout")
@@ -57,10 +59,19 @@ class Metrics:
         self.rejections = Counter(
             "pdserve_router_rejected", "Requests refused with 429, by reason.", ["reason"], registry=r
         )
+        self.migrations = Counter(
+            "pdserve_router_migrations",
+            "Requests moved to another instance pair after tokens were sent, by what their decode "
+            "instance did: stream_broken (its stream broke or was malformed), health (it failed its "
+            "health check while silent), lost (it answered that it lost the request).",
+            ["cause"],
+            registry=r,
+        )
         for counter, values in (
             (self.requests, OUTCOMES),
             (self.retries, ROLES),
             (self.rejections, REJECTIONS),
+            (self.migrations, CAUSES),
         ):
             for v in values:
                 counter.labels(v)  # every label value is exposed from the start, at 0
@@ -78,6 +89,9 @@ class Metrics:
 
     def retry(self, role: str) -> None:
         self.retries.labels(role).inc()
+
+    def migrated(self, cause: str) -> None:
+        self.migrations.labels(cause).inc()
 
     def token(self) -> None:
         self.tokens.inc()

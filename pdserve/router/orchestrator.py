@@ -5,7 +5,12 @@ POST /v1/generate (NDJSON stream, `bootstrap` = the prefill's side channel) and 
 POST /v1/prefill (`handoff`), bodies and answers built and parsed with pdserve/contracts.py. Both feed one event queue, so whichever half fails first ends the
 try at once: the decode half is aborted (POST /v1/abort, and its stream closed) and the prefill's
 request is dropped. A try that failed before any token went out is repeated on another pair
-(`max_attempts`, exponential backoff); after the first token an error ends the request.
+(`max_attempts`, exponential backoff). After the first token, a failure of the decode instance
+(its stream broke, it answered that the request was lost, or it failed its health check while
+silent for HEALTH_CHECK_S) migrates the request (migration.py: every unfinished choice continues
+on another pair from the tokens it sent, at most `max_migrations` times per request); a failure
+of the request itself (the decode's error event for it, the deadline) ends it with an error, and
+a prefill that fails once the decode streams is ignored (the decode holds the cache).
 Cleanup of a try never awaits inside a cancelled task: the aborts run as detached tasks.
 
 Nothing dies unobserved: each half catches every exception and reports it as the try's failure,
@@ -21,57 +26,21 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass
+from contextlib import aclosing
 
 import httpx
 
-from ..contracts import (
-    AbortRequest,
-    FinishEvent,
-    GenerateRequest,
-    PrefillReply,
-    PrefillRequest,
-    TokenEvent,
-    parse_event,
-)
+from ..contracts import AbortRequest, FinishEvent, PrefillReply, TokenEvent
 from ..engine.request import Overloaded  # the router's queue is full, or every instance tried was
+from .halves import BadRequest, GenParams, Halves, TryFailed
 from .metrics import Metrics
-from .pool import Instance, NoInstance, Pool, Saturated, error_message
+from .migration import Progress, merge
+from .pool import Instance, NoInstance, Pool, Saturated, TooLong
+
+__all__ = ["BadRequest", "DeadlineExceeded", "GenParams", "Orchestrator", "Overloaded", "RequestFailed"]
 
 PREFILL_ANSWER_GRACE_S = 1.0  # how long the last finish waits for a late prefill answer (usage)
-
-
-@dataclass(frozen=True)
-class GenParams:
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = ()
-    min_tokens: int = 0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    logprobs: int | None = None  # the sampled tokens' and the top k
-    grammar: str | None = None  # llguidance's (engine/constraint.py grammar_for)
-    prompt_logprobs: int | None = None  # echo: the prefill's reply comes first in generate()
-    n: int = 1  # choices from one prefill (the decode copies the prompt's cache for each)
-    cache_namespace: str = ""  # the prefix caches' namespace (tenants.py); "": the shared one
-
-    def sampling(self) -> dict:
-        """The fields both halves sample with (contracts._Sampling), and the cache namespace."""
-        names = (
-            "temperature top_p top_k seed ignore_eos stop_token_ids min_tokens presence_penalty "
-            "frequency_penalty repetition_penalty logit_bias logprobs grammar n cache_namespace"
-        ).split()
-        return {n: getattr(self, n) for n in names}
-
-
-class BadRequest(Exception):
-    """An instance refused the request itself (4xx): retrying elsewhere would not help."""
+HEALTH_CHECK_S = 0.5  # a try whose decode is silent this long fails if its instance failed a health check
 
 
 class RequestFailed(Exception):
@@ -82,10 +51,12 @@ class DeadlineExceeded(RequestFailed):
     """The request ran past its deadline (504 before the first token; an error event after it)."""
 
 
-class TryFailed(Exception):
-    def __init__(self, inst: Instance, message: str, transport: bool = False, overloaded: bool = False):
-        super().__init__(f"{inst.role} {inst.url}: {message}")
-        self.inst, self.transport, self.overloaded = inst, transport, overloaded
+class Migrate(Exception):
+    """A try failed after it sent tokens, in a way another pair can continue (migration.py)."""
+
+    def __init__(self, failure: TryFailed):
+        super().__init__(str(failure))
+        self.failure = failure
 
 
 class Orchestrator:
@@ -98,9 +69,15 @@ class Orchestrator:
         backoff_s: float,
         timeout_s: float,
         max_queue: int = 1 << 30,
+        max_migrations: int = 3,
+        eos_ids: tuple[int, ...] = (),
+        migration_wait_s: float = 30.0,
     ):
+        """migration_wait_s: how long a continuation waits for a usable pair (a restarted instance)."""
         self.pool, self.client, self.metrics = pool, client, metrics
         self.max_attempts, self.backoff_s, self.timeout_s = max_attempts, backoff_s, timeout_s
+        self.max_migrations, self.eos_ids, self.migration_wait_s = max_migrations, eos_ids, migration_wait_s
+        self.halves = Halves(client, metrics, timeout_s)
         self.max_queue, self.queued = max_queue, 0
         self._background: set[asyncio.Task] = set()
 
@@ -115,38 +92,106 @@ class Orchestrator:
         logprob, choice index) and one FinishEvent per choice (reason "stop" | "length" | "abort");
         the n-th FinishEvent is the last event.
         `deadline` (time.monotonic()) bounds the whole request, every try and wait included."""
-        avoid: set[str] = set()
+        progress, budget = Progress(prompt, params, self.eos_ids), [self.max_migrations]
+        choices = list(range(params.n))
+        async with aclosing(self._group(progress, prompt, params, choices, deadline, budget, True)) as events:
+            async for event in events:
+                yield event
+
+    async def _group(
+        self,
+        progress: Progress,
+        prompt: list[int],
+        params: GenParams,
+        choices: list[int],
+        deadline: float,
+        budget: list[int],
+        first: bool,
+        avoid: frozenset[str] = frozenset(),
+    ):
+        """Choices `choices` of the request, run as one request (prompt, params); yields their events
+        under the choices' own indices. A failure after tokens went out migrates each unfinished
+        choice (migration.py), concurrently, each in a group of its own; `budget`: the migrations
+        left to the whole request; `first`: the original request (a continuation's prefill answer
+        is not the client's: usage's cached tokens and the echo come from the first)."""
+        try:
+            async with aclosing(self._attempts(prompt, params, deadline, set(avoid), first)) as events:
+                async for event in events:
+                    if isinstance(event, (TokenEvent, FinishEvent)):
+                        event = event.model_copy(update={"index": choices[event.index]})
+                        progress.record(event)
+                    elif not first:
+                        continue
+                    yield event
+            return
+        except Migrate as e:
+            failure = e.failure
+        if budget[0] <= 0:
+            after = f" (after {self.max_migrations} migrations)" if self.max_migrations else ""
+            raise RequestFailed(f"{failure}{after}")
+        budget[0] -= 1
+        self.metrics.migrated(failure.cause)
+        runs = []
+        for i in progress.unfinished(choices):
+            if (reason := progress.ended(i)) is not None:  # its finish was lost on the way
+                event = FinishEvent(finish_reason=reason, request_id="migrated", index=i)
+                progress.record(event)
+                yield event
+                continue
+            p, gp = progress.continuation(i)
+            avoid = frozenset({failure.inst.url})
+            runs.append(self._group(progress, p, gp, [i], deadline, budget, False, avoid))
+        if runs:
+            async with aclosing(merge(runs)) as events:
+                async for event in events:
+                    yield event
+
+    async def _attempts(
+        self, prompt: list[int], params: GenParams, deadline: float, avoid: set[str], answer: bool
+    ):
+        """One request's tries on different pairs while none sent a token; Migrate or RequestFailed
+        when a try fails after it did. answer: wait for a late prefill answer (usage) at the end."""
         last: TryFailed | None = None
         for attempt in range(self.max_attempts):
             if attempt:
                 await asyncio.sleep(min(self.backoff_s * 2 ** (attempt - 1), _left(deadline)))
             try:
-                prefill, decode = await self._pick(prompt, params, avoid, deadline)
+                prefill, decode = await self._pick(
+                    prompt, params, avoid, deadline, 0 if answer else self.migration_wait_s
+                )
             except NoInstance:
                 if last is None:
                     raise
                 break
             sent = False
             try:
-                async for event in self._try(prefill, decode, prompt, params, deadline):
+                async for event in self._try(prefill, decode, prompt, params, deadline, answer):
                     sent = sent or isinstance(event, TokenEvent)
                     yield event
                 return
             except TryFailed as e:
-                self.metrics.retry(e.inst.role)
                 self._after_failure(e)
                 avoid.add(e.inst.url)
                 last = e
+                if sent and e.cause is not None and e.inst.role == "decode":
+                    raise Migrate(e) from None
                 if sent:
                     raise RequestFailed(str(e)) from None
+                self.metrics.retry(e.inst.role)
         if last is not None and last.overloaded:
             self.metrics.rejected("instances_full")
             raise Overloaded(f"every instance tried is full ({last})")
         raise RequestFailed(f"failed after {attempt + 1} tries: {last}")
 
-    async def _pick(self, prompt: list[int], params: GenParams, avoid: set[str], deadline: float):
-        """A (prefill, decode) pair with room, waiting for one while at most max_queue others wait."""
+    async def _pick(
+        self, prompt: list[int], params: GenParams, avoid: set[str], deadline: float, patience_s: float = 0
+    ):
+        """A (prefill, decode) pair with room, waiting for one while at most max_queue others wait.
+        With `patience_s` (a continuation: its stream must go on) it also waits that long for a
+        usable instance when there is none (NoInstance after that, also when only instances too
+        small for it are up: check_fits passed before the request began)."""
         queued, prompt_len = False, len(prompt)
+        patient = min(deadline, time.monotonic() + patience_s)
         try:
             while True:
                 try:
@@ -166,28 +211,45 @@ class Orchestrator:
                     if _left(deadline) <= 0:
                         raise DeadlineExceeded("no instance had room before the request's deadline") from None
                     await self.pool.wait_for_room(min(1.0, _left(deadline)))
+                except (NoInstance, TooLong) as e:  # TooLong: the instances it fitted are down
+                    if time.monotonic() >= patient:
+                        raise e if isinstance(e, NoInstance) else NoInstance(str(e)) from None
+                    await asyncio.sleep(min(HEALTH_CHECK_S, patient - time.monotonic()))
         finally:
             if queued:
                 self.queued -= 1
 
     async def _try(
-        self, prefill: Instance, decode: Instance, prompt: list[int], params: GenParams, deadline: float
+        self,
+        prefill: Instance,
+        decode: Instance,
+        prompt: list[int],
+        params: GenParams,
+        deadline: float,
+        answer: bool = True,
     ):
         room = f"room-{uuid.uuid4().hex}"
         events: asyncio.Queue = asyncio.Queue()
         prefill.in_flight += 1
         decode.in_flight += 1
-        p_task = self._guarded(prefill, events, self._prefill(prefill, room, prompt, params, events))
+        p_task = self._guarded(prefill, events, self.halves.prefill(prefill, room, prompt, params, events))
         d_task = self._guarded(
-            decode, events, self._decode(decode, prefill.bootstrap, room, prompt, params, events)
+            decode, events, self.halves.decode(decode, prefill.bootstrap, room, prompt, params, events)
         )
-        finished, answered, held = False, False, [] if params.prompt_logprobs is not None else None
+        finished, answered, held = False, not answer, [] if params.prompt_logprobs is not None else None
+        streaming = False  # a token came: the decode holds the cache, the prefill's fate no longer matters
         try:
             while True:
                 try:
-                    kind, value = await next_event(events, _left(deadline))
+                    kind, value = await next_event(events, min(_left(deadline), HEALTH_CHECK_S))
                 except TimeoutError:
-                    raise DeadlineExceeded("the request ran past its deadline") from None
+                    if _left(deadline) <= 0:
+                        raise DeadlineExceeded("the request ran past its deadline") from None
+                    if decode.healthy or decode.stopping:  # a draining instance finishes what runs
+                        continue
+                    raise TryFailed(
+                        decode, f"failed its health check ({decode.error})", cause="health"
+                    ) from None
                 if held is not None and kind in ("token", "finish"):  # the prompt's logprobs go first
                     held.append((kind, value))
                     continue
@@ -203,6 +265,7 @@ class Orchestrator:
                         if finished:
                             return
                 elif kind == "token":
+                    streaming = True
                     yield value
                 elif kind == "finish":
                     finished = True
@@ -212,6 +275,8 @@ class Orchestrator:
                     yield value
                     return
                 elif kind == "failed":
+                    if streaming and isinstance(value, TryFailed) and value.inst is prefill:
+                        continue
                     raise value
         finally:
             prefill.in_flight -= 1
@@ -221,111 +286,6 @@ class Orchestrator:
                 d_task.cancel()  # closes the stream: the decode aborts on disconnect too
                 self._detach(self._abort(decode, room))
             p_task.cancel()  # after a finish the prefill already answered or is about to: nothing is lost
-
-    async def _prefill(
-        self, inst: Instance, room: str, prompt: list[int], params: GenParams, events: asyncio.Queue
-    ) -> None:
-        body = PrefillRequest(
-            token_ids=prompt,
-            request_id=room,
-            handoff=True,
-            prompt_logprobs=params.prompt_logprobs,
-            **params.sampling(),
-        )
-        start = time.perf_counter()
-        try:
-            r = await self.client.post(
-                f"{inst.url}/v1/prefill", json=body.model_dump(), timeout=self.timeout_s
-            )
-        except httpx.HTTPError as e:
-            events.put_nowait(("failed", TryFailed(inst, _describe(e), transport=True)))
-            return
-        if r.status_code != 200:
-            events.put_nowait(("failed", TryFailed(inst, _error_text(r), overloaded=r.status_code == 429)))
-            return
-        try:
-            reply = PrefillReply.model_validate_json(r.content)
-        except ValueError as e:
-            events.put_nowait(("failed", TryFailed(inst, f"malformed prefill answer: {_describe(e)}")))
-            return
-        self.metrics.observe_prefill(time.perf_counter() - start)
-        if params.prompt_logprobs is not None and (
-            reply.prompt_logprobs is None or len(reply.prompt_logprobs) != len(prompt)
-        ):
-            events.put_nowait(("failed", TryFailed(inst, "the prefill answered no prompt logprobs")))
-            return
-        events.put_nowait(("prompt", reply))
-
-    async def _decode(
-        self,
-        inst: Instance,
-        bootstrap: str,
-        room: str,
-        prompt: list[int],
-        params: GenParams,
-        events: asyncio.Queue,
-    ) -> None:
-        body = GenerateRequest(
-            token_ids=prompt,
-            max_tokens=params.max_tokens,
-            **params.sampling(),
-            stream=True,
-            request_id=room,
-            bootstrap=bootstrap,
-        )
-        try:
-            async with self.client.stream(
-                "POST", f"{inst.url}/v1/generate", json=body.model_dump(), timeout=self.timeout_s
-            ) as r:
-                if r.status_code == 429:
-                    await r.aread()
-                    events.put_nowait(("failed", TryFailed(inst, _error_text(r), overloaded=True)))
-                    return
-                if 400 <= r.status_code < 500:
-                    await r.aread()
-                    events.put_nowait(("failed", BadRequest(_error_text(r))))
-                    return
-                if r.status_code != 200:
-                    await r.aread()
-                    events.put_nowait(("failed", TryFailed(inst, _error_text(r))))
-                    return
-                done: set[int] = set()  # choices finished
-                async for line in r.aiter_lines():
-                    if not line:
-                        continue
-                    try:
-                        event = parse_event(line)
-                    except ValueError as e:
-                        events.put_nowait(
-                            ("failed", TryFailed(inst, f"malformed stream line: {_describe(e)}"))
-                        )
-                        return
-                    if isinstance(event, (TokenEvent, FinishEvent)) and event.index >= params.n:
-                        events.put_nowait(("failed", TryFailed(inst, f"choice {event.index} of {params.n}")))
-                        return
-                    if isinstance(event, TokenEvent):
-                        if (event.logprob is None) != (params.logprobs is None):
-                            events.put_nowait(
-                                ("failed", TryFailed(inst, "a token without the logprobs asked for"))
-                            )
-                            return
-                        events.put_nowait(("token", event))
-                    elif isinstance(event, FinishEvent):
-                        if event.index in done:
-                            events.put_nowait(
-                                ("failed", TryFailed(inst, f"choice {event.index} finished twice"))
-                            )
-                            return
-                        done.add(event.index)  # the last choice's finish ends the request
-                        events.put_nowait(("finish" if len(done) == params.n else "token", event))
-                        if len(done) == params.n:
-                            return
-                    else:
-                        events.put_nowait(("failed", TryFailed(inst, event.error)))
-                        return
-            events.put_nowait(("failed", TryFailed(inst, "stream ended without a finish")))
-        except httpx.HTTPError as e:
-            events.put_nowait(("failed", TryFailed(inst, _describe(e), transport=True)))
 
     def _guarded(self, inst: Instance, events: asyncio.Queue, coro) -> asyncio.Task:
         """Runs one half; any exception it lets out (a bug, a malformed answer) fails the try."""
@@ -355,18 +315,6 @@ class Orchestrator:
         task = asyncio.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-
-def _describe(e: Exception) -> str:
-    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-
-
-def _error_text(r: httpx.Response) -> str:
-    try:
-        detail = error_message(r.json()) or r.text[:200]
-    except ValueError:
-        detail = r.text[:200]
-    return f"HTTP {r.status_code}: {detail}"
 
 
 async def next_event(events: asyncio.Queue, timeout_s: float):

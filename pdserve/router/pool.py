@@ -43,6 +43,7 @@ class Instance:
     url: str
     healthy: bool = False  # until the first successful poll
     draining: bool = False
+    stopping: bool = False  # its own /health says it drains (SIGTERM): what runs there finishes there
     error: str | None = None  # why it is unhealthy
     info: LoadAnswer | None = None  # last /info (PrefillInfo) or /capacity (DecodeCapacity) answer
     in_flight: int = 0  # requests this router has running on it
@@ -231,7 +232,9 @@ class Pool:
                 self.auth.check(inst.url, health)
                 inst.proven = True
             if health.status_code != 200:  # an instance's own drain (SIGTERM) makes it unusable too
-                raise RuntimeError(("draining: " if _says_draining(health) else "") + _detail(health))
+                inst.stopping = _says_draining(health)
+                raise RuntimeError(("draining: " if inst.stopping else "") + _detail(health))
+            inst.stopping = False
             load = await client.get(f"{inst.url}{path}", timeout=5)
             if load.status_code != 200:
                 raise RuntimeError(f"{path}: {_detail(load)}")
@@ -241,6 +244,7 @@ class Pool:
                     inst.value("total_tokens"), inst.value("evicted_tokens"), inst.value("prefix_cache")
                 )
         except (httpx.HTTPError, RuntimeError, ValueError) as e:  # Unproven is a RuntimeError
+            inst.stopping = inst.stopping and isinstance(e, RuntimeError)  # unreachable: gone, not draining
             inst.healthy, inst.error = False, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         inst.last_poll = time.time()
 
@@ -249,7 +253,7 @@ class Pool:
 
     def suspect(self, inst: Instance, reason: str) -> None:
         """A request failed on `inst`: stop choosing it until the next poll says otherwise."""
-        inst.healthy, inst.error = False, reason
+        inst.healthy, inst.error, inst.stopping = False, reason, False
 
     async def health_loop(self, client: httpx.AsyncClient, interval_s: float) -> None:
         while True:

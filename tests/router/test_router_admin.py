@@ -5,8 +5,8 @@ The admin API needs the bearer token (401 without or with a wrong one; 404 when 
 configured); drain, remove and add change both what `topology` shows and where requests go;
 /metrics is valid Prometheus text that counts what happened; a prefill instance that dies while
 the router still thinks it healthy costs a retry on the other one, not a failed request; a decode
-rank killed mid-stream ends that stream with an error event, the instance is marked unhealthy, with
-no decode left the router answers 503, and once a healthy decode instance is added requests go there.
+rank killed mid-stream ends that stream with an error event (no other decode instance to move it to
+within --migration-wait), the instance is marked unhealthy, with no decode left the router answers 503, and once a healthy decode instance is added requests go there.
 """
 
 from __future__ import annotations
@@ -65,6 +65,8 @@ def topo(model_dir):
             TOKEN,
             "--health-interval",
             "60",
+            "--migration-wait",  # the dead decode's streams have nowhere to go: they end within ~1 s
+            "1",
         )
         procs.append(router)
         auth = {"Authorization": f"Bearer {TOKEN}"}  # /admin/capacity polls every instance now
