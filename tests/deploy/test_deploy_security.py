@@ -10,7 +10,7 @@ import re
 import pytest
 import yaml
 
-from tests.deploy.helpers import COMPOSE, COMPOSE_GPU, DEPLOY, KUSTOMIZATIONS, kustomize
+from tests.deploy.helpers import COMPOSE, COMPOSE_GPU, DEPLOY, KUSTOMIZATIONS, as_deployments, kustomize
 
 TOKEN_FILE = "/var/run/secrets/pdserve/internal-token"
 HARDENED = {
@@ -25,12 +25,13 @@ WRITABLE = {
     "prefill": {"/models", "/tmp", "/home/pdserve", "/dev/shm"},
 }
 WRITABLE["decode"] = WRITABLE["prefill"]
+WRITABLE |= {f"{role}-worker": WRITABLE[role] for role in ("prefill", "decode")}  # LeaderWorkerSets'
 
 
 def _pods(path: str) -> dict[str, dict]:
     return {
         r["metadata"]["name"].removeprefix("pdserve-"): r["spec"]["template"]
-        for r in kustomize(path)
+        for r in as_deployments(kustomize(path))
         if r["kind"] == "Deployment"
     }
 
@@ -132,6 +133,15 @@ def test_network_policies(path):
             assert reaches(policies, peer, dst, port) and not reaches(policies, router, dst, port)
             assert not reaches(policies, stranger, dst, port) and not reaches(policies, None, dst, port)
     assert reaches(policies, None, {"app": "unrelated"}, 1)  # the default deny is pdserve's pods only
+    for role, http in (("prefill", 8100), ("decode", 8200)):  # a group's pods reach each other
+        worker = pods.get(f"{role}-worker")
+        if worker is None:
+            continue
+        leader, other = pods[role], pods["decode" if role == "prefill" else "prefill"]
+        for port in (29500, 29501, 29600, 29601, 40000):  # rendezvous, node link, gloo
+            assert reaches(policies, worker, leader, port) and reaches(policies, leader, worker, port)
+            assert not reaches(policies, router, worker, port) and not reaches(policies, None, worker, port)
+        assert not reaches(policies, worker, leader, http) and not reaches(policies, other, worker, http)
 
 
 def test_compose_publishes_only_the_router():
