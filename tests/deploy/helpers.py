@@ -16,6 +16,7 @@ DEPLOY = ROOT / "deploy"
 KUSTOMIZATIONS = ("k8s/base", "k8s/overlays/gpu", "k8s/overlays/multinode")
 COMPOSE = DEPLOY / "compose" / "docker-compose.yml"
 COMPOSE_GPU = DEPLOY / "compose" / "docker-compose.gpu.yml"
+COMPOSE_MULTINODE = DEPLOY / "compose" / "docker-compose.multinode.yml"
 MODEL_IN_IMAGE = "/models/small-glm_moe_dsa-seed0"
 
 
@@ -101,9 +102,9 @@ def _lookup(env: dict, name: str, where: str) -> str:
 
 
 def compose_commands(model: str) -> list[tuple[str, list[str]]]:
-    """(where, command) of every pdserve service in the compose file and its GPU override."""
+    """(where, command) of every pdserve service in the compose file and its GPU and multi-node overrides."""
     out = []
-    for path in (COMPOSE, COMPOSE_GPU):
+    for path in (COMPOSE, COMPOSE_GPU, COMPOSE_MULTINODE):
         for name, svc in yaml.safe_load(path.read_text())["services"].items():
             if "command" in svc and "prometheus" not in str(svc.get("image", "")):
                 out.append(

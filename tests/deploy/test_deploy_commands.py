@@ -61,10 +61,11 @@ def test_every_deploy_command_passes_check_config(model, token):
     # the GPU variants run the ranks on the GPUs (bf16 by default there), the base ones on the CPU
     servers = [c for c in configs if "cp_size" in c or "dcp_size" in c]
     assert {(c["device"], c["dtype"]) for c in servers} == {("cpu", "float32"), ("cuda", "bfloat16")}
-    # the LeaderWorkerSets' pods: one instance over 2 nodes, from the controller's variables
+    # one instance over 2 nodes: the LeaderWorkerSets' pods (from the controller's variables) and
+    # the multi-node compose file's two prefill containers
     groups = [c for c in servers if c["nnodes"] == 2]
-    assert sorted((c.get("cp_size", 0), c["node_rank"]) for c in groups) == [(0, 0), (0, 1), (2, 0), (2, 1)]
-    assert all(c["dist_addr"] == "127.0.0.1" for c in groups)
+    assert {(c.get("cp_size", 0), c["node_rank"]) for c in groups} == {(0, 0), (0, 1), (2, 0), (2, 1)}
+    assert {c["dist_addr"] for c in groups} == {"127.0.0.1", "prefill:29500"}
     k8s_router = [c for c in configs if c.get("discovery") == "k8s"]
     assert k8s_router and all(c["selector"] == "app.kubernetes.io/part-of=pdserve" for c in k8s_router)
 

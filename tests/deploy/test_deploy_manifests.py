@@ -8,7 +8,15 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.deploy.helpers import COMPOSE, COMPOSE_GPU, DEPLOY, KUSTOMIZATIONS, as_deployments, kustomize
+from tests.deploy.helpers import (
+    COMPOSE,
+    COMPOSE_GPU,
+    COMPOSE_MULTINODE,
+    DEPLOY,
+    KUSTOMIZATIONS,
+    as_deployments,
+    kustomize,
+)
 
 K8S_VERSION = "1.32"  # the version kubectl here speaks; the schemas come with kubernetes-validate
 # A LeaderWorkerSet's own fields (leaderworkerset.x-k8s.io/v1, sigs.k8s.io/lws's CRD): its pod
@@ -156,6 +164,13 @@ def test_compose_files():
         devices = gpu[name]["deploy"]["resources"]["reservations"]["devices"]
         assert devices[0]["capabilities"] == ["gpu"] and len(devices[0]["device_ids"]) == 2
     assert (DEPLOY / "docker" / "Dockerfile").read_text().count('ENTRYPOINT ["pdserve"]') == 1
+    # one prefill instance over two containers: the same flags but --node-rank, no IPC shared
+    multi = yaml.safe_load(COMPOSE_MULTINODE.read_text())["services"]
+    node0, node1 = multi["prefill"]["command"], multi["prefill-node1"]["command"]
+    assert [a for a in node0 if a != "0"] == [a for a in node1 if a != "1"]
+    assert node0[node0.index("--node-rank") + 1] == "0" and node1[node1.index("--node-rank") + 1] == "1"
+    assert node0[node0.index("--nnodes") + 1] == "2" and "prefill:29500" in node0
+    assert not {"ipc", "network_mode", "ports"} & set(multi["prefill-node1"])
 
 
 def test_dockerfile_copies_only_what_dockerignore_keeps():

@@ -10,7 +10,15 @@ import re
 import pytest
 import yaml
 
-from tests.deploy.helpers import COMPOSE, COMPOSE_GPU, DEPLOY, KUSTOMIZATIONS, as_deployments, kustomize
+from tests.deploy.helpers import (
+    COMPOSE,
+    COMPOSE_GPU,
+    COMPOSE_MULTINODE,
+    DEPLOY,
+    KUSTOMIZATIONS,
+    as_deployments,
+    kustomize,
+)
 
 TOKEN_FILE = "/var/run/secrets/pdserve/internal-token"
 HARDENED = {
@@ -85,7 +93,7 @@ def test_no_default_token():
                         assert ref.get("optional") is True and ref["name"].startswith("pdserve-"), (role, e)
     for f in list(DEPLOY.rglob("*.y*ml")) + [DEPLOY / "README.md"]:
         assert "change-me" not in f.read_text(), f
-    for f in (COMPOSE, COMPOSE_GPU):
+    for f in (COMPOSE, COMPOSE_GPU, COMPOSE_MULTINODE):
         for name, svc in yaml.safe_load(f.read_text())["services"].items():
             for var, value in (svc.get("environment") or {}).items():
                 if re.search("TOKEN|KEY$", var):
@@ -169,3 +177,10 @@ def test_compose_publishes_only_the_router():
         )
     assert "PDSERVE_ADMIN_TOKEN" not in base["prefill"]["environment"]
     assert gpu["prefill"]["mem_limit"] and gpu["decode"]["mem_limit"]
+    node1 = yaml.safe_load(COMPOSE_MULTINODE.read_text())["services"]["prefill-node1"]
+    assert (
+        node1["read_only"]
+        and node1["cap_drop"] == ["ALL"]
+        and "no-new-privileges:true" in node1["security_opt"]
+    )
+    assert node1["mem_limit"] and not node1.get("ports")
