@@ -204,7 +204,8 @@ class Link:
         self.out_seq = self.in_seq = 0
         self._lock = threading.Lock()
         sock.settimeout(None)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a command is one small write
 
     def send(self, msg: Any) -> None:
         payload = dumps(msg)

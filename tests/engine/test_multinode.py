@@ -173,3 +173,30 @@ def test_node_wire_decodes_data_classes_only():
     for bad in (Evil(), pickle.loads, torch.load):
         with pytest.raises(pickle.UnpicklingError, match="may not cross the node link"):
             loads(pickle.dumps(bad))
+
+
+def test_node_link_bounds_and_checks_every_frame():
+    """After the handshake: a frame announcing more than MAX_FRAME is refused before it is read,
+    and a replayed frame (a sequence number already used) fails authentication."""
+    from pdserve.engine.node_wire import MAX_FRAME, Link
+
+    a, b = socket.socketpair()
+    tx = Link(a, b"k" * 32, b"leader->agent", b"agent->leader", "agent")
+    rx = Link(b, b"k" * 32, b"agent->leader", b"leader->agent", "leader")
+    tx.send(Replies(1, 1, [], {}))
+    first = rx.sock.recv(1 << 16)  # taken off the wire by hand, to be sent twice
+    rx.sock.close()
+    a2, b2 = socket.socketpair()
+    rx = Link(b2, b"k" * 32, b"agent->leader", b"leader->agent", "leader")
+    a2.sendall(first)
+    assert rx.recv() == Replies(1, 1, [], {})
+    a2.sendall(first)  # the same frame again: its sequence number is spent
+    with pytest.raises(LinkError, match="authentication"):
+        rx.recv()
+    a3, b3 = socket.socketpair()
+    rx = Link(b3, b"k" * 32, b"agent->leader", b"leader->agent", "leader")
+    a3.sendall((MAX_FRAME + 1).to_bytes(8, "little") + b"\0" * 32)
+    with pytest.raises(LinkError, match="limit"):
+        rx.recv()
+    for s in (a, a2, a3, b2, b3):
+        s.close()
