@@ -247,12 +247,12 @@ class NodeGroup(RankGroup):
                 pending.discard(i)
             while not self._inbox.empty():
                 rank, msg = self._inbox.get_nowait()
-                if msg.generation != self.generation or (
-                    kind is Replies and getattr(msg, "seq", None) != self.seq
-                ):
-                    continue  # a late answer of an earlier command or start
-                if isinstance(msg, Failed):
+                if msg.generation != self.generation:
+                    continue  # an answer to an earlier leader's start
+                if isinstance(msg, Failed):  # the node's group broke: so did this one
                     raise RankError(f"node {rank}: {msg.message}")
+                if not isinstance(msg, kind) or (kind is Replies and msg.seq != self.seq):
+                    continue  # a late answer of an earlier command
                 got = msg.infos if kind is Ready else msg.replies
                 replies[rank * per : (rank + 1) * per] = got
                 errors.update(getattr(msg, "errors", {}))
@@ -265,7 +265,8 @@ class NodeGroup(RankGroup):
         return replies, errors
 
     def _pending_names(self, pending: set) -> list:
-        return sorted(f"node {i[1]}" if isinstance(i, tuple) else self.rank_ids[i] for i in pending)
+        local = sorted(self.rank_ids[i] for i in pending if isinstance(i, int))
+        return local + sorted(f"node {i[1]}" for i in pending if isinstance(i, tuple))
 
     def dead_rank(self) -> str | None:
         dead = super().dead_rank()

@@ -19,12 +19,13 @@ import pickle
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import torch
 
-from pdserve.engine.launcher import CommandFailed, LaunchConfig
+from pdserve.engine.launcher import CommandFailed, LaunchConfig, RankError
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.node_wire import LinkError, Replies, connect_link, dumps, link_key, loads
 from pdserve.engine.request import SamplingParams
@@ -57,7 +58,7 @@ def start_agent(model: str, port: int) -> subprocess.Popen:
 
 def leader(model: str, port: int) -> PrefillInstance:
     worker = PrefillWorkerConfig(
-        model, 512, "float64", query_block=16, float32_islands=False, frame_key=cluster_frame_key(TEST_TOKEN)
+        model, 4096, "float64", query_block=16, float32_islands=False, frame_key=cluster_frame_key(TEST_TOKEN)
     )
     launch = LaunchConfig(2, port, nnodes=2, node_rank=0, node_timeout_s=TIMEOUT_S, ready_timeout_s=120)
     return PrefillInstance(worker, launch, chunk_size=64)
@@ -70,6 +71,26 @@ def check(inst: PrefillInstance, engine: LLMEngine, n: int, chunk: int) -> None:
     assert_close(res.logits, want_logits, f"n={n} chunk={chunk} logits")
     assert_prefill_cache(inst, res.slots, want_entries, f"n={n} chunk={chunk}")  # both ranks' entries
     inst.release(res.request_id)
+
+
+def in_flight(inst: PrefillInstance) -> threading.Thread:
+    """A long prefill on its own thread (its exception in .error), once it runs on every rank."""
+    ids = [(7 * i) % 490 + 4 for i in range(2000)]
+
+    def run():
+        try:
+            inst.prefill("long", ids, SamplingParams(), chunk_size=16)
+        except Exception as e:
+            t.error = e
+
+    before = inst.ranks.seq
+    t = threading.Thread(target=run)
+    t.error = None
+    t.start()
+    deadline = time.monotonic() + 10
+    while inst.ranks.seq == before and time.monotonic() < deadline:  # Command sent to node 1
+        time.sleep(0.01)
+    return t
 
 
 def wait_unhealthy(inst: PrefillInstance) -> tuple[str, float]:
@@ -104,10 +125,14 @@ def test_two_nodes_exact_dead_rank_seen_and_group_restarts(model, engine):
         assert sorted(errors) == [0, 1] and "TypeError: unknown command str" in errors[1]
         check(inst, engine, 19, 64)
         remote_rank = inst.ranks.pids[1]
+        failed = in_flight(inst)  # the remote rank dies inside a command: the command fails at once
         os.kill(remote_rank, 9)
         why, took = wait_unhealthy(inst)
         print(f"remote rank killed: seen after {took:.2f} s: {why}")
-        assert why.startswith("node 1: rank 1 (pid") and took < TIMEOUT_S
+        assert "node 1: rank 1" in why and took < TIMEOUT_S  # its agent's answer, or its next beat
+        failed.join(TIMEOUT_S + 5)
+        assert isinstance(failed.error, RankError), failed.error
+        assert not inst.held  # the failed prefill's pages went back
         inst.shutdown()
 
         inst = leader(model, port).start()  # the agent joins the next leader: the group restarted
@@ -142,8 +167,6 @@ def test_node_link_refuses_a_peer_without_the_token():
         except LinkError as e:
             results.append(e)
             sock.close()
-
-    import threading
 
     for attempt in ("wrong key", "garbage"):
         t = threading.Thread(target=accept_one)
