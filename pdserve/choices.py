@@ -115,7 +115,7 @@ class DcpComm(str, Enum):
 
 class CpuComm(str, Enum):
     """Collectives between CPU ranks: shm (shared memory, ~15 us each), gloo (loopback TCP, ~0.5 ms
-    each) or auto (shm on x86)."""
+    each) or auto (shm on x86; with --nnodes > 1 for the groups inside one node, gloo across nodes)."""
 
     auto = "auto"
     shm = "shm"

@@ -119,7 +119,8 @@ def check_gpus(cfg, world_size: int) -> None:
     from .engine.llm_engine import parse_dtype
     from .model.config import ModelConfig
 
-    plan = check_devices(cfg.device, world_size, cfg.gpu_ids)
+    nodes = getattr(cfg, "nnodes", 1)
+    plan = check_devices(cfg.device, world_size // nodes, cfg.gpu_ids, nodes=nodes)
     if {cfg.linear_ops, cfg.moe_ops} - {"auto", "torch"}:
         from .engine import gemm_ops
 

@@ -24,6 +24,7 @@ from .cli_common import (
 )
 from .decode_server.config import DecodeServerConfig
 from .engine.launcher import prestart
+from .engine.nodes import lws_values
 from .flags import config_command
 from .prefill_server.config import PrefillServerConfig
 
@@ -39,7 +40,20 @@ def _server_values(values: dict, token_file, check_config: bool) -> dict:
     values["internal_token"] = internal_token(values["internal_token"], token_file, check_config)
     values["gpu_ids"] = gpu_ids_value(values["gpu_ids"])
     values["dtype"] = values["dtype"] or ""  # the device's default (engine/placement.py)
-    return values
+    return lws_values(values)  # --nnodes, --node-rank, --dist-addr: the flags, else a LeaderWorkerSet's
+
+
+def _node_agent(cfg, role: str) -> bool:
+    """Runs this node's agent (engine/node_agent.py) when it is not node 0; False on node 0."""
+    if cfg.node_rank == 0:
+        return False
+    from .engine.auth import require_token
+    from .engine.node_agent import serve_agent
+    from .transfer.frames import cluster_frame_key
+
+    require_token(cfg.internal_token)
+    serve_agent(cfg, role, cluster_frame_key(cfg.internal_token))
+    return True
 
 
 @app.command()
@@ -66,6 +80,8 @@ def prefill(
         fail(str(e))
     if check_config:
         echo_plan(masked(asdict(cfg)), plan)
+        return
+    if _node_agent(cfg, "prefill"):
         return
     from .prefill_server.serve import serve
 
@@ -118,6 +134,8 @@ def decode(
         fail(str(e))
     if check_config:
         echo_plan(masked({**asdict(cfg), "num_slots": num_slots}), plan)
+        return
+    if _node_agent(cfg, "decode"):
         return
     from .decode_server.serve import serve
 

@@ -88,6 +88,25 @@ INTERNAL_TOKEN_HELP = (
     "--internal-token-file."
 )
 
+NODE_HELP = {
+    "nnodes": "Hosts the instance's ranks are split over (the rank count must be a multiple): node 0 "
+    "runs the HTTP API, the loop and its ranks, every other node an agent that runs its own. Default: "
+    "$LWS_GROUP_SIZE (a LeaderWorkerSet pod), else 1.",
+    "node_rank": "This host's node (0: the leader; its ranks are node_rank x ranks per node + 0, 1, ...). "
+    "Default: $LWS_WORKER_INDEX, else 0.",
+    "dist_addr": "HOST[:PORT] of node 0, the same on every node: the ranks' rendezvous listens there "
+    "(PORT, default --dist-port) and the leader's node link at PORT + 1 (authenticated with the internal "
+    "token). Default: $LWS_LEADER_ADDRESS, else 127.0.0.1.",
+    "node_timeout": "Seconds a node (agent or leader) may stay silent before the instance counts it dead: "
+    "the leader then fails its requests and restarts the whole group, /health answering 503 meanwhile.",
+    "gloo_ifname": "Network interface of gloo between the ranks (GLOO_SOCKET_IFNAME). Default: "
+    "$GLOO_SOCKET_IFNAME, else lo for a loopback --dist-addr, else the interface holding the address "
+    "that reaches --dist-addr.",
+    "nccl_ifname": "--device cuda: NCCL's socket interface (NCCL_SOCKET_IFNAME; default: NCCL's choice).",
+    "nccl_ib_hca": "--device cuda: the InfiniBand / RoCE adapters NCCL uses between nodes (NCCL_IB_HCA, "
+    "e.g. mlx5_0,mlx5_1; default: NCCL's choice).",
+}
+
 
 @dataclass(frozen=True)
 class Flag:

@@ -24,6 +24,7 @@ from .flags import (
     MODEL_HELP,
     MOE_EP_HELP,
     MOE_OPS_HELP,
+    NODE_HELP,
     PREFIX_CACHE_HELP,
     SHUTDOWN_GRACE_HELP,
     option,
@@ -61,6 +62,15 @@ class InstanceOptions(ABC):
     shutdown_grace_s: float = option(30.0, SHUTDOWN_GRACE_HELP, name="--shutdown-grace", min=0.0)
     # engine/auth.py; serve() requires one (the CLI adds --internal-token-file and the environment)
     internal_token: str | None = option(None, INTERNAL_TOKEN_HELP, cli_type=Optional[str], repr=False)
+    # one instance over several hosts (engine/node_group.py; the CLI fills these from the
+    # LeaderWorkerSet environment when the flags are not given: engine/nodes.py)
+    nnodes: int = option(1, NODE_HELP["nnodes"], min=1, cli_type=Optional[int], cli_default=None)
+    node_rank: int = option(0, NODE_HELP["node_rank"], min=0, cli_type=Optional[int], cli_default=None)
+    dist_addr: str = option("", NODE_HELP["dist_addr"], cli_type=Optional[str], cli_default=None)
+    node_timeout_s: float = option(10.0, NODE_HELP["node_timeout"], name="--node-timeout", min=0.5)
+    gloo_ifname: str = option("", NODE_HELP["gloo_ifname"])
+    nccl_ifname: str = option("", NODE_HELP["nccl_ifname"])
+    nccl_ib_hca: str = option("", NODE_HELP["nccl_ib_hca"])
 
     @abstractmethod
     def world_size(self) -> int:
@@ -69,13 +79,36 @@ class InstanceOptions(ABC):
     def check_shared(self) -> None:
         """The shared fields' checks; fills dtype "" with the device's default. A role's
         `__post_init__` calls it after checking the fields `world_size` reads."""
-        check_device_fields(self, self.world_size())
+        self.check_nodes()
+        check_device_fields(self, self.world_size() // self.nnodes)  # --gpu-ids: one per rank of a node
         check(self.dtype, ModelDType, "--dtype")
         check(self.prefix_cache, Switch, "--prefix-cache")
         check(self.transfer, Transfer, "--transfer")
-        if self.port == self.dist_port:
-            raise ValueError("--port and --dist-port must differ")
         if self.threads_per_rank < 1 or self.max_queue < 1:
             raise ValueError("--threads-per-rank and --max-queue must be >= 1")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"--shutdown-grace must be >= 0, got {self.shutdown_grace_s}")
+
+    def check_nodes(self) -> None:
+        if self.nnodes < 1 or self.world_size() % self.nnodes:
+            raise ValueError(f"--nnodes {self.nnodes} must divide the instance's {self.world_size()} ranks")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, {self.nnodes - 1}] (--nnodes {self.nnodes})")
+        if self.nnodes > 1 and not self.dist_addr:
+            raise ValueError(
+                "--nnodes > 1 needs --dist-addr HOST:PORT (node 0's address, the same on every node)"
+            )
+        if self.node_timeout_s < 0.5:
+            raise ValueError(f"--node-timeout must be >= 0.5 s, got {self.node_timeout_s}")
+        _, port = self.dist_endpoint()
+        if self.port == port:
+            raise ValueError("--port and --dist-port must differ")
+        if self.nnodes > 1 and self.port == port + 1:
+            raise ValueError(f"--port {self.port} is the node link's (the port after --dist-addr's)")
+
+    def dist_endpoint(self) -> tuple[str, int]:
+        """(host, port) of the ranks' rendezvous: --dist-addr, else 127.0.0.1 and --dist-port; a
+        multi-node instance's control link listens on node 0 at the port after it."""
+        from .engine.nodes import parse_dist_addr
+
+        return parse_dist_addr(self.dist_addr, self.dist_port)

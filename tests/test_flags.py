@@ -79,6 +79,9 @@ FILLED_IN = {
     "dtype",
     "gpu_ids",
     "cuda_graphs",
+    "nnodes",  # the flag, else the LeaderWorkerSet's variable (engine/nodes.py)
+    "node_rank",
+    "dist_addr",
 }  # by the command
 
 

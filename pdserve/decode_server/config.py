@@ -104,6 +104,8 @@ class DecodeServerConfig(InstanceOptions):
         check(self.kv_cache_dtype, KVCacheDType, "--kv-cache-dtype")
         check(self.dcp_comm, DcpComm, "--dcp-comm")
         check(self.cpu_comm, CpuComm, "--cpu-comm")
+        if self.cpu_comm == "shm" and self.nnodes > 1:  # auto: shared memory inside a node, gloo across
+            raise ValueError("--cpu-comm shm needs every rank on one host: use auto with --nnodes > 1")
         if self.cuda_graphs not in ("", "auto", *values(Switch)):
             raise ValueError(f"--cuda-graphs must be on or off, got {self.cuda_graphs!r}")
         if self.cuda_graphs == "on" and self.device != "cuda":

@@ -18,7 +18,8 @@ import dataclasses
 import torch
 
 from ..engine.batch_sampler import SampleRow
-from ..engine.launcher import LaunchConfig, RankGroup, RankInstance
+from ..engine.launcher import LaunchConfig, RankInstance
+from ..engine.node_group import make_group
 from ..engine.page_allocator import PageAllocator
 from ..engine.pipe_tensors import from_pipe
 from ..engine.radix_cache import RadixCache
@@ -76,7 +77,7 @@ class DecodeInstance(RankInstance):
         if worker.num_slots is not None:
             self._make_allocator(worker.num_slots)
         self.handoff_skipped_bytes = 0  # payload the prefix cache kept off the wire (reservations)
-        self.ranks = RankGroup(DecodeRankWorker, worker, launch)
+        self.ranks = make_group(DecodeRankWorker, worker, launch)
         self.rank_infos: list[DecodeRankInfo] = []
         self._last_plan: tuple[tuple, list[Transfer]] | None = (
             None  # reservation, expect_totals, handoff_bytes share it

@@ -67,6 +67,7 @@ class DecodeWorkerConfig:
     kv_cache_dtype: str = "auto"
     float32_islands: bool = True
     cpu_comm: str = "auto"  # collectives between the ranks: shared memory or gloo (engine/comm.py)
+    nnodes: int = 1  # hosts the W ranks span (W / nnodes each): shared memory only inside one
     device: str = "cpu"  # "cuda": the GPU the launcher selected for this rank (engine/device.py)
     gpu_ids: tuple[int, ...] = ()  # the instance's GPUs (they decide NCCL or the host comm)
     attention_ops: str = "auto"  # engine/attn_ops.py
@@ -197,7 +198,7 @@ class DecodeRankWorker(RankWorker):
         self.rank, self.world, self.cfg = rank, world, cfg
         self.dtype = parse_dtype(cfg.dtype)
         self.device = rank_device(cfg.device)
-        device_comm = check_devices(cfg.device, world, cfg.gpu_ids).comm
+        device_comm = check_devices(cfg.device, world // cfg.nnodes, cfg.gpu_ids, nodes=cfg.nnodes).comm
         who = f"decode rank {rank}"
 
         def fits(meta_model) -> None:  # before anything is allocated: weights + KV + workspace
@@ -220,7 +221,7 @@ class DecodeRankWorker(RankWorker):
         self.ops = make_attention_ops(
             cfg.attention_ops, self.device, self.dtype, self.mcfg, cfg.kv_cache_dtype, who
         )
-        self.tp_comm = make_comm(cfg.cpu_comm, rank, world, device_comm=device_comm)
+        self.tp_comm = make_comm(self._cpu_comm(range(world)), rank, world, device_comm=device_comm)
         wrap_decode_tp(self.model, rank, world, self.tp_comm)
         apply_gemm_ops(self.model, cfg.linear_ops, cfg.moe_ops, self.device, f"decode rank {rank}")
         for m in self.model.modules():  # the step must not sync: the torch MoE without routed shapes
@@ -234,11 +235,11 @@ class DecodeRankWorker(RankWorker):
             members = list(range(g * cfg.dcp_size, (g + 1) * cfg.dcp_size))
             pg = dist.new_group(members) if cfg.dcp_size > 1 else None
             if rank in members:
-                group = pg
+                group, mine = pg, members
         self.dcp = DCPGroup(
             rank % cfg.dcp_size,
             cfg.dcp_size,
-            make_comm(cfg.cpu_comm, rank % cfg.dcp_size, cfg.dcp_size, group, device_comm),
+            make_comm(self._cpu_comm(mine), rank % cfg.dcp_size, cfg.dcp_size, group, device_comm),
         )
         self._build(cfg.index_mode, cfg.comm)
         # KV hand-off data path (transfer/tcp.py or nixl.py): stores arriving rows into the current pool
@@ -250,6 +251,11 @@ class DecodeRankWorker(RankWorker):
             cfg.transfer_quarantine_s,
             cfg.frame_key,
         )
+
+    def _cpu_comm(self, members) -> str:
+        """--cpu-comm for a group of these ranks: shared memory needs them on one node, else gloo."""
+        per = self.world // self.cfg.nnodes
+        return self.cfg.cpu_comm if len({r // per for r in members}) == 1 else "gloo"
 
     def _slots_from_memory(self, mcfg, weights: dict[str, int], who: str) -> int:
         """The instance's slots under --gpu-memory-utilization: what this rank's GPU holds

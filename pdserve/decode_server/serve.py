@@ -11,6 +11,7 @@ import sys
 from ..engine.auth import require_token
 from ..engine.instance_loop import serve_instance
 from ..engine.launcher import LaunchConfig
+from ..engine.nodes import apply_interfaces, describe_nodes
 from ..engine.watchdog import stop_instance
 from ..transfer.frames import cluster_frame_key
 from .config import DecodeServerConfig
@@ -32,6 +33,7 @@ def build_instance(cfg: DecodeServerConfig) -> DecodeInstance:
         cfg.dtype,
         cfg.kv_cache_dtype,
         cpu_comm=cfg.cpu_comm,
+        nnodes=cfg.nnodes,
         transfer=cfg.transfer,
         data_host=cfg.data_host,
         transfer_quarantine_s=cfg.transfer_quarantine_s,
@@ -59,9 +61,10 @@ def serve(cfg: DecodeServerConfig) -> None:
     torch.set_num_threads(cfg.threads_per_rank)  # the local prefill must not take the ranks' cores
     require_token(cfg.internal_token)
     cfg.validate_model()
+    apply_interfaces(cfg)  # before any rank starts: they inherit it (engine/nodes.py)
     instance = build_instance(cfg)
     print(
-        f"starting {cfg.tp_size} decode rank(s) (DCP {cfg.dcp_size}) for {cfg.model}",
+        f"starting {cfg.tp_size} decode rank(s) (DCP {cfg.dcp_size}){describe_nodes(cfg)} for {cfg.model}",
         file=sys.stderr,
         flush=True,
     )

@@ -20,10 +20,11 @@ from .placement import check_attention_ops, check_device, check_device_fields, d
 
 @dataclass(frozen=True)
 class DevicePlan:
-    """What check_devices decided for one instance of `world_size` ranks."""
+    """What check_devices decided for the ranks of one node of an instance (all of them on one host)."""
 
     device: str  # "cpu" | "cuda"
-    gpus: tuple[int, ...]  # per rank (empty on cpu)
+    gpus: tuple[int, ...]  # per local rank (empty on cpu); every node the same
+    nodes: int = 1  # hosts the instance spans (NCCL between them; the host comm never crosses one)
 
     @property
     def shared_gpu(self) -> bool:
@@ -32,7 +33,7 @@ class DevicePlan:
 
     @property
     def dist_backend(self) -> str:
-        if self.device == "cuda" and not self.shared_gpu and len(self.gpus) > 1:
+        if self.device == "cuda" and not self.shared_gpu and len(self.gpus) * self.nodes > 1:
             return "cpu:gloo,cuda:nccl"
         return "gloo"
 
@@ -41,20 +42,25 @@ class DevicePlan:
         """The collectives the workers use (engine/comm.py make_comm's device side)."""
         if self.device == "cpu":
             return "cpu"
-        return "host" if self.shared_gpu or len(self.gpus) == 1 else "nccl"
+        return "host" if self.shared_gpu or len(self.gpus) * self.nodes == 1 else "nccl"
 
 
 def check_devices(
-    device: str, world_size: int, gpu_ids: tuple[int, ...] = (), cuda_count: int | None = None
+    device: str,
+    world_size: int,
+    gpu_ids: tuple[int, ...] = (),
+    cuda_count: int | None = None,
+    nodes: int = 1,
 ) -> DevicePlan:
-    """Validates --device / --gpu-ids for `world_size` ranks; raises ValueError saying what is wrong.
+    """Validates --device / --gpu-ids for `world_size` ranks on this host (of an instance over
+    `nodes` hosts, each running as many); raises ValueError saying what is wrong.
 
     cuda_count: visible GPUs (None: ask torch). Several ranks may share a GPU only when --gpu-ids
-    says so explicitly (the default maps rank r to GPU r and needs world_size GPUs)."""
+    says so explicitly (the default maps local rank r to GPU r and needs world_size GPUs)."""
     if check_device(device) == "cpu":
         if gpu_ids:
             raise ValueError("--gpu-ids needs --device cuda")
-        return DevicePlan("cpu", ())
+        return DevicePlan("cpu", (), nodes)
     if cuda_count is None:
         cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if cuda_count == 0:
@@ -69,7 +75,11 @@ def check_devices(
             f"--device cuda: {world_size} rank(s) need GPU(s) {list(gpus)} but only {cuda_count} "
             f"{'is' if cuda_count == 1 else 'are'} visible (ordinals {missing} are missing)"
         )
-    return DevicePlan("cuda", gpus)
+    if nodes > 1 and len(set(gpus)) < len(gpus):
+        raise ValueError(
+            "--nnodes > 1: NCCL joins the nodes, so every rank needs a GPU of its own (--gpu-ids)"
+        )
+    return DevicePlan("cuda", gpus, nodes)
 
 
 def rank_device(device: str) -> torch.device:

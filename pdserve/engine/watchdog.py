@@ -20,13 +20,31 @@ _stopping = threading.Lock()
 
 
 def stop_instance(instance, role: str, message: str) -> NoReturn:
-    """Prints `error: <message>; stopping the <role> instance`, stops the ranks, exits with status 1."""
+    """Prints `error: <message>; stopping the <role> instance`, stops the ranks, exits with status 1.
+
+    A multi-node instance's leader (engine/node_group.py) restarts the whole group instead: it stops
+    its ranks and the agents' (which then wait for it) and runs itself anew, same command line and
+    environment; HTTP is down meanwhile, so /health fails and the router stops choosing it."""
     with _stopping:
-        print(f"error: {message}; stopping the {role} instance", file=sys.stderr, flush=True)
+        restart = getattr(instance.ranks, "restarts_on_failure", False)
+        what = "restarting the whole rank group" if restart else "stopping"
+        print(f"error: {message}; {what} the {role} instance", file=sys.stderr, flush=True)
         try:
             instance.shutdown()
+            if restart:
+                restart_process()
         finally:  # os._exit: the main thread may be inside uvicorn or a rank call; nothing must wait on it
             os._exit(1)
+
+
+def restart_process() -> NoReturn:
+    """Replaces this process by a new run of its own command line (sys.orig_argv). Every socket and
+    pipe of this one is close-on-exec, so its ports and the forkserver go with it."""
+    count = int(os.environ.get("PDSERVE_GROUP_RESTARTS", "0")) + 1
+    os.environ["PDSERVE_GROUP_RESTARTS"] = str(count)
+    print(f"group restart {count}: {' '.join(sys.orig_argv)}", file=sys.stderr, flush=True)
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
 
 def watch_ranks(instance, role: str, stop: threading.Event, poll_s: float = POLL_S) -> None:

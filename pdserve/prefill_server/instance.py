@@ -21,7 +21,8 @@ import threading
 from dataclasses import asdict, dataclass, field
 
 from ..engine.constraint import Grammars
-from ..engine.launcher import LaunchConfig, RankGroup, RankInstance
+from ..engine.launcher import LaunchConfig, RankInstance
+from ..engine.node_group import make_group
 from ..engine.page_allocator import PageAllocator
 from ..engine.radix_cache import Node, RadixCache
 from ..engine.request import SamplingParams
@@ -65,7 +66,7 @@ class PrefillInstance(RankInstance):
             raise ValueError(f"chunk size must be >= 1, got {chunk_size}")
         self.worker, self.launch, self.chunk_size = worker, launch, chunk_size
         self.allocator = PageAllocator(worker.num_slots // page_size, page_size)
-        self.ranks = RankGroup(PrefillRankWorker, worker, launch)
+        self.ranks = make_group(PrefillRankWorker, worker, launch)
         self.held: dict[str, list[int]] = {}  # request id -> pages, until release()
         self.rank_infos: list[PrefillRankInfo] = []
         self.cache: RadixCache | None = None

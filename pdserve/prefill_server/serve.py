@@ -13,6 +13,7 @@ import sys
 from ..engine.auth import require_token
 from ..engine.instance_loop import serve_instance
 from ..engine.launcher import LaunchConfig
+from ..engine.nodes import apply_interfaces, describe_nodes
 from ..engine.watchdog import stop_instance
 from ..transfer.frames import cluster_frame_key
 from ..transfer.side_channel import BootstrapService
@@ -55,8 +56,13 @@ def build_instance(cfg: PrefillServerConfig) -> PrefillInstance:
 def serve(cfg: PrefillServerConfig) -> None:
     require_token(cfg.internal_token)
     cfg.validate_model()
+    apply_interfaces(cfg)  # before any rank starts: they inherit it (engine/nodes.py)
     instance = build_instance(cfg)
-    print(f"starting {cfg.cp_size} prefill rank(s) for {cfg.model}", file=sys.stderr, flush=True)
+    print(
+        f"starting {cfg.cp_size} prefill rank(s){describe_nodes(cfg)} for {cfg.model}",
+        file=sys.stderr,
+        flush=True,
+    )
 
     def make_loop() -> PrefillLoop:
         # the hand-off side channel (own thread: heartbeats); decode instances connect. Its frames are signed with

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import shutil
@@ -12,9 +13,10 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-KUSTOMIZATIONS = ("k8s/base", "k8s/overlays/gpu")
+KUSTOMIZATIONS = ("k8s/base", "k8s/overlays/gpu", "k8s/overlays/multinode")
 COMPOSE = DEPLOY / "compose" / "docker-compose.yml"
 COMPOSE_GPU = DEPLOY / "compose" / "docker-compose.gpu.yml"
+COMPOSE_MULTINODE = DEPLOY / "compose" / "docker-compose.multinode.yml"
 MODEL_IN_IMAGE = "/models/small-glm_moe_dsa-seed0"
 
 
@@ -29,12 +31,46 @@ def kustomize(path: str) -> list[dict]:
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
+def as_deployments(resources: list[dict]) -> list[dict]:
+    """The resources with each LeaderWorkerSet's pod templates as Deployments (its leader under its
+    own name, its workers under NAME-worker), so the checks of Deployments (schemas, hardening,
+    checkov) reach them; the LeaderWorkerSet's own fields are checked by test_deploy_manifests."""
+    out = []
+    for r in resources:
+        if r["kind"] != "LeaderWorkerSet":
+            out.append(r)
+            continue
+        group = r["spec"]["leaderWorkerTemplate"]
+        for suffix, key in (("", "leaderTemplate"), ("-worker", "workerTemplate")):
+            tpl = copy.deepcopy(group[key])
+            meta = {**copy.deepcopy(r["metadata"]), "name": r["metadata"]["name"] + suffix}
+            spec = {
+                "replicas": 1,
+                "selector": {"matchLabels": dict(tpl["metadata"]["labels"])},
+                "template": tpl,
+            }
+            out.append({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta, "spec": spec})
+    return out
+
+
+def lws_env(where: str) -> dict[str, str]:
+    """What the LeaderWorkerSet controller sets in a pod of a group of 2 (none outside one)."""
+    if "multinode" not in where:
+        return {}
+    worker = "-worker/" in where
+    return {
+        "LWS_GROUP_SIZE": "2",
+        "LWS_WORKER_INDEX": "1" if worker else "0",
+        "LWS_LEADER_ADDRESS": "127.0.0.1",
+    }
+
+
 def k8s_commands(resources: list[dict], model: str) -> list[tuple[str, list[str]]]:
     """(where, args) of every container and init container, $(VAR) references resolved from the
     container's env (ConfigMap keys from the rendered ConfigMap, the pod IP as 127.0.0.1)."""
     maps = {r["metadata"]["name"]: r.get("data", {}) for r in resources if r["kind"] == "ConfigMap"}
     out = []
-    for r in resources:
+    for r in as_deployments(resources):
         if r["kind"] != "Deployment":
             continue
         spec = r["spec"]["template"]["spec"]
@@ -66,9 +102,9 @@ def _lookup(env: dict, name: str, where: str) -> str:
 
 
 def compose_commands(model: str) -> list[tuple[str, list[str]]]:
-    """(where, command) of every pdserve service in the compose file and its GPU override."""
+    """(where, command) of every pdserve service in the compose file and its GPU and multi-node overrides."""
     out = []
-    for path in (COMPOSE, COMPOSE_GPU):
+    for path in (COMPOSE, COMPOSE_GPU, COMPOSE_MULTINODE):
         for name, svc in yaml.safe_load(path.read_text())["services"].items():
             if "command" in svc and "prometheus" not in str(svc.get("image", "")):
                 out.append(

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from pdserve.cli import app
 from pdserve.engine.auth import new_token
-from tests.deploy.helpers import KUSTOMIZATIONS, compose_commands, k8s_commands, kustomize
+from tests.deploy.helpers import KUSTOMIZATIONS, compose_commands, k8s_commands, kustomize, lws_env
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +29,10 @@ def token(tmp_path_factory) -> Path:
     return path
 
 
-def check(args: list[str], token_file: Path):
+def check(args: list[str], token_file: Path, where: str = ""):
     if "--internal-token-file" in args:
         args = _with(args, "--internal-token-file", str(token_file))
-    env = {"PDSERVE_ADMIN_TOKEN": "", "PDSERVE_INTERNAL_TOKEN": ""}
+    env = {"PDSERVE_ADMIN_TOKEN": "", "PDSERVE_INTERNAL_TOKEN": "", **lws_env(where)}
     return CliRunner().invoke(app, [*args, "--check-config"], env=env)
 
 
@@ -49,9 +49,9 @@ def test_every_deploy_command_passes_check_config(model, token):
     assert roles == {"make-model", "prefill", "decode", "router"}, roles
     seen = {}
     for where, args in commands:
-        key = tuple(args)
+        key = (tuple(args), tuple(lws_env(where).items()))
         if key not in seen:
-            result = check(args, token)
+            result = check(args, token, where)
             assert result.exit_code == 0, f"{where}: pdserve {' '.join(args)}\n{result.output}"
             seen[key] = json.loads(result.stdout.strip().splitlines()[-1])
     # the topology of `make serve`: C_p = 2, W = C_d = 2 everywhere
@@ -61,6 +61,11 @@ def test_every_deploy_command_passes_check_config(model, token):
     # the GPU variants run the ranks on the GPUs (bf16 by default there), the base ones on the CPU
     servers = [c for c in configs if "cp_size" in c or "dcp_size" in c]
     assert {(c["device"], c["dtype"]) for c in servers} == {("cpu", "float32"), ("cuda", "bfloat16")}
+    # one instance over 2 nodes: the LeaderWorkerSets' pods (from the controller's variables) and
+    # the multi-node compose file's two prefill containers
+    groups = [c for c in servers if c["nnodes"] == 2]
+    assert {(c.get("cp_size", 0), c["node_rank"]) for c in groups} == {(0, 0), (0, 1), (2, 0), (2, 1)}
+    assert {c["dist_addr"] for c in groups} == {"127.0.0.1", "prefill:29500"}
     k8s_router = [c for c in configs if c.get("discovery") == "k8s"]
     assert k8s_router and all(c["selector"] == "app.kubernetes.io/part-of=pdserve" for c in k8s_router)
 

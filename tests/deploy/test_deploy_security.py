@@ -10,7 +10,15 @@ import re
 import pytest
 import yaml
 
-from tests.deploy.helpers import COMPOSE, COMPOSE_GPU, DEPLOY, KUSTOMIZATIONS, kustomize
+from tests.deploy.helpers import (
+    COMPOSE,
+    COMPOSE_GPU,
+    COMPOSE_MULTINODE,
+    DEPLOY,
+    KUSTOMIZATIONS,
+    as_deployments,
+    kustomize,
+)
 
 TOKEN_FILE = "/var/run/secrets/pdserve/internal-token"
 HARDENED = {
@@ -25,12 +33,13 @@ WRITABLE = {
     "prefill": {"/models", "/tmp", "/home/pdserve", "/dev/shm"},
 }
 WRITABLE["decode"] = WRITABLE["prefill"]
+WRITABLE |= {f"{role}-worker": WRITABLE[role] for role in ("prefill", "decode")}  # LeaderWorkerSets'
 
 
 def _pods(path: str) -> dict[str, dict]:
     return {
         r["metadata"]["name"].removeprefix("pdserve-"): r["spec"]["template"]
-        for r in kustomize(path)
+        for r in as_deployments(kustomize(path))
         if r["kind"] == "Deployment"
     }
 
@@ -84,7 +93,7 @@ def test_no_default_token():
                         assert ref.get("optional") is True and ref["name"].startswith("pdserve-"), (role, e)
     for f in list(DEPLOY.rglob("*.y*ml")) + [DEPLOY / "README.md"]:
         assert "change-me" not in f.read_text(), f
-    for f in (COMPOSE, COMPOSE_GPU):
+    for f in (COMPOSE, COMPOSE_GPU, COMPOSE_MULTINODE):
         for name, svc in yaml.safe_load(f.read_text())["services"].items():
             for var, value in (svc.get("environment") or {}).items():
                 if re.search("TOKEN|KEY$", var):
@@ -132,6 +141,15 @@ def test_network_policies(path):
             assert reaches(policies, peer, dst, port) and not reaches(policies, router, dst, port)
             assert not reaches(policies, stranger, dst, port) and not reaches(policies, None, dst, port)
     assert reaches(policies, None, {"app": "unrelated"}, 1)  # the default deny is pdserve's pods only
+    for role, http in (("prefill", 8100), ("decode", 8200)):  # a group's pods reach each other
+        worker = pods.get(f"{role}-worker")
+        if worker is None:
+            continue
+        leader, other = pods[role], pods["decode" if role == "prefill" else "prefill"]
+        for port in (29500, 29501, 29600, 29601, 40000):  # rendezvous, node link, gloo
+            assert reaches(policies, worker, leader, port) and reaches(policies, leader, worker, port)
+            assert not reaches(policies, router, worker, port) and not reaches(policies, None, worker, port)
+        assert not reaches(policies, worker, leader, http) and not reaches(policies, other, worker, http)
 
 
 def test_compose_publishes_only_the_router():
@@ -159,3 +177,10 @@ def test_compose_publishes_only_the_router():
         )
     assert "PDSERVE_ADMIN_TOKEN" not in base["prefill"]["environment"]
     assert gpu["prefill"]["mem_limit"] and gpu["decode"]["mem_limit"]
+    node1 = yaml.safe_load(COMPOSE_MULTINODE.read_text())["services"]["prefill-node1"]
+    assert (
+        node1["read_only"]
+        and node1["cap_drop"] == ["ALL"]
+        and "no-new-privileges:true" in node1["security_opt"]
+    )
+    assert node1["mem_limit"] and not node1.get("ports")

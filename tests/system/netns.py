@@ -113,9 +113,10 @@ class Hosts:
         """A process on `host`, killed by delete() if still running. It runs in IPC and PID
         namespaces of its own too, like a process of another machine: shared-memory transports
         (UCX's posix, sysv and cma) see a peer on another host as unreachable and go through the
-        NIC, as between machines. Killing the returned process kills everything it started (its
-        PID namespace ends with it)."""
-        unshare = ["unshare", "--ipc", "--pid", "--fork", "--kill-child"]
+        NIC, as between machines. /proc is the PID namespace's own, as on another machine (UCX reads
+        /proc/<its pid>, which in the root namespace's /proc is another process or none). Killing the
+        returned process kills everything it started (its PID namespace ends with it)."""
+        unshare = ["unshare", "--ipc", "--pid", "--mount-proc", "--fork", "--kill-child"]
         proc = subprocess.Popen(["ip", "netns", "exec", self.ns(host), *unshare, *cmd], env=env, **kw)
         self.procs.append(proc)
         return proc
