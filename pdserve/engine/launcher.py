@@ -116,6 +116,13 @@ class LaunchConfig:
         return check_devices(self.device, self.ranks_per_node, self.gpu_ids, cuda_count, self.nnodes)
 
 
+def raise_start_errors(errors: dict[int, str]) -> None:
+    """RankError naming the lowest rank that failed to start (errors: rank -> its traceback)."""
+    if errors:
+        rank = min(errors)
+        raise RankError(f"rank {rank} failed to start:\n{errors[rank]}")
+
+
 class RankGroup:
     """The ranks of this node (all of them for a one-host instance), each driven over a pipe."""
 
@@ -136,9 +143,7 @@ class RankGroup:
         self._spawn()
         try:
             self.infos, errors = self._gather(time.monotonic() + self.cfg.ready_timeout_s)
-            if errors:
-                rank = min(errors)
-                raise RankError(f"rank {rank} failed to start:\n{errors[rank]}")
+            raise_start_errors(errors)
         except BaseException:
             self.shutdown()
             raise

@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from .launcher import LaunchConfig, RankError, RankGroup
+from .launcher import LaunchConfig, RankError, RankGroup, raise_start_errors
 from .node_wire import (
     Beat,
     Command,
@@ -192,9 +192,7 @@ class NodeGroup(RankGroup):
             self._broadcast(Start(self.generation, self.factory, strip_node_local(self.payload), self.cfg))
             self._spawn()
             self.infos, errors = self._gather(deadline, Ready)
-            if errors:
-                rank = min(errors)
-                raise RankError(f"rank {rank} failed to start:\n{errors[rank]}")
+            raise_start_errors(errors)
         except BaseException:
             self.shutdown()
             raise

@@ -25,7 +25,7 @@ import pytest
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import SamplingParams
 from tests.router.helpers import wait_until
-from tests.router.test_up_restart import launch_up
+from tests.router.test_up_restart import launch_up, stop_up
 from tests.servers import TEST_TOKEN, http
 
 REQUESTS, CONCURRENCY, KILL_AFTER = 140, 32, 40  # 220 took 72 s of make test (its limit: 12 minutes)
@@ -196,8 +196,4 @@ def test_load_with_killed_ranks_through_up(model_dir, tmp_path):
         wait_until(lambda: _idle(urls), "every instance idle at the end", 60)
         assert proc.poll() is None, out
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except Exception:
-            proc.kill()
+        stop_up(proc)

@@ -30,7 +30,7 @@ import pytest
 from pdserve.engine.faults import STEP_DELAY_ENV
 from tests.router.helpers import metric, wait_until
 from tests.router.test_load_faults import _idle, _instance_urls
-from tests.router.test_up_restart import launch_up
+from tests.router.test_up_restart import launch_up, stop_up
 from tests.servers import http
 
 KILLS = int(os.environ.get("PDSERVE_MIGRATION_KILLS", "1"))
@@ -56,11 +56,7 @@ def stack(model_dir, tmp_path_factory):
         model = http.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
         yield {"proc": proc, "lines": lines, "url": url, "urls": urls, "decodes": decodes, "model": model}
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except Exception:
-            proc.kill()
+        stop_up(proc)
 
 
 def capacity(d_url: str) -> dict | None:

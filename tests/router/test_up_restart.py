@@ -25,6 +25,15 @@ from tests.router.helpers import wait_until
 from tests.servers import http, pid_alive
 
 
+def stop_up(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if `up` has not stopped within 60 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except Exception:
+        proc.kill()
+
+
 def launch_up(model_dir, log_dir, *args: str) -> tuple[subprocess.Popen, list[str], str]:
     """Starts `pdserve up` and waits for its "ready:" line; returns (process, output lines so far and to
     come, router URL)."""
