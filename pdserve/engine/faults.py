@@ -8,16 +8,21 @@ so a test sets it before starting an instance. Nothing reads it unless it is set
 `PDSERVE_TEST_STEP_DELAY_S` = seconds: a decode instance's loop waits this long before each
 decode step, so that a test can act while a stream is running (kill a rank after token 20 of 64).
 Read once, when the module is imported.
+
+`PDSERVE_TEST_KILL_AT_LAYER` = "room:layer:rank": that prefill rank kills itself (SIGKILL) right
+after it posted that layer's rows of a streamed hand-off of that room (prefill_server/handoff_stream.py).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Iterable
 
 FAULT_ENV = "PDSERVE_TEST_FAULT_IDS"
 STEP_DELAY_ENV = "PDSERVE_TEST_STEP_DELAY_S"
+KILL_AT_LAYER_ENV = "PDSERVE_TEST_KILL_AT_LAYER"
 _STEP_DELAY_S = float(os.environ.get(STEP_DELAY_ENV) or 0)
 
 
@@ -37,3 +42,9 @@ def check_fault(request_ids: Iterable[str]) -> None:
 def step_delay() -> None:
     if _STEP_DELAY_S > 0:
         time.sleep(_STEP_DELAY_S)
+
+
+def check_layer_fault(room: str, layer: int, rank: int) -> None:
+    wanted = os.environ.get(KILL_AT_LAYER_ENV)
+    if wanted and wanted == f"{room}:{layer}:{rank}":
+        os.kill(os.getpid(), signal.SIGKILL)

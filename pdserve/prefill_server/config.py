@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..choices import CacheMode, Layout, check
+from ..choices import CacheMode, Layout, Switch, check
 from ..flags import option
 from ..instance_options import InstanceOptions
 from .layouts import check_layout_allowed
@@ -41,6 +41,12 @@ class PrefillServerConfig(InstanceOptions):
         min=0,
     )
 
+    handoff_stream: str = option(
+        "on",
+        "Stream each hand-off: every layer's KV rows leave for the decode instance as soon as the prefill stores them, so the transfer runs behind the compute instead of after it. off: the rows leave after the whole prompt is prefilled (for comparison).",
+        choices=Switch,
+    )
+
     def world_size(self) -> int:
         return self.cp_size
 
@@ -52,6 +58,7 @@ class PrefillServerConfig(InstanceOptions):
             raise ValueError(f"--kv-residues must be >= 0 (0: the CP size), got {self.kv_residues}")
         check(self.cache, CacheMode, "--cache")
         check(self.cp_layout, Layout, "--cp-layout")
+        check(self.handoff_stream, Switch, "--handoff-stream")
         if self.chunk_size < 1 or self.max_kv_tokens < self.page_size:
             raise ValueError("--chunk-size must be >= 1 and --max-kv-tokens at least one page")
         if self.bootstrap_timeout_s <= 0:

@@ -17,6 +17,7 @@ Storage:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,8 @@ class CPBackend:
         # seconds this rank spent in the CP collectives (all-gathers, waits on broadcasts): the
         # prefill's communication share (bench/prefill_cp.py); host time, so on CUDA it counts launches
         self.comm_s = 0.0
+        # called with a layer once this rank stored the chunk's entries of it (a streamed hand-off)
+        self.on_stored: Callable[[int], None] | None = None
 
     def begin(self, plan: ChunkPlan) -> None:
         self.plan = plan
@@ -119,6 +122,8 @@ class CPBackend:
         new_slots = plan.ctx_slots[plan.start : plan.end]
         if self.pool.holds(layer):
             self.pool.write(layer, new_slots, chunk_kv, chunk_idx)
+            if self.on_stored is not None:
+                self.on_stored(layer)
             idx = self.pool.read_index(layer, plan.ctx_slots) if chunk_idx is not None else None
             return self.pool.read_kv(layer, plan.ctx_slots), idx
         if plan.start == 0:

@@ -28,8 +28,8 @@ from ..engine.radix_cache import Node, RadixCache
 from ..engine.request import SamplingParams
 from ..model.config import ModelConfig
 from ..transfer.messages import DecodeReservation, Fingerprint, model_hash
-from ..transfer.plan import PrefillSide, Transfer
-from ..transfer.rank_commands import SendCmd, TransferStatusCmd, merge_checksums
+from ..transfer.plan import DecodeSide, PrefillSide, Transfer, plan_stream
+from ..transfer.rank_commands import SendCmd, StreamedSend, TransferStatusCmd, merge_checksums
 from .cp_backend import layer_owners
 from .layouts import check_layout_allowed
 from .rank_worker import DumpCacheCmd, PrefillCmd, PrefillRankInfo, PrefillRankWorker, PrefillWorkerConfig
@@ -47,6 +47,7 @@ class PrefillResult:
     logprob: object = None  # TokenLogprob of the first token, with params.logprobs
     prompt_logprobs: list | None = None  # [TokenLogprob | None] per position, with params.prompt_logprobs
     more_first: list = field(default_factory=list)  # n > 1: [(token, TokenLogprob | None)] of choices 1..
+    sent: list[dict] | None = None  # a streamed hand-off: every rank's SendCmd reply
 
 
 class PrefillInstance(RankInstance):
@@ -57,6 +58,7 @@ class PrefillInstance(RankInstance):
         page_size: int = 16,
         chunk_size: int = 4096,
         prefix_cache: bool = False,
+        stream_handoff: bool = True,
     ):
         self.model_config = ModelConfig.from_pretrained(worker.model_dir)
         check_layout_allowed(self.model_config.model_type, worker.layout)
@@ -65,6 +67,8 @@ class PrefillInstance(RankInstance):
         if chunk_size < 1:
             raise ValueError(f"chunk size must be >= 1, got {chunk_size}")
         self.worker, self.launch, self.chunk_size = worker, launch, chunk_size
+        # hand-offs send each layer's rows as the prefill stores them (prefill_send), not after it
+        self.stream_handoff = stream_handoff
         self.allocator = PageAllocator(worker.num_slots // page_size, page_size)
         self.ranks = make_group(PrefillRankWorker, worker, launch)
         self.held: dict[str, list[int]] = {}  # request id -> pages, until release()
@@ -124,11 +128,13 @@ class PrefillInstance(RankInstance):
         want_logits: bool = False,
         prefix_of: str | None = None,
         cached_len: int = 0,
+        stream=None,
     ) -> PrefillResult:
         """Runs one prompt through every rank; its pages stay held until release(request_id).
 
         prefix_of/cached_len: the first cached_len positions are already cached in the pages of the
         held request `prefix_of` (same tokens); only the new tokens are split across the ranks.
+        stream(slots, cached_len, chunk_size) -> StreamedSend: a hand-off sent while computing.
         """
         if request_id in self.held:
             raise ValueError(f"request {request_id} is already held")
@@ -146,15 +152,17 @@ class PrefillInstance(RankInstance):
         try:
             params, first_mask = self._first_mask(params or SamplingParams())
             slots = self.allocator.slots(pages, 0, len(token_ids))
+            chunk_size = chunk_size or self.chunk_size
             cmd = PrefillCmd(
                 request_id,
                 list(token_ids),
                 slots,
-                chunk_size or self.chunk_size,
+                chunk_size,
                 params,
                 cached_len,
                 want_logits,
                 first_mask,
+                stream(slots, cached_len, chunk_size) if stream else None,
             )
             replies = self.ranks.call(cmd)
         except BaseException:
@@ -173,6 +181,7 @@ class PrefillInstance(RankInstance):
             owner.logprob,
             _merge_prompt_logprobs(replies, len(token_ids)),
             owner.more,
+            [r.sent for r in replies] if stream else None,
         )
 
     def _first_mask(self, params: SamplingParams) -> tuple[SamplingParams, bytes | None]:
@@ -299,6 +308,32 @@ class PrefillInstance(RankInstance):
         return merge_checksums(
             self.ranks.call(SendCmd(room, ticket, plan, endpoints, corrupt, send_timeout_ms))
         )
+
+    def prefill_send(
+        self,
+        room: str,
+        token_ids: list[int],
+        params: SamplingParams | None,
+        decode: DecodeSide,
+        start: int,
+        ticket: bytes,
+        endpoints: dict[int, str],
+        corrupt: bool = False,
+        send_timeout_ms: int = 10_000,
+    ) -> tuple[PrefillResult, dict[int, int]]:
+        """A streamed hand-off: prefills the prompt while every rank sends its share of the rows of
+        positions [start, n) as they are stored (prefill_server/handoff_stream.py); (the result,
+        the checksum per decode rank) once every rank computed and its sends are done or cancelled
+        (SendError if a destination took nothing). The pages stay held: the caller releases them."""
+
+        def stream(slots: list[int], cached_len: int, chunk_size: int) -> StreamedSend:
+            bounds = list(range(cached_len, len(token_ids), chunk_size))
+            plan, segments = plan_stream(self.prefill_side(slots), decode, len(token_ids), start, bounds)
+            send = SendCmd(room, ticket, plan, endpoints, corrupt, send_timeout_ms)
+            return StreamedSend(send, tuple(segments))
+
+        result = self.prefill(room, token_ids, params, stream=stream)
+        return result, merge_checksums(result.sent)
 
     def transfer_status(self) -> list[dict]:
         """Every rank's sender counters (transfer/tcp.py, nixl.py): what a send holds after it returned."""

@@ -30,8 +30,9 @@ from ..model.shard import weight_bytes_by_dtype
 from ..model.weights import load_model
 from ..transfer.backends import check_transfer, make_sender
 from ..transfer.frames import DEV_FRAME_KEY
-from ..transfer.rank_commands import SendCmd, TransferStatusCmd
+from ..transfer.rank_commands import SendCmd, StreamedSend, TransferStatusCmd
 from .cp_backend import ChunkPlan, CPBackend, layer_owners
+from .handoff_stream import LayerStream
 from .layouts import split_positions
 from .moe_tp import TokenSplit, shard_prefill_ffn, wrap_moe_tp
 
@@ -82,6 +83,8 @@ class PrefillCmd:
     # the grammar's mask for the first token (constraint.Matcher.bitmask), computed by the server
     # process, which compiles grammars off its loop; params.grammar is None then: ranks compile none
     first_mask: bytes | None = None
+    # a hand-off sent while computing (prefill_server/handoff_stream.py); the reply's `sent` answers it
+    stream: StreamedSend | None = None
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,7 @@ class PrefillRankReply:
     logprob: TokenLogprob | None = None  # the first token's, with params.logprobs
     prompt_logprobs: dict[int, TokenLogprob] | None = None  # position p -> of token p + 1, own positions
     more: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)  # choices 1..n-1's first tokens
+    sent: dict | None = None  # with PrefillCmd.stream: SendCmd's reply (checksums or the error)
 
 
 @dataclass(frozen=True)
@@ -188,25 +192,12 @@ class PrefillRankWorker(RankWorker):
     def prefill(self, cmd: PrefillCmd) -> PrefillRankReply:
         check_fault([cmd.request_id])  # test-only, off by default (engine/faults.py)
         t_start, self.backend.comm_s = time.perf_counter(), 0.0
-        n = len(cmd.token_ids)
-        dev = self.device
-        slots = torch.tensor(cmd.slots, dtype=torch.int64, device=dev)
-        last_hidden, k = None, cmd.params.prompt_logprobs
-        prompt_lp: dict[int, TokenLogprob] | None = None if k is None else {}
-        for c0 in range(cmd.cached_len, n, cmd.chunk_size):
-            c1 = min(n, c0 + cmd.chunk_size)
-            plan = ChunkPlan(c0, c1, split_positions(self.cfg.layout, c0, c1, self.world), slots[:c1])
-            mine = plan.positions[self.rank]
-            self.split.counts = plan.counts
-            self.backend.begin(plan)
-            ids = torch.tensor([cmd.token_ids[p] for p in mine], dtype=torch.int64, device=dev)
-            positions = torch.tensor(mine, dtype=torch.int64, device=dev)
-            hidden = self.model(ids, positions, self.backend)  # [len(mine), hidden]
-            self.backend.finish()
-            if prompt_lp is not None:
-                prompt_lp.update(self._prompt_logprobs(hidden, mine, cmd.token_ids, k))
-            if c1 == n and mine and mine[-1] == n - 1:
-                last_hidden = hidden[-1:]
+        stream = LayerStream(self.sender, cmd.stream, self.rank) if cmd.stream else None
+        try:
+            last_hidden, prompt_lp = self._chunks(cmd, stream)
+        finally:
+            self.backend.on_stored = None
+            sent = stream.close() if stream else None  # every WRITE it posted is done or cancelled
         token, logits, lp, more = None, None, None, []
         if last_hidden is not None:
             logits = self.model.compute_logits(last_hidden)  # [1, vocab]
@@ -222,7 +213,39 @@ class PrefillRankWorker(RankWorker):
                 self.sampler.forget_choices(cmd.request_id, cmd.params.n)
             logits = logits[0].cpu() if cmd.want_logits else None
         seconds = time.perf_counter() - t_start
-        return PrefillRankReply(self.rank, token, logits, seconds, self.backend.comm_s, lp, prompt_lp, more)
+        return PrefillRankReply(
+            self.rank, token, logits, seconds, self.backend.comm_s, lp, prompt_lp, more, sent
+        )
+
+    def _chunks(self, cmd: PrefillCmd, stream: LayerStream | None):
+        """Runs the prompt's chunks: (the last position's hidden state on its rank else None,
+        this rank's prompt logprobs or None); a stream posts each layer's rows as they are stored."""
+        n, dev = len(cmd.token_ids), self.device
+        slots = torch.tensor(cmd.slots, dtype=torch.int64, device=dev)
+        last_hidden, k = None, cmd.params.prompt_logprobs
+        prompt_lp: dict[int, TokenLogprob] | None = None if k is None else {}
+        if stream:
+            stream.ready(cmd.cached_len)  # the prefix cache's rows exist already
+            self.backend.on_stored = stream.layer
+        for c0 in range(cmd.cached_len, n, cmd.chunk_size):
+            c1 = min(n, c0 + cmd.chunk_size)
+            plan = ChunkPlan(c0, c1, split_positions(self.cfg.layout, c0, c1, self.world), slots[:c1])
+            mine = plan.positions[self.rank]
+            self.split.counts = plan.counts
+            if stream:
+                stream.chunk(c1)
+            self.backend.begin(plan)
+            ids = torch.tensor([cmd.token_ids[p] for p in mine], dtype=torch.int64, device=dev)
+            positions = torch.tensor(mine, dtype=torch.int64, device=dev)
+            hidden = self.model(ids, positions, self.backend)  # [len(mine), hidden]
+            self.backend.finish()
+            if stream:
+                stream.chunk_done()
+            if prompt_lp is not None:
+                prompt_lp.update(self._prompt_logprobs(hidden, mine, cmd.token_ids, k))
+            if c1 == n and mine and mine[-1] == n - 1:
+                last_hidden = hidden[-1:]
+        return last_hidden, prompt_lp
 
     def _prompt_logprobs(self, hidden, mine: list[int], token_ids: list[int], k: int) -> dict:
         """This rank's positions p < n - 1: the logprob of token p + 1 given the prompt up to p."""

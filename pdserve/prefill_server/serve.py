@@ -50,6 +50,7 @@ def build_instance(cfg: PrefillServerConfig) -> PrefillInstance:
         page_size=cfg.page_size,
         chunk_size=cfg.chunk_size,
         prefix_cache=cfg.prefix_cache == "on",
+        stream_handoff=cfg.handoff_stream == "on",
     )
 
 

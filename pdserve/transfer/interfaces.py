@@ -13,7 +13,7 @@ from typing import Protocol
 
 from ..engine.request import SamplingParams
 from .messages import DecodeReservation, Fingerprint
-from .plan import PrefillSide, Transfer
+from .plan import DecodeSide, PrefillSide, Transfer
 from .rank_commands import RoomStatus
 
 
@@ -27,7 +27,10 @@ class Prefilled(Protocol):
 
 
 class KVSource(Protocol):
-    """A prefill instance: computes a room's rows, sends them, releases them."""
+    """A prefill instance: computes a room's rows, sends them, releases them -- one after the other
+    (prefill, send), or the rows sent while they are computed (stream_handoff: prefill_send)."""
+
+    stream_handoff: bool  # PrefillRoom.run calls prefill_send, else prefill then send
 
     def handoff_fingerprint(self, reservation: DecodeReservation) -> Fingerprint:
         """What this side asserts against the reservation's fingerprint (model, dtype, layers)."""
@@ -38,6 +41,22 @@ class KVSource(Protocol):
         ...
 
     def prefill_side(self, slots: list[int]) -> PrefillSide: ...
+
+    def prefill_send(
+        self,
+        room: str,
+        token_ids: list[int],
+        params: SamplingParams | None,
+        decode: DecodeSide,
+        start: int,
+        ticket: bytes,
+        endpoints: dict[int, str],
+    ) -> tuple[Prefilled, dict[int, int]]:
+        """Computes the prompt's rows while every rank sends its share of positions [start, n) as
+        they are stored; (the prefilled result, the checksum per decode rank) once every rank's
+        sends completed or were cancelled (SendError when a destination took nothing). The rows
+        stay held until release(room)."""
+        ...
 
     def send(
         self, request_id: str, room: str, ticket: bytes, plan: list[Transfer], endpoints: dict[int, str]

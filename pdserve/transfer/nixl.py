@@ -31,7 +31,9 @@ machines (prefill_room.py, decode_room.py) run unchanged over either backend.
                   lengths). The chunk's notification is its header: room, ticket, src_rank, offset in
                   the region, bytes, dtype, items [layer, kind, width, dst runs]. Each sender's offset
                   in a region follows from the plan every rank holds (the same decode rank's
-                  transfers from lower prefill ranks come first): senders never overlap.
+                  transfers from lower prefill ranks come first): senders never overlap. A
+                  streamed send (the prefill posts each layer's rows as it stores them) keeps
+                  its offset running from post to post, so offsets still order its chunks.
     completion    by notification. No progress thread (docs/nixl.md: it busy-spins a core): the
                   receiver thread polls get_new_notifs, sleeping BUSY_POLL_S between empty polls
                   while a room is open and IDLE_POLL_S otherwise; the sender polls check_xfer_state
@@ -162,6 +164,7 @@ class NixlReceiver:
         self.quarantine: dict[
             int, tuple[str, _Room]
         ] = {}  # ticket -> forgotten room whose region may be written
+        self.frames = 0  # notified chunks stored
         self.dropped = 0  # notifications for rooms not open (late or stale): ignored by design
         self.unauthenticated = self.bad_frames = 0  # no valid tag / authentic but not the protocol's header
         self._stop = threading.Event()
@@ -318,6 +321,7 @@ class NixlReceiver:
             return
         try:
             self._store(r, h)
+            self.frames += 1
         except (ValueError, KeyError, TypeError, RuntimeError) as e:
             r.error = f"bad chunk from prefill rank {h.get('src_rank')}: {e}"
 

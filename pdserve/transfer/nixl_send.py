@@ -154,35 +154,49 @@ class NixlSender:
     def _row_bytes(self, kind: str) -> int:
         return (self.pool.kv if kind == "kv" else self.pool.index_k).shape[-1] * self.pool.dtype.itemsize
 
-    @torch.inference_mode()
     def send(self, cmd: SendCmd) -> dict:
         """{"sums": {dst_rank: checksum streams}, "error": None or why}, like TcpSender.send. Every
         WRITE is posted as soon as its chunk is laid out (none waits for the one before); returns
         only when every WRITE it posted is DONE or cancelled; a failed destination fails the room only."""
-        with self.clock:
-            return self._send(cmd)
+        self.open(cmd)
+        self.post(cmd.plan)
+        return self.close_send()
 
-    def _send(self, cmd: SendCmd) -> dict:
-        mine = [t for t in cmd.plan if t.src_rank == self.rank]
-        sums: dict[int, RoomChecksum] = {}
-        corrupt = [cmd.corrupt]
+    def open(self, cmd: SendCmd) -> None:
+        """Begins a send whose transfers come in pieces (`post`, as the prefill computes them);
+        cmd.plan is the whole plan (every rank's region offsets follow from it)."""
+        self.clock.__enter__()
+        self._cmd, self._sums, self._corrupt = cmd, {}, [cmd.corrupt]
+        self._offsets, self._error, self.failure = {}, None, None
+
+    @torch.inference_mode()
+    def post(self, transfers: list[Transfer]) -> None:
+        """Posts the WRITEs of this rank's transfers among these, without waiting for them (they
+        settle in close_send, or when the staging is needed again); after a failure, nothing."""
+        mine = [t for t in transfers if t.src_rank == self.rank]
         dsts = sorted({t.dst_rank for t in mine})
         dsts = (
             dsts[self.rank % len(dsts) :] + dsts[: self.rank % len(dsts)] if dsts else []
         )  # ranks start apart
-        err, self.failure = None, None
+        for dst in dsts:
+            if self._error is not None:
+                return
+            group = [t for t in mine if t.dst_rank == dst]
+            if err := self._send_to(self._cmd, dst, group, self._sums, self._corrupt):
+                self._error = self.failure or f"decode rank {dst}: {err}"
+        self._settle(block=False)  # releases the WRITEs already done
+
+    def close_send(self) -> dict:
+        """Ends the open send once every WRITE it posted is DONE or cancelled: its reply."""
         try:
-            for dst in dsts:
-                if err := self._send_to(cmd, dst, [t for t in mine if t.dst_rank == dst], sums, corrupt):
-                    err = self.failure or f"decode rank {dst}: {err}"
-                    break
-        finally:
             self._settle()
-            err = self.failure or err  # a WRITE that failed, else the error that stopped posting
+        finally:
+            err = self.failure or self._error  # a WRITE that failed, else the error that stopped posting
             self.staging_used = 0
+            self.clock.__exit__()
         if err:
             return {"sums": {}, "error": err}
-        return {"sums": {dst: dict(c.streams) for dst, c in sums.items()}, "error": None}
+        return {"sums": {dst: dict(c.streams) for dst, c in self._sums.items()}, "error": None}
 
     def _send_to(
         self, cmd: SendCmd, dst: int, transfers: list[Transfer], sums: dict, corrupt: list
@@ -193,12 +207,14 @@ class NixlSender:
             return f"bad endpoint: {type(e).__name__}: {e}"
         if err := self._load_peer(ep):
             return err
-        offset = sum(
-            t.rows * self._row_bytes(t.kind) for t in cmd.plan if t.dst_rank == dst and t.src_rank < self.rank
-        )
-        need = sum(t.rows * self._row_bytes(t.kind) for t in transfers)
-        if ep.pool is None and offset + need > ep.size:
-            return f"its region of {ep.size} bytes cannot take {need} bytes at offset {offset} (layout mismatch?)"
+        if dst not in self._offsets:  # this rank's place in the region: after lower ranks' rows
+            rb = self._row_bytes
+            base = sum(t.rows * rb(t.kind) for t in cmd.plan if t.dst_rank == dst and t.src_rank < self.rank)
+            need = sum(t.rows * rb(t.kind) for t in cmd.plan if t.dst_rank == dst and t.src_rank == self.rank)
+            if ep.pool is None and base + need > ep.size:
+                return f"its region of {ep.size} bytes cannot take {need} bytes at offset {base} (layout mismatch?)"
+            self._offsets[dst] = base
+        offset = self._offsets[dst]
         try:
             dest = _PoolLayout(ep.pool, {k: self._row_bytes(k) for k in ("kv", "index")}) if ep.pool else None
         except ValueError as e:
@@ -221,6 +237,7 @@ class NixlSender:
                     if err := self._write(cmd, ep, dst, offset, pos, items, pieces, remote):
                         return err
                     offset, pos, items, pieces = offset + pos, 0, [], []
+                    self._offsets[dst] = offset
                     remote = [] if dest else None
                     continue
                 runs = slice_runs(t.runs, done, n)
@@ -258,6 +275,7 @@ class NixlSender:
                     except ValueError as e:
                         return str(e)
                 pos, done = pos + n * rb, done + n
+        self._offsets[dst] = offset + pos
         return self._write(cmd, ep, dst, offset, pos, items, pieces, remote) if items else None
 
     def _load_peer(self, ep: NixlEndpoint) -> str | None:
@@ -341,10 +359,11 @@ class NixlSender:
         self.inflight[-1].state = state
         return None if state in ("PROC", "DONE") else f"WRITE to {ep.agent} {state}"  # stop posting
 
-    def _settle(self) -> bool:
+    def _settle(self, block: bool = True) -> bool:
         """Waits until every posted WRITE is DONE, failed or past its deadline (then cancelled) and
-        releases each; False when one failed (the first failure is kept in self.failure as the
-        room's error, its peer forgotten)."""
+        releases each (block=False: only those that already are; the others stay in flight); False
+        when one failed (the first failure is kept in self.failure as the room's error, its peer
+        forgotten)."""
         failed, pending = set(), self.inflight
         while pending:
             waiting = []
@@ -361,9 +380,11 @@ class NixlSender:
                     failed.add(w.agent)
                 self._release(w.h)
             pending = waiting
+            if pending and not block:
+                break
             if pending:
                 time.sleep(SEND_POLL_S)
-        self.inflight = []
+        self.inflight = pending
         for agent in failed:
             self._forget_peer(agent)  # dead or stuck: the next reservation loads it afresh
         return not failed

@@ -25,6 +25,12 @@ Who sends:
                Each rank gets a disjoint share; all ranks send once there are >= C_p pairs; the
                busiest rank sends at most the average plus one pair's rows.
 
+Streamed (`plan_stream`): the prefill sends each chunk's rows while it computes the next layers
+(prefill_server/handoff_stream.py), so the rows are cut into segments of positions at the chunks'
+starts (plus one for the positions the prefill's prefix cache held), each planned like a whole
+prompt; the senders are the whole prompt's, so a decode rank receives from each prefill rank what
+it would unstreamed, and a stream (src_rank, layer, kind) is its segments' rows one after the other.
+
 Why runs: the sender packs and the receiver stores rows run by run, and the notification names the
 destination runs, so a plan must stay small. A run's destination rows advance by 1; its source rows
 by a fixed `step`: a DCP destination stores every C_d-th position, so from a contiguous prefill
@@ -134,9 +140,58 @@ def plan_transfer(
         )
     if prompt_len == start:
         return []
-    member_runs, all_runs = _runs(prefill, decode, prompt_len, start)
+    pairs = _pairs(prefill, decode, start, prompt_len)
+    return _assign(pairs, _senders(prefill, _pair_rows(pairs)))
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The rows of prompt positions [first, end) in a streamed hand-off: plan[lo:hi]."""
+
+    first: int
+    end: int
+    lo: int
+    hi: int
+
+
+def plan_stream(
+    prefill: PrefillSide, decode: DecodeSide, prompt_len: int, start: int, bounds: list[int]
+) -> tuple[list[Transfer], list[Segment]]:
+    """A streamed hand-off (rows leave as soon as they exist): the rows of positions [start,
+    prompt_len) cut at `bounds` (ascending positions: where the prefill's chunks begin, so each
+    segment's rows exist once its chunk is computed) into segments, each planned as plan_transfer
+    plans a whole prompt, and (the plan of every segment in order, the segments). Each (layer,
+    dst_rank) pair has the same sender in every segment (the whole prompt's assignment), so every
+    rank ships a decode rank the rows it would ship unstreamed and the decode side's expectations
+    do not change; a stream (src_rank, layer, kind) carries its rows segment after segment."""
+    _check_room(prefill, decode, prompt_len)
+    if not 0 <= start <= prompt_len or start % decode.page_size:
+        raise ValueError(
+            f"start {start} must be a multiple of the page size {decode.page_size} in [0, {prompt_len}]"
+        )
+    if list(bounds) != sorted(set(bounds)):
+        raise ValueError(f"segment bounds must ascend without repeats, got {bounds}")
+    if prompt_len == start:
+        return [], []
+    senders = _senders(prefill, _pair_rows(_pairs(prefill, decode, start, prompt_len)))
+    cuts = [start] + [b for b in bounds if start < b < prompt_len] + [prompt_len]
+    plan: list[Transfer] = []
+    segments = []
+    for first, end in zip(cuts, cuts[1:]):
+        lo = len(plan)
+        plan += _assign(_pairs(prefill, decode, first, end), senders)
+        segments.append(Segment(first, end, lo, len(plan)))
+    return plan, segments
+
+
+Pairs = dict[tuple[int, int], dict[str, tuple[Run, ...]]]  # (layer, dst_rank) -> kind -> runs
+
+
+def _pairs(prefill: PrefillSide, decode: DecodeSide, first: int, end: int) -> Pairs:
+    """The runs each (layer, dst_rank) pair stores of positions [first, end), per kind."""
+    member_runs, all_runs = _runs(prefill, decode, end, first)
     C, indexer = decode.dcp_size, set(prefill.indexer_layers)
-    pairs: dict[tuple[int, int], dict[str, tuple[Run, ...]]] = {}  # (layer, dst) -> kind -> runs
+    pairs: Pairs = {}
     for layer in range(prefill.num_layers):
         for dst in range(decode.tp_size):
             kinds = {"kv": member_runs[dst % C]}  # group rank = dst % C_d (groups are C_d-aligned)
@@ -144,8 +199,14 @@ def plan_transfer(
                 kinds["index"] = all_runs if decode.index_mode == "copy" else member_runs[dst % C]
             if kinds := {k: runs for k, runs in kinds.items() if runs}:
                 pairs[layer, dst] = kinds
-    rows = {pair: sum(r.length for rs in kinds.values() for r in rs) for pair, kinds in pairs.items()}
-    senders = _senders(prefill, rows)
+    return pairs
+
+
+def _pair_rows(pairs: Pairs) -> dict[tuple[int, int], int]:
+    return {pair: sum(r.length for rs in kinds.values() for r in rs) for pair, kinds in pairs.items()}
+
+
+def _assign(pairs: Pairs, senders: dict[tuple[int, int], int]) -> list[Transfer]:
     plan = [
         Transfer(senders[layer, dst], dst, layer, kind, runs)
         for (layer, dst), kinds in pairs.items()

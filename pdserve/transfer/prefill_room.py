@@ -3,8 +3,11 @@
     Bootstrapping    the request is here, its decode reservation is not yet (bootstrap timeout);
                      poll() claims it once it came (a claimed reservation never expires)
     WaitingForInput  the reservation is claimed: the room waits for the prefill ranks (and pages)
-    Transferring     run(): fingerprint checked, prompt prefilled, plan_transfer, every rank sends
-                     its share (and returns only when its sends are done or cancelled)
+    Transferring     run(): fingerprint checked, then either (a streamed source) the prompt
+                     prefilled while every rank sends its share of each layer's rows as it stores
+                     them (KVSource.prefill_send), or the prompt prefilled, plan_transfer, every
+                     rank sends its share; either way every rank returns only when its sends are
+                     done or cancelled
     Success          TransferDone (first token, checksums, layout echo) sent LAST
     Failed           from any state: an abort from either side, the bootstrap timeout, a refused
                      fingerprint, a failed prefill or send; the decode side gets TransferFailed
@@ -87,10 +90,6 @@ class PrefillRoom:
             cached = reservation.cached_len  # rows the decode side holds already (its prefix cache)
             if cached >= len(self.prompt_ids) or cached % reservation.page_size:
                 raise _Failed(f"reservation: cached_len {cached} is not whole pages of the prompt")
-            result = self.source.prefill(room, self.prompt_ids, self.params)
-            self.server.drain()
-            if room in self.server.aborted:
-                raise _Failed(f"aborted by decode: {self.server.aborted[room]}")
             decode_side = DecodeSide(
                 reservation.tp_size,
                 reservation.dcp_size,
@@ -98,11 +97,26 @@ class PrefillRoom:
                 reservation.page_size,
                 reservation.pages,
             )
-            plan = plan_transfer(
-                self.source.prefill_side(result.slots), decode_side, len(self.prompt_ids), cached
-            )
-            sending = True
-            sums = self.source.send(room, room, reservation.ticket, plan, reservation.endpoints)
+            if self.source.stream_handoff:  # the rows leave while the prefill computes them
+                sending = True
+                result, sums = self.source.prefill_send(
+                    room,
+                    self.prompt_ids,
+                    self.params,
+                    decode_side,
+                    cached,
+                    reservation.ticket,
+                    reservation.endpoints,
+                )
+                self._check_aborted()  # it sent everything: the decode side gave the room up meanwhile
+            else:
+                result = self.source.prefill(room, self.prompt_ids, self.params)
+                self._check_aborted()
+                plan = plan_transfer(
+                    self.source.prefill_side(result.slots), decode_side, len(self.prompt_ids), cached
+                )
+                sending = True
+                sums = self.source.send(room, room, reservation.ticket, plan, reservation.endpoints)
             self.result = result
             first_lp = [] if result.logprob is None else result.logprob.wire()
             more = [[t, [] if lp is None else lp.wire()] for t, lp in result.more_first]
@@ -116,6 +130,11 @@ class PrefillRoom:
         except Exception as e:  # during the send (e.g. a rank died), the other ranks may still write
             msg = TransferFailed(room, f"{type(e).__name__}: {e}", quiesced=not sending)
         return self._end(msg)
+
+    def _check_aborted(self) -> None:
+        self.server.drain()
+        if self.room in self.server.aborted:
+            raise _Failed(f"aborted by decode: {self.server.aborted[self.room]}")
 
     def abort(self, reason: str = "aborted by the prefill instance") -> bool:
         """Fails a room that has not ended (False when it had)."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .base import RoomChecksum
-from .plan import Transfer
+from .plan import Segment, Transfer
 from .room import RoomSlots
 
 
@@ -69,6 +69,17 @@ class SendCmd:
 
 
 @dataclass(frozen=True)
+class StreamedSend:
+    """A hand-off sent while the prefill computes (the prefill's rank command carries it): the
+    rows of each segment leave as soon as they exist -- a segment the prefix cache holds before the
+    first chunk, a chunk's segment layer by layer as each layer stores it -- and the reply is
+    SendCmd's (transfer/plan.py plan_stream makes the plan and the segments)."""
+
+    send: SendCmd  # its plan is every segment's transfers, in segment order
+    segments: tuple[Segment, ...]
+
+
+@dataclass(frozen=True)
 class ListenerStatusCmd:
     """Decode ranks: {"alive", "problem", "crashes"} of the receiver thread (frames.Liveness)."""
 
@@ -82,6 +93,7 @@ class Receiver(Protocol):
     lock: object  # guards the room table, shared with the receiving thread
     live: object  # frames.Liveness of the receiving thread
     rooms: dict  # room -> what the receiver knows of it (a .status() dict)
+    frames: int  # frames / notified chunks stored (every room's)
     dropped: int  # frames / notifications for rooms not expected (late or stale)
     unauthenticated: int
     bad_frames: int
@@ -114,6 +126,7 @@ def receive_command(receiver: Receiver, cmd):
             r = receiver.rooms.get(cmd.room)
             return {
                 "open_rooms": len(receiver.rooms),
+                "stored_frames": receiver.frames,
                 "dropped": receiver.dropped,
                 "unauthenticated": receiver.unauthenticated,
                 "bad_frames": receiver.bad_frames,

@@ -217,6 +217,10 @@ class TcpSender:
         self.ctx = zmq.Context()
         self.socks: dict[str, zmq.Socket] = {}
         self.clock = SendClock()
+        self._cmd: SendCmd | None = None  # the open send (`open` .. `close_send`)
+        self._sums: dict[int, RoomChecksum] = {}
+        self._seq: dict[int, int] = {}
+        self._corrupt, self._error = False, None
 
     def _sock(self, endpoint: str, timeout_ms: int) -> zmq.Socket:
         if endpoint not in self.socks:
@@ -228,44 +232,56 @@ class TcpSender:
         self.socks[endpoint].setsockopt(zmq.SNDTIMEO, timeout_ms)
         return self.socks[endpoint]
 
-    @torch.inference_mode()
     def send(self, cmd: SendCmd) -> dict:
         """{"sums": {dst_rank: checksum streams}, "error": None or why}. A destination that does not
         drain (dead decode rank) is an error for this room only: its socket and queued frames are
         dropped and the reply says so; raising would break the whole prefill rank group."""
-        with self.clock:
-            return self._send(cmd)
+        self.open(cmd)
+        self.post(cmd.plan)
+        return self.close_send()
 
-    def _send(self, cmd: SendCmd) -> dict:
-        sums: dict[int, RoomChecksum] = {}
-        seq: dict[int, int] = {}
-        corrupt = cmd.corrupt
-        for t in (t for t in cmd.plan if t.src_rank == self.rank):
-            header, payload, rows = self._pack(cmd, t)
-            sums.setdefault(t.dst_rank, RoomChecksum(key=self.key)).update(self.rank, t.layer, t.kind, rows)
-            if corrupt:
-                payload[0] ^= 0x01  # after the room MAC, before the frame tag: a corrupt sender
-                corrupt = False
-            endpoint = cmd.endpoints[t.dst_rank]
-            if not endpoint.startswith(
-                "tcp://"
-            ):  # e.g. a NIXL decode instance: a clear error, not a ZMQError
-                return {
-                    "sums": {},
-                    "error": f"decode rank {t.dst_rank} offers a non-tcp endpoint {endpoint[:12]!r}...",
-                }
-            row_bytes = rows.shape[1] * rows.element_size()
-            try:
-                sock = self._sock(endpoint, cmd.send_timeout_ms)
-                for first, end, runs in pieces(header["runs"], row_bytes):
-                    piece = memoryview(payload)[first * row_bytes : end * row_bytes]
-                    packed = msgpack.packb({**header, "runs": runs, "seq": seq.get(t.dst_rank, 0)})
-                    seq[t.dst_rank] = seq.get(t.dst_rank, 0) + 1
-                    sock.send_multipart([packed, piece, seal_data(self.key, packed, piece)])
-            except zmq.Again:
-                self.socks.pop(endpoint).close()  # LINGER 0: its queued frames go with it
-                return {"sums": {}, "error": f"decode rank {t.dst_rank} at {endpoint} is not receiving"}
+    def open(self, cmd: SendCmd) -> None:
+        """Begins a send whose transfers come in pieces (`post`, as the prefill computes them)."""
+        self.clock.__enter__()
+        self._cmd, self._sums, self._seq, self._corrupt, self._error = cmd, {}, {}, cmd.corrupt, None
+
+    @torch.inference_mode()
+    def post(self, transfers: list[Transfer]) -> None:
+        """Sends this rank's transfers among these (the open send's); after a failure, nothing."""
+        for t in (t for t in transfers if t.src_rank == self.rank):
+            if self._error is None:
+                self._error = self._send_one(t)
+
+    def close_send(self) -> dict:
+        """Ends the open send: its reply. The frames are queued on their sockets (ZMQ sends them)."""
+        self.clock.__exit__()
+        sums, err, self._sums = self._sums, self._error, {}
+        if err:
+            return {"sums": {}, "error": err}
         return {"sums": {dst: dict(c.streams) for dst, c in sums.items()}, "error": None}
+
+    def _send_one(self, t: Transfer) -> str | None:
+        cmd, seq = self._cmd, self._seq
+        header, payload, rows = self._pack(cmd, t)
+        self._sums.setdefault(t.dst_rank, RoomChecksum(key=self.key)).update(self.rank, t.layer, t.kind, rows)
+        if self._corrupt:
+            payload[0] ^= 0x01  # after the room MAC, before the frame tag: a corrupt sender
+            self._corrupt = False
+        endpoint = cmd.endpoints[t.dst_rank]
+        if not endpoint.startswith("tcp://"):  # e.g. a NIXL decode instance: a clear error, not a ZMQError
+            return f"decode rank {t.dst_rank} offers a non-tcp endpoint {endpoint[:12]!r}..."
+        row_bytes = rows.shape[1] * rows.element_size()
+        try:
+            sock = self._sock(endpoint, cmd.send_timeout_ms)
+            for first, end, runs in pieces(header["runs"], row_bytes):
+                piece = memoryview(payload)[first * row_bytes : end * row_bytes]
+                packed = msgpack.packb({**header, "runs": runs, "seq": seq.get(t.dst_rank, 0)})
+                seq[t.dst_rank] = seq.get(t.dst_rank, 0) + 1
+                sock.send_multipart([packed, piece, seal_data(self.key, packed, piece)])
+        except zmq.Again:
+            self.socks.pop(endpoint).close()  # LINGER 0: its queued frames go with it
+            return f"decode rank {t.dst_rank} at {endpoint} is not receiving"
+        return None
 
     def status(self) -> dict:
         return {  # a send holds nothing once it returned; when the last one began and returned

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from pdserve.transfer.frames import new_ticket
 from pdserve.transfer.messages import DecodeReservation, Fingerprint
-from pdserve.transfer.plan import PrefillSide
+from pdserve.transfer.plan import PrefillSide, plan_transfer
 from pdserve.transfer.rank_commands import RoomStatus
 
 FP = Fingerprint("hash", "auto", "float64", 4, 2, 1, "copy")
@@ -72,6 +72,7 @@ class FakeSource:
     fp: Fingerprint = FP
     send_rows: bool = True
     held: set = field(default_factory=set)
+    stream_handoff: bool = False  # prefill, then send (prefill_send: both, as one call)
 
     def handoff_fingerprint(self, reservation):
         return self.fp
@@ -95,6 +96,11 @@ class FakeSource:
         if self.send_rows:
             self.dest.write(room, ticket, rows)
         return {0: rows}
+
+    def prefill_send(self, room, token_ids, params, decode, start, ticket, endpoints):
+        result = self.prefill(room, token_ids, params)
+        plan = plan_transfer(self.prefill_side(result.slots), decode, len(token_ids), start)
+        return result, self.send(room, room, ticket, plan, endpoints)
 
     def release(self, room):
         self.held.discard(room)

@@ -6,7 +6,8 @@ Faults: a corrupted payload; rows that never arrive; a refused fingerprint; the 
 the room while the prefill sends (its rows then land late: over NIXL in the room's pages, which the
 quarantine holds -- the hold is checked to be taken here, and to expire by assert_idle); an abort
 from either side in every state a side can abort in; a prefill failing after it sent. Room ids come
-from a small pool, so they are reused while late rows of an earlier use may still arrive. Once per
+from a small pool, so they are reused while late rows of an earlier use may still arrive. Half the
+cases stream their rows (sent while the prefill computes them), half send them after it. Once per
 loop: a prefill that stops heart-beating (its side channel closes under an open room); after the
 loop (`rank_killed_case`): a prefill rank killed as its room's send starts.
 """
@@ -49,8 +50,11 @@ def _wait(cond, what: str, driver: Driver, wait_s: float = 10.0) -> None:
         driver.server.drain(2)
 
 
-def run_case(driver: Driver, kind: str, room: str, ids: list[int], quarantine: bool) -> None:
-    """One case; raises TransferError for a failed hand-off (after both sides released it)."""
+def run_case(
+    driver: Driver, kind: str, room: str, ids: list[int], quarantine: bool, stream: bool = False
+) -> None:
+    """One case; raises TransferError for a failed hand-off (after both sides released it).
+    stream: the prefill streams the rows (prefill_send), except where they must never come."""
     prefill, rooms = driver.prefill, driver.rooms
     params = SamplingParams(max_tokens=1)
     if kind == "decode abort bootstrapping":  # before its reservation went out
@@ -62,6 +66,7 @@ def run_case(driver: Driver, kind: str, room: str, ids: list[int], quarantine: b
         corrupt=kind == "corrupt",
         skip_send=kind == "never",
         dtype="float32" if kind == "fingerprint" else None,
+        stream_handoff=stream and kind != "never",
     )
     if kind == "decode drops mid-send":
         source.before_send = lambda r: _drop(driver, r, quarantine)
@@ -136,9 +141,8 @@ def run_mixed_faults(driver: Driver, cases: int, seed: int, quarantine: bool, pr
         if i == beat_at:
             heartbeat_case(driver, _prompt_of(rng))
         kind, room = rng.choice(list(KINDS)), rng.choice(ROOMS)
-
         try:
-            run_case(driver, kind, room, _prompt_of(rng), quarantine)
+            run_case(driver, kind, room, _prompt_of(rng), quarantine, stream=rng.random() < 0.5)
             assert KINDS[kind] is None, f"{kind} succeeded"
         except TransferError as e:
             assert KINDS[kind] and KINDS[kind] in e.reason, (kind, e.reason)

@@ -48,6 +48,8 @@ class FaultySource:
     dtype: str | None = None  # claim this model dtype (a refused fingerprint)
     before_send: Callable[[str], None] | None = None  # e.g. the decode side drops the room
     after_send: Callable[[str], None] | None = None  # e.g. the prefill fails after sending
+    # streamed (prefill_send): before_send runs before the prefill, after_send after it
+    stream_handoff: bool = False
 
     def handoff_fingerprint(self, reservation):
         fp = self.inner.handoff_fingerprint(reservation)
@@ -68,6 +70,18 @@ class FaultySource:
         if self.after_send:
             self.after_send(room)
         return sums
+
+    def prefill_send(self, room, token_ids, params, decode, start, ticket, endpoints):
+        if self.before_send:
+            self.before_send(room)
+        if self.skip_send:
+            raise AssertionError("skip_send needs the unstreamed path (stream_handoff=False)")
+        got = self.inner.prefill_send(
+            room, token_ids, params, decode, start, ticket, endpoints, corrupt=self.corrupt
+        )
+        if self.after_send:
+            self.after_send(room)
+        return got
 
     def release(self, room):
         self.inner.release(room)

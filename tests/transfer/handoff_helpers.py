@@ -78,6 +78,13 @@ def assert_idle(prefill: PrefillInstance, decode: DecodeStepDriver, wait_s: floa
     already notified on their own threads, hence the short wait)."""
     assert not prefill.held and prefill.allocator.num_free == prefill.allocator.num_pages
     prefill.allocator.check_integrity()
+    assert_decode_idle(decode, wait_s, prefill)
+
+
+def assert_decode_idle(
+    decode: DecodeStepDriver, wait_s: float = 5.0, prefill: PrefillInstance | None = None
+) -> None:
+    """The decode side of assert_idle (and the prefill's senders, when given)."""
     alloc = decode.instance.allocator
     assert decode.scheduler.is_idle()
     alloc.check_integrity()
@@ -88,7 +95,8 @@ def assert_idle(prefill: PrefillInstance, decode: DecodeStepDriver, wait_s: floa
         )
         time.sleep(0.05)
     while True:
-        recv, send = decode.instance.transfer_status("none"), prefill.transfer_status()
+        recv = decode.instance.transfer_status("none")
+        send = prefill.transfer_status() if prefill is not None else []
         busy = [s for s in recv if s["open_rooms"] or s.get("staging_bytes") or s.get("quarantined")]
         busy += [s for s in send if s.get("xfer_handles") or s.get("stuck") or s.get("staging_bytes")]
         if not busy:
