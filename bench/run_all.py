@@ -25,7 +25,12 @@ BENCHES = (
     ),
     ("prefill_cp.py", ["--lengths", "1024,2048", "--repeats", "1", "--idle-wait", "5"]),
     ("decode_dcp.py", ["--contexts", "2048", "--batches", "1", "--steps", "4", "--rounds", "1"]),
-    ("transfer.py", ["--sizes", "1,64", "--tokens", "2048", "--repeats", "2", "--handoff-repeats", "2"]),
+    (
+        "transfer.py",
+        ["--sizes", "1,64", "--tokens", "2048", "--repeats", "2", "--handoff-repeats", "2"]
+        + ["--overlap-tokens", "2048"],
+    ),
+    ("handoff_overlap.py", ["--tokens", "2048", "--repeats", "1", "--idle-wait", "5"]),
     ("transfer_floor.py", ["--chunks-mb", "0,8", "--repeats", "3", "--idle-wait", "5"]),
     ("serve.py", ["--quick", "--idle-wait", "5"]),
     ("prefix_cache.py", ["--quick", "--idle-wait", "5"]),

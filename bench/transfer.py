@@ -28,7 +28,13 @@ invariant 8 requires of a verified hand-off (bench/transfer_raw.py).
     many of the machine's cores that kept busy: on a 2-core host the hand-off is CPU-bound, so this
     says how much of its time is work (pack, WRITE, store, checksums) rather than waiting.
 
-Run:  .venv/bin/python bench/transfer.py      (a few minutes; bench/results/transfer.json + .png)
+(d) overlap (--overlap-tokens, default 16k and 64k): the hand-off's exposed time (from the prefill's
+    last compute to every row verified on the decode side) as a share of TTFT, streamed and not,
+    and the unstreamed hand-off's rate against the verified floor (bench/handoff_overlap.py, whose
+    `measure` runs here; its summary rows join this file's).
+
+Run:  .venv/bin/python bench/transfer.py      (a few minutes, plus the 64k prefills of (d);
+      bench/results/transfer.json + .png)
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ import torch
 
 # bench/ is on sys.path when a script runs
 from common import cpu_user_system, free_port, machine_info, resolve_model
+from handoff_overlap import measure as overlap_measure
+from handoff_overlap import summary_rows as overlap_rows
 from transfer_costs import checksum_cost, pack_cost
 from transfer_raw import Interleaved
 from transfer_report import plot, summary_rows
@@ -334,6 +342,11 @@ def main() -> None:
         default=10,
         help="hand-offs per data path and raw aggregate rounds: medians, CPU time averaged (default 10)",
     )
+    ap.add_argument(
+        "--overlap-tokens",
+        default="16384,65536",
+        help="prompt lengths of (d), streamed vs unstreamed over NIXL, comma-separated ('' skips it)",
+    )
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the built-in small model)")
     ap.add_argument("--out", default="bench/results", help="output directory for transfer.json/.png")
     args = ap.parse_args()
@@ -358,6 +371,8 @@ def main() -> None:
             )
     finally:
         raw.close()
+    overlap = [int(x) for x in args.overlap_tokens.split(",") if x.strip()]
+    res["overlap"] = {str(n): overlap_measure(model, "nixl", n, 2) for n in overlap}
     nixl64 = res["transports_GBps"]["nixl"][64]
     ratios = {"nixl_over_tcp_socket_64MB": nixl64 / res["transports_GBps"]["tcp socket"][64]}
     if "nixl" in res["handoff"]:
@@ -400,7 +415,7 @@ def main() -> None:
                 },
                 **res,
                 "ratios": ratios,
-                "summary": summary_rows(res, ratios, args),
+                "summary": summary_rows(res, ratios, args) + overlap_rows(res["overlap"], "nixl"),
             },
             indent=1,
         )

@@ -48,6 +48,9 @@ class PrefillResult:
     prompt_logprobs: list | None = None  # [TokenLogprob | None] per position, with params.prompt_logprobs
     more_first: list = field(default_factory=list)  # n > 1: [(token, TokenLogprob | None)] of choices 1..
     sent: list[dict] | None = None  # a streamed hand-off: every rank's SendCmd reply
+    computed_at: float = (
+        0.0  # time.monotonic() when the last rank finished computing (bench/handoff_overlap.py)
+    )
 
 
 class PrefillInstance(RankInstance):
@@ -182,6 +185,7 @@ class PrefillInstance(RankInstance):
             _merge_prompt_logprobs(replies, len(token_ids)),
             owner.more,
             [r.sent for r in replies] if stream else None,
+            max(r.computed_at for r in replies),
         )
 
     def _first_mask(self, params: SamplingParams) -> tuple[SamplingParams, bytes | None]:

@@ -112,6 +112,7 @@ class PrefillRankReply:
     prompt_logprobs: dict[int, TokenLogprob] | None = None  # position p -> of token p + 1, own positions
     more: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)  # choices 1..n-1's first tokens
     sent: dict | None = None  # with PrefillCmd.stream: SendCmd's reply (checksums or the error)
+    computed_at: float = 0.0  # time.monotonic() when its last chunk was computed (before the stream closed)
 
 
 @dataclass(frozen=True)
@@ -195,6 +196,7 @@ class PrefillRankWorker(RankWorker):
         stream = LayerStream(self.sender, cmd.stream, self.rank) if cmd.stream else None
         try:
             last_hidden, prompt_lp = self._chunks(cmd, stream)
+            computed_at = time.monotonic()
         finally:
             self.backend.on_stored = None
             sent = stream.close() if stream else None  # every WRITE it posted is done or cancelled
@@ -214,7 +216,7 @@ class PrefillRankWorker(RankWorker):
             logits = logits[0].cpu() if cmd.want_logits else None
         seconds = time.perf_counter() - t_start
         return PrefillRankReply(
-            self.rank, token, logits, seconds, self.backend.comm_s, lp, prompt_lp, more, sent
+            self.rank, token, logits, seconds, self.backend.comm_s, lp, prompt_lp, more, sent, computed_at
         )
 
     def _chunks(self, cmd: PrefillCmd, stream: LayerStream | None):
