@@ -99,6 +99,12 @@ class StackConfig:
     restart: str = option(
         "on-failure", choices=Restart
     )  # a dead instance: on-failure (start it again) | never (stop the stack)
+    restart_backoff_max_s: float = option(
+        30.0,
+        "--restart on-failure: the longest wait before a dead instance is started again (the wait starts at 1 s and doubles per failure, back to 1 s once it stayed healthy for a minute).",
+        name="--restart-backoff-max",
+        min=1.0,
+    )
     shutdown_grace_s: float = option(  # each instance's --shutdown-grace
         30.0,
         "Every instance's --shutdown-grace: on Ctrl-C / SIGTERM the instances drain this long (new requests 503, running ones finish) before they stop.",
@@ -130,6 +136,10 @@ class StackConfig:
             load_api_keys(None, self.api_key_file)
         if self.restart not in RESTART_POLICIES:
             raise ValueError(f"--restart must be one of {', '.join(RESTART_POLICIES)}, got {self.restart!r}")
+        if not 1.0 <= self.restart_backoff_max_s <= 3600:
+            raise ValueError(
+                f"--restart-backoff-max must be in [1, 3600] s, got {self.restart_backoff_max_s}"
+            )
         if self.max_migrations < 0:
             raise ValueError(f"--max-migrations must be >= 0, got {self.max_migrations}")
         if self.shutdown_grace_s < 0:
@@ -386,7 +396,9 @@ def up(cfg: StackConfig, echo=print) -> int:
             f"example:\n  curl {router.url}/v1/completions -H 'Content-Type: application/json' "
             f'-d \'{{"model": "{model}", "prompt": "Hello", "max_tokens": 16}}\''
         )
-        with Supervisor(stack, router, prefill + decode, cfg.restart, echo) as supervisor:
+        with Supervisor(
+            stack, router, prefill + decode, cfg.restart, echo, cfg.restart_backoff_max_s
+        ) as supervisor:
             while True:
                 supervisor.tick()
                 time.sleep(POLL_S)

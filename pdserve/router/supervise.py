@@ -1,7 +1,7 @@
 """`pdserve up --restart on-failure`: what the launcher does once the stack is ready.
 
 A dead instance is reported in one line (its name, exit status and log) and started again on the
-same HTTP port after a backoff (1 s, doubling up to 30 s; back to 1 s once it had stayed healthy
+same HTTP port after a backoff (1 s, doubling up to --restart-backoff-max, 30 s by default; back to 1 s once it had stayed healthy
 for a minute), so the router's configured URL stays valid: the router's health loop marks it
 unusable while it is down (a refused connection) and picks it up again once /health answers 200.
 The restart's output is appended to the same log, after a marker line, so the crash's log survives.
@@ -59,12 +59,14 @@ def describe_exit(code: int) -> str:
 
 
 class Supervisor:
-    def __init__(self, stack, router, instances: list, restart: str, echo=print):
+    def __init__(self, stack, router, instances: list, restart: str, echo=print, backoff_max_s: float = 30.0):
         if restart not in RESTART_POLICIES:
             raise ValueError(f"--restart must be one of {', '.join(RESTART_POLICIES)}, got {restart!r}")
         self.stack, self.router, self.restart, self.echo = stack, router, restart, echo
         now = time.monotonic()  # every instance was healthy when the stack became ready
-        self.watches = {child.name: (child, _Watch(healthy_at=now)) for child in instances}
+        self.watches = {
+            child.name: (child, _Watch(Backoff(max_s=backoff_max_s), healthy_at=now)) for child in instances
+        }
         self.http = httpx.Client(timeout=1)  # one client for the health polls after a restart
 
     def __enter__(self) -> Supervisor:

@@ -1,18 +1,14 @@
-"""The KVSender / KVReceiver protocol: one polled state machine per side of one room (request).
+"""A room's polled state (the one state machine per side: transfer/prefill_room.py, decode_room.py),
+the room MAC both sides take over the rows, and the senders' clock.
 
     Bootstrapping --> WaitingForInput --> Transferring --> Success
           \\                 \\                 \\
            +-----------------+-----------------+--> Failed   (from any non-terminal state)
 
-Sender: Bootstrapping until the decode reservation arrives (bootstrap timeout), WaitingForInput
-until the prefill is done and sending starts, Transferring while data frames go out, Success once
-the aux message (TransferDone) was sent last. Receiver: Bootstrapping until its reservation was
-offered, WaitingForInput until the first data frame, Transferring until the aux data arrived and
-checked out (Success) -- or the transfer timeout passed (Failed).
-
-Invariants (docs/design.md 3.7-3.8): Failed never reverts and keeps its first reason; Success only
-from Transferring and is final; an illegal transition raises (it is a bug, not a peer's fault).
-Backends call `fail()` for every peer-caused problem, so a bad peer fails one room, never the process.
+What each state means on each side is in the two machines' docstrings. Invariants (docs/design.md
+3.7-3.8): Failed never reverts and keeps its first reason; Success only from Transferring and is
+final; an illegal transition raises (it is a bug, not a peer's fault). The machines call `fail()`
+for every peer-caused problem, so a bad peer fails one room, never the process.
 """
 
 from __future__ import annotations
@@ -20,7 +16,6 @@ from __future__ import annotations
 import enum
 import hashlib
 import time
-from typing import Protocol
 
 import torch
 
@@ -74,24 +69,6 @@ class TransferState:
     @property
     def done(self) -> bool:
         return self.state in TERMINAL
-
-
-class KVSender(Protocol):
-    def poll(self) -> KVPoll: ...
-
-    @property
-    def failure_reason(self) -> str | None: ...
-
-    def abort(self, reason: str = "aborted by prefill") -> None: ...
-
-
-class KVReceiver(Protocol):
-    def poll(self) -> KVPoll: ...
-
-    @property
-    def failure_reason(self) -> str | None: ...
-
-    def abort(self, reason: str = "aborted by decode") -> None: ...
 
 
 class RoomChecksum:

@@ -135,6 +135,13 @@ class NixlSender:
         self.inflight: list[_Posted] = []  # WRITEs posted and not yet settled
         self.failure: str | None = None  # the first WRITE of this send that failed
         self.clock = SendClock()
+        # the open send (`open` .. `close_send`): its command, checksums, corrupt hook, each
+        # destination's next region offset, the error that stopped its posting
+        self._cmd: SendCmd | None = None
+        self._sums: dict[int, RoomChecksum] = {}
+        self._corrupt = [False]
+        self._offsets: dict[int, int] = {}
+        self._error: str | None = None
 
     def status(self) -> dict:
         return {
@@ -179,6 +186,7 @@ class NixlSender:
             dsts[self.rank % len(dsts) :] + dsts[: self.rank % len(dsts)] if dsts else []
         )  # ranks start apart
         for dst in dsts:
+            self._error = self._error or self.failure  # a WRITE of an earlier post failed
             if self._error is not None:
                 return
             group = [t for t in mine if t.dst_rank == dst]

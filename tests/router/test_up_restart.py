@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -178,3 +179,16 @@ def test_restart_backoff_doubles_to_its_cap_and_starts_over_after_a_stable_run()
     b = Backoff(initial_s=1.0, max_s=30.0, stable_s=60.0)
     assert [b.delay(healthy_for_s=5.0) for _ in range(7)] == [1, 2, 4, 8, 16, 30, 30]
     assert b.delay(healthy_for_s=60.0) == 1 and b.delay(healthy_for_s=0.0) == 2
+
+
+def test_restart_backoff_max_reaches_every_watch_and_is_range_checked(tmp_path):
+    from pdserve.router.launch import StackConfig
+    from pdserve.router.supervise import Supervisor
+
+    sup = Supervisor(None, None, [SimpleNamespace(name="decode-0")], "on-failure", backoff_max_s=2.0)
+    backoff = sup.watches["decode-0"][1].backoff
+    assert [backoff.delay(healthy_for_s=0.0) for _ in range(4)] == [1, 2, 2, 2]
+    sup.http.close()
+    for bad in (0.5, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="restart-backoff-max"):
+            StackConfig(model=str(tmp_path), restart_backoff_max_s=bad)
