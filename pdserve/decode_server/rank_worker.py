@@ -43,6 +43,7 @@ from ..engine.pipe_tensors import to_pipe
 from ..engine.sync_check import forbid_host_sync
 from ..model.layers import Experts
 from ..model.shard import weight_bytes_by_dtype
+from ..model.tokenizer import decodable_vocab
 from ..model.weights import load_model
 from ..transfer.backends import check_transfer, make_receiver
 from ..transfer.frames import DEV_FRAME_KEY
@@ -343,7 +344,7 @@ class DecodeRankWorker(RankWorker):
 
     def _sampler(self) -> BatchSampler:
         if self._batch_sampler is None:
-            self._batch_sampler = BatchSampler()
+            self._batch_sampler = BatchSampler(decodable_vocab(self.cfg.model_dir, self.mcfg.vocab_size))
         return self._batch_sampler
 
     def _forget_sampling(self, cmd: ForgetSamplingCmd) -> None:
