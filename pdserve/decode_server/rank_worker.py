@@ -43,6 +43,7 @@ from ..engine.pipe_tensors import to_pipe
 from ..engine.sync_check import forbid_host_sync
 from ..model.layers import Experts
 from ..model.shard import weight_bytes_by_dtype
+from ..model.tokenizer import decodable_vocab
 from ..model.weights import load_model
 from ..transfer.backends import check_transfer, make_receiver
 from ..transfer.frames import DEV_FRAME_KEY
@@ -218,6 +219,8 @@ class DecodeRankWorker(RankWorker):
             check=fits,
         )
         self.mcfg = self.model.config
+        # rank 0 samples no id past the tokenizer (padded LM-head rows); read now, not in the first step
+        self.vocab_limit = decodable_vocab(cfg.model_dir, self.mcfg.vocab_size) if rank == 0 else None
         self.ops = make_attention_ops(
             cfg.attention_ops, self.device, self.dtype, self.mcfg, cfg.kv_cache_dtype, who
         )
@@ -343,7 +346,7 @@ class DecodeRankWorker(RankWorker):
 
     def _sampler(self) -> BatchSampler:
         if self._batch_sampler is None:
-            self._batch_sampler = BatchSampler()
+            self._batch_sampler = BatchSampler(self.vocab_limit)
         return self._batch_sampler
 
     def _forget_sampling(self, cmd: ForgetSamplingCmd) -> None:

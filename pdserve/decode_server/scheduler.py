@@ -41,6 +41,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
+from ..engine import kv_fit
 from ..engine.page_allocator import PageAllocator
 from ..engine.radix_cache import Node, RadixCache
 from ..engine.request import SamplingParams, TokenLogprob, choice_id
@@ -86,7 +87,7 @@ class DecodeRequest:
 
     @property
     def num_slots_needed(self) -> int:
-        return self.prompt_len + self.params.max_tokens - 1
+        return kv_fit.slots_per_choice(self.prompt_len, self.params.max_tokens)
 
     @property
     def num_tokens(self) -> int:
@@ -111,15 +112,19 @@ class DecodeScheduler:
         return self.allocator.num_pages * self.allocator.page_size
 
     def _tokens_for(self, req: DecodeRequest) -> int:
-        """Slots to reserve at admission: n choices, each in whole pages of its own."""
-        return self.allocator.pages_for(req.num_slots_needed) * self.allocator.page_size * req.params.n
+        """Slots to reserve at admission: n choices, each in whole pages of its own (engine/kv_fit.py)."""
+        return kv_fit.kv_tokens(req.prompt_len, req.params.max_tokens, req.params.n, self.allocator.page_size)
 
     def check_fits(self, req: DecodeRequest) -> None:
-        if self._tokens_for(req) > self.capacity_tokens:
+        """ValueError (a 400) for a request that can never run here; the router refuses the same ones
+        (router/pool.py, by the same kv_fit.fits) before sending them."""
+        p = req.params
+        if not kv_fit.fits(req.prompt_len, p.max_tokens, p.n, self.allocator.page_size, self.capacity_tokens):
+            need = kv_fit.kv_tokens(req.prompt_len, p.max_tokens, p.n, self.allocator.page_size)
             raise ValueError(
-                f"request needs {req.num_slots_needed} KV slots (prompt {req.prompt_len} + max_tokens "
-                f"{req.params.max_tokens}) for each of {req.params.n} choices; this instance holds "
-                f"{self.capacity_tokens}"
+                f"request needs {need} KV slots ({p.n} choices of prompt {req.prompt_len} + max_tokens "
+                f"{p.max_tokens} - 1 tokens, each in whole pages of {self.allocator.page_size}); this "
+                f"instance holds {self.capacity_tokens}"
             )
 
     def submit(self, req: DecodeRequest) -> None:

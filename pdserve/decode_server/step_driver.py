@@ -20,6 +20,7 @@ from ..engine.launcher import RankError
 from ..engine.llm_engine import LLMEngine
 from ..engine.request import SamplingParams, TokenLogprob, choice_id
 from ..engine.sampler import Sampler
+from ..model.tokenizer import decodable_vocab
 from .instance import DecodeInstance
 from .rank_worker import StepResult
 from .scheduler import DecodeRequest, DecodeScheduler
@@ -34,7 +35,9 @@ class DecodeStepDriver:
         )
         mcfg = instance.model_config
         grammars = Grammars(instance.worker.model_dir, mcfg.vocab_size, mcfg.eos_token_ids)
-        self.sampler = Sampler(grammars, mcfg.eos_token_ids)  # the local prefill's and the grammars' matchers
+        # the local prefill's sampler and the grammars' matchers; no id past the tokenizer, as on rank 0
+        vocab = decodable_vocab(instance.worker.model_dir, mcfg.vocab_size)
+        self.sampler = Sampler(grammars, mcfg.eos_token_ids, vocab)
         self._caches: dict[str, tuple[torch.Tensor, dict[int, torch.Tensor], int]] = {}
         self._local: LLMEngine | None = None
         self._remote: set[str] = set()  # requests whose cache comes by KV hand-off (transfer/decode_room.py)

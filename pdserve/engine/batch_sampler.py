@@ -88,8 +88,10 @@ class _Stream:
 
 
 class BatchSampler:
-    def __init__(self):
+    def __init__(self, vocab_limit: int | None = None):
+        """vocab_limit: ids at or above it are never sampled nor reported (as `Sampler`'s)."""
         self._streams: dict[str, _Stream] = {}  # request id -> its generator, on the logits' device
+        self.vocab_limit = vocab_limit
 
     @property
     def request_ids(self) -> list[str]:
@@ -104,6 +106,7 @@ class BatchSampler:
         """[B, V] logits and one row each -> one `Sampled` each."""
         if logits.shape[0] != len(rows):
             raise ValueError(f"{len(rows)} sampling rows for {logits.shape[0]} rows of logits")
+        logits = logits_process.decodable(logits, self.vocab_limit)
         try:
             return self._sample(logits, rows)
         except Exception as e:

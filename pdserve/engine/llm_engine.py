@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from ..model.config import ModelConfig
+from ..model.tokenizer import decodable_vocab
 from ..model.transformer import CausalLM
 from ..model.weights import load_model
 from .attn_ops import make_attention_ops
@@ -44,6 +45,7 @@ class LLMEngine:
         max_batch: int = 64,
         attention_ops: str = "auto",  # engine/attn_ops.py
         announce: str = "",  # a name: print the ops choice to stderr under it
+        vocab_limit: int | None = None,  # ids never sampled from here up (model/tokenizer.py decodable_vocab)
     ):
         self.model, self.config = model, model.config
         param = next(model.parameters())
@@ -55,7 +57,7 @@ class LLMEngine:
         self.backend = SingleRankBackend(self.config, self.pool, query_block, self.ops)
         self.runner = ModelRunner(model, self.allocator, self.backend)
         self.scheduler = Scheduler(self.allocator, self.config.eos_token_ids, prefill_chunk, max_batch)
-        self.sampler = Sampler()
+        self.sampler = Sampler(vocab_limit=vocab_limit)
 
     @classmethod
     def from_pretrained(
@@ -67,6 +69,7 @@ class LLMEngine:
         **kwargs,
     ) -> "LLMEngine":
         model = load_model(model_dir, parse_dtype(dtype), device, float32_islands=float32_islands)
+        kwargs.setdefault("vocab_limit", decodable_vocab(model_dir, model.config.vocab_size))
         return cls(model, **kwargs)
 
     @property

@@ -4,7 +4,9 @@ Order (vLLM's): logit_bias, min_tokens (EOS and stop token ids masked while fewe
 were produced), repetition penalty (over prompt and output tokens: positive logits divided,
 negative ones multiplied), presence and frequency penalties (over output tokens, those of a
 migrated request's `SamplingParams.generated` included), then the grammar's token mask. Log-probabilities are taken before any of this (`token_logprob`), from the raw logits in
-float64, as vLLM and SGLang report them by default.
+float64, as vLLM and SGLang report them by default. Before everything, both samplers set the ids the
+tokenizer lacks to -inf (`decodable`: rows of an LM head padded past the tokenizer), so they are
+never sampled nor reported; an unpadded model's logits are untouched.
 
 Everything works on a batch of rows on the logits' own device (`process_batch`, `logprob_tensors`:
 a decode step's rows are processed on the sampling rank, engine/batch_sampler.py); the one-row forms
@@ -57,6 +59,15 @@ class RowProcessing:
             p.frequency_penalty,
             counted,
         )
+
+
+def decodable(logits: torch.Tensor, limit: int | None) -> torch.Tensor:
+    """[..., V] logits with the ids at or above `limit` (LM-head rows past the tokenizer's size,
+    model/tokenizer.py `decodable_vocab`) at -inf, so that nothing samples or reports them; the
+    same tensor when there are none (limit None or >= V: an unpadded model's logits are untouched)."""
+    if limit is None or limit >= logits.shape[-1]:
+        return logits
+    return logits.index_fill(-1, torch.arange(limit, logits.shape[-1], device=logits.device), float("-inf"))
 
 
 def process(

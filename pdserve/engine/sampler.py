@@ -18,11 +18,13 @@ from .request import SamplingParams, TokenLogprob, choice_id
 
 
 class Sampler:
-    def __init__(self, grammars=None, eos_ids: Sequence[int] = ()):
-        """grammars: engine/constraint.py `Grammars` (None: a request with a grammar fails)."""
+    def __init__(self, grammars=None, eos_ids: Sequence[int] = (), vocab_limit: int | None = None):
+        """grammars: engine/constraint.py `Grammars` (None: a request with a grammar fails);
+        vocab_limit: ids at or above it are never sampled nor reported (model/tokenizer.py
+        `decodable_vocab`: LM-head rows past the tokenizer; None: every row is a token)."""
         self._generators: dict[str, torch.Generator] = {}
         self._matchers: dict = {}  # request id -> constraint.Matcher
-        self.grammars, self.eos_ids = grammars, tuple(eos_ids)
+        self.grammars, self.eos_ids, self.vocab_limit = grammars, tuple(eos_ids), vocab_limit
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
@@ -41,6 +43,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str]) -> list[int]:
         """logits [B, V] -> one token id per row."""
+        logits = logits_process.decodable(logits, self.vocab_limit)
         out = []
         greedy = logits.argmax(dim=-1).tolist()  # first maximum wins, as in the reference
         for row, (p, rid) in enumerate(zip(params, request_ids)):
@@ -62,7 +65,7 @@ class Sampler:
         p.logprobs is set). The grammar's matcher consumes the output tokens it has not seen yet
         (the prefill's first token, on the decode side) and then the sampled one. `allowed`: [V]
         bool, a grammar's mask computed elsewhere (a prefill rank's first token; p.grammar is None)."""
-        raw = logits
+        raw = logits = logits_process.decodable(logits, self.vocab_limit)
         if p.processes_logits or allowed is not None:
             if allowed is None:
                 allowed = self._allowed(p, request_id, output_ids)

@@ -76,6 +76,18 @@ def _load_chat_template(model_dir: Path, tok_config: dict) -> str | None:
     return template
 
 
+def decodable_vocab(model_dir: str | Path, vocab_size: int) -> int:
+    """How many ids a model with `vocab_size` LM-head rows may emit: its tokenizer's size (the bound
+    the router checks prompt ids against, `Tokenizer.vocab_size`) when that is smaller (a checkpoint
+    may pad its LM head past the tokenizer: those ids decode to nothing and would be refused when a
+    client sends its conversation back), else vocab_size; vocab_size when the model directory has no
+    tokenizer.json."""
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        return vocab_size
+    return min(vocab_size, _HFTokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True))
+
+
 class Tokenizer:
     """A ``tokenizer.json`` plus the special tokens and chat template of a model directory."""
 

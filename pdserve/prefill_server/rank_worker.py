@@ -27,6 +27,7 @@ from ..engine.request import SamplingParams, TokenLogprob
 from ..engine.sampler import Sampler
 from ..model.config import ModelConfig
 from ..model.shard import weight_bytes_by_dtype
+from ..model.tokenizer import decodable_vocab
 from ..model.weights import load_model
 from ..transfer.backends import check_transfer, make_sender
 from ..transfer.frames import DEV_FRAME_KEY
@@ -158,7 +159,8 @@ class PrefillRankWorker(RankWorker):
         self.pool = self._make_pool(self.mcfg, layers, dev)
         ops = make_attention_ops(cfg.attention_ops, dev, dtype, self.mcfg, who=f"prefill rank {rank} ({dev})")
         self.backend = CPBackend(self.mcfg, self.pool, rank, world, cfg.query_block, ops)
-        self.sampler = Sampler(None, self.mcfg.eos_token_ids)  # grammars: the server's (first_mask)
+        vocab = decodable_vocab(cfg.model_dir, self.mcfg.vocab_size)  # no padded LM-head row is sampled
+        self.sampler = Sampler(None, self.mcfg.eos_token_ids, vocab)  # grammars: the server's (first_mask)
         self.sender = make_sender(
             cfg.transfer, rank, self.pool, cfg.frame_key
         )  # KV hand-off data path (transfer/tcp.py, nixl.py)

@@ -31,6 +31,7 @@ from contextlib import aclosing
 import httpx
 
 from ..contracts import AbortRequest, FinishEvent, PrefillReply, TokenEvent
+from ..engine.kv_fit import Need
 from ..engine.request import Overloaded  # the router's queue is full, or every instance tried was
 from .halves import BadRequest, GenParams, Halves, TryFailed
 from .metrics import Metrics
@@ -83,7 +84,7 @@ class Orchestrator:
 
     def check_fits(self, prompt_len: int, max_tokens: int, n: int = 1) -> None:
         """Raises pool.TooLong / NoInstance before anything is streamed (400 / 503)."""
-        self.pool.candidates("decode", n * (prompt_len + max_tokens), admit=False)
+        self.pool.candidates("decode", Need(prompt_len, max_tokens, n), admit=False)
         self.pool.candidates("prefill", prompt_len, admit=False)
 
     async def generate(self, prompt: list[int], params: GenParams, deadline: float):
@@ -196,9 +197,8 @@ class Orchestrator:
             while True:
                 try:
                     ns = params.cache_namespace
-                    decode = self.pool.pick(
-                        "decode", params.n * (prompt_len + params.max_tokens), avoid, prompt, ns
-                    )
+                    need = Need(prompt_len, params.max_tokens, params.n)
+                    decode = self.pool.pick("decode", need, avoid, prompt, ns)
                     return self.pool.pick("prefill", prompt_len, avoid, prompt, ns), decode
                 except Saturated:
                     if not queued:

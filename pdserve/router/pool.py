@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import httpx
 
 from ..contracts import LOAD_PATHS, LoadAnswer
+from ..engine.kv_fit import Need
 from .cache_aware import CacheAwarePolicy, prefix_hashes
 from .instance_auth import AllowedHosts, InstanceAuth, origin
 
@@ -165,14 +166,15 @@ class Pool:
     def pick(
         self,
         role: str,
-        need_tokens: int,
+        need: int | Need,
         avoid: set[str] = frozenset(),
         prompt: list[int] | None = None,
         namespace: str = "",
     ) -> Instance:
-        """An instance of `role` for a request of `need_tokens` KV slots (prompt + max_tokens on a
-        decode); `prompt` (its token ids) and its cache `namespace`: for cache_aware (router/cache_aware.py)."""
-        fresh = self.candidates(role, need_tokens, avoid)
+        """An instance of `role` for a request of `need` (a decode's: its kv_fit.Need, counted in each
+        instance's pages; a prefill's: the prompt's tokens); `prompt` (its token ids) and its cache
+        `namespace`: for cache_aware (router/cache_aware.py)."""
+        fresh = self.candidates(role, need, avoid)
         if self.cache_aware is not None and prompt is not None:
             hashes = prefix_hashes(prompt, namespace=namespace)
             return self.cache_aware.choose(fresh, hashes, Instance.load, _busy)
@@ -181,25 +183,28 @@ class Pool:
         return fresh[next(self._turn[role]) % len(fresh)]
 
     def candidates(
-        self, role: str, need_tokens: int, avoid: set[str] = frozenset(), admit: bool = True
+        self, role: str, need: int | Need, avoid: set[str] = frozenset(), admit: bool = True
     ) -> list[Instance]:
         """The instances `pick` chooses from; raises NoInstance or TooLong, and with `admit` Saturated
         when all of them are full. Does not advance round robin."""
         usable = [i for i in self.of(role) if i.usable and (role == "decode" or i.bootstrap)]
         if not usable:
             raise NoInstance(f"no healthy {role} instance")
-        fits = [i for i in usable if (i.total_tokens() or 0) >= need_tokens]
+        fits = [i for i in usable if _fits(i, need, i.total_tokens() or 0)]
         if not fits:
             most = max(i.total_tokens() or 0 for i in usable)
-            what = "prompt + max_tokens" if role == "decode" else "prompt"
-            raise TooLong(f"{what} is {need_tokens} tokens, more than any {role} instance holds ({most})")
+            if isinstance(need, Need):
+                what = f"{need} needs {min(need.tokens(_page_size(i)) for i in usable)} KV tokens"
+            else:
+                what = f"the prompt is {need} tokens"
+            raise TooLong(f"{what}, more than any {role} instance holds ({most})")
         fresh = [i for i in fits if i.url not in avoid] or fits  # another try prefers other instances
         if admit:
             fresh = [i for i in fresh if i.in_flight < self.max_in_flight]
             if not fresh:
                 raise Saturated(f"every {role} instance has {self.max_in_flight} requests running")
         if role == "decode":  # prefer instances with room now; the others queue the request
-            fresh = [i for i in fresh if _available(i) >= need_tokens] or fresh
+            fresh = [i for i in fresh if _fits(i, need, _available(i))] or fresh
         return fresh
 
     def released(self) -> None:
@@ -259,6 +264,16 @@ class Pool:
         while True:
             await self.poll_all(client)
             await asyncio.sleep(interval_s)
+
+
+def _page_size(inst: Instance) -> int:
+    return inst.value("page_size") or 1  # a prefill's, or an instance that names none: tokens
+
+
+def _fits(inst: Instance, need: int | Need, capacity_tokens: int) -> bool:
+    """Whether `need` fits `capacity_tokens` of `inst`: a Need by the rule the decode scheduler refuses
+    by (engine/kv_fit.py, in the instance's own whole pages), an int (a prompt's tokens) as it is."""
+    return need <= capacity_tokens if isinstance(need, int) else need.fits(_page_size(inst), capacity_tokens)
 
 
 def _available(inst: Instance) -> int:
