@@ -21,7 +21,7 @@ from ..engine.gemm_ops import apply_gemm_ops
 from ..engine.kv_cache import KVPool
 from ..engine.launcher import RankWorker
 from ..engine.llm_engine import parse_dtype
-from ..engine.logits_process import bitmask_words, prompt_logprobs, unpack_bitmask
+from ..engine.logits_process import bitmask_words, decodable, prompt_logprobs, unpack_bitmask
 from ..engine.memory_check import check_device_fits
 from ..engine.request import SamplingParams, TokenLogprob
 from ..engine.sampler import Sampler
@@ -159,7 +159,8 @@ class PrefillRankWorker(RankWorker):
         self.pool = self._make_pool(self.mcfg, layers, dev)
         ops = make_attention_ops(cfg.attention_ops, dev, dtype, self.mcfg, who=f"prefill rank {rank} ({dev})")
         self.backend = CPBackend(self.mcfg, self.pool, rank, world, cfg.query_block, ops)
-        vocab = decodable_vocab(cfg.model_dir, self.mcfg.vocab_size)  # no padded LM-head row is sampled
+        # no padded LM-head row is sampled, nor listed among echo's prompt logprobs
+        self.vocab = vocab = decodable_vocab(cfg.model_dir, self.mcfg.vocab_size)
         self.sampler = Sampler(None, self.mcfg.eos_token_ids, vocab)  # grammars: the server's (first_mask)
         self.sender = make_sender(
             cfg.transfer, rank, self.pool, cfg.frame_key
@@ -259,7 +260,7 @@ class PrefillRankWorker(RankWorker):
             0, len(rows), PROMPT_LOGPROB_ROWS
         ):  # [block, vocab] logits at a time, not [chunk, vocab]
             block = rows[b : b + PROMPT_LOGPROB_ROWS]
-            logits = self.model.compute_logits(hidden[block])
+            logits = decodable(self.model.compute_logits(hidden[block]), self.vocab)
             nxt = torch.tensor([token_ids[mine[i] + 1] for i in block], dtype=torch.int64)
             out.update(zip((mine[i] for i in block), prompt_logprobs(logits, nxt, k)))
         return out

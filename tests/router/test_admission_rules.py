@@ -37,7 +37,7 @@ def stack(tmp_path_factory):
     try:
         with running_router(router_config(path, p_url, d_url)) as (url, _):
             wait_until(lambda: http.get(f"{url}/health").status_code == 200, "the router to be ready")
-            yield {"url": url, "d_url": d_url, "real": real}
+            yield {"url": url, "p_url": p_url, "d_url": d_url, "real": real}
     finally:
         stop_all([prefill, decode])
 
@@ -115,3 +115,16 @@ def test_a_chat_conversation_goes_on(stack):
         choice = r.json()["choices"][0]
         assert all(0 <= t < stack["real"] for t in choice["token_ids"])
         messages += [choice["message"], {"role": "user", "content": "and then?"}]
+
+
+def test_echo_prompt_logprobs_list_no_padded_id(stack):
+    """The prefill ranks' prompt logprobs (echo) rank only decodable ids (the padded rows would win)."""
+    r = http.post(
+        f"{stack['p_url']}/v1/prefill",
+        json={"token_ids": PROMPT + [9, 10], "prompt_logprobs": 5},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    entries = [lp for lp in r.json()["prompt_logprobs"] if lp is not None]
+    assert len(entries) == 3 and all(len(lp["top"]) == 5 for lp in entries)
+    assert all(0 <= t < stack["real"] for lp in entries for t, _ in lp["top"]), entries
