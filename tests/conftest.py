@@ -35,7 +35,12 @@ def pytest_addoption(parser):
     """The randomized equality sweep (tests/sweep/test_sweep.py)."""
     group = parser.getgroup("sweep", "randomized equality sweep")
     group.addoption("--deep", action="store_true", help="the long local sweep (1008 drawn cases)")
-    group.addoption("--seed", type=int, default=None, help="the sweep's seed (default 0)")
+    group.addoption(
+        "--seed",
+        type=int,
+        default=None,
+        help="the sweep's seed (default: $PDSERVE_SWEEP_SEED, else a new one per run, printed)",
+    )
     group.addoption("--pairs", type=int, default=None, help="how many drawn instance pairs to run")
     group.addoption("--case", type=int, default=None, help="run only this drawn case (with its pair)")
     group.addoption("--requests", default=None, help="only these requests of --case, e.g. 0,2")

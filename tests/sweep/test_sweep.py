@@ -17,14 +17,17 @@ Serving mode (float32 + float32 islands, the servers' default), on a few fixed s
 tokens equal the single-rank engine's, or the first divergence is a near-tie (reference logit gap
 below 1e-5), which is reported.
 
-CI runs CI_PAIRS pairs x 12 cases (seed 0); `pytest tests/sweep --deep` runs DEEP_PAIRS pairs
-(1008 cases); `--seed S` changes the draw; `--pairs N` runs N pairs. A failure is shrunk to the
+CI runs CI_PAIRS pairs x 12 cases of a seed that changes every run (printed with every pair's
+line and in every failure; PDSERVE_SWEEP_SEED or `--seed S` fixes it), so that run after run the
+draw covers every C_p and (W, C_d); `pytest tests/sweep --deep` runs DEEP_PAIRS pairs (1008 cases);
+`--pairs N` runs N pairs. A failure is shrunk to the
 fewest requests that still fail, and its message ends with the command that reruns it:
 `pytest tests/sweep/test_sweep.py --seed S --case K --requests i,j`.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -39,6 +42,17 @@ from tests.sweep.single_rank import SingleRank
 pytestmark = pytest.mark.slow
 CI_PAIRS, DEEP_PAIRS = 5, 84
 STATS = {"cases": 0, "zero_ties": 0, "archs": set()}
+
+
+def sweep_seed(config) -> int:
+    """--seed, else $PDSERVE_SWEEP_SEED, else a new one per session (the same for all its pairs)."""
+    if not hasattr(config, "_pdserve_sweep_seed"):
+        given = config.getoption("--seed")
+        env = os.environ.get("PDSERVE_SWEEP_SEED")
+        config._pdserve_sweep_seed = (
+            given if given is not None else int(env) if env else time.time_ns() // 1000 % 1_000_000
+        )
+    return config._pdserve_sweep_seed
 
 
 def pytest_generate_tests(metafunc):
@@ -117,7 +131,7 @@ def run_or_shrink(runner: PairRunner, oracle: SingleRank, seed: int, case: Case,
 
 def test_sweep_pair(request, heads12_checkpoints, oracles, pair_index, capsys):
     opt = request.config.getoption
-    seed = opt("--seed") or 0
+    seed = sweep_seed(request.config)
     pair = draw_pair(seed, pair_index)
     first = pair_index * CASES_PER_PAIR
     numbers = [opt("--case")] if opt("--case") is not None else range(first, first + CASES_PER_PAIR)
@@ -139,7 +153,7 @@ def test_sweep_pair(request, heads12_checkpoints, oracles, pair_index, capsys):
     STATS["zero_ties"] = sum(oracles(a).zero_ties for a in STATS["archs"])
     with capsys.disabled():
         print(
-            f"\nsweep pair {pair_index}: {len(numbers)} cases in {time.monotonic() - start:.1f} s, {pair}; "
+            f"\nsweep seed {seed} pair {pair_index}: {len(numbers)} cases in {time.monotonic() - start:.1f} s, {pair}; "
             f"so far {STATS['cases']} cases, {STATS['zero_ties']} zero-score ties at the top-k boundary"
         )
 
