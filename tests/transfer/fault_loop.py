@@ -50,11 +50,10 @@ def _wait(cond, what: str, driver: Driver, wait_s: float = 10.0) -> None:
         driver.server.drain(2)
 
 
-def run_case(
-    driver: Driver, kind: str, room: str, ids: list[int], quarantine: bool, stream: bool = False
-) -> None:
+def run_case(driver: Driver, kind: str, room: str, ids: list[int], quarantine: bool, stream: bool = False):
     """One case; raises TransferError for a failed hand-off (after both sides released it).
-    stream: the prefill streams the rows (prefill_send), except where they must never come."""
+    stream: the prefill streams the rows (prefill_send), except where they must never come.
+    A success returns its decode request (finished: its one greedy token)."""
     prefill, rooms = driver.prefill, driver.rooms
     params = SamplingParams(max_tokens=1)
     if kind == "decode abort bootstrapping":  # before its reservation went out
@@ -92,7 +91,7 @@ def run_case(
     if kind == "decode drops mid-send":
         assert d.state is KVPoll.Failed
         raise TransferError(room, d.s.reason)
-    driver.finish(d)
+    return driver.finish(d)
 
 
 def _drop(driver: Driver, room: str, quarantine: bool) -> None:
@@ -131,8 +130,11 @@ def heartbeat_case(driver: Driver, ids: list[int]) -> None:
     assert p.abort("the side channel closed") and not driver.prefill.held
 
 
-def run_mixed_faults(driver: Driver, cases: int, seed: int, quarantine: bool, prompt=None) -> dict[str, int]:
-    """prompt(rng) -> token ids (default: random, 1-30 tokens)."""
+def run_mixed_faults(
+    driver: Driver, cases: int, seed: int, quarantine: bool, prompt=None, first_token=None
+) -> dict[str, int]:
+    """prompt(rng) -> token ids (default: random, 1-30 tokens); first_token(ids) -> the greedy first
+    token a success must have decoded (the single-rank engine's), or None: not checked."""
     rng = random.Random(seed)
     _prompt_of = prompt or _prompt
     counts = dict.fromkeys(KINDS, 0)
@@ -141,9 +143,12 @@ def run_mixed_faults(driver: Driver, cases: int, seed: int, quarantine: bool, pr
         if i == beat_at:
             heartbeat_case(driver, _prompt_of(rng))
         kind, room = rng.choice(list(KINDS)), rng.choice(ROOMS)
+        ids = _prompt_of(rng)
         try:
-            run_case(driver, kind, room, _prompt_of(rng), quarantine, stream=rng.random() < 0.5)
+            req = run_case(driver, kind, room, ids, quarantine, stream=rng.random() < 0.5)
             assert KINDS[kind] is None, f"{kind} succeeded"
+            if first_token is not None:
+                assert req.output_ids == [first_token(ids)], (kind, room, ids, req.output_ids)
         except TransferError as e:
             assert KINDS[kind] and KINDS[kind] in e.reason, (kind, e.reason)
         counts[kind] += 1
@@ -178,12 +183,18 @@ def rank_killed_case(instances, decode, transfer: str, pshape: tuple[int, str]) 
     assert not prefill.held and prefill.allocator.num_free == prefill.allocator.num_pages
 
 
-def fault_loop_leaves_nothing_behind(instances, pair, transfer: str, seed: int, kill_shape) -> None:
+def fault_loop_leaves_nothing_behind(
+    instances, pair, transfer: str, seed: int, kill_shape, single=None
+) -> None:
     """The whole check of one data path: 200 seeded cases on the pair, both sides idle (pages after
     any quarantine expired), then a prefill rank killed mid-send on a prefill of kill_shape."""
     driver = Driver(*pair, heartbeat_timeout_s=2.0)
     try:
-        run_mixed_faults(driver, cases=200, seed=seed, quarantine=transfer == "nixl")
+        first = None
+        if single is not None:  # the single-rank engine's greedy first token
+            one = SamplingParams(max_tokens=1)
+            first = lambda ids: single.generate([ids], [one])[0][0]  # noqa: E731
+        run_mixed_faults(driver, cases=200, seed=seed, quarantine=transfer == "nixl", first_token=first)
         server = driver.server  # no room left open on either side, no tombstone, no reservation kept
         _wait(lambda: not (server.reservations or server.peers or server.aborted), "side channel", driver)
         assert not driver.rooms.rooms and not driver.prefill_rooms.rooms and not driver.prefill_rooms.dropped

@@ -126,12 +126,14 @@ def test_stale_write_for_a_reused_room_never_reaches_the_live_request(pair, sing
     assert live.output_ids == single.generate([ids], [params])[0]
 
 
-def test_many_failures_leave_nothing_behind(pair, instances):
+def test_many_failures_leave_nothing_behind(pair, instances, single):
     """200 seeded hand-offs through the production machines (tests/transfer/fault_loop.py), successes
     and failures of every kind -- rooms dropped mid-send hold their pages for the quarantine -- then
     the `pair` fixture checks pages (after the hold expired), staging, xfer handles, rooms and
     registrations on both sides are back at idle (docs/design.md invariant 7)."""
-    fault_loop_leaves_nothing_behind(instances, pair, "nixl", seed=1, kill_shape=(3, "layer-split"))
+    fault_loop_leaves_nothing_behind(
+        instances, pair, "nixl", seed=1, kill_shape=(3, "layer-split"), single=single
+    )
 
 
 def test_two_sided_handoff_over_nixl(pair, single):

@@ -134,11 +134,13 @@ def test_dead_decode_endpoint_fails_the_room_not_the_instance(pair):
     assert len(ok.output_ids) == 2
 
 
-def test_many_mixed_faults_leave_nothing_behind(pair, instances):
+def test_many_mixed_faults_leave_nothing_behind(pair, instances, single):
     """200 seeded cases through the production machines (tests/transfer/fault_loop.py): successes and
     every fault kind, on the same instances; the `pair` fixture then checks both sides are idle
     (docs/design.md invariant 7)."""
-    fault_loop_leaves_nothing_behind(instances, pair, "tcp", seed=0, kill_shape=(2, "layer-split"))
+    fault_loop_leaves_nothing_behind(
+        instances, pair, "tcp", seed=0, kill_shape=(2, "layer-split"), single=single
+    )
 
 
 # ---- the machines stepped one by one, as the two servers' threads step them -------------------
