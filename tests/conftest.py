@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from pdserve.engine.auth import INTERNAL_TOKEN_ENV
+from pdserve.engine.faults import FAULTS_ENV
 from tests.servers import TEST_TOKEN
 
 os.environ[INTERNAL_TOKEN_ENV] = TEST_TOKEN  # every server, router and `pdserve up` a test starts shares it
+os.environ[FAULTS_ENV] = "1"  # rank processes the tests start accept ArmFaultCmd (engine/faults.py)
 
 ARCHS = ("glm_moe_dsa", "deepseek_v32", "deepseek_v3")
 BENCH = str(Path(__file__).resolve().parents[1] / "bench")

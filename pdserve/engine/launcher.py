@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
+from .faults import ArmFaultCmd, arm_command
 from .rank_process import STOP, prestart, rank_main, start_context
 
 __all__ = ["CommandFailed", "LaunchConfig", "RankError", "RankGroup", "RankWorker", "prestart"]
@@ -316,6 +317,8 @@ class RankWorker(ABC):
         """{command type (or str value): its handler} of this worker."""
 
     def handle(self, cmd):
+        if isinstance(cmd, ArmFaultCmd):  # test-only, refused unless enabled (engine/faults.py)
+            return arm_command(cmd)
         for kind, run in self.commands().items():
             if cmd == kind if isinstance(kind, str) else isinstance(cmd, kind):
                 return run(cmd)

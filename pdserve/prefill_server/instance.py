@@ -301,7 +301,6 @@ class PrefillInstance(RankInstance):
         ticket: bytes,
         plan: list[Transfer],
         endpoints: dict[int, str],
-        corrupt: bool = False,
         send_timeout_ms: int = 10_000,
     ) -> dict[int, int]:
         """Every rank sends its share of `plan` from the held request's rows; returns the checksum of
@@ -309,9 +308,7 @@ class PrefillInstance(RankInstance):
         The pages stay held: the caller releases them either way."""
         if request_id not in self.held:
             raise KeyError(f"request {request_id} is not held (prefill it first)")
-        return merge_checksums(
-            self.ranks.call(SendCmd(room, ticket, plan, endpoints, corrupt, send_timeout_ms))
-        )
+        return merge_checksums(self.ranks.call(SendCmd(room, ticket, plan, endpoints, send_timeout_ms)))
 
     def prefill_send(
         self,
@@ -322,7 +319,6 @@ class PrefillInstance(RankInstance):
         start: int,
         ticket: bytes,
         endpoints: dict[int, str],
-        corrupt: bool = False,
         send_timeout_ms: int = 10_000,
     ) -> tuple[PrefillResult, dict[int, int]]:
         """A streamed hand-off: prefills the prompt while every rank sends its share of the rows of
@@ -333,7 +329,7 @@ class PrefillInstance(RankInstance):
         def stream(slots: list[int], cached_len: int, chunk_size: int) -> StreamedSend:
             bounds = list(range(cached_len, len(token_ids), chunk_size))
             plan, segments = plan_stream(self.prefill_side(slots), decode, len(token_ids), start, bounds)
-            send = SendCmd(room, ticket, plan, endpoints, corrupt, send_timeout_ms)
+            send = SendCmd(room, ticket, plan, endpoints, send_timeout_ms)
             return StreamedSend(send, tuple(segments))
 
         result = self.prefill(room, token_ids, params, stream=stream)

@@ -64,7 +64,6 @@ class SendCmd:
     ticket: bytes
     plan: list[Transfer]
     endpoints: dict[int, str]  # decode rank -> "tcp://host:port" (or a NIXL endpoint)
-    corrupt: bool = False  # test hook: flip one payload byte after checksumming (checksum must catch it)
     send_timeout_ms: int = 10_000  # a destination that accepts nothing for this long is dead for this room
 
 

@@ -41,6 +41,7 @@ import msgpack
 import torch
 import zmq
 
+from ..engine.faults import take as take_fault
 from .base import RoomChecksum, SendClock
 from .frames import (
     DATA_FRAME_MAX,
@@ -243,7 +244,8 @@ class TcpSender:
     def open(self, cmd: SendCmd) -> None:
         """Begins a send whose transfers come in pieces (`post`, as the prefill computes them)."""
         self.clock.__enter__()
-        self._cmd, self._sums, self._seq, self._corrupt, self._error = cmd, {}, {}, cmd.corrupt, None
+        self._cmd, self._sums, self._seq, self._error = cmd, {}, {}, None
+        self._corrupt = take_fault("corrupt", cmd.room)  # test-only (engine/faults.py)
 
     @torch.inference_mode()
     def post(self, transfers: list[Transfer]) -> None:

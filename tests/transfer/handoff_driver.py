@@ -19,6 +19,7 @@ from typing import Callable
 from pdserve.decode_server.destination import EngineDestination
 from pdserve.decode_server.scheduler import DecodeRequest
 from pdserve.decode_server.step_driver import DecodeStepDriver
+from pdserve.engine.faults import ArmFaultCmd
 from pdserve.engine.request import SamplingParams
 from pdserve.prefill_server.instance import PrefillInstance
 from pdserve.transfer.base import KVPoll
@@ -43,7 +44,7 @@ class FaultySource:
     """A KVSource that delegates to a prefill instance, with one fault injected at send time."""
 
     inner: PrefillInstance
-    corrupt: bool = False  # flip one payload byte after the sender checksummed it
+    corrupt: bool = False  # flip one payload byte after the sender checksummed it (ArmFaultCmd)
     skip_send: bool = False  # the rows never come
     dtype: str | None = None  # claim this model dtype (a refused fingerprint)
     before_send: Callable[[str], None] | None = None  # e.g. the decode side drops the room
@@ -66,7 +67,8 @@ class FaultySource:
             self.before_send(room)
         sums = {}
         if not self.skip_send:
-            sums = self.inner.send(request_id, room, ticket, plan, endpoints, corrupt=self.corrupt)
+            self._arm(room)
+            sums = self.inner.send(request_id, room, ticket, plan, endpoints)
         if self.after_send:
             self.after_send(room)
         return sums
@@ -76,12 +78,15 @@ class FaultySource:
             self.before_send(room)
         if self.skip_send:
             raise AssertionError("skip_send needs the unstreamed path (stream_handoff=False)")
-        got = self.inner.prefill_send(
-            room, token_ids, params, decode, start, ticket, endpoints, corrupt=self.corrupt
-        )
+        self._arm(room)
+        got = self.inner.prefill_send(room, token_ids, params, decode, start, ticket, endpoints)
         if self.after_send:
             self.after_send(room)
         return got
+
+    def _arm(self, room: str) -> None:
+        if self.corrupt:  # every rank: each that sends flips a byte of its first payload of the room
+            self.inner.ranks.call(ArmFaultCmd("corrupt", room))
 
     def release(self, room):
         self.inner.release(room)
