@@ -22,7 +22,16 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 README = ROOT / "README.md"
 START, END = "<!-- bench-table:start -->", "<!-- bench-table:end -->"
-ORDER = ("engine", "prefill_cp", "decode_dcp", "transfer", "handoff_overlap", "transfer_floor", "serve", "prefix_cache")
+ORDER = (
+    "engine",
+    "prefill_cp",
+    "decode_dcp",
+    "transfer",
+    "handoff_overlap",
+    "transfer_floor",
+    "serve",
+    "prefix_cache",
+)
 HEADER = (
     "| bench | claim | result | fair baseline | bound (fraction of it) | target | run |\n"
     "|---|---|---|---|---|---|---|"
