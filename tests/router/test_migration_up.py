@@ -43,7 +43,10 @@ def stack(model_dir, tmp_path_factory):
     old = os.environ.get(STEP_DELAY_ENV)
     os.environ[STEP_DELAY_ENV] = "0.01"  # inherited by `up` and, through it, by every instance
     try:
+        # a room queued on the prefill for a killed decode instance ends after --bootstrap-timeout
+        # (the default, 30 s, would be most of the final wait for an idle stack)
         args = ("--decode-instances", "2", "--max-kv-tokens", "2048", "--shutdown-grace", "2")
+        args += ("--bootstrap-timeout", "10")
         proc, lines, url = launch_up(model_dir, tmp_path_factory.mktemp("up-logs"), *args)
     finally:
         if old is None:
