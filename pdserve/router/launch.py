@@ -105,6 +105,11 @@ class StackConfig:
         name="--restart-backoff-max",
         min=1.0,
     )
+    bootstrap_timeout_s: float = option(  # each prefill instance's --bootstrap-timeout
+        30.0,
+        "Every prefill instance's --bootstrap-timeout: seconds a hand-off waits for its decode instance's page reservation before it fails.",
+        name="--bootstrap-timeout",
+    )
     shutdown_grace_s: float = option(  # each instance's --shutdown-grace
         30.0,
         "Every instance's --shutdown-grace: on Ctrl-C / SIGTERM the instances drain this long (new requests 503, running ones finish) before they stop.",
@@ -268,6 +273,7 @@ class Stack:
         # residues = C_d: each decode rank's rows are contiguous in the prefill cache
         c = self.cfg
         args = ["prefill", "--cp-size", str(c.prefill_cp), "--kv-residues", str(c.decode_dcp)]
+        args += ["--bootstrap-timeout", f"{c.bootstrap_timeout_s:g}"]
         return args + ["--prefix-cache", c.prefix_cache]
 
     def _decode_args(self) -> list[str]:

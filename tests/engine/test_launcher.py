@@ -60,18 +60,31 @@ class EnvWorker:
 
 
 class FailsToStart:
-    """Rank 0 raises while starting; rank 1 is still starting when rank 0 has exited."""
+    """Rank 0 raises while starting; rank 1 is still starting when rank 0 has exited: it waits for
+    rank 0's process to be gone (its pid in the file `payload`), then 1 s more for the launcher to
+    notice, 5 s at most in all."""
 
     def __init__(self, rank: int, world: int, payload):
         if rank == 0:
+            with open(payload, "w") as f:
+                f.write(str(os.getpid()))
             raise ValueError("no checkpoint at /nowhere")
-        time.sleep(5)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                with open(payload) as f:
+                    if not pid_alive(int(f.read())):
+                        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+                        return
+            except (FileNotFoundError, ValueError):  # not written yet, or half written
+                pass
+            time.sleep(0.05)
 
 
-def test_a_rank_that_fails_to_start_says_why():
+def test_a_rank_that_fails_to_start_says_why(tmp_path):
     """A rank that fails sends its traceback and exits (code 0) while its peer still starts: the
     error names the dead rank AND carries that traceback, not only "exited with code 0"."""
-    g = RankGroup(FailsToStart, None, LaunchConfig(2, free_port(), ready_timeout_s=60))
+    g = RankGroup(FailsToStart, str(tmp_path / "rank0.pid"), LaunchConfig(2, free_port(), ready_timeout_s=60))
     with pytest.raises(RankError, match="(?s)rank 0 .*exited.*ValueError: no checkpoint at /nowhere"):
         g.start()
     assert not any(p.is_alive() for p in g.procs)

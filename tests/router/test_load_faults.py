@@ -155,6 +155,10 @@ def test_load_with_killed_ranks_through_up(model_dir, tmp_path):
         "2",
         "--max-kv-tokens",
         "4096",
+        # the survivors' rooms whose decode instance was killed end after this (the default, 30 s,
+        # was most of the test's time); long enough that no room under the load itself runs into it
+        "--bootstrap-timeout",
+        "10",
     )
     try:
         urls = _instance_urls(lines)

@@ -45,7 +45,10 @@ def started_stack(model_dir, log_dir, *extra: str):
     old = os.environ.get(STEP_DELAY_ENV)
     os.environ[STEP_DELAY_ENV] = "0.01"  # inherited by `up` and, through it, by every instance
     try:
-        args = ("--decode-instances", "2", "--max-kv-tokens", "2048", "--shutdown-grace", "2", *extra)
+        # a room queued on the prefill for a killed decode instance ends after --bootstrap-timeout
+        # (the default, 30 s, would be most of the final wait for an idle stack)
+        args = ("--decode-instances", "2", "--max-kv-tokens", "2048", "--shutdown-grace", "2")
+        args += ("--bootstrap-timeout", "10", *extra)
         proc, lines, url = launch_up(model_dir, log_dir, *args)
     finally:
         if old is None:

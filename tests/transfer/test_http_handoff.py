@@ -138,18 +138,24 @@ def test_handoff_over_http_equals_single_rank(stack):
 def test_failed_handoffs_release_both_sides(stack):
     glm, p_url, d_url, bootstrap = stack
     failed_before = http.get(f"{d_url}/capacity").json()["transfers_failed"]
-    # no decode instance ever reserves the room: the prefill gives up after --bootstrap-timeout
-    start = time.monotonic()
-    r = prefill(p_url, "lonely-prefill", [5, 6, 7])
+    # the three failures are independent rooms, waited out at once (each timeout on its own clock)
+    with ThreadPoolExecutor(3) as pool:
+        start = time.monotonic()
+        # no decode instance ever reserves the room: the prefill gives up after --bootstrap-timeout
+        lonely_prefill = pool.submit(lambda: (prefill(p_url, "lonely-prefill", [5, 6, 7]), time.monotonic()))
+        # the prefill never gets the request: the decode request fails after --transfer-timeout
+        lonely_decode = pool.submit(generate, d_url, bootstrap, "lonely-decode", [5, 6, 7], True)
+        # an unreachable bootstrap endpoint sends no heartbeat: failed after --heartbeat-timeout, not a hang
+        dead = pool.submit(generate, d_url, "tcp://127.0.0.1:9", "dead-peer", [5, 6], False)
+        r, end = lonely_prefill.result()
+        got, dead = lonely_decode.result(), dead.result()
     assert r.status_code == 502 and "bootstrap timeout" in r.text, r.text
-    assert time.monotonic() - start < 10
-    # the prefill never gets the request: the decode request fails after --transfer-timeout
-    got = generate(d_url, bootstrap, "lonely-decode", [5, 6, 7], stream=True)
+    assert end - start < 10
     assert "transfer timeout" in got["error"] and "waiting for the prefill's outcome" in got["error"], got
-    assert http.get(f"{d_url}/capacity").json()["transfers_failed"] == failed_before + 1
-    # an unreachable bootstrap endpoint sends no heartbeat: failed after --heartbeat-timeout, not a hang
-    dead = generate(d_url, "tcp://127.0.0.1:9", "dead-peer", [5, 6], stream=False)
     assert dead["status"] == 500 and "stopped answering (no heartbeat" in dead["error"]["message"], dead
+    # each failed decode room counts once: the lonely one and the dead peer's
+    failed = http.get(f"{d_url}/capacity").json()["transfers_failed"]
+    assert failed == failed_before + 2, (failed_before, failed)
     assert_idle(p_url, d_url)
     # and both still serve
     ok = ThreadPoolExecutor(2)
