@@ -61,8 +61,8 @@ class PrefillServerConfig(InstanceOptions):
         check(self.handoff_stream, Switch, "--handoff-stream")
         if self.chunk_size < 1 or self.max_kv_tokens < self.page_size:
             raise ValueError("--chunk-size must be >= 1 and --max-kv-tokens at least one page")
-        if self.bootstrap_timeout_s <= 0:
-            raise ValueError("--bootstrap-timeout must be positive")
+        if not 0 < self.bootstrap_timeout_s <= 86400:  # NaN and inf fail too
+            raise ValueError(f"--bootstrap-timeout must be in (0, 86400] s, got {self.bootstrap_timeout_s}")
 
     @property
     def num_slots(self) -> int:

@@ -141,6 +141,8 @@ class StackConfig:
             load_api_keys(None, self.api_key_file)
         if self.restart not in RESTART_POLICIES:
             raise ValueError(f"--restart must be one of {', '.join(RESTART_POLICIES)}, got {self.restart!r}")
+        if not 0 < self.bootstrap_timeout_s <= 86400:  # NaN and inf fail too
+            raise ValueError(f"--bootstrap-timeout must be in (0, 86400] s, got {self.bootstrap_timeout_s}")
         if not 1.0 <= self.restart_backoff_max_s <= 3600:
             raise ValueError(
                 f"--restart-backoff-max must be in [1, 3600] s, got {self.restart_backoff_max_s}"

@@ -192,3 +192,5 @@ def test_restart_backoff_max_reaches_every_watch_and_is_range_checked(tmp_path):
     for bad in (0.5, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="restart-backoff-max"):
             StackConfig(model=str(tmp_path), restart_backoff_max_s=bad)
+        with pytest.raises(ValueError, match="bootstrap-timeout"):
+            StackConfig(model=str(tmp_path), bootstrap_timeout_s=bad - 0.5)
