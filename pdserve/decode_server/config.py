@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..choices import CpuComm, DcpComm, DcpIndex, KVCacheDType, Switch, check, values
-from ..engine import capacity
-from ..engine.memory_check import DEFAULT_GPU_MEMORY_UTILIZATION, check_gpu_memory_utilization
 from ..flags import option
 from ..instance_options import InstanceOptions
+from ..kvcache import capacity
 from ..model.config import ModelConfig
+from ..runtime.memory_check import DEFAULT_GPU_MEMORY_UTILIZATION, check_gpu_memory_utilization
 
 DEFAULT_MAX_KV_TOKENS = 65536
 _WILDCARDS = ("0.0.0.0", "::", "*", "")

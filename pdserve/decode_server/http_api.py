@@ -59,17 +59,17 @@ from ..contracts import (
     checked_params,
     event_line,
 )
-from ..engine import capacity
-from ..engine.http_edge import add_flush_route, instance_app, refuse_if_draining, too_busy
-from ..engine.instance_loop import InstanceFailed, Unavailable
-from ..engine.request import Overloaded, SamplingParams
+from ..kvcache import capacity
+from ..request import Overloaded, SamplingParams
+from ..serving.http_edge import add_flush_route, instance_app, refuse_if_draining, too_busy
+from ..serving.instance_loop import InstanceFailed, Unavailable
 
 DISCONNECT_POLL_S = 1.0  # how often a non-streaming handler checks whether its client is still there
 
 
-def create_app(cfg, instance, engine_loop, dead_rank, drain=None) -> FastAPI:
-    """cfg: DecodeServerConfig; engine_loop: loop.DecodeLoop; dead_rank() -> message or None;
-    drain: engine.drain.Drain (graceful shutdown) or None."""
+def create_app(cfg, instance, loop, dead_rank, drain=None) -> FastAPI:
+    """cfg: DecodeServerConfig; loop: loop.DecodeLoop; dead_rank() -> message or None;
+    drain: serving.drain.Drain (graceful shutdown) or None."""
     mcfg, alloc = instance.model_config, instance.allocator
     static = {  # fixed for the life of the instance
         "total_tokens": alloc.num_pages * alloc.page_size,
@@ -105,12 +105,12 @@ def create_app(cfg, instance, engine_loop, dead_rank, drain=None) -> FastAPI:
 
     @app.get("/capacity")
     def capacity_() -> DecodeCapacity:
-        return DecodeCapacity(**static, **engine_loop.stats)
+        return DecodeCapacity(**static, **loop.stats)
 
     @app.get("/info")
     def info() -> DecodeCapacity:
         """/capacity with each rank's weight bytes (by dtype); kv tokens: total_tokens."""
-        return DecodeCapacity(**{**static, "ranks": ranks}, **engine_loop.stats)
+        return DecodeCapacity(**{**static, "ranks": ranks}, **loop.stats)
 
     @app.post("/v1/generate")
     async def generate(body: GenerateRequest, request: Request):
@@ -118,7 +118,7 @@ def create_app(cfg, instance, engine_loop, dead_rank, drain=None) -> FastAPI:
         params = await _sampling_params(body, mcfg.vocab_size)
         request_id = body.request_id or f"gen-{uuid.uuid4().hex}"
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        accepted = engine_loop.submit(
+        accepted = loop.submit(
             body.token_ids,
             params,
             request_id,
@@ -136,18 +136,18 @@ def create_app(cfg, instance, engine_loop, dead_rank, drain=None) -> FastAPI:
         except Exception as e:
             raise HTTPException(500, f"request {request_id} failed: {type(e).__name__}: {e}") from None
         # also catches a client that left during the local prefill, or before its stream started
-        watcher = asyncio.create_task(_abort_on_disconnect(request, request_id, engine_loop))
+        watcher = asyncio.create_task(_abort_on_disconnect(request, request_id, loop))
         if body.stream:
             return StreamingResponse(
-                _stream(request_id, events, engine_loop, watcher, params.n), media_type="application/x-ndjson"
+                _stream(request_id, events, loop, watcher, params.n), media_type="application/x-ndjson"
             )
         return await _collect(request_id, events, watcher)
 
     @app.post("/v1/abort")
     async def abort(body: AbortRequest) -> AbortReply:
-        return AbortReply(aborted=await asyncio.wrap_future(engine_loop.abort(body.request_id)))
+        return AbortReply(aborted=await asyncio.wrap_future(loop.abort(body.request_id)))
 
-    add_flush_route(app, engine_loop, instance.flush_cache)
+    add_flush_route(app, loop, instance.flush_cache)
 
     return app
 
@@ -161,7 +161,7 @@ async def _sampling_params(body: GenerateRequest, vocab: int) -> SamplingParams:
         raise HTTPException(400, str(e)) from None
 
 
-async def _stream(request_id: str, events: asyncio.Queue, engine_loop, watcher: asyncio.Task, n: int = 1):
+async def _stream(request_id: str, events: asyncio.Queue, loop, watcher: asyncio.Task, n: int = 1):
     """The NDJSON lines of every choice; the stream ends after the n-th finish (or any error)."""
     ended, finished = False, set()
     try:
@@ -185,7 +185,7 @@ async def _stream(request_id: str, events: asyncio.Queue, engine_loop, watcher: 
     finally:  # starlette cancels this generator when the client disconnects
         watcher.cancel()
         if not ended:
-            engine_loop.abort(request_id)  # frees the request's pages; nothing waits for the answer
+            loop.abort(request_id)  # frees the request's pages; nothing waits for the answer
 
 
 async def _collect(request_id: str, events: asyncio.Queue, watcher: asyncio.Task):
@@ -208,8 +208,8 @@ async def _collect(request_id: str, events: asyncio.Queue, watcher: asyncio.Task
         watcher.cancel()
 
 
-async def _abort_on_disconnect(request: Request, request_id: str, engine_loop) -> None:
+async def _abort_on_disconnect(request: Request, request_id: str, loop) -> None:
     """Starlette does not cancel a handler whose client left before its response started: poll, then abort."""
     while not await request.is_disconnected():
         await asyncio.sleep(DISCONNECT_POLL_S)
-    engine_loop.abort(request_id)  # frees its pages; a no-op if the request already ended
+    loop.abort(request_id)  # frees its pages; a no-op if the request already ended

@@ -4,7 +4,7 @@ One global slot numbering for the whole instance (docs/design.md invariant 4): p
 slots, page_size a multiple of C_d, so a page's slots are spread evenly over the DCP group and a
 request's token p lands on group rank p % C_d. The scheduler decides; this class executes.
 
-Prefix cache (`--prefix-cache on`, engine/radix_cache.py): the tree holds whole pages of finished
+Prefix cache (`--prefix-cache on`, kvcache/radix_cache.py): the tree holds whole pages of finished
 requests (prompt and generated tokens); the scheduler locks a new request's cached prefix and
 reserves the rest, and the reservation tells the prefill side how many leading tokens it holds
 (`cached_len`, whole pages), so the hand-off ships only the rest. Cached rows stay on their ranks
@@ -18,12 +18,12 @@ import dataclasses
 import torch
 
 from ..engine.batch_sampler import SampleRow
-from ..engine.launcher import LaunchConfig, RankInstance
-from ..engine.node_group import make_group
-from ..engine.page_allocator import PageAllocator
-from ..engine.pipe_tensors import from_pipe
-from ..engine.radix_cache import RadixCache
+from ..kvcache.page_allocator import PageAllocator
+from ..kvcache.radix_cache import RadixCache
 from ..model.config import ModelConfig
+from ..runtime.launcher import LaunchConfig, RankInstance
+from ..runtime.node_group import make_group
+from ..runtime.pipe_tensors import from_pipe
 from ..transfer.frames import new_ticket
 from ..transfer.messages import DecodeReservation, Fingerprint, model_hash
 from ..transfer.plan import DecodeSide, PrefillSide, Transfer, plan_transfer
@@ -43,8 +43,11 @@ from .rank_worker import (
     DecodeWorkerConfig,
     DumpCmd,
     ForgetSamplingCmd,
+    InfoCmd,
     LoadCmd,
     ReconfigureCmd,
+    SamplingStreamsCmd,
+    SelectionsCmd,
     StepCmd,
     StepResult,
 )
@@ -147,7 +150,7 @@ class DecodeInstance(RankInstance):
 
     def sampling_streams(self) -> list[str]:
         """The requests rank 0 holds a generator for (checks)."""
-        return self.ranks.call("sampling_streams")[0]
+        return self.ranks.call(SamplingStreamsCmd())[0]
 
     def dump(self, slots: list[int]) -> list[dict]:
         return self.ranks.call(DumpCmd(slots))
@@ -158,10 +161,10 @@ class DecodeInstance(RankInstance):
 
     def selections(self) -> list[dict[int, torch.Tensor]]:
         """Every rank's selected positions of the last step, per indexer layer ([B, k], -1 padded)."""
-        return self.ranks.call("selections")
+        return self.ranks.call(SelectionsCmd())
 
     def rank_info(self) -> list[DecodeRankInfo]:
-        return self.ranks.call("info")
+        return self.ranks.call(InfoCmd())
 
     # ---- KV hand-off (transfer/decode_room.py) ------------------------------------------------------
     @property

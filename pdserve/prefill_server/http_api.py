@@ -27,9 +27,9 @@ import time
 from fastapi import FastAPI, HTTPException
 
 from ..contracts import Logprob, PrefillInfo, PrefillReply, PrefillRequest, checked_params
-from ..engine.http_edge import add_flush_route, instance_app, refuse_if_draining, too_busy
-from ..engine.instance_loop import Unavailable
-from ..engine.request import Overloaded
+from ..request import Overloaded
+from ..serving.http_edge import add_flush_route, instance_app, refuse_if_draining, too_busy
+from ..serving.instance_loop import Unavailable
 from .loop import PrefillLoop
 from .scheduler import PrefillJob
 
@@ -43,7 +43,7 @@ def create_app(
     token: str | None = None,
 ) -> FastAPI:
     """prefill_loop: the loop thread (handlers never touch the scheduler's state but to read it);
-    dead_rank() -> message naming a dead rank, or None; drain: engine.drain.Drain or None;
+    dead_rank() -> message naming a dead rank, or None; drain: serving.drain.Drain or None;
     token: the internal token every path but /health and /live requires (None: open, tests only)."""
     app = instance_app("pdserve prefill instance", token, dead_rank, drain)
 

@@ -4,7 +4,7 @@ Every rank holds the same slot numbering (full cache) or the same numbering for 
 (layer-split), so one PageAllocator here serves all of them. A request's pages stay held after its
 prefill until `release()`: the KV hand-off reads them before they are freed.
 
-Prefix cache (`--prefix-cache on`, engine/radix_cache.py): `prefill()` looks the prompt up in the
+Prefix cache (`--prefix-cache on`, kvcache/radix_cache.py): `prefill()` looks the prompt up in the
 radix tree, locks the longest cached run of whole pages (at most len - 1 tokens: the last position
 is always computed, it gives the first token) and prefills only the rest, split across the ranks by
 the layout as any chunk is (the cached positions are read, never recomputed). `release()` inserts
@@ -21,15 +21,15 @@ import threading
 from dataclasses import asdict, dataclass, field
 
 from ..engine.constraint import Grammars
-from ..engine.launcher import LaunchConfig, RankInstance
-from ..engine.node_group import make_group
-from ..engine.page_allocator import PageAllocator
-from ..engine.radix_cache import Node, RadixCache
-from ..engine.request import SamplingParams
+from ..kvcache.page_allocator import PageAllocator
+from ..kvcache.radix_cache import Node, RadixCache
 from ..model.config import ModelConfig
+from ..request import SamplingParams
+from ..runtime.launcher import LaunchConfig, RankInstance
+from ..runtime.node_group import make_group
 from ..transfer.messages import DecodeReservation, Fingerprint, model_hash
 from ..transfer.plan import DecodeSide, PrefillSide, Transfer, plan_stream
-from ..transfer.rank_commands import SendCmd, StreamedSend, TransferStatusCmd, merge_checksums
+from ..transfer.rank_commands import SendCmd, SenderStatusCmd, StreamedSend, merge_checksums
 from .cp_backend import layer_owners
 from .layouts import check_layout_allowed
 from .rank_worker import DumpCacheCmd, PrefillCmd, PrefillRankInfo, PrefillRankWorker, PrefillWorkerConfig
@@ -337,7 +337,7 @@ class PrefillInstance(RankInstance):
 
     def transfer_status(self) -> list[dict]:
         """Every rank's sender counters (transfer/tcp.py, nixl.py): what a send holds after it returned."""
-        return self.ranks.call(TransferStatusCmd(""))
+        return self.ranks.call(SenderStatusCmd())
 
 
 def _merge_prompt_logprobs(replies, n: int) -> list | None:

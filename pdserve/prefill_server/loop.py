@@ -1,4 +1,4 @@
-"""The prefill loop thread: the only code that touches the prefill instance (engine/instance_loop.py).
+"""The prefill loop thread: the only code that touches the prefill instance (serving/instance_loop.py).
 
 Each iteration takes the queued submit / abort commands, then lets the scheduler prefill the
 oldest ready request (scheduler.py: its lifecycle). A request's outcome is one event for its
@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 
-from ..engine.instance_loop import IDLE_WAIT_S, InstanceLoop, Listener, Submit
+from ..serving.instance_loop import IDLE_WAIT_S, InstanceLoop, Listener, Submit
 from ..transfer.side_channel import BootstrapServer
 from .scheduler import JobState, PrefillJob, PrefillScheduler
 

@@ -22,7 +22,7 @@ The bootstrap side channel (BootstrapService) owns its socket in its own thread;
 tables and queue replies.
 
 The scheduler decides; `PrefillInstance` executes. Only the prefill loop thread (loop.py, the
-skeleton of engine/instance_loop.py) calls it: submit() and abort() arrive there as commands, and
+skeleton of serving/instance_loop.py) calls it: submit() and abort() arrive there as commands, and
 `run_once()` is called once per loop iteration; `on_finish(job)` tells the loop a request ended.
 """
 
@@ -36,8 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ..engine.page_allocator import OutOfPages
-from ..engine.request import Overloaded, SamplingParams
+from ..kvcache.page_allocator import OutOfPages
+from ..request import Overloaded, SamplingParams
 from ..transfer.base import KVPoll
 from ..transfer.messages import TransferDone
 from ..transfer.prefill_room import PrefillRooms

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import httpx
 
 from ..contracts import LOAD_PATHS, LoadAnswer
-from ..engine.kv_fit import Need
+from ..kvcache.kv_fit import Need
 from .cache_aware import CacheAwarePolicy, prefix_hashes
 from .instance_auth import AllowedHosts, InstanceAuth, origin
 
@@ -272,7 +272,7 @@ def _page_size(inst: Instance) -> int:
 
 def _fits(inst: Instance, need: int | Need, capacity_tokens: int) -> bool:
     """Whether `need` fits `capacity_tokens` of `inst`: a Need by the rule the decode scheduler refuses
-    by (engine/kv_fit.py, in the instance's own whole pages), an int (a prompt's tokens) as it is."""
+    by (kvcache/kv_fit.py, in the instance's own whole pages), an int (a prompt's tokens) as it is."""
     return need <= capacity_tokens if isinstance(need, int) else need.fits(_page_size(inst), capacity_tokens)
 
 
@@ -287,7 +287,7 @@ def _busy(inst: Instance) -> int:
 
 
 def _says_draining(resp: httpx.Response) -> bool:
-    """/health of an instance that got SIGTERM: 503 {"status": "draining"} (engine/drain.py)."""
+    """/health of an instance that got SIGTERM: 503 {"status": "draining"} (serving/drain.py)."""
     try:
         body = resp.json()
     except ValueError:

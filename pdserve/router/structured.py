@@ -15,7 +15,7 @@ import asyncio
 import json
 
 from ..engine.constraint import GrammarError, grammar_for
-from ..engine.request import MAX_GRAMMAR_CHARS
+from ..request import MAX_GRAMMAR_CHARS
 from .protocol import ApiError
 
 MAX_SPEC_CHARS = 1 << 18  # a regex, Lark grammar or JSON schema (as compact JSON) as the client sends it

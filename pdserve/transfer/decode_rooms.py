@@ -27,8 +27,8 @@ from typing import Callable
 
 import zmq
 
-from ..engine.launcher import RankError
-from ..engine.request import SamplingParams
+from ..request import SamplingParams
+from ..runtime.launcher import RankError
 from .base import KVPoll
 from .decode_client import DecodeClient
 from .decode_room import DecodeRoom

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from ..engine.request import SamplingParams
+from ..request import SamplingParams
 from .messages import DecodeReservation, Fingerprint
 from .plan import DecodeSide, PrefillSide, Transfer
 from .rank_commands import RoomStatus
@@ -20,7 +20,7 @@ from .rank_commands import RoomStatus
 class Prefilled(Protocol):
     token: int  # the first token, sampled by the prefill
     slots: list[int]  # where the prompt's rows sit in the source's pool
-    logprob: object  # the first token's TokenLogprob (engine/request.py) when asked for, else None
+    logprob: object  # the first token's TokenLogprob (request.py) when asked for, else None
     prompt_logprobs: list | None  # [TokenLogprob | None] per prompt position when asked for (echo)
     more_first: list  # n > 1: [(token, TokenLogprob | None)] of choices 1..n-1
     cached_len: int  # leading prompt positions the source's prefix cache served (not computed)

@@ -75,7 +75,7 @@ Peers: a sender loads a decode agent's metadata once per (name, generation), the
 that agent's creation time in ns. A newer generation replaces it (remove_remote_agent first: NIXL
 refuses to re-add a name), an older one is refused, and a peer whose WRITE failed is removed so the
 next reservation loads it afresh. Failures release what they hold: xfer handles (cancelling in-flight
-WRITEs), the room's region, the peer. Idle counters: TransferStatusCmd on either side.
+WRITEs), the room's region, the peer. Idle counters: TransferStatusCmd (decode) and SenderStatusCmd (prefill).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import time
 import msgpack
 import torch
 
-from ..engine.faults import take as take_fault
+from ..runtime.faults import take as take_fault
 from .base import RoomChecksum, SendClock
 from .frames import DEV_FRAME_KEY, seal_notif
 from .nixl_agent import NixlEndpoint, agent_name, make_agent, mem_type
@@ -175,7 +175,7 @@ class NixlSender:
         cmd.plan is the whole plan (every rank's region offsets follow from it)."""
         self.clock.__enter__()
         self._cmd, self._sums = cmd, {}
-        self._corrupt = [take_fault("corrupt", cmd.room)]  # test-only (engine/faults.py)
+        self._corrupt = [take_fault("corrupt", cmd.room)]  # test-only (runtime/faults.py)
         self._offsets, self._error, self.failure = {}, None, None
 
     @torch.inference_mode()

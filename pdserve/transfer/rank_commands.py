@@ -1,6 +1,6 @@
 """The rank command set of a KV hand-off, shared by both data paths (transfer/tcp.py, transfer/nixl.py).
 
-A server's main process sends these to its ranks (engine/launcher.RankGroup.call); the rank's
+A server's main process sends these to its ranks (runtime/launcher.RankGroup.call); the rank's
 receiver (decode) or sender (prefill) answers. Replies cross the rank pipe as plain dicts (what a
 rank can always pickle); the hand-off state machines read them through the typed views below
 (`RoomStatus`, `merge_checksums`), never by key.
@@ -43,7 +43,14 @@ class StageCmd:
 
 @dataclass(frozen=True)
 class TransferStatusCmd:
+    """Decode ranks: the receiver's view of `room` (rows, checksum, completion) and its counters."""
+
     room: str
+
+
+@dataclass(frozen=True)
+class SenderStatusCmd:
+    """Prefill ranks: the sender's counters (what a send still holds after it returned)."""
 
 
 @dataclass(frozen=True)

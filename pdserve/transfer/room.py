@@ -195,7 +195,7 @@ def frame_rows(pool, r: RoomRows, h: dict, nbytes: int) -> int:
 def run_rows(starts: list[int], lengths: list[int], steps: list[int] | None = None) -> torch.Tensor:
     """Rows start, start + step, ..., start + (length - 1) * step of every run, in run order, without
     a Python loop per run (a plan may hold thousands of short runs). Host indices: the pool moves
-    them to its device (engine/kv_cache.py)."""
+    them to its device (kvcache/kv_cache.py)."""
     cpu = torch.device("cpu")
     if not starts:
         return torch.empty(0, dtype=torch.int64, device=cpu)

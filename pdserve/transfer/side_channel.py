@@ -53,7 +53,7 @@ import time
 
 import zmq
 
-from ..engine.auth import MAC_BYTES
+from ..serving.auth import MAC_BYTES
 from .frames import D2P, DEV_FRAME_KEY, P2D, Liveness
 from .messages import (
     DecodeReservation,

@@ -41,7 +41,7 @@ import msgpack
 import torch
 import zmq
 
-from ..engine.faults import take as take_fault
+from ..runtime.faults import take as take_fault
 from .base import RoomChecksum, SendClock
 from .frames import (
     DATA_FRAME_MAX,
@@ -245,7 +245,7 @@ class TcpSender:
         """Begins a send whose transfers come in pieces (`post`, as the prefill computes them)."""
         self.clock.__enter__()
         self._cmd, self._sums, self._seq, self._error = cmd, {}, {}, None
-        self._corrupt = take_fault("corrupt", cmd.room)  # test-only (engine/faults.py)
+        self._corrupt = take_fault("corrupt", cmd.room)  # test-only (runtime/faults.py)
 
     @torch.inference_mode()
     def post(self, transfers: list[Transfer]) -> None:

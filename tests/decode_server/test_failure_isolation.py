@@ -5,7 +5,7 @@
   raise on the ranks that own no position yet (`arange(me, smax, C)`, then `gather` on a zero-size
   dimension) and take the whole instance down. It now decodes the single-rank engine's tokens
   (float64, logits within 1e-8) and the instance stays healthy.
-- An injected exception in one request's decode step (engine/faults.py, a test-only hook that the
+- An injected exception in one request's decode step (runtime/faults.py, a test-only hook that the
   last rank raises after its forward) fails only that request, with its message, through the
   server's DecodeLoop; the other requests finish with exact tokens and the instance keeps serving.
 - The prefill side: a job whose prefill raises on the ranks (CommandFailed) fails alone; the next
@@ -25,13 +25,13 @@ from pdserve.decode_server.instance import DecodeInstance
 from pdserve.decode_server.loop import DecodeLoop
 from pdserve.decode_server.rank_worker import DecodeWorkerConfig
 from pdserve.decode_server.step_driver import DecodeStepDriver
-from pdserve.engine.faults import FAULT_ENV
-from pdserve.engine.launcher import LaunchConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import SamplingParams
 from pdserve.prefill_server.instance import PrefillInstance
 from pdserve.prefill_server.rank_worker import PrefillWorkerConfig
 from pdserve.prefill_server.scheduler import PrefillJob, PrefillScheduler
+from pdserve.request import SamplingParams
+from pdserve.runtime.faults import FAULT_ENV
+from pdserve.runtime.launcher import LaunchConfig
 from tests.reference import assert_close, free_port
 
 pytestmark = pytest.mark.slow

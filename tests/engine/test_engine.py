@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.page_allocator import OutOfPages, PageAllocator
-from pdserve.engine.request import Request, SamplingParams, Status
 from pdserve.engine.sampler import Sampler, filtered_probs
 from pdserve.engine.scheduler import Scheduler
+from pdserve.kvcache.page_allocator import OutOfPages, PageAllocator
+from pdserve.request import Request, SamplingParams, Status
 
 
 def test_allocator_allocate_free_integrity():

@@ -1,4 +1,4 @@
-"""model/native.py and native/rows.c: the few-row float32 CPU kernels agree with float64 references
+"""native/ops.py and native/rows.c: the few-row float32 CPU kernels agree with float64 references
 for every row count up to MAX_ROWS and sizes that are not multiples of the vector width, on strided
 rows; their results do not depend on the thread count (each output is one thread's sum); `linear`
 and MLA's absorption route a decode step's products to them and nothing else; a machine where the
@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.model import native
 from pdserve.model.kernels import absorb_o, absorb_q
 from pdserve.model.layers import linear
+from pdserve.native import ops as native
 
 pytestmark = pytest.mark.skipif(
     native.status().startswith("unavailable"), reason=f"the native kernel is {native.status()}"

@@ -17,11 +17,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from pdserve.checkpoints.random_checkpoint import make_model
 from pdserve.decode_server.tp import shard_decode_model
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.model.layers import Experts, Linear
 from pdserve.model.quant import dequantize_fp8
-from pdserve.model.random_checkpoint import make_model
 from pdserve.model.shard import EXPERT_KEY, weight_bytes_by_dtype
 from pdserve.model.weights import load_model
 from pdserve.prefill_server.moe_tp import shard_moe_tp, shard_prefill_ffn

@@ -11,8 +11,8 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from pdserve.model import bpe_builder
-from pdserve.model.random_checkpoint import make_model
+from pdserve.checkpoints import bpe_builder
+from pdserve.checkpoints.random_checkpoint import make_model
 from pdserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXT = "héllo wörld 😀 def f(x): return x"

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import SamplingParams
+from pdserve.request import SamplingParams
 from tests.router.helpers import wait_until
 from tests.router.test_up_restart import launch_up, stop_up
 from tests.servers import TEST_TOKEN, http

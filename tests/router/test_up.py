@@ -28,7 +28,7 @@ import openai
 import pytest
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import SamplingParams
+from pdserve.request import SamplingParams
 from tests.reference import free_port
 from tests.servers import http, pid_alive
 

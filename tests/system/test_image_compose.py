@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import SamplingParams
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.request import SamplingParams
 from tests.system.conftest import missing
 from tests.system.netns import in_netns
 
@@ -145,7 +145,7 @@ def test_compose_stack_answers_the_quickstart_exactly(image, tmp_path):
     tag, _ = image
     project = f"pdsv{os.getpid()}"
     env = {**os.environ, "PDSERVE_IMAGE": tag, "PDSERVE_INTERNAL_TOKEN": uuid.uuid4().hex + uuid.uuid4().hex}
-    from pdserve.model.random_checkpoint import make_model
+    from pdserve.checkpoints.random_checkpoint import make_model
 
     model_dir = make_model(tmp_path / MODEL, "glm_moe_dsa", "small", seed=0)
     try:

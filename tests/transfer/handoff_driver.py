@@ -16,12 +16,12 @@ import itertools
 import time
 from typing import Callable
 
-from pdserve.decode_server.destination import EngineDestination
+from pdserve.decode_server.destination import DriverDestination
 from pdserve.decode_server.scheduler import DecodeRequest
 from pdserve.decode_server.step_driver import DecodeStepDriver
-from pdserve.engine.faults import ArmFaultCmd
-from pdserve.engine.request import SamplingParams
 from pdserve.prefill_server.instance import PrefillInstance
+from pdserve.request import SamplingParams
+from pdserve.runtime.faults import ArmFaultCmd
 from pdserve.transfer.base import KVPoll
 from pdserve.transfer.decode_room import DecodeRoom
 from pdserve.transfer.decode_rooms import DecodeRooms
@@ -98,7 +98,7 @@ class Driver:
         self.server = BootstrapService()
         self.events: dict[str, list] = {}
         self.rooms = DecodeRooms(
-            EngineDestination(decode),
+            DriverDestination(decode),
             lambda room, ev: self.events.setdefault(room, []).append(ev),
             heartbeat_timeout_s=heartbeat_timeout_s,
         )

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from pdserve.decode_server.destination import EngineDestination
-from pdserve.engine.request import SamplingParams
+from pdserve.decode_server.destination import DriverDestination
+from pdserve.request import SamplingParams
 from pdserve.transfer.decode_rooms import DecodeRooms
 
 pytestmark = pytest.mark.slow
@@ -44,7 +44,7 @@ def test_thousands_of_bogus_bootstrap_endpoints_keep_threads_and_fds_bounded(ins
     decode = instances.get_decode(1, 1, "copy")
     events: list = []
     remote = DecodeRooms(
-        EngineDestination(decode),
+        DriverDestination(decode),
         lambda room, event: events.append((room, event)),
         heartbeat_timeout_s=0.001,
         max_clients=MAX_CLIENTS,

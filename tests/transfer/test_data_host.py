@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pdserve.decode_server.config import DecodeServerConfig
-from pdserve.engine.kv_cache import KVPool
+from pdserve.kvcache.kv_cache import KVPool
 from pdserve.model.config import ModelConfig
 from pdserve.transfer.frames import new_ticket
 from pdserve.transfer.plan import DecodeSide, PrefillSide, plan_transfer

@@ -14,9 +14,9 @@ import pytest
 import torch
 import zmq
 
-from pdserve.engine.auth import sign, verify
-from pdserve.engine.kv_cache import KVPool
+from pdserve.kvcache.kv_cache import KVPool
 from pdserve.model.config import ModelConfig
+from pdserve.serving.auth import sign, verify
 from pdserve.transfer import tcp
 from pdserve.transfer.base import RoomChecksum
 from pdserve.transfer.frames import DATA, DEV_FRAME_KEY, new_ticket

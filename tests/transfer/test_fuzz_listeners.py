@@ -15,7 +15,7 @@ import msgpack
 import torch
 import zmq
 
-from pdserve.engine.auth import frame_key, sign
+from pdserve.serving.auth import frame_key, sign
 from pdserve.transfer.decode_client import DecodeClient
 from pdserve.transfer.frames import D2P, P2D, new_ticket, seal_data, seal_notif
 from pdserve.transfer.messages import (

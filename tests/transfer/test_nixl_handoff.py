@@ -25,8 +25,8 @@ import torch
 from pdserve.decode_server.instance import DecodeInstance
 from pdserve.decode_server.rank_worker import DecodeWorkerConfig
 from pdserve.decode_server.step_driver import DecodeStepDriver
-from pdserve.engine.launcher import LaunchConfig
-from pdserve.engine.request import SamplingParams
+from pdserve.request import SamplingParams
+from pdserve.runtime.launcher import LaunchConfig
 from pdserve.transfer.frames import new_ticket
 from pdserve.transfer.nixl import NixlReceiver
 from pdserve.transfer.nixl_send import NixlSender

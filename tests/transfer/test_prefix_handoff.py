@@ -18,10 +18,10 @@ import pytest
 from pdserve.decode_server.instance import DecodeInstance
 from pdserve.decode_server.rank_worker import DecodeWorkerConfig
 from pdserve.decode_server.step_driver import DecodeStepDriver
-from pdserve.engine.launcher import LaunchConfig
-from pdserve.engine.request import SamplingParams
 from pdserve.prefill_server.instance import PrefillInstance
 from pdserve.prefill_server.rank_worker import PrefillWorkerConfig
+from pdserve.request import SamplingParams
+from pdserve.runtime.launcher import LaunchConfig
 from tests.reference import assert_close, free_port
 from tests.transfer.fault_loop import run_mixed_faults
 from tests.transfer.handoff_driver import Driver, hand_off

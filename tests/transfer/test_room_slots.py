@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from pdserve.engine.auth import frame_key
-from pdserve.engine.request import SamplingParams
+from pdserve.request import SamplingParams
+from pdserve.serving.auth import frame_key
 from pdserve.transfer.frames import new_ticket
 from pdserve.transfer.nixl import NixlReceiver
 from pdserve.transfer.nixl_send import NixlSender

@@ -13,7 +13,7 @@ import msgpack
 import pytest
 import zmq
 
-from pdserve.engine.auth import frame_key, sign
+from pdserve.serving.auth import frame_key, sign
 from pdserve.transfer.decode_client import DecodeClient
 from pdserve.transfer.decode_rooms import DecodeRooms
 from pdserve.transfer.frames import D2P, P2D, SIDE_MAX_BYTES, new_ticket
@@ -214,7 +214,7 @@ def test_a_dead_service_thread_is_reported():
 
 def test_the_tag_covers_the_frame():
     """Flipping any byte of a signed frame, or moving it under another label, fails verification."""
-    from pdserve.engine.auth import verify
+    from pdserve.serving.auth import verify
 
     frame = msgpack.packb({"a": 1})
     tag = sign(KEY, D2P, frame)
