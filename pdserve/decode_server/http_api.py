@@ -62,7 +62,7 @@ from ..contracts import (
 from ..kvcache import capacity
 from ..request import Overloaded, SamplingParams
 from ..serving.http_edge import add_flush_route, instance_app, refuse_if_draining, too_busy
-from ..serving.instance_loop import InstanceFailed, Unavailable
+from ..serving.instance_loop import Finished, Token, Unavailable
 
 DISCONNECT_POLL_S = 1.0  # how often a non-streaming handler checks whether its client is still there
 
@@ -166,21 +166,21 @@ async def _stream(request_id: str, events: asyncio.Queue, loop, watcher: asyncio
     ended, finished = False, set()
     try:
         while True:
-            kind, value, *rest = await events.get()
-            lp, index = (rest[0] if rest else []), (rest[1] if len(rest) > 1 else 0)
-            if kind == "token":
-                yield event_line(TokenEvent(token=value, logprob=Logprob.from_wire(lp), index=index))
+            ev = await events.get()
+            if isinstance(ev, Token):
+                yield event_line(
+                    TokenEvent(token=ev.token, logprob=Logprob.from_wire(ev.logprobs), index=ev.index)
+                )
                 continue
-            if kind == "finish":
-                finished.add(index)
+            if isinstance(ev, Finished):
+                finished.add(ev.index)
                 ended = len(finished) == n
-                yield event_line(FinishEvent(finish_reason=value, request_id=request_id, index=index))
+                yield event_line(FinishEvent(finish_reason=ev.reason, request_id=request_id, index=ev.index))
                 if ended:
                     return
                 continue
-            ended = True
-            lost = isinstance(value, InstanceFailed)  # the instance's failure: the router may migrate it
-            yield event_line(ErrorEvent(error=str(value), request_id=request_id, lost=lost))
+            ended = True  # the instance's failure (lost): the router may migrate the request
+            yield event_line(ErrorEvent(error=ev.message, request_id=request_id, lost=ev.instance_failed))
             return
     finally:  # starlette cancels this generator when the client disconnects
         watcher.cancel()
@@ -193,17 +193,20 @@ async def _collect(request_id: str, events: asyncio.Queue, watcher: asyncio.Task
     logprobs: list[Logprob] = []
     try:
         while True:
-            kind, value, *lp = await events.get()
-            if kind == "token":
-                tokens.append(value)
-                if lp and lp[0]:
-                    logprobs.append(Logprob.from_wire(lp[0]))
-            elif kind == "finish":  # "abort" too, when the watcher saw the client leave
+            ev = await events.get()
+            if isinstance(ev, Token):
+                tokens.append(ev.token)
+                if ev.logprobs:
+                    logprobs.append(Logprob.from_wire(ev.logprobs))
+            elif isinstance(ev, Finished):  # "abort" too, when the watcher saw the client leave
                 return GenerateReply(
-                    request_id=request_id, token_ids=tokens, finish_reason=value, logprobs=logprobs or None
+                    request_id=request_id,
+                    token_ids=tokens,
+                    finish_reason=ev.reason,
+                    logprobs=logprobs or None,
                 )
             else:
-                raise HTTPException(500, f"request {request_id} failed: {value}")
+                raise HTTPException(500, f"request {request_id} failed: {ev.message}")
     finally:
         watcher.cancel()
 

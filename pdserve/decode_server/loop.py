@@ -7,13 +7,23 @@ request: decode_server/step_driver.py) and reserves the rooms it admitted in the
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 from ..request import Overloaded, SamplingParams, choice_id
 from ..runtime.faults import step_delay
-from ..serving.instance_loop import IDLE_WAIT_S, InstanceLoop, Listener, Submit
+from ..serving.instance_loop import (
+    IDLE_WAIT_S,
+    Event,
+    Failed,
+    Finished,
+    InstanceLoop,
+    Listener,
+    Submit,
+    Token,
+)
 from ..transfer.decode_rooms import DecodeRooms
 from ..transfer.frames import DEV_FRAME_KEY
 from .destination import DriverDestination
@@ -98,12 +108,12 @@ class DecodeLoop(InstanceLoop):
         was_remote = self.remote.abort(request_id)  # tells the prefill, forgets the room on the ranks
         was_local = self.driver.abort(request_id) is not None  # frees its pages at once (every choice's)
         for rid in self._choices(request_id):  # the request's own finish comes from the caller
-            self.emit(rid, ("finish", "abort"))
+            self.emit(rid, Finished("abort"))
         return was_remote or was_local
 
-    def emit(self, request_id: str, event: tuple[str, object]) -> None:
+    def emit(self, request_id: str, event: Event) -> None:
         """A failed hand-off's error is every choice's too: none of them started."""
-        if event[0] == "error":
+        if isinstance(event, Failed):
             for rid in self._choices(request_id):
                 super().emit(rid, event)
         super().emit(request_id, event)
@@ -118,11 +128,11 @@ class DecodeLoop(InstanceLoop):
         for req, token in events:  # a request's end follows all of its tokens of this step
             if token is not None:
                 left[req.request_id] -= 1  # this step's tokens are the request's last ones, in order
-                self.emit(req.request_id, ("token", token, req.logprob_wire(left[req.request_id])))
+                self.emit(req.request_id, Token(token, req.logprob_wire(left[req.request_id])))
             if req.state == "failed":  # computing it raised: only this request ends (step_driver.step)
-                ended[req.request_id] = ("error", f"decode step failed: {req.error}")
+                ended[req.request_id] = Failed(f"decode step failed: {req.error}")
             elif req.state in ("finished", "aborted"):
-                ended[req.request_id] = ("finish", req.finish_reason)
+                ended[req.request_id] = Finished(req.finish_reason)
         for request_id, event in ended.items():
             self.emit(request_id, event)
 
@@ -156,5 +166,5 @@ class DecodeLoop(InstanceLoop):
 
 
 def _tagged(listener: Listener, index: int) -> Listener:
-    """Events of choice `index`: (kind, value, logprobs wire, index) (decode http_api._stream)."""
-    return lambda ev: listener((ev[0], ev[1], ev[2] if len(ev) > 2 else [], index))
+    """Events of choice `index` carry that index (decode http_api._stream)."""
+    return lambda ev: listener(dataclasses.replace(ev, index=index))

@@ -29,7 +29,7 @@ from fastapi import FastAPI, HTTPException
 from ..contracts import Logprob, PrefillInfo, PrefillReply, PrefillRequest, checked_params
 from ..request import Overloaded
 from ..serving.http_edge import add_flush_route, instance_app, refuse_if_draining, too_busy
-from ..serving.instance_loop import Unavailable
+from ..serving.instance_loop import Failed, Token, Unavailable
 from .loop import PrefillLoop
 from .scheduler import PrefillJob
 
@@ -88,15 +88,17 @@ def create_app(
             raise too_busy(str(e)) from None
         first_token = None
         try:
-            kind, value = await events.get()
-            while kind == "token":
-                first_token = value
-                kind, value = await events.get()
+            ev = await events.get()
+            while isinstance(ev, Token):
+                first_token = ev.token
+                ev = await events.get()
         except asyncio.CancelledError:  # the client went away
             prefill_loop.abort(job.request_id)
             raise
-        if kind == "error":
-            raise HTTPException(502 if body.handoff else 500, f"prefill of {job.request_id} failed: {value}")
+        if isinstance(ev, Failed):
+            raise HTTPException(
+                502 if body.handoff else 500, f"prefill of {job.request_id} failed: {ev.message}"
+            )
         return PrefillReply(
             request_id=job.request_id,
             first_token=first_token,

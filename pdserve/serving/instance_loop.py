@@ -6,9 +6,9 @@ them (the scheduler and allocator are plain Python without locks); the shared ra
 the instance, naming the rank, if any rank dies. Handlers talk to the loop thread through a
 thread-safe command queue (submit / abort): a submit's Future says whether the request was accepted
 (ValueError: 400, Overloaded: 429, Unavailable: 503), and the loop thread then delivers the
-request's events through its listener:
+request's events (typed: `Token`, `Finished`, `Failed`, below) through its listener:
 
-    ("token", id) ... then exactly one of ("finish", reason) or ("error", message).
+    Token(id) ... then exactly one of Finished(reason) or Failed(message).
 
 The first SIGTERM/SIGINT drains (serving/drain.py: new requests get 503, running ones get
 --shutdown-grace seconds), then HTTP, the loop thread and the ranks stop.
@@ -23,7 +23,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .drain import Drain, DrainingServer, install_exit_signals
 from .http_server import server_config
@@ -31,13 +31,37 @@ from .watchdog import start_watchdog
 
 IDLE_WAIT_S = 0.1  # how long an idle loop thread blocks on the command queue before re-checking stop
 
-Listener = Callable[[tuple[str, object]], None]
+
+@dataclass(frozen=True)
+class Token:
+    """One token of choice `index`; logprobs: its logprob entry in the wire form ([] when not asked)."""
+
+    token: int
+    logprobs: list = field(default_factory=list)
+    index: int = 0
 
 
-class InstanceFailed(str):
-    """An error event's message when the instance failed, not the request (a rank died, the loop
-    stopped): the decode stream says `lost` (contracts.ErrorEvent) and the router may run the
-    request elsewhere."""
+@dataclass(frozen=True)
+class Finished:
+    """Choice `index` ended: reason "length", "stop" or "abort". The request's last event."""
+
+    reason: str
+    index: int = 0
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The request failed (its last event). instance_failed: the instance failed, not the request (a
+    rank died, the loop stopped): the decode stream says `lost` (contracts.ErrorEvent) and the router
+    may run the request elsewhere."""
+
+    message: str
+    instance_failed: bool = False
+    index: int = 0
+
+
+Event = Token | Finished | Failed
+Listener = Callable[[Event], None]
 
 
 class Unavailable(RuntimeError):
@@ -170,7 +194,7 @@ class InstanceLoop(ABC):
             return
         if isinstance(cmd, Abort):
             was_live = self.cancel(cmd.request_id)
-            self.emit(cmd.request_id, ("finish", "abort"))
+            self.emit(cmd.request_id, Finished("abort"))
             cmd.done.set_result(was_live)
             return
         if cmd.request_id in self.listeners:
@@ -185,10 +209,10 @@ class InstanceLoop(ABC):
             return
         cmd.accepted.set_result(None)
 
-    def emit(self, request_id: str, event: tuple[str, object]) -> None:
-        """Delivers one event; a finish or an error is the request's last."""
+    def emit(self, request_id: str, event: Event) -> None:
+        """Delivers one event; a Finished or a Failed is the request's last."""
         listener = self.listeners.get(request_id)
-        if event[0] in ("finish", "error"):
+        if isinstance(event, (Finished, Failed)):
             self.listeners.pop(request_id, None)
         if listener:
             try:
@@ -197,10 +221,9 @@ class InstanceLoop(ABC):
                 pass
 
     def fail_listeners(self, message: str) -> None:
-        """Every live request ends with an error event naming `message`: the instance's failure
-        (InstanceFailed), not theirs."""
+        """Every live request ends with a Failed naming `message`: the instance's failure, not theirs."""
         for request_id in list(self.listeners):
-            self.emit(request_id, ("error", InstanceFailed(message)))
+            self.emit(request_id, Failed(message, instance_failed=True))
 
     # --- what a role implements (a role missing one of these cannot be instantiated) ---------
 

@@ -8,7 +8,15 @@ import threading
 import pytest
 
 from pdserve.request import Overloaded
-from pdserve.serving.instance_loop import IDLE_WAIT_S, InstanceLoop, Submit, Unavailable
+from pdserve.serving.instance_loop import (
+    IDLE_WAIT_S,
+    Failed,
+    Finished,
+    InstanceLoop,
+    Submit,
+    Token,
+    Unavailable,
+)
 
 
 class CountingLoop(InstanceLoop):
@@ -24,11 +32,11 @@ class CountingLoop(InstanceLoop):
         self.take_commands(0.0 if self.left else IDLE_WAIT_S)
         self.owner.add(threading.current_thread().name)
         for rid, (sent, n) in list(self.left.items()):
-            self.emit(rid, ("token", sent))
+            self.emit(rid, Token(sent))
             self.left[rid] = (sent + 1, n)
             if sent + 1 == n:
                 del self.left[rid]
-                self.emit(rid, ("finish", "length"))
+                self.emit(rid, Finished("length"))
 
     def accept(self, cmd: Submit) -> None:
         if cmd.payload < 1:
@@ -46,7 +54,7 @@ def collect():
 
     def on(ev):
         events.append(ev)
-        if ev[0] in ("finish", "error"):
+        if isinstance(ev, (Finished, Failed)):
             ended.set()
 
     return events, ended, on
@@ -58,7 +66,7 @@ def test_events_abort_refusals_and_stop():
     try:
         events, ended, on = collect()
         assert loop.put_submit("a", on, 3).result(5) is None
-        assert ended.wait(5) and events == [("token", 0), ("token", 1), ("token", 2), ("finish", "length")]
+        assert ended.wait(5) and events == [Token(0), Token(1), Token(2), Finished("length")]
         assert loop.owner == {"test-loop"}  # only the loop thread ran the role
         with pytest.raises(ValueError, match=">= 1"):
             loop.put_submit("bad", on, 0).result(5)
@@ -72,7 +80,7 @@ def test_events_abort_refusals_and_stop():
         with pytest.raises(Overloaded):
             loop.put_submit("third", on, 10**9).result(5)
         assert loop.abort("long").result(5) is True and long_ended.wait(5)
-        assert long_events[-1] == ("finish", "abort")
+        assert long_events[-1] == Finished("abort")
         assert loop.abort("long").result(5) is False and loop.busy() == 1
 
         last_events, last_ended, on_last = collect()
@@ -80,7 +88,7 @@ def test_events_abort_refusals_and_stop():
     finally:
         loop.stop("going away")
         loop.join(5)
-    assert last_ended.is_set() and last_events[-1] == ("error", "going away")
+    assert last_ended.is_set() and last_events[-1] == Failed("going away", instance_failed=True)
     assert not loop.listeners and loop.busy() == 0
     with pytest.raises(Unavailable):  # the loop closed: answered at once, never left waiting
         loop.put_submit("late", on, 1).result(1)
@@ -101,7 +109,9 @@ def test_a_failing_iteration_fails_every_request_and_calls_on_fatal():
     loop.start()
     events, ended, on = collect()
     loop.put_submit("a", on, 5).result(5)
-    assert ended.wait(5) and events[-1] == ("error", "test step failed: RuntimeError: rank 1 died")
+    assert ended.wait(5) and events[-1] == Failed(
+        "test step failed: RuntimeError: rank 1 died", instance_failed=True
+    )
     loop.join(5)
     assert fatal == ["test step failed: RuntimeError: rank 1 died"]
 
