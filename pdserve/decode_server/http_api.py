@@ -117,12 +117,12 @@ def create_app(cfg, instance, loop, dead_rank, drain=None) -> FastAPI:
         refuse_if_draining(drain)
         params = await _sampling_params(body, mcfg.vocab_size)
         request_id = body.request_id or f"gen-{uuid.uuid4().hex}"
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        aio, events = asyncio.get_running_loop(), asyncio.Queue()
         accepted = loop.submit(
             body.token_ids,
             params,
             request_id,
-            lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+            lambda ev: aio.call_soon_threadsafe(events.put_nowait, ev),
             body.bootstrap,
         )
         try:

@@ -207,7 +207,7 @@ class DecodeInstance(RankInstance):
             per[t.kind] = per.get(t.kind, 0) + t.rows
         totals = self._expect_totals_cmd(room, ticket, pages, n, cached_len) if expect else None
         replies = self.ranks.call(StageCmd(room, ticket, rows, totals))
-        errors = [f"decode rank {rank}: {r['error']}" for rank, r in enumerate(replies) if r["error"]]
+        errors = [f"decode rank {rank}: {r.error}" for rank, r in enumerate(replies) if r.error]
         if errors:
             self.forget(room, quiesced=True)  # nothing was sent for this ticket
             raise RuntimeError("; ".join(errors))
@@ -219,7 +219,7 @@ class DecodeInstance(RankInstance):
             self.worker.dcp_size,
             self.allocator.page_size,
             tuple(pages),
-            {rank: r["endpoint"] for rank, r in enumerate(replies)},
+            {rank: r.endpoint for rank, r in enumerate(replies)},
             ticket,
             cached_len,
         )
@@ -319,4 +319,4 @@ class DecodeInstance(RankInstance):
         Returns how long the room's pages must stay unused (0: at once): NIXL WRITEs land in the pool,
         so a room dropped while senders may still be writing holds its pages for the quarantine."""
         replies = self.ranks.call(ForgetCmd(room, quiesced))
-        return max((r.get("hold_s", 0.0) for r in replies if isinstance(r, dict)), default=0.0)
+        return max((r.hold_s for r in replies), default=0.0)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from ..runtime.faults import check_layer_fault
 from ..transfer.plan import Transfer
-from ..transfer.rank_commands import StreamedSend
+from ..transfer.rank_commands import SendReply, StreamedSend
 
 
 class LayerStream:
@@ -72,7 +72,7 @@ class LayerStream:
                 self._post(by_layer.pop(layer))
         self.current = []
 
-    def close(self) -> dict:
+    def close(self) -> SendReply:
         """Ends the send (every segment posted or not): SendCmd's reply."""
         reply = self.sender.close_send()
-        return {"sums": {}, "error": self.error} if self.error else reply
+        return SendReply(error=self.error) if self.error else reply

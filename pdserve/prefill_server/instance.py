@@ -29,7 +29,7 @@ from ..runtime.launcher import LaunchConfig, RankInstance
 from ..runtime.node_group import make_group
 from ..transfer.messages import DecodeReservation, Fingerprint, model_hash
 from ..transfer.plan import DecodeSide, PrefillSide, Transfer, plan_stream
-from ..transfer.rank_commands import SendCmd, SenderStatusCmd, StreamedSend, merge_checksums
+from ..transfer.rank_commands import SendCmd, SenderStatusCmd, SendReply, StreamedSend, merge_checksums
 from .cp_backend import layer_owners
 from .layouts import check_layout_allowed
 from .rank_worker import DumpCacheCmd, PrefillCmd, PrefillRankInfo, PrefillRankWorker, PrefillWorkerConfig
@@ -47,7 +47,7 @@ class PrefillResult:
     logprob: object = None  # TokenLogprob of the first token, with params.logprobs
     prompt_logprobs: list | None = None  # [TokenLogprob | None] per position, with params.prompt_logprobs
     more_first: list = field(default_factory=list)  # n > 1: [(token, TokenLogprob | None)] of choices 1..
-    sent: list[dict] | None = None  # a streamed hand-off: every rank's SendCmd reply
+    sent: list[SendReply] | None = None  # a streamed hand-off: every rank's SendCmd reply
     computed_at: float = (
         0.0  # time.monotonic() when the last rank finished computing (bench/handoff_overlap.py)
     )

@@ -31,7 +31,7 @@ from ..runtime.launcher import RankWorker
 from ..runtime.memory_check import check_device_fits
 from ..transfer.backends import check_transfer, make_sender
 from ..transfer.frames import DEV_FRAME_KEY
-from ..transfer.rank_commands import SendCmd, SenderStatusCmd, StreamedSend
+from ..transfer.rank_commands import SendCmd, SenderStatusCmd, SendReply, StreamedSend
 from .cp_backend import ChunkPlan, CPBackend, layer_owners
 from .handoff_stream import LayerStream
 from .layouts import split_positions
@@ -112,7 +112,7 @@ class PrefillRankReply:
     logprob: TokenLogprob | None = None  # the first token's, with params.logprobs
     prompt_logprobs: dict[int, TokenLogprob] | None = None  # position p -> of token p + 1, own positions
     more: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)  # choices 1..n-1's first tokens
-    sent: dict | None = None  # with PrefillCmd.stream: SendCmd's reply (checksums or the error)
+    sent: SendReply | None = None  # with PrefillCmd.stream: SendCmd's reply (checksums or the error)
     computed_at: float = 0.0  # time.monotonic() when its last chunk was computed (before the stream closed)
 
 

@@ -205,10 +205,10 @@ def check_delivery(recv, sender, room: str, pages, cfg, src, dst) -> None:
     """A normal hand-off of one room through recv: every row exact, the checksums agree."""
     plan, rows, expected, slots = room_plan(cfg, pages)
     ticket = new_ticket()
-    endpoint = recv.handle(StageCmd(room, ticket, rows))["endpoint"]
+    endpoint = recv.handle(StageCmd(room, ticket, rows)).endpoint
     recv.handle(ExpectCmd(room, ticket, expected, slots))
     reply = sender.send(SendCmd(room, ticket, plan, {0: endpoint}))
-    assert reply["error"] is None, reply
+    assert reply.error is None, reply
     wait_for(
         lambda: recv.handle(TransferStatusCmd(room))["complete"],
         what=str(recv.handle(TransferStatusCmd(room))),
