@@ -12,7 +12,7 @@ import atexit
 import json
 import shutil
 import tempfile
-from functools import partial
+from functools import lru_cache, partial
 from pathlib import Path
 
 from ..kvcache import capacity
@@ -69,7 +69,17 @@ def rank_weight_bytes(
 ):
     """Each decode rank's weight bytes by dtype, from its meta-device model (model/shard.py): what
     the rank would allocate, fp8 weights and their block scales included (with --moe-ep: its
-    whole experts, which stay fp8 where intermediate slices would not fall on blocks)."""
+    whole experts, which stay fp8 where intermediate slices would not fall on blocks). Built once
+    per (checkpoint config as it is now, shape) in a process: a W = 8 plan builds eight models."""
+    stamp = Path(model, "config.json").read_bytes() if Path(model, "config.json").is_file() else b""
+    return [
+        dict(d)
+        for d in _rank_weight_bytes(model, stamp, dtype, tp_size, dcp_size, replicate_q, keep_fp8, moe_ep)
+    ]
+
+
+@lru_cache(maxsize=8)
+def _rank_weight_bytes(model, _config: bytes, dtype, tp_size, dcp_size, replicate_q, keep_fp8, moe_ep):
     from ..decode_server.tp import shard_decode_model
     from ..engine.llm_engine import parse_dtype
     from ..model.shard import weight_bytes_by_dtype
@@ -91,7 +101,7 @@ def rank_weight_bytes(
             keep_fp8=keep_fp8,
         )
         out.append(weight_bytes_by_dtype(meta))
-    return out
+    return tuple(out)
 
 
 def prefill_plan(

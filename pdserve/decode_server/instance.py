@@ -153,7 +153,14 @@ class DecodeInstance(RankInstance):
         return self.ranks.call(SamplingStreamsCmd())[0]
 
     def dump(self, slots: list[int]) -> list[dict]:
-        return self.ranks.call(DumpCmd(slots))
+        return [  # the ranks send runtime/pipe_tensors.py wire
+            {
+                "slots": d["slots"],
+                "kv": {layer: from_pipe(t) for layer, t in d["kv"].items()},
+                "index": {layer: from_pipe(t) for layer, t in d["index"].items()},
+            }
+            for d in self.ranks.call(DumpCmd(slots))
+        ]
 
     def reconfigure(self, index_mode: str, comm: str) -> None:
         """Switches the index mode and merge backend on running ranks; clears every cache."""
@@ -161,7 +168,10 @@ class DecodeInstance(RankInstance):
 
     def selections(self) -> list[dict[int, torch.Tensor]]:
         """Every rank's selected positions of the last step, per indexer layer ([B, k], -1 padded)."""
-        return self.ranks.call(SelectionsCmd())
+        return [
+            {layer: from_pipe(wire) for layer, wire in rank.items()}
+            for rank in self.ranks.call(SelectionsCmd())
+        ]
 
     def rank_info(self) -> list[DecodeRankInfo]:
         return self.ranks.call(InfoCmd())

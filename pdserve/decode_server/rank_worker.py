@@ -351,8 +351,8 @@ class DecodeRankWorker(RankWorker):
             ForgetSamplingCmd: self._forget_sampling,
             TRANSFER_CMDS: lambda cmd: self.receiver.handle(cmd),
             InfoCmd: lambda _: self.info(),
-            SelectionsCmd: lambda _: {
-                layer: sel[: self._rows].cpu() for layer, sel in self.backend.selections.items()
+            SelectionsCmd: lambda _: {  # runtime/pipe_tensors.py: a step's small tensors as bytes
+                layer: to_pipe(sel[: self._rows]) for layer, sel in self.backend.selections.items()
             },
             SamplingStreamsCmd: lambda _: self._sampler().request_ids if self.rank == 0 else [],
         }
@@ -438,9 +438,11 @@ class DecodeRankWorker(RankWorker):
         rows = slots[own] // self.dcp.size
         index = {}
         for layer in self.pool.index_row:
-            index[layer] = self.pool.read_index(layer, slots if self.cfg.index_mode == "copy" else rows).cpu()
+            index[layer] = to_pipe(
+                self.pool.read_index(layer, slots if self.cfg.index_mode == "copy" else rows)
+            )
         return {
             "slots": slots[own].tolist(),
-            "kv": {l: self.pool.read_kv(l, rows).cpu() for l in self.pool.layers},
+            "kv": {l: to_pipe(self.pool.read_kv(l, rows)) for l in self.pool.layers},
             "index": index,
         }

@@ -27,6 +27,7 @@ from ..model.config import ModelConfig
 from ..request import SamplingParams
 from ..runtime.launcher import LaunchConfig, RankInstance
 from ..runtime.node_group import make_group
+from ..runtime.pipe_tensors import from_pipe
 from ..transfer.messages import DecodeReservation, Fingerprint, model_hash
 from ..transfer.plan import DecodeSide, PrefillSide, Transfer, plan_stream
 from ..transfer.rank_commands import SendCmd, SenderStatusCmd, SendReply, StreamedSend, merge_checksums
@@ -176,7 +177,7 @@ class PrefillInstance(RankInstance):
         return PrefillResult(
             request_id,
             owner.token,
-            owner.logits,
+            None if owner.logits is None else from_pipe(owner.logits),
             slots,
             cached_len,
             tuple(r.seconds for r in replies),
@@ -271,7 +272,13 @@ class PrefillInstance(RankInstance):
 
     def dump_cache(self, slots: list[int]) -> list[dict]:
         """Every rank's cache entries at these slots, per layer it holds (for checks)."""
-        return self.ranks.call(DumpCacheCmd(slots))
+        return [
+            {
+                layer: (from_pipe(kv), None if idx is None else from_pipe(idx))
+                for layer, (kv, idx) in rank.items()
+            }
+            for rank in self.ranks.call(DumpCacheCmd(slots))
+        ]
 
     # ---- KV hand-off (transfer/prefill_room.py: this instance is its KVSource) ------------------------------------------------------
     def handoff_fingerprint(self, reservation: DecodeReservation) -> Fingerprint:

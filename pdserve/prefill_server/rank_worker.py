@@ -29,6 +29,7 @@ from ..runtime.expert_parallel import wrap_moe_ep
 from ..runtime.faults import check_fault
 from ..runtime.launcher import RankWorker
 from ..runtime.memory_check import check_device_fits
+from ..runtime.pipe_tensors import to_pipe
 from ..transfer.backends import check_transfer, make_sender
 from ..transfer.frames import DEV_FRAME_KEY
 from ..transfer.rank_commands import SendCmd, SenderStatusCmd, SendReply, StreamedSend
@@ -106,7 +107,7 @@ class PrefillRankReply:
 
     rank: int
     token: int | None = None  # None on every rank but the one that computed the last position
-    logits: torch.Tensor | None = None  # [vocab], with PrefillCmd.want_logits
+    logits: tuple | None = None  # [vocab] (runtime/pipe_tensors.py wire), with PrefillCmd.want_logits
     seconds: float = 0.0  # this rank's wall time in the command
     comm_seconds: float = 0.0  # of which in the CP collectives (CPBackend.comm_s)
     logprob: TokenLogprob | None = None  # the first token's, with params.logprobs
@@ -216,7 +217,7 @@ class PrefillRankWorker(RankWorker):
                 )
             finally:
                 self.sampler.forget_choices(cmd.request_id, cmd.params.n)
-            logits = logits[0].cpu() if cmd.want_logits else None
+            logits = to_pipe(logits[0]) if cmd.want_logits else None  # runtime/pipe_tensors.py wire
         seconds = time.perf_counter() - t_start
         return PrefillRankReply(
             self.rank, token, logits, seconds, self.backend.comm_s, lp, prompt_lp, more, sent, computed_at
@@ -268,7 +269,7 @@ class PrefillRankWorker(RankWorker):
     def dump(self, cmd: DumpCacheCmd) -> CacheDump:
         slots = torch.tensor(cmd.slots, dtype=torch.int64, device=self.device)
         out = {}
-        for layer in self.pool.layers:  # replies travel through a pipe: host tensors
-            idx = self.pool.read_index(layer, slots).cpu() if self.mcfg.has_indexer(layer) else None
-            out[layer] = (self.pool.read_kv(layer, slots).cpu(), idx)
+        for layer in self.pool.layers:  # replies travel through a pipe: runtime/pipe_tensors.py wire
+            idx = to_pipe(self.pool.read_index(layer, slots)) if self.mcfg.has_indexer(layer) else None
+            out[layer] = (to_pipe(self.pool.read_kv(layer, slots)), idx)
         return out

@@ -85,7 +85,7 @@ def test_linear_and_absorption_route_only_a_decode_steps_products(native_calls):
 
 
 def _status_in_a_fresh_process(env: dict, cache) -> str:
-    code = "from pdserve.model import native; print(native.status())"
+    code = "from pdserve.native import ops as native; print(native.status())"
     env = {**os.environ, "PDSERVE_CACHE": str(cache), **env}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     return out.stdout.strip()
@@ -109,7 +109,7 @@ def test_a_cache_another_user_could_write_is_not_loaded(tmp_path):
 
 
 def test_ranks_building_at_once_each_get_the_library(tmp_path):
-    code = "from pdserve.model import native; import torch; print(native.status()); " + (
+    code = "from pdserve.native import ops as native; import torch; print(native.status()); " + (
         "print(float(native.rows_linear(torch.ones(1, 9), torch.ones(5, 9)).sum()))"
     )
     env = {**os.environ, "PDSERVE_CACHE": str(tmp_path)}
