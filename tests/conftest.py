@@ -6,6 +6,7 @@ import importlib
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,22 @@ os.environ[FAULTS_ENV] = "1"  # rank processes the tests start accept ArmFaultCm
 
 ARCHS = ("glm_moe_dsa", "deepseek_v32", "deepseek_v3")
 BENCH = str(Path(__file__).resolve().parents[1] / "bench")
+
+
+FUZZ_SEED_ENV = "PDSERVE_FUZZ_SEED"
+
+
+@pytest.fixture(scope="session")
+def fuzz_seed(pytestconfig) -> int:
+    """The seed of this session's fuzzers (tests/router/test_http_fuzz.py, the schemathesis fuzz in
+    test_hardening.py): $PDSERVE_FUZZ_SEED, else a new one per session, so run after run they draw
+    other cases. Printed here and named in every failure: PDSERVE_FUZZ_SEED=S reruns that draw."""
+    env = os.environ.get(FUZZ_SEED_ENV)
+    seed = int(env) if env else time.time_ns() // 1000 % 1_000_000
+    capture = pytestconfig.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        print(f"\nfuzz seed {seed} (rerun: {FUZZ_SEED_ENV}={seed})")
+    return seed
 
 
 @pytest.fixture

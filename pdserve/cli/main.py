@@ -124,15 +124,29 @@ def generate(
     ),
 ):
     """Run the single-rank engine on one prompt and print the generated text."""
+    from ..request import SamplingParams
+
+    if (prompt is None) == (token_ids is None):  # the arguments first: an error does not wait for torch
+        fail("give exactly one of --prompt or --token-ids")
+    ids = _parse_token_ids(token_ids) if token_ids is not None else None
+    try:
+        params = SamplingParams(
+            max_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            ignore_eos=ignore_eos,
+        )
+    except ValueError as e:
+        fail(str(e))
+
     import torch
 
     from ..engine.llm_engine import LLMEngine
     from ..model.tokenizer import Tokenizer
-    from ..request import SamplingParams
     from ..runtime.device import check_devices, default_dtype
 
-    if (prompt is None) == (token_ids is None):
-        fail("give exactly one of --prompt or --token-ids")
     dev = device_args(device, gpu_ids)
     try:
         plan = check_devices(dev["device"], 1, dev["gpu_ids"])  # one rank: --gpu-ids names one GPU
@@ -149,19 +163,9 @@ def generate(
     if prompt is not None:
         text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
         ids = tok.encode(text)
-    else:
-        ids = _parse_token_ids(token_ids)
     if not ids:
         fail("the prompt is empty")
     try:
-        params = SamplingParams(
-            max_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            ignore_eos=ignore_eos,
-        )
         engine = LLMEngine.from_pretrained(
             model_dir,
             dtype.value if dtype else default_dtype(plan.device),

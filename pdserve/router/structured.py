@@ -84,7 +84,7 @@ def _spec(fmt: dict) -> tuple[str | None, object]:
         "regex": {"type", "regex"},
         "grammar": {"type", "grammar"},
     }
-    if kind not in allowed:
+    if not isinstance(kind, str) or kind not in allowed:  # a list or object is no type name either
         raise ApiError(
             400, f"response_format.type must be one of {', '.join(allowed)}", "response_format.type"
         )

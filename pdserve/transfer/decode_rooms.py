@@ -79,10 +79,7 @@ class DecodeRooms:
         for the destination's prefix cache."""
         if room in self.rooms:
             raise ValueError(f"room {room!r} is already in use")
-        if prompt_ids is None:
-            self.dest.submit(room, prompt_len, params)
-        else:
-            self.dest.submit(room, prompt_len, params, prompt_ids)
+        self.dest.submit(room, prompt_len, params, prompt_ids)
         r = self.rooms[room] = DecodeRoom(
             self.dest, room, prompt_len, bootstrap, timeout_s or self.transfer_timeout_s
         )

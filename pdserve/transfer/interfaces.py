@@ -36,8 +36,10 @@ class KVSource(Protocol):
         """What this side asserts against the reservation's fingerprint (model, dtype, layers)."""
         ...
 
-    def prefill(self, room: str, token_ids: list[int], params: SamplingParams | None = None) -> Prefilled:
-        """Computes the prompt's rows; they stay held until release(room)."""
+    def prefill(
+        self, request_id: str, token_ids: list[int], params: SamplingParams | None = None
+    ) -> Prefilled:
+        """Computes the prompt's rows (request_id: the room); they stay held until release(request_id)."""
         ...
 
     def prefill_side(self, slots: list[int]) -> PrefillSide: ...
@@ -65,7 +67,7 @@ class KVSource(Protocol):
         destination took nothing). Returns only after every rank's sends completed or were cancelled."""
         ...
 
-    def release(self, room: str) -> None:
+    def release(self, request_id: str) -> None:
         """Frees the room's rows (no-op when none are held)."""
         ...
 

@@ -56,8 +56,8 @@ class FaultySource:
         fp = self.inner.handoff_fingerprint(reservation)
         return dataclasses.replace(fp, model_dtype=self.dtype) if self.dtype else fp
 
-    def prefill(self, room, token_ids, params=None):
-        return self.inner.prefill(room, token_ids, params)
+    def prefill(self, request_id, token_ids, params=None):
+        return self.inner.prefill(request_id, token_ids, params)
 
     def prefill_side(self, slots):
         return self.inner.prefill_side(slots)
@@ -88,8 +88,8 @@ class FaultySource:
         if self.corrupt:  # every rank: each that sends flips a byte of its first payload of the room
             self.inner.ranks.call(ArmFaultCmd("corrupt", room))
 
-    def release(self, room):
-        self.inner.release(room)
+    def release(self, request_id):
+        self.inner.release(request_id)
 
 
 class Driver:
