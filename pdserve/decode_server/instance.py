@@ -35,7 +35,7 @@ from ..transfer.rank_commands import (
     StageCmd,
     TransferStatusCmd,
 )
-from ..transfer.room import ANY_SRC, RoomSlots
+from ..transfer.room_rows import ANY_SRC, RoomSlots
 from .rank_worker import (
     CopyCmd,
     DecodeRankInfo,
@@ -240,7 +240,7 @@ class DecodeInstance(RankInstance):
         )
 
     def room_slots(self, pages: list[int]) -> RoomSlots:
-        """The pool rows the room owns on each rank: receivers refuse rows anywhere else (transfer/room.py)."""
+        """The pool rows the room owns on each rank: receivers refuse rows anywhere else (transfer/room_rows.py)."""
         return RoomSlots.of(pages, self.allocator.page_size, self.worker.dcp_size, self.index_mode)
 
     def expect(self, room: str, ticket: bytes, plan: list[Transfer], pages: list[int]) -> None:

@@ -17,7 +17,7 @@ keys every frame. NIXL WRITEs land without a frame to check: their rows are auth
 room MAC (transfer/base.py RoomChecksum, keyed row hashes) that the sender puts in the signed
 TransferDone and the receiver checks over the rows as they lie before the room is committed. A
 forged payload therefore fails its own room, never lands outside that room's own slots
-(transfer/room.py), and is never decoded from.
+(transfer/room_rows.py), and is never decoded from.
 """
 
 from __future__ import annotations

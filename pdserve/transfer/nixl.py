@@ -91,7 +91,7 @@ from .base import RoomChecksum
 from .frames import DEV_FRAME_KEY, HEADER_MAX_BYTES, Liveness, open_notif, unpack
 from .nixl_agent import Arena, NixlEndpoint, agent_name, bind_device, make_agent, mem_type
 from .rank_commands import ExpectCmd, ForgetCmd, ForgetReply, StageCmd, StageReply, receive_command
-from .room import DTYPES, RoomRows, check_notif, count_rows, frame_rows, store_rows
+from .room_rows import DTYPES, RoomRows, check_notif, count_rows, frame_rows, store_rows
 
 QUARANTINE_S = 60.0
 BUSY_POLL_S, IDLE_POLL_S = 0.0005, 0.005

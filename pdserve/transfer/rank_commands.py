@@ -13,7 +13,7 @@ from typing import Protocol
 
 from .base import RoomChecksum
 from .plan import Segment, Transfer
-from .room import RoomSlots
+from .room_rows import RoomSlots
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class ExpectCmd:
     room: str
     ticket: bytes
     expected: dict[int, dict[int, int]]
-    slots: RoomSlots  # the room's pages: rows anywhere else fail the room (transfer/room.py)
+    slots: RoomSlots  # the room's pages: rows anywhere else fail the room (transfer/room_rows.py)
 
 
 @dataclass(frozen=True)

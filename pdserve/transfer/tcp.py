@@ -12,7 +12,7 @@ One PUSH socket per destination endpoint (cached), so frames to one decode rank 
 order they were sent; `seq` counts frames per (room, destination) for debugging.
 
 The rank commands (transfer/rank_commands.py), the room bookkeeping (`RoomRows`) and the frame
-checks (transfer/room.py: `check_header`, `frame_rows`, `store_rows`) are shared with the NIXL data
+checks (transfer/room_rows.py: `check_header`, `frame_rows`, `store_rows`) are shared with the NIXL data
 path (transfer/nixl.py), which honours the same commands.
 
 Receiver invariants (docs/design.md 3.7-3.8):
@@ -65,7 +65,7 @@ from .rank_commands import (
     StageReply,
     receive_command,
 )
-from .room import (
+from .room_rows import (
     SLICE_RUNS,
     RoomRows,
     check_header,

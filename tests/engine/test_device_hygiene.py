@@ -18,7 +18,7 @@ from pdserve.prefill_server.cp_backend import ChunkPlan, CPBackend
 from pdserve.request import SamplingParams
 from pdserve.runtime.comm import GlooComm
 from pdserve.transfer.plan import Run
-from pdserve.transfer.room import SLICE_RUNS
+from pdserve.transfer.room_rows import SLICE_RUNS
 from pdserve.transfer.tcp import pack_rows
 
 

@@ -20,7 +20,7 @@ from pdserve.transfer.rank_commands import (
     TransferStatusCmd,
     merge_checksums,
 )
-from pdserve.transfer.room import RoomSlots
+from pdserve.transfer.room_rows import RoomSlots
 from pdserve.transfer.tcp import (
     TcpReceiver,
     TcpSender,

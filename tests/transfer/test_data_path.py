@@ -31,7 +31,7 @@ from pdserve.transfer.rank_commands import (
     TransferStatusCmd,
     merge_checksums,
 )
-from pdserve.transfer.room import SLICE_RUNS, RoomSlots
+from pdserve.transfer.room_rows import SLICE_RUNS, RoomSlots
 from pdserve.transfer.row_mac import P, _coefficients, row_macs
 from pdserve.transfer.tcp import (
     TcpReceiver,

@@ -39,7 +39,7 @@ from pdserve.transfer.rank_commands import (
     StageCmd,
     TransferStatusCmd,
 )
-from pdserve.transfer.room import RoomSlots
+from pdserve.transfer.room_rows import RoomSlots
 from pdserve.transfer.side_channel import BootstrapService
 from pdserve.transfer.tcp import (
     TcpReceiver,

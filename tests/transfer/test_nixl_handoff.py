@@ -40,7 +40,7 @@ from pdserve.transfer.rank_commands import (
     TransferStatusCmd,
     merge_checksums,
 )
-from pdserve.transfer.room import RoomSlots
+from pdserve.transfer.room_rows import RoomSlots
 from tests.reference import free_port
 from tests.transfer.fault_loop import fault_loop_leaves_nothing_behind
 from tests.transfer.handoff_driver import Driver, FaultySource, TransferError, hand_off

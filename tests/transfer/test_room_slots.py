@@ -25,7 +25,7 @@ from pdserve.transfer.rank_commands import (
     StageCmd,
     TransferStatusCmd,
 )
-from pdserve.transfer.room import RoomSlots
+from pdserve.transfer.room_rows import RoomSlots
 from pdserve.transfer.tcp import (
     TcpReceiver,
     TcpSender,
