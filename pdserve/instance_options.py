@@ -30,6 +30,10 @@ from .flags import (
 )
 from .runtime.placement import check_device_fields
 
+# --max-kv-tokens, one bound and one default for prefill, decode and `up` (per instance)
+MIN_KV_TOKENS = 16
+DEFAULT_MAX_KV_TOKENS = 65536  # on cpu; on cuda the decode sizes its pool by --gpu-memory-utilization
+
 
 @dataclass(frozen=True)
 class InstanceOptions(ABC):

@@ -10,7 +10,6 @@ Nothing heavy is imported at module import time: `pdserve --help` must stay fast
 from __future__ import annotations
 
 import json
-import os
 import re
 from enum import Enum
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Optional
 
 import typer
 
+from .. import env
 from ..choices import KVCacheDType, ModelDType
 from ..flags import warn_secret_on_argv
 
@@ -64,7 +64,7 @@ def admin(
     """Operator tools: a deployment's sizing (capacity --config) and a running router's topology."""
     if token is not None:
         warn_secret_on_argv("--token")
-    token = token or os.environ.get("PDSERVE_ADMIN_TOKEN")
+    token = token or env.ADMIN_TOKEN.text()
     ctx.obj = {"router": router.rstrip("/") if router else None, "token": token}
 
 

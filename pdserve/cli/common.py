@@ -4,13 +4,13 @@ and stack.py (router, up); main.py registers them in that order."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
+from .. import env
 from ..choices import AttentionOps, Device
 from ..flags import ATTENTION_OPS_HELP, DEVICE_HELP, GPU_IDS_HELP
 
@@ -27,7 +27,7 @@ BUILTIN_ARCH, BUILTIN_SIZE = "glm_moe_dsa", "small"
 
 def builtin_model_dir() -> Path:
     """The built-in model, written once by `make-model` and reused."""
-    root = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
+    root = Path(env.CACHE.text() or Path.home() / ".cache" / "pdserve")
     return root / "models" / f"{BUILTIN_SIZE}-{BUILTIN_ARCH}-seed0"
 
 

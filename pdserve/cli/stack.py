@@ -13,7 +13,9 @@ from pathlib import Path
 
 import typer
 
+from .. import env
 from ..flags import config_command
+from ..instance_options import DEFAULT_MAX_KV_TOKENS
 from ..router.config import RouterConfig
 from ..router.launch import StackConfig
 from .common import InternalTokenFileOpt, app, fail, internal_token, masked, model_arg, stack_token
@@ -40,7 +42,7 @@ def router(
                 "decode": tuple(values["decode"]),
                 "allowed_instance_hosts": tuple(values["allowed_instance_hosts"]),
                 "admin_token": RouterConfig.token_from_env(values["admin_token"]),
-                "api_key": values["api_key"] or os.environ.get("PDSERVE_API_KEY") or None,
+                "api_key": values["api_key"] or env.API_KEY.text(),
                 "internal_token": internal_token(values["internal_token"], internal_token_file, check_config),
             }
         )
@@ -101,7 +103,7 @@ def up(
                 cfg.decode_tp,
                 cfg.decode_dcp,
                 cfg.dcp_index,
-                cfg.max_kv_tokens or 65536,
+                cfg.max_kv_tokens or DEFAULT_MAX_KV_TOKENS,
             )
         except ValueError as e:
             fail(str(e))

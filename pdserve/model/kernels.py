@@ -9,10 +9,9 @@ exactly zero.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from .. import env
 from ..native import ops as native
 
 FEW_ROWS = 8  # products of at most this many rows (a decode step's) stay off oneDNN's many-row path
@@ -28,7 +27,7 @@ FEW_ROWS = 8  # products of at most this many rows (a decode step's) stay off on
 # multiple of 1024 (32 shapes) to 0.9 GB, one shape to 0.3 GB. For a few rows (decode) it is no faster
 # (6.2 vs 6.0 ms per step on the small model, batch 1) and costs more per call (15 vs 3 us).
 ONEDNN_AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-ONEDNN = ONEDNN_AVAILABLE and os.environ.get("PDSERVE_ONEDNN", "0") == "1"
+ONEDNN = ONEDNN_AVAILABLE and env.ONEDNN.on()
 # One row times a large W (a decode step at batch 1 reading its weights) is another matter (where the
 # native few-row kernel of native/ops.py is built it takes these products, faster still): there
 # oneDNN streams W 1.0-1.9x faster than the BLAS's matrix-matrix path that `linear` takes otherwise
@@ -39,7 +38,7 @@ ONEDNN = ONEDNN_AVAILABLE and os.environ.get("PDSERVE_ONEDNN", "0") == "1"
 # `bench/engine.py --lengths 1024 --decode-batches 1 --skip-transformers` (medium preset: 104.7 vs
 # 85.7 ms per step in one such pair of runs).
 GEMV_MIN_BYTES = 4 << 20
-ONEDNN_GEMV = ONEDNN_AVAILABLE and os.environ.get("PDSERVE_ONEDNN_GEMV", "1") == "1"
+ONEDNN_GEMV = ONEDNN_AVAILABLE and env.ONEDNN_GEMV.on()
 
 
 def _float32_cpu(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from .. import env
+
 SOURCES = [Path(__file__).parent / name for name in ("rows.c", "moe.c", "attend.c")]
 HEADERS = [Path(__file__).parent / "rows.h"]  # part of the key, like the sources
 COMPILE_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC"]
@@ -54,7 +56,7 @@ _state: dict = {}  # "lib": the bound library or None, "status": why
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("PDSERVE_CACHE")
+    base = env.CACHE.text()
     return (Path(base) if base else Path.home() / ".cache" / "pdserve") / "native"
 
 
@@ -100,7 +102,7 @@ def _compile(cc: str, gomp: str, out: Path) -> str | None:
 
 
 def _load() -> tuple[object | None, str]:
-    if os.environ.get("PDSERVE_NATIVE", "1") == "0":
+    if not env.NATIVE.on():
         return None, "off (PDSERVE_NATIVE=0)"
     cap = torch.backends.cpu.get_cpu_capability()
     if cap not in ("AVX2", "AVX512"):

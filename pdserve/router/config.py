@@ -3,19 +3,19 @@
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from .. import env
 from ..choices import Discovery, Policy, values
 from ..flags import INTERNAL_TOKEN_HELP, option
 from ..serving.auth import check_strength
 from .instance_auth import check_entries
 
 POLICIES = values(Policy)
-ADMIN_TOKEN_ENV = "PDSERVE_ADMIN_TOKEN"
+ADMIN_TOKEN_ENV = env.ADMIN_TOKEN.name
 DISCOVERY = values(Discovery)
 HEADER_NAME = re.compile(r"^[A-Za-z0-9-]{1,64}$")
 
@@ -229,4 +229,4 @@ class RouterConfig:
     @staticmethod
     def token_from_env(token: str | None) -> str | None:
         """--admin-token wins over the environment variable; an empty value means no token."""
-        return token or os.environ.get(ADMIN_TOKEN_ENV) or None
+        return token or env.ADMIN_TOKEN.text()

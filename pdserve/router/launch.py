@@ -28,6 +28,7 @@ import httpx
 
 from ..choices import AttentionOps, DcpIndex, Device, Policy, Restart, Switch, Transfer
 from ..flags import ATTENTION_OPS_HELP, DEVICE_HELP, option
+from ..instance_options import MIN_KV_TOKENS
 from ..runtime.parent_death import die_with_parent
 from ..runtime.placement import check_attention_ops, check_device, parse_gpu_ids
 from ..serving.auth import INTERNAL_TOKEN_ENV, new_token
@@ -61,7 +62,7 @@ class StackConfig:
     max_kv_tokens: int | None = option(  # per instance; None: each server's default
         None,
         "KV cache capacity in tokens of every instance (default: each server's own default).",
-        min=16,
+        min=MIN_KV_TOKENS,
         cli_type=Optional[int],
     )
     policy: str = option("round_robin", choices=Policy)

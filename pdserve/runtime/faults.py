@@ -27,12 +27,14 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-FAULT_ENV = "PDSERVE_TEST_FAULT_IDS"
-STEP_DELAY_ENV = "PDSERVE_TEST_STEP_DELAY_S"
-KILL_AT_LAYER_ENV = "PDSERVE_TEST_KILL_AT_LAYER"
-FAULTS_ENV = "PDSERVE_TEST_FAULTS"
+from .. import env
+
+FAULT_ENV = env.TEST_FAULT_IDS.name
+STEP_DELAY_ENV = env.TEST_STEP_DELAY_S.name
+KILL_AT_LAYER_ENV = env.TEST_KILL_AT_LAYER.name
+FAULTS_ENV = env.TEST_FAULTS.name
 _armed: set[tuple[str, str]] = set()  # (kind, key) of the faults armed in this process
-_STEP_DELAY_S = float(os.environ.get(STEP_DELAY_ENV) or 0)
+_STEP_DELAY_S = env.TEST_STEP_DELAY_S.number()
 
 
 class InjectedFault(RuntimeError):
@@ -40,7 +42,7 @@ class InjectedFault(RuntimeError):
 
 
 def check_fault(request_ids: Iterable[str]) -> None:
-    wanted = os.environ.get(FAULT_ENV)
+    wanted = env.TEST_FAULT_IDS.text()
     if not wanted:
         return
     hit = sorted(set(wanted.split(",")) & set(request_ids))
@@ -54,7 +56,7 @@ def step_delay() -> None:
 
 
 def check_layer_fault(room: str, layer: int, rank: int) -> None:
-    wanted = os.environ.get(KILL_AT_LAYER_ENV)
+    wanted = env.TEST_KILL_AT_LAYER.text()
     if wanted and wanted == f"{room}:{layer}:{rank}":
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -80,6 +82,6 @@ def take(kind: str, key: str) -> bool:
 
 
 def arm_command(cmd: ArmFaultCmd) -> None:
-    if os.environ.get(FAULTS_ENV) != "1":
+    if not env.TEST_FAULTS.on():
         raise PermissionError(f"fault injection is off in this process ({FAULTS_ENV} is not 1)")
     arm(cmd.kind, cmd.key)

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import secrets
 from pathlib import Path
 
-INTERNAL_TOKEN_ENV = "PDSERVE_INTERNAL_TOKEN"
+from .. import env
+
+INTERNAL_TOKEN_ENV = env.INTERNAL_TOKEN.name
 MIN_TOKEN_CHARS = 24
 WEAK = {"change-me", "changeme", "password", "secret", "token", "admin", "pdserve", "test", "default"}
 MAC_BYTES = 32
@@ -57,7 +58,7 @@ def load_internal_token(
         except OSError as e:
             raise AuthConfigError(f"cannot read --internal-token-file {file}: {e.strerror}") from None
     if token is None:
-        token = os.environ.get(INTERNAL_TOKEN_ENV) or None
+        token = env.INTERNAL_TOKEN.text()
     if token is None:
         if required:
             raise AuthConfigError(

@@ -14,6 +14,8 @@ import sys
 import threading
 from typing import NoReturn
 
+from .. import env
+
 POLL_S = 0.2
 # The watchdog and a server's own failure path can both decide to stop; exactly one does.
 _stopping = threading.Lock()
@@ -40,8 +42,8 @@ def stop_instance(instance, role: str, message: str) -> NoReturn:
 def restart_process() -> NoReturn:
     """Replaces this process by a new run of its own command line (sys.orig_argv). Every socket and
     pipe of this one is close-on-exec, so its ports and the forkserver go with it."""
-    count = int(os.environ.get("PDSERVE_GROUP_RESTARTS", "0")) + 1
-    os.environ["PDSERVE_GROUP_RESTARTS"] = str(count)
+    count = int(env.GROUP_RESTARTS.number()) + 1
+    env.GROUP_RESTARTS.set(str(count))
     print(f"group restart {count}: {' '.join(sys.orig_argv)}", file=sys.stderr, flush=True)
     sys.stderr.flush()
     os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
