@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Callable
 
 
 class OutOfPages(RuntimeError):
@@ -14,10 +15,11 @@ class OutOfPages(RuntimeError):
 
 
 class PageAllocator:
-    def __init__(self, num_pages: int, page_size: int):
+    def __init__(self, num_pages: int, page_size: int, clock: Callable[[], float] = time.monotonic):
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")
         self.num_pages, self.page_size = num_pages, page_size
+        self.clock = clock  # when held pages come back (free's hold_s)
         self._free: deque[int] = deque(range(num_pages))
         self._used: set[int] = set()
         self._held: list[tuple[float, list[int]]] = []  # (until, pages): freed, not yet reusable
@@ -65,13 +67,13 @@ class PageAllocator:
                 raise ValueError(f"page {p} is not allocated (double free?)")
         self._used.difference_update(pages)
         if hold_s > 0:
-            self._held.append((time.monotonic() + hold_s, list(pages)))
+            self._held.append((self.clock() + hold_s, list(pages)))
         else:
             self._free.extend(pages)
 
     def _reclaim(self) -> None:
         if self._held:
-            now = time.monotonic()
+            now = self.clock()
             for _, pages in (h for h in self._held if h[0] <= now):
                 self._free.extend(pages)
             self._held = [h for h in self._held if h[0] > now]
