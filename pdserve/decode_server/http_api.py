@@ -24,17 +24,9 @@ POST /v1/generate  {"token_ids": [...], "max_tokens": 16, "temperature", "top_p"
 POST /v1/abort     {"request_id"} -> {"aborted": true | false (no such live request)}
 POST /flush_cache  -> {"flushed_tokens"}: the prefix cache's unreferenced pages go back (on the loop thread)
 
-Request lifecycle (the loop thread, loop.py, owns the instance; handlers never touch it):
-1. The handler validates the body (token ids inside the vocab, sampling params) and puts a submit
-   command on the loop thread's queue, with a callback that feeds this request's asyncio.Queue
-   through `loop.call_soon_threadsafe`.
-2. The loop thread takes the command at the top of its next iteration. The decode scheduler
-   accepts it or rejects it (it can never fit this instance's KV slots: 400). Without a KV hand-off
-   the engine prefills the prompt locally; the request then waits for pages for prompt + max_tokens.
-   With one (`bootstrap`), it waits for pages, then for the prefill's rows (transfer/decode_room.py).
-3. Each engine step delivers the request's tokens (the first comes from the prefill) as they are
-   sampled; then exactly one finish (stop | length | abort) or error event.
-4. A client that disconnects before the finish aborts the request: its pages are freed at once.
+A request's lifecycle is written once, in scheduler.py (the queues, from the HTTP handler to its
+last event); the handlers only validate, submit to the loop thread (loop.py, which alone owns the
+instance) and relay the request's events.
 """
 
 from __future__ import annotations

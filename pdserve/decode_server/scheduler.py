@@ -25,6 +25,17 @@ max_tokens = 1, or whose first token is EOS, finishes without a decode step.
 
 Only the decode loop thread (loop.py, the skeleton of serving/instance_loop.py) touches it, through
 step_driver.py: submit and abort arrive there as commands; each iteration admits and steps once.
+Through the HTTP API (http_api.py), end to end:
+1. The handler validates the body (token ids inside the vocab, sampling params) and puts a submit
+   command on the loop thread's queue, with a callback that feeds this request's asyncio.Queue
+   through `call_soon_threadsafe`; handlers never touch the instance.
+2. The loop thread takes the command at the top of its next iteration; submit() accepts it or
+   rejects it (it can never fit this instance's KV slots: 400). Without a KV hand-off the engine
+   prefills the prompt locally; with one (`bootstrap`), the request waits for pages, then for the
+   prefill's rows (transfer/decode_room.py).
+3. Each step delivers the request's tokens (the first comes from the prefill) as they are sampled;
+   then exactly one finish (stop | length | abort) or error event.
+4. A client that disconnects before the finish aborts the request: its pages are freed at once.
 
 With a prefix cache (kvcache/radix_cache.py) and the prompt's token ids known, admission first locks
 the longest cached run of whole pages of the prompt in its cache namespace (params.cache_namespace;

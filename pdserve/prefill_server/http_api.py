@@ -13,10 +13,8 @@ POST /v1/prefill  {"token_ids": [...], "temperature", "top_p", "top_k", "seed", 
                   that reserves that room on this instance's side channel (/info "bootstrap"); the
                   answer comes after the transfer. A failed hand-off is a 502 naming the reason.
 
-A request: the handler checks the body, then submits it to the loop thread (loop.py, which alone
-owns the scheduler and the instance) and waits for its events: the accept (400 when the prompt can
-never fit, 429 when the queue is full, 503 while shutting down), then the first token and the
-finish, or an error. A client that leaves while its request waits aborts it.
+A request's lifecycle is written once, in scheduler.py (from the HTTP handler to its last event);
+the handlers only validate, submit to the loop thread (loop.py) and relay the request's events.
 """
 
 from __future__ import annotations

@@ -24,6 +24,10 @@ tables and queue replies.
 The scheduler decides; `PrefillInstance` executes. Only the prefill loop thread (loop.py, the
 skeleton of serving/instance_loop.py) calls it: submit() and abort() arrive there as commands, and
 `run_once()` is called once per loop iteration; `on_finish(job)` tells the loop a request ended.
+Through the HTTP API (http_api.py): the handler checks the body, then submits it to the loop thread
+(which alone owns the scheduler and the instance) and waits for its events: the accept (400 when
+the prompt can never fit, 429 when the queue is full, 503 while shutting down), then the first token
+and the finish, or an error. A client that leaves while its request waits aborts it.
 """
 
 from __future__ import annotations
