@@ -122,6 +122,7 @@ class Pool:
         self.auth, self.allowed = auth, allowed or AllowedHosts()
         self.policy, self.max_in_flight = policy, max_in_flight
         self.cache_aware = CacheAwarePolicy(balance_threshold) if policy == "cache_aware" else None
+        self.health_rounds = 0  # completed polls of every instance (health_loop)
         self._room: asyncio.Event | None = None  # set (and replaced) whenever a request leaves an instance
         self._turn = {role: itertools.count() for role in ROLES}
         for role, urls in (("prefill", prefill), ("decode", decode)):
@@ -263,6 +264,7 @@ class Pool:
     async def health_loop(self, client: httpx.AsyncClient, interval_s: float) -> None:
         while True:
             await self.poll_all(client)
+            self.health_rounds += 1
             await asyncio.sleep(interval_s)
 
 
