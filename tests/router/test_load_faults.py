@@ -143,12 +143,12 @@ def _served(urls: dict[str, str]) -> dict[str, int]:
 
 @pytest.mark.slow
 def test_load_with_killed_ranks_through_up(model_dir, tmp_path):
-    prompts, fresh = _prompts(), _prompts(8, seed=6)  # fresh: no cache holds them when they are sent
+    prompts = _prompts()
     engine = LLMEngine.from_pretrained(model_dir)
     rng = random.Random(11)
     wants = [
         engine.generate([p], SamplingParams(max_tokens=rng.randrange(4, 14), ignore_eos=True))[0]
-        for p in prompts + fresh
+        for p in prompts
     ]
     proc, lines, url = launch_up(
         model_dir,
@@ -211,13 +211,23 @@ def test_load_with_killed_ranks_through_up(model_dir, tmp_path):
         out = "".join(lines)
         assert "decode-0 exited" in out and "prefill-1 exited" in out, out
         # every request after the kills is exact, and the restarted instances serve some of them:
-        # the new decode-0 completes hand-offs, the new prefill-1 caches prompts nobody sent before
+        # the new decode-0 completes hand-offs, the new prefill-1 caches prompts nobody sent before.
+        # They rejoin the router's pools at its next health round: fresh prompts until both served.
         before = _served(urls)
         after = [(prompts[k], wants[k], k % 2 == 0, False) for k in range(len(prompts))]
-        after += [(p, wants[len(prompts) + k], k % 2 == 0, False) for k, p in enumerate(fresh)] * 2
         assert asyncio.run(_load(url, model, after, lambda *_: None)) == ["exact"] * len(after)
-        served = _served(urls)
-        print(f"served by the restarted instances after the kills: {before} -> {served}")
+        for batch in range(10):
+            fresh = _prompts(8, seed=100 + batch)  # no cache holds them
+            params = SamplingParams(max_tokens=6, ignore_eos=True)
+            jobs = [(p, engine.generate([p], params)[0], k % 2 == 0, False) for k, p in enumerate(fresh)]
+            assert asyncio.run(_load(url, model, jobs, lambda *_: None)) == ["exact"] * len(jobs)
+            served = _served(urls)
+            if served["decode-0"] > before["decode-0"] and served["prefill-1"] > before["prefill-1"]:
+                break
+            time.sleep(0.5)  # a health round of the router (1 s)
+        print(
+            f"served by the restarted instances after the kills: {before} -> {served} ({batch + 1} batches)"
+        )
         assert served["decode-0"] > before["decode-0"] and served["prefill-1"] > before["prefill-1"], (
             before,
             served,
