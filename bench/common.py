@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from pdserve.engine.ports import free_port  # noqa: F401 (the benches import it from here)
+from pdserve.serving.ports import free_port  # noqa: F401 (the benches import it from here)
 
 IDLE_CORES = 0.25  # "idle": other processes use less than this many cores
 RESULTS = Path(__file__).parent / "results"
@@ -80,15 +80,15 @@ def add_model_and_out(p: argparse.ArgumentParser, name: str) -> None:
 
 def resolve_model(model: str | None) -> str:
     """--model, or the built-in small model (built once under ~/.cache/pdserve)."""
-    from pdserve.cli import ensure_builtin_model
+    from pdserve.cli.main import ensure_builtin_model
 
     return str(Path(model) if model else ensure_builtin_model())
 
 
 def preset_model(size: str, arch: str = "glm_moe_dsa") -> str:
     """A `pdserve make-model` preset, built once beside the built-in model (seed 0)."""
-    from pdserve.cli_common import builtin_model_dir
-    from pdserve.model.random_checkpoint import make_model
+    from pdserve.checkpoints.random_checkpoint import make_model
+    from pdserve.cli.common import builtin_model_dir
 
     path = builtin_model_dir().parent / f"{size}-{arch}-seed0"
     if not (path / "config.json").is_file():

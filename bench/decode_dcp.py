@@ -33,13 +33,13 @@ from pathlib import Path
 import torch
 from common import free_port, machine_info, resolve_model  # bench/ is on sys.path when a script runs
 
+from pdserve.checkpoints.presets import glm53_like_config
 from pdserve.decode_server.instance import DecodeInstance
 from pdserve.decode_server.rank_worker import DecodeWorkerConfig
-from pdserve.engine import capacity, kv_cache
-from pdserve.engine.comm import CPU_COMMS
-from pdserve.engine.launcher import LaunchConfig
+from pdserve.kvcache import capacity, kv_cache
 from pdserve.model.config import ModelConfig
-from pdserve.model.presets import glm53_like_config
+from pdserve.runtime.comm import CPU_COMMS
+from pdserve.runtime.launcher import LaunchConfig
 
 WARMUP = 3
 CONFIGS = [  # name, W, C_d, index mode, comm, replicated q

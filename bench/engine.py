@@ -82,8 +82,8 @@ def ours_engine(model, kv_tokens: int):
 def ours_prefill(model_dir: str, length: int) -> dict:
     import torch
 
-    from pdserve.engine.request import SamplingParams
     from pdserve.model.weights import load_model
+    from pdserve.request import SamplingParams
 
     model = load_model(model_dir, torch.float32)
     ours_engine(model, 512).generate(
@@ -139,8 +139,8 @@ def hf_prefill(model_dir: str, length: int) -> dict:
 def ours_decode(model_dir: str, batch: int, context: int, steps: int) -> dict:
     import torch
 
-    from pdserve.engine.request import SamplingParams
     from pdserve.model.weights import load_model
+    from pdserve.request import SamplingParams
 
     model = load_model(model_dir, torch.float32)
     engine = ours_engine(model, batch * (context + steps + WARMUP_STEPS + 16))
@@ -171,7 +171,7 @@ def ours_decode(model_dir: str, batch: int, context: int, steps: int) -> dict:
             }
         )
     assert produced == batch * steps, f"expected {batch * steps} tokens, got {produced}"
-    from pdserve.model import native
+    from pdserve.native import ops as native
 
     return dict(
         decode_result(step_s, batch),

@@ -27,10 +27,10 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pdserve.checkpoints.random_checkpoint import make_model  # noqa: E402
 from pdserve.engine.attn_ops import gather_facts, select_attention_ops  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
-from pdserve.engine.request import SamplingParams  # noqa: E402
-from pdserve.model.random_checkpoint import make_model  # noqa: E402
+from pdserve.request import SamplingParams  # noqa: E402
 
 DECODE_STEPS = 20
 

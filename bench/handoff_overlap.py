@@ -55,7 +55,7 @@ def _wait_rows(dec, room: str, sums: dict[int, int]) -> float:
 
 
 def one(pre, dec, ids: list[int], stream: bool, room: str) -> dict:
-    from pdserve.engine.request import SamplingParams
+    from pdserve.request import SamplingParams
     from pdserve.transfer.plan import plan_transfer
 
     n = len(ids)
@@ -90,9 +90,9 @@ def one(pre, dec, ids: list[int], stream: bool, room: str) -> dict:
 def measure(model: str, transfer: str, tokens: int, repeats: int) -> dict:
     from pdserve.decode_server.instance import DecodeInstance
     from pdserve.decode_server.rank_worker import DecodeWorkerConfig
-    from pdserve.engine.launcher import LaunchConfig
     from pdserve.prefill_server.instance import PrefillInstance
     from pdserve.prefill_server.rank_worker import PrefillWorkerConfig
+    from pdserve.runtime.launcher import LaunchConfig
 
     slots = -(-tokens // PAGE) * PAGE
     pw = PrefillWorkerConfig(model, slots, transfer=transfer)

@@ -105,8 +105,8 @@ class Bench:
         self.startup: dict[str, dict] = {}
 
     def start(self) -> None:
-        from pdserve.engine.launcher import LaunchConfig
         from pdserve.prefill_server.instance import PrefillInstance
+        from pdserve.runtime.launcher import LaunchConfig
 
         for label in self.a.configs:
             cp, threads = map(int, label.split("x"))

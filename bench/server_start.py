@@ -5,7 +5,7 @@
     .venv/bin/python bench/server_start.py --roles decode --repeats 3
 
 Not a claim of the README table: what the suite's server fixtures and `pdserve up` pay per instance
-(a server imports torch, and so does the forkserver its cpu ranks fork from: engine/launcher.prestart
+(a server imports torch, and so does the forkserver its cpu ranks fork from: runtime/launcher.prestart
 overlaps the two). Writes server_start.json in --out. bench/ is on sys.path when a script runs."""
 
 from __future__ import annotations

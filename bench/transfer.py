@@ -228,10 +228,10 @@ def handoff(
     latent row's bytes and the instances' process ids (transfer_raw.Interleaved)."""
     from pdserve.decode_server.instance import DecodeInstance
     from pdserve.decode_server.rank_worker import DecodeWorkerConfig
-    from pdserve.engine.launcher import LaunchConfig
-    from pdserve.engine.request import SamplingParams
     from pdserve.prefill_server.instance import PrefillInstance
     from pdserve.prefill_server.rank_worker import PrefillWorkerConfig
+    from pdserve.request import SamplingParams
+    from pdserve.runtime.launcher import LaunchConfig
     from pdserve.transfer.plan import plan_transfer
 
     page = 64

@@ -18,7 +18,7 @@ MB = 1 << 20
 def pack_cost(model: str, tokens: int, repeats: int) -> dict:
     """Packs decode rank 0's rows (tokens 0, 2, 4, ... of every layer: one run of step 2 per layer) of
     a full prefill pool into a staging buffer, as a sender does before a WRITE (tcp.pack_rows)."""
-    from pdserve.engine.kv_cache import KVPool
+    from pdserve.kvcache.kv_cache import KVPool
     from pdserve.model.config import ModelConfig
     from pdserve.transfer.plan import Run
     from pdserve.transfer.tcp import pack_rows

@@ -7,7 +7,7 @@ per prefill rank and one receiver process per decode rank, and each `round` post
 WRITE together from a common start, timed until every receiver has seen every notification. Every
 side polls with 0.2 ms sleeps, as the hand-off's loops do (4 processes spinning on 2 cores starve
 each other). Nothing is packed, stored or checksummed: this is what the transport gives these
-processes on this machine. Both ends' buffers are allocated as the KV pools are (engine/huge_pages.py:
+processes on this machine. Both ends' buffers are allocated as the KV pools are (kvcache/huge_pages.py:
 2 MiB-aligned, on transparent huge pages where the kernel has them), so the raw rate is that of the
 same kind of memory as the hand-off's.
 
@@ -34,7 +34,7 @@ import time
 import torch
 from common import cpu_seconds
 
-from pdserve.engine import huge_pages
+from pdserve.kvcache import huge_pages
 
 POLL_S = 0.0002  # the hand-off's own status polls sleep too
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))

@@ -23,8 +23,7 @@ from typing import Literal, Union
 
 from pydantic import Field, StrictBool, StrictInt, model_validator
 
-from .engine.http_edge import REQUEST_ID, StrictModel
-from .engine.request import (
+from .request import (
     MAX_BIAS,
     MAX_GRAMMAR_CHARS,
     MAX_LOGIT_BIAS,
@@ -39,6 +38,7 @@ from .engine.request import (
     SEED_LIMIT,
     SamplingParams,
 )
+from .serving.http_edge import REQUEST_ID, StrictModel
 
 BOOTSTRAP = r"^tcp://[A-Za-z0-9.\[\]-]{1,253}:[0-9]{1,5}$"  # a prefill's side channel, as /info gives it
 CACHE_NAMESPACE = r"^[0-9a-f]{0,64}$"  # a request's prefix-cache namespace: "" (shared) or a digest
@@ -244,7 +244,7 @@ class LoadAnswer(StrictModel):
     free_tokens: int | None = Field(None, ge=0)
     queued: int = Field(0, ge=0)  # requests waiting on the instance
     ranks: list[RankInfo] = Field(default_factory=list)
-    # prefix cache (engine/radix_cache.py): free + cached + in use = total
+    # prefix cache (kvcache/radix_cache.py): free + cached + in use = total
     cached_tokens: int | None = Field(None, ge=0)  # in the prefix cache, unreferenced (evicted on demand)
     in_use_tokens: int | None = Field(None, ge=0)  # held by requests (cached prefixes they read included)
     prefix_cache: bool | None = None

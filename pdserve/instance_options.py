@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Optional
 
 from .choices import AttentionOps, Device, LinearOps, ModelDType, MoeOps, Switch, Transfer, check
-from .engine.placement import check_device_fields
 from .flags import (
     ATTENTION_OPS_HELP,
     DEQUANTIZE_HELP,
@@ -29,6 +28,11 @@ from .flags import (
     SHUTDOWN_GRACE_HELP,
     option,
 )
+from .runtime.placement import check_device_fields
+
+# --max-kv-tokens, one bound and one default for prefill, decode and `up` (per instance)
+MIN_KV_TOKENS = 16
+DEFAULT_MAX_KV_TOKENS = 65536  # on cpu; on cuda the decode sizes its pool by --gpu-memory-utilization
 
 
 @dataclass(frozen=True)
@@ -60,10 +64,10 @@ class InstanceOptions(ABC):
         min=1,
     )
     shutdown_grace_s: float = option(30.0, SHUTDOWN_GRACE_HELP, name="--shutdown-grace", min=0.0)
-    # engine/auth.py; serve() requires one (the CLI adds --internal-token-file and the environment)
+    # serving/auth.py; serve() requires one (the CLI adds --internal-token-file and the environment)
     internal_token: str | None = option(None, INTERNAL_TOKEN_HELP, cli_type=Optional[str], repr=False)
-    # one instance over several hosts (engine/node_group.py; the CLI fills these from the
-    # LeaderWorkerSet environment when the flags are not given: engine/nodes.py)
+    # one instance over several hosts (runtime/node_group.py; the CLI fills these from the
+    # LeaderWorkerSet environment when the flags are not given: runtime/nodes.py)
     nnodes: int = option(1, NODE_HELP["nnodes"], min=1, cli_type=Optional[int], cli_default=None)
     node_rank: int = option(0, NODE_HELP["node_rank"], min=0, cli_type=Optional[int], cli_default=None)
     dist_addr: str = option("", NODE_HELP["dist_addr"], cli_type=Optional[str], cli_default=None)
@@ -109,6 +113,6 @@ class InstanceOptions(ABC):
     def dist_endpoint(self) -> tuple[str, int]:
         """(host, port) of the ranks' rendezvous: --dist-addr, else 127.0.0.1 and --dist-port; a
         multi-node instance's control link listens on node 0 at the port after it."""
-        from .engine.nodes import parse_dist_addr
+        from .runtime.nodes import parse_dist_addr
 
         return parse_dist_addr(self.dist_addr, self.dist_port)

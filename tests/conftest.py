@@ -6,20 +6,37 @@ import importlib
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from pdserve.engine.auth import INTERNAL_TOKEN_ENV
-from pdserve.engine.faults import FAULTS_ENV
+from pdserve.runtime.faults import FAULTS_ENV
+from pdserve.serving.auth import INTERNAL_TOKEN_ENV
 from tests.servers import TEST_TOKEN
 
 os.environ[INTERNAL_TOKEN_ENV] = TEST_TOKEN  # every server, router and `pdserve up` a test starts shares it
-os.environ[FAULTS_ENV] = "1"  # rank processes the tests start accept ArmFaultCmd (engine/faults.py)
+os.environ[FAULTS_ENV] = "1"  # rank processes the tests start accept ArmFaultCmd (runtime/faults.py)
 
 ARCHS = ("glm_moe_dsa", "deepseek_v32", "deepseek_v3")
 BENCH = str(Path(__file__).resolve().parents[1] / "bench")
+
+
+FUZZ_SEED_ENV = "PDSERVE_FUZZ_SEED"
+
+
+@pytest.fixture(scope="session")
+def fuzz_seed(pytestconfig) -> int:
+    """The seed of this session's fuzzers (tests/router/test_http_fuzz.py, the schemathesis fuzz in
+    test_hardening.py): $PDSERVE_FUZZ_SEED, else a new one per session, so run after run they draw
+    other cases. Printed here and named in every failure: PDSERVE_FUZZ_SEED=S reruns that draw."""
+    env = os.environ.get(FUZZ_SEED_ENV)
+    seed = int(env) if env else time.time_ns() // 1000 % 1_000_000
+    capture = pytestconfig.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        print(f"\nfuzz seed {seed} (rerun: {FUZZ_SEED_ENV}={seed})")
+    return seed
 
 
 @pytest.fixture
@@ -73,8 +90,8 @@ def save_pretrained_checkpoint(arch: str, out_dir, seed: int = 1):
     """A tiny checkpoint written by transformers itself from a randomly initialised model."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pdserve.model.bpe_builder import write_tokenizer_files
-    from pdserve.model.presets import hf_config
+    from pdserve.checkpoints.bpe_builder import write_tokenizer_files
+    from pdserve.checkpoints.presets import hf_config
 
     d = {k: v for k, v in hf_config(arch, "tiny").items() if k not in ("architectures", "model_type")}
     config = AutoConfig.for_model(arch, **d)
@@ -89,7 +106,7 @@ def save_pretrained_checkpoint(arch: str, out_dir, seed: int = 1):
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory):
     """{(arch, source): path} for source in ("make-model", "save_pretrained")."""
-    from pdserve.model.random_checkpoint import make_model
+    from pdserve.checkpoints.random_checkpoint import make_model
 
     root = tmp_path_factory.mktemp("ckpt")
     out = {}
@@ -105,7 +122,7 @@ def heads12_checkpoints(tmp_path_factory):
     glm_moe_dsa's has one index head: a score is then w * relu(q . k), exactly 0 for about half the
     keys and the largest score whenever w < 0, so ties at 0 decide top-k places all the time (the
     tie rule of docs/design.md invariant 3 is exercised); deepseek_v32 keeps the preset's 8 index heads."""
-    from pdserve.model.random_checkpoint import make_model
+    from pdserve.checkpoints.random_checkpoint import make_model
 
     root = tmp_path_factory.mktemp("ckpt12")
     heads = {"num_attention_heads": 12, "num_key_value_heads": 12}

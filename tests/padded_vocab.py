@@ -11,9 +11,9 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from pdserve.model.bpe_builder import write_tokenizer_files
-from pdserve.model.presets import hf_config
-from pdserve.model.random_checkpoint import make_model
+from pdserve.checkpoints.bpe_builder import write_tokenizer_files
+from pdserve.checkpoints.presets import hf_config
+from pdserve.checkpoints.random_checkpoint import make_model
 
 SCALE = 100.0
 

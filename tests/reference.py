@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.ports import free_port  # noqa: F401 (the tests import it from here)
+from pdserve.serving.ports import free_port  # noqa: F401 (the tests import it from here)
 
 
 def reference_prefill(engine: LLMEngine, ids: list[int]):

@@ -67,3 +67,14 @@ def start_server(role: str, model, *args: str, max_kv_tokens: int = 2048) -> tup
         time.sleep(0.2)
     proc.kill()
     raise AssertionError(f"{role} server not healthy within 120 s")
+
+
+def wait_until(predicate, what: str, timeout_s: float = 30.0, every_s: float = 0.1):
+    """predicate()'s first truthy value, polled every every_s; fails naming `what` after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(every_s)

@@ -6,7 +6,7 @@ flag StackProcess reads from the bench's arguments must exist there: prefix_cach
 import pytest
 import typer.main
 
-from pdserve.cli import app
+from pdserve.cli.main import app
 
 
 def up_options() -> set[str]:

@@ -22,7 +22,7 @@ def load_table():
 def test_readme_table_matches_the_result_files():
     table = load_table()
     text = table.README.read_text()
-    assert table.replace(text, table.render()) == text, "run: python bench/table.py"
+    assert table.update(text) == text, "run: python bench/table.py"
     assert table.main(["--check"]) == 0
 
 
@@ -52,3 +52,33 @@ def test_summary_rows_are_rendered_and_a_changed_number_is_caught(tmp_path):
 def test_every_bench_make_bench_runs_has_its_rows_in_the_table():
     run_all = load_bench("run_all")
     assert [script.removesuffix(".py") for script, _ in run_all.BENCHES] == list(load_table().ORDER)
+
+
+def test_the_hardware_table_says_what_each_record_says(tmp_path):
+    """The README's "Run on hardware" rows come from the records: a GPU device check's counts and
+    the test files that passed on the GPU, a missing record is "never", and a changed record is a
+    stale table."""
+    table = load_table()
+    check = {
+        "date": "2026-12-01T10:00:00+00:00",
+        "environment": {"gpu": "NVIDIA H200", "torch": "2.11.0+cu130"},
+        "passed": 2,
+        "failed": 1,
+        "skipped": 0,
+        "all_passed": False,
+        "checks": [
+            {"name": "tests.gpu.test_nccl::test_a", "outcome": "passed"},
+            {"name": "tests.gpu.test_cuda_graphs::test_b", "outcome": "failed"},
+        ],
+    }
+    (tmp_path / "device_check.json").write_text(json.dumps(check))
+    rendered = table.render_facts(tmp_path)
+    line = next(x for x in rendered.splitlines() if x.startswith("| GPU device check (`tests/gpu`)"))
+    assert "NVIDIA H200" in line and "2026-12-01" in line and "2 passed, 1 failed" in line
+    assert "passed in: test_nccl" in line and "test_cuda_graphs" not in line and "all passed" not in line
+    assert "| GPU device check with flashinfer (`tests/gpu`) | - | never |" in rendered
+    readme = f"# x\n\n{table.render(tmp_path)}\n\n{rendered}\n"
+    assert table.update(readme, tmp_path) == readme
+    check["passed"] = 3
+    (tmp_path / "device_check.json").write_text(json.dumps(check))
+    assert table.update(readme, tmp_path) != readme

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from pdserve.cli import app
+from pdserve.checkpoints.random_checkpoint import tensor_specs
+from pdserve.cli.main import app
 from pdserve.decode_server.tp import apply_decode_tp
-from pdserve.engine.weight_plan import param_bytes
 from pdserve.model.config import ModelConfig
 from pdserve.model.quant import quantizable
-from pdserve.model.random_checkpoint import tensor_specs
 from pdserve.model.weights import WeightError, check_tensor_names, load_model
 from pdserve.prefill_server.moe_tp import shard_prefill_ffn
+from pdserve.runtime.weight_plan import param_bytes
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 RELEASES = {"glm5": 744e9, "deepseek_v32": 671e9, "deepseek_v3": 671e9}  # parameters the model cards state
@@ -79,9 +79,9 @@ def test_check_config_never_builds_the_builtin_model(tmp_path, monkeypatch):
         raise AssertionError("--check-config built or loaded a model")
 
     # the built-in model's writer and the weight loader: a meta-device plan needs neither
-    monkeypatch.setattr("pdserve.model.random_checkpoint.make_model", refuse)
+    monkeypatch.setattr("pdserve.checkpoints.random_checkpoint.make_model", refuse)
     monkeypatch.setattr("pdserve.model.weights.load_model", refuse)
-    monkeypatch.setattr("pdserve.cli_common.ensure_builtin_model", refuse)
+    monkeypatch.setattr("pdserve.cli.common.ensure_builtin_model", refuse)
     for role in ("prefill", "decode", "up", "router"):
         r = cli(role, "--check-config", env={"PDSERVE_CACHE": str(tmp_path)})
         assert r.exit_code == 0, r.output

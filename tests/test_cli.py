@@ -10,10 +10,10 @@ import click
 import pytest
 import typer
 
-from pdserve.cli import app
+from pdserve.cli.main import app
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import SamplingParams
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.request import SamplingParams
 
 
 def pdserve(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -10,9 +10,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from pdserve.cli import app
+from pdserve.checkpoints.random_checkpoint import make_model
+from pdserve.cli.main import app
 from pdserve.decode_server.config import DecodeServerConfig
-from pdserve.model.random_checkpoint import make_model
 from pdserve.prefill_server.config import PrefillServerConfig
 from pdserve.router.launch import Stack, StackConfig
 

@@ -12,7 +12,7 @@ import typer
 from typer.testing import CliRunner
 
 from pdserve import choices
-from pdserve.cli import app
+from pdserve.cli.main import app
 from pdserve.decode_server.config import DecodeServerConfig
 from pdserve.flags import config_command, flagged_fields, option
 from pdserve.prefill_server.config import PrefillServerConfig
@@ -79,7 +79,7 @@ FILLED_IN = {
     "dtype",
     "gpu_ids",
     "cuda_graphs",
-    "nnodes",  # the flag, else the LeaderWorkerSet's variable (engine/nodes.py)
+    "nnodes",  # the flag, else the LeaderWorkerSet's variable (runtime/nodes.py)
     "node_rank",
     "dist_addr",
 }  # by the command
@@ -129,12 +129,12 @@ def test_configs_check_the_same_choice_sets(cls, field, choice_set, tmp_path):
 
 def test_modules_take_their_choice_sets_from_choices():
     from pdserve.decode_server.dcp_backend import COMM_MODES, INDEX_MODES
-    from pdserve.engine.capacity import KV_CACHE_DTYPES
-    from pdserve.engine.comm import CPU_COMMS
+    from pdserve.kvcache.capacity import KV_CACHE_DTYPES
     from pdserve.prefill_server.layouts import LAYOUTS
     from pdserve.prefill_server.rank_worker import CACHE_MODES
     from pdserve.router.config import DISCOVERY, POLICIES
     from pdserve.router.supervise import RESTART_POLICIES
+    from pdserve.runtime.comm import CPU_COMMS
     from pdserve.transfer.backends import TRANSFERS
     from pdserve.transfer.plan import INDEX_MODES as PLAN_INDEX_MODES
 

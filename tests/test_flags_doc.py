@@ -1,14 +1,16 @@
 """docs/flags.md is the CLI's own --help output: it fails here when a flag changes without
-`python -m pdserve.docs_flags` being run again."""
+`python -m pdserve.cli.docs_flags` being run again."""
 
 from __future__ import annotations
 
-from pdserve import docs_flags
+from pdserve.cli import docs_flags
 
 
 def test_flags_doc_is_current():
     text = docs_flags.render()
-    assert docs_flags.DOC.read_text() == text, "docs/flags.md is stale: run `python -m pdserve.docs_flags`"
+    assert docs_flags.DOC.read_text() == text, (
+        "docs/flags.md is stale: run `python -m pdserve.cli.docs_flags`"
+    )
     for flag in ("--cp-size", "--dcp-size", "--discovery", "--selector", "--check-config", "--prefill-cp"):
         assert flag in text, flag  # the server subcommands' flags are in it
 

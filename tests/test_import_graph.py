@@ -8,7 +8,7 @@ import statement, at module level or inside a function, counts.
     every one, inside functions too: a function-level import only hides a cycle, it does not remove
     it) form no cycle;
   - no module is reachable only from tests: every module is imported, directly or not, from an entry
-    point (the `pdserve` command, `python -m pdserve.docs_flags`).
+    point (the `pdserve` command, `python -m pdserve.cli.docs_flags`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "pdserve"
-ENTRY_POINTS = ("pdserve.cli", "pdserve.docs_flags")
+ENTRY_POINTS = ("pdserve.cli", "pdserve.cli.__main__", "pdserve.cli.docs_flags")
 
 
 def _module_name(path: Path) -> str:
@@ -136,3 +136,22 @@ def test_every_module_is_reachable_from_an_entry_point():
         todo += sorted(g.get(m, ()))
     unreachable = sorted(set(g) - seen)
     assert not unreachable, f"modules reachable only from tests (or not at all): {unreachable}"
+
+
+def test_the_router_imports_no_torch_module():
+    """Every module of router/ (and what it imports, at module level) loads without torch: the
+    router's image and process stay small, and nothing there can touch a tensor."""
+    import subprocess
+    import sys
+
+    routers = sorted(m for m in graph() if m == "pdserve.router" or m.startswith("pdserve.router."))
+    assert len(routers) > 20  # the graph was read
+    code = (
+        "import importlib, sys\n"
+        f"for m in {routers!r}: importlib.import_module(m)\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "[]", f"the router imports torch: {out.stdout.strip()[:300]}"

@@ -7,13 +7,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..choices import CpuComm, DcpComm, DcpIndex, KVCacheDType, Switch, check, values
-from ..engine import capacity
-from ..engine.memory_check import DEFAULT_GPU_MEMORY_UTILIZATION, check_gpu_memory_utilization
 from ..flags import option
-from ..instance_options import InstanceOptions
+from ..instance_options import DEFAULT_MAX_KV_TOKENS, MIN_KV_TOKENS, InstanceOptions
+from ..kvcache import capacity
 from ..model.config import ModelConfig
+from ..runtime.memory_check import DEFAULT_GPU_MEMORY_UTILIZATION, check_gpu_memory_utilization
 
-DEFAULT_MAX_KV_TOKENS = 65536
 _WILDCARDS = ("0.0.0.0", "::", "*", "")
 
 
@@ -46,8 +45,8 @@ class DecodeServerConfig(InstanceOptions):
         option(  # neither given: --gpu-memory-utilization (cuda), DEFAULT_MAX_KV_TOKENS (cpu)
             None,
             "KV cache capacity in tokens of the whole instance, rounded up to whole pages (default: on cuda "
-            "what --gpu-memory-utilization leaves, on cpu 65536; unless --kv-memory is given).",
-            min=1,
+            f"what --gpu-memory-utilization leaves, on cpu {DEFAULT_MAX_KV_TOKENS}; unless --kv-memory is given).",
+            min=MIN_KV_TOKENS,
             cli_type=Optional[int],
         )
     )
@@ -56,7 +55,7 @@ class DecodeServerConfig(InstanceOptions):
         "--device cuda without --kv-memory or --max-kv-tokens: the share of each GPU's memory a rank may "
         "use; the KV pool takes what the weights, the workspace and what is already in use leave of it "
         "(whole pages, the same on every rank; printed at startup, total_tokens in GET /info). An "
-        "explicit pool size is still checked against free memory. Accepted and ignored on cpu (65536 tokens).",
+        f"explicit pool size is still checked against free memory. Accepted and ignored on cpu ({DEFAULT_MAX_KV_TOKENS} tokens).",
     )
     page_size: int = option(
         64, "KV slots per page; must be a multiple of --dcp-size (pages are C_d-wide).", min=1

@@ -1,7 +1,7 @@
 """--cuda-graphs: a decode rank replays its step from one CUDA graph per step shape.
 
 A decode step is hundreds of small kernels; launching them one by one from Python costs more than
-running them at small batches. The step is free of host syncs (engine/sync_check.py) and its
+running them at small batches. The step is free of host syncs (runtime/sync_check.py) and its
 inputs sit in fixed buffers per (batch bucket, page-width bucket) (decode_server/step_metadata.py),
 so the whole forward -- model, DCP attention and merge, KV writes, logits -- can be captured once
 per shape and replayed. The first step of a shape runs eagerly (that is its answer, and the warm-up:
@@ -11,7 +11,7 @@ commands), so NCCL collectives are captured in lockstep.
 
 What cannot be captured is refused (`graph_blocker`): the CPU; the flashinfer attention ops (they
 plan on the host each step); ranks that exchange through host memory (several ranks on one GPU:
-engine/comm.py HostComm copies to the host inside the step). `--cuda-graphs on` with a blocker is
+runtime/comm.py HostComm copies to the host inside the step). `--cuda-graphs on` with a blocker is
 a startup error; the default (on for --device cuda) turns graphs off with a line saying why.
 """
 

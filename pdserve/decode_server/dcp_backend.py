@@ -47,7 +47,7 @@ class DecodeBatch:
 class DCPGroup:
     rank: int  # rank within the group (= slot % C_d it owns)
     size: int  # C_d
-    comm: object  # collectives of its members (engine/comm.py)
+    comm: object  # collectives of its members (runtime/comm.py)
 
 
 class DCPBackend:

@@ -1,4 +1,4 @@
-"""`EngineDestination`: the decode engine as the KV destination of hand-offs (transfer/interfaces.py).
+"""`DriverDestination`: the decode step driver as the KV destination of hand-offs (transfer/interfaces.py).
 
 The decode room machines (transfer/decode_room.py) reserve, inspect, commit and release through it;
 every call runs on the decode loop thread (loop.py), which owns the DecodeStepDriver.
@@ -6,24 +6,24 @@ every call runs on the decode loop thread (loop.py), which owns the DecodeStepDr
 
 from __future__ import annotations
 
-from ..engine.request import SamplingParams, TokenLogprob
+from ..request import SamplingParams, TokenLogprob
 from ..transfer.messages import DecodeReservation, Fingerprint
 from ..transfer.rank_commands import RoomStatus
 from .scheduler import DecodeRequest
 from .step_driver import DecodeStepDriver
 
 
-class EngineDestination:
-    def __init__(self, engine: DecodeStepDriver):
-        self.engine, self.instance = engine, engine.instance
+class DriverDestination:
+    def __init__(self, driver: DecodeStepDriver):
+        self.driver, self.instance = driver, driver.instance
 
     def submit(
         self, room: str, prompt_len: int, params: SamplingParams, prompt_ids: list[int] | None = None
     ) -> None:
-        self.engine.submit_remote(prompt_len, params, request_id=room, prompt_ids=prompt_ids)
+        self.driver.submit_remote(prompt_len, params, request_id=room, prompt_ids=prompt_ids)
 
     def admitted_pages(self, room: str) -> list[int] | None:
-        req = self.engine.scheduler.waiting_for_kv.get(room)
+        req = self.driver.scheduler.waiting_for_kv.get(room)
         return None if req is None else req.pages
 
     def reserve(self, room: str, pages: list[int], prompt_len: int) -> DecodeReservation:
@@ -42,7 +42,7 @@ class EngineDestination:
         return self.instance.handoff_bytes(pages, prompt_len, self._cached_len(room))
 
     def _cached_len(self, room: str | None) -> int:
-        req = self.engine.scheduler.waiting_for_kv.get(room) if room is not None else None
+        req = self.driver.scheduler.waiting_for_kv.get(room) if room is not None else None
         return req.cached_len if req is not None else 0
 
     def fingerprint(self) -> Fingerprint:
@@ -57,10 +57,10 @@ class EngineDestination:
     def commit(self, room: str, first_token: int, more_first: list = ()) -> DecodeRequest:
         """more_first: [[token, logprobs wire], ...] of choices 1..n-1 (TransferDone.more_first)."""
         more = [(token, TokenLogprob.from_wire(lp)) for token, lp in more_first]
-        return self.engine.kv_ready(room, first_token, more_first=more)
+        return self.driver.kv_ready(room, first_token, more_first=more)
 
     def release(self, room: str, hold_s: float) -> None:
-        self.engine.abort(room, hold_s)
+        self.driver.abort(room, hold_s)
 
     def listener_problem(self) -> str | None:
         return self.instance.listener_problem()

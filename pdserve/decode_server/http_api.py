@@ -24,17 +24,9 @@ POST /v1/generate  {"token_ids": [...], "max_tokens": 16, "temperature", "top_p"
 POST /v1/abort     {"request_id"} -> {"aborted": true | false (no such live request)}
 POST /flush_cache  -> {"flushed_tokens"}: the prefix cache's unreferenced pages go back (on the loop thread)
 
-Request lifecycle (the loop thread, loop.py, owns the instance; handlers never touch it):
-1. The handler validates the body (token ids inside the vocab, sampling params) and puts a submit
-   command on the loop thread's queue, with a callback that feeds this request's asyncio.Queue
-   through `loop.call_soon_threadsafe`.
-2. The loop thread takes the command at the top of its next iteration. The decode scheduler
-   accepts it or rejects it (it can never fit this instance's KV slots: 400). Without a KV hand-off
-   the engine prefills the prompt locally; the request then waits for pages for prompt + max_tokens.
-   With one (`bootstrap`), it waits for pages, then for the prefill's rows (transfer/decode_room.py).
-3. Each engine step delivers the request's tokens (the first comes from the prefill) as they are
-   sampled; then exactly one finish (stop | length | abort) or error event.
-4. A client that disconnects before the finish aborts the request: its pages are freed at once.
+A request's lifecycle is written once, in scheduler.py (the queues, from the HTTP handler to its
+last event); the handlers only validate, submit to the loop thread (loop.py, which alone owns the
+instance) and relay the request's events.
 """
 
 from __future__ import annotations
@@ -59,17 +51,17 @@ from ..contracts import (
     checked_params,
     event_line,
 )
-from ..engine import capacity
-from ..engine.http_edge import add_flush_route, instance_app, refuse_if_draining, too_busy
-from ..engine.instance_loop import InstanceFailed, Unavailable
-from ..engine.request import Overloaded, SamplingParams
+from ..kvcache import capacity
+from ..request import Overloaded, SamplingParams
+from ..serving.http_edge import add_flush_route, instance_app, refuse_if_draining, too_busy
+from ..serving.instance_loop import Finished, Token, Unavailable
 
 DISCONNECT_POLL_S = 1.0  # how often a non-streaming handler checks whether its client is still there
 
 
-def create_app(cfg, instance, engine_loop, dead_rank, drain=None) -> FastAPI:
-    """cfg: DecodeServerConfig; engine_loop: loop.DecodeLoop; dead_rank() -> message or None;
-    drain: engine.drain.Drain (graceful shutdown) or None."""
+def create_app(cfg, instance, loop, dead_rank, drain=None) -> FastAPI:
+    """cfg: DecodeServerConfig; loop: loop.DecodeLoop; dead_rank() -> message or None;
+    drain: serving.drain.Drain (graceful shutdown) or None."""
     mcfg, alloc = instance.model_config, instance.allocator
     static = {  # fixed for the life of the instance
         "total_tokens": alloc.num_pages * alloc.page_size,
@@ -105,24 +97,24 @@ def create_app(cfg, instance, engine_loop, dead_rank, drain=None) -> FastAPI:
 
     @app.get("/capacity")
     def capacity_() -> DecodeCapacity:
-        return DecodeCapacity(**static, **engine_loop.stats)
+        return DecodeCapacity(**static, **loop.stats)
 
     @app.get("/info")
     def info() -> DecodeCapacity:
         """/capacity with each rank's weight bytes (by dtype); kv tokens: total_tokens."""
-        return DecodeCapacity(**{**static, "ranks": ranks}, **engine_loop.stats)
+        return DecodeCapacity(**{**static, "ranks": ranks}, **loop.stats)
 
     @app.post("/v1/generate")
     async def generate(body: GenerateRequest, request: Request):
         refuse_if_draining(drain)
         params = await _sampling_params(body, mcfg.vocab_size)
         request_id = body.request_id or f"gen-{uuid.uuid4().hex}"
-        loop, events = asyncio.get_running_loop(), asyncio.Queue()
-        accepted = engine_loop.submit(
+        aio, events = asyncio.get_running_loop(), asyncio.Queue()
+        accepted = loop.submit(
             body.token_ids,
             params,
             request_id,
-            lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+            lambda ev: aio.call_soon_threadsafe(events.put_nowait, ev),
             body.bootstrap,
         )
         try:
@@ -136,18 +128,18 @@ def create_app(cfg, instance, engine_loop, dead_rank, drain=None) -> FastAPI:
         except Exception as e:
             raise HTTPException(500, f"request {request_id} failed: {type(e).__name__}: {e}") from None
         # also catches a client that left during the local prefill, or before its stream started
-        watcher = asyncio.create_task(_abort_on_disconnect(request, request_id, engine_loop))
+        watcher = asyncio.create_task(_abort_on_disconnect(request, request_id, loop))
         if body.stream:
             return StreamingResponse(
-                _stream(request_id, events, engine_loop, watcher, params.n), media_type="application/x-ndjson"
+                _stream(request_id, events, loop, watcher, params.n), media_type="application/x-ndjson"
             )
         return await _collect(request_id, events, watcher)
 
     @app.post("/v1/abort")
     async def abort(body: AbortRequest) -> AbortReply:
-        return AbortReply(aborted=await asyncio.wrap_future(engine_loop.abort(body.request_id)))
+        return AbortReply(aborted=await asyncio.wrap_future(loop.abort(body.request_id)))
 
-    add_flush_route(app, engine_loop, instance.flush_cache)
+    add_flush_route(app, loop, instance.flush_cache)
 
     return app
 
@@ -161,31 +153,31 @@ async def _sampling_params(body: GenerateRequest, vocab: int) -> SamplingParams:
         raise HTTPException(400, str(e)) from None
 
 
-async def _stream(request_id: str, events: asyncio.Queue, engine_loop, watcher: asyncio.Task, n: int = 1):
+async def _stream(request_id: str, events: asyncio.Queue, loop, watcher: asyncio.Task, n: int = 1):
     """The NDJSON lines of every choice; the stream ends after the n-th finish (or any error)."""
     ended, finished = False, set()
     try:
         while True:
-            kind, value, *rest = await events.get()
-            lp, index = (rest[0] if rest else []), (rest[1] if len(rest) > 1 else 0)
-            if kind == "token":
-                yield event_line(TokenEvent(token=value, logprob=Logprob.from_wire(lp), index=index))
+            ev = await events.get()
+            if isinstance(ev, Token):
+                yield event_line(
+                    TokenEvent(token=ev.token, logprob=Logprob.from_wire(ev.logprobs), index=ev.index)
+                )
                 continue
-            if kind == "finish":
-                finished.add(index)
+            if isinstance(ev, Finished):
+                finished.add(ev.index)
                 ended = len(finished) == n
-                yield event_line(FinishEvent(finish_reason=value, request_id=request_id, index=index))
+                yield event_line(FinishEvent(finish_reason=ev.reason, request_id=request_id, index=ev.index))
                 if ended:
                     return
                 continue
-            ended = True
-            lost = isinstance(value, InstanceFailed)  # the instance's failure: the router may migrate it
-            yield event_line(ErrorEvent(error=str(value), request_id=request_id, lost=lost))
+            ended = True  # the instance's failure (lost): the router may migrate the request
+            yield event_line(ErrorEvent(error=ev.message, request_id=request_id, lost=ev.instance_failed))
             return
     finally:  # starlette cancels this generator when the client disconnects
         watcher.cancel()
         if not ended:
-            engine_loop.abort(request_id)  # frees the request's pages; nothing waits for the answer
+            loop.abort(request_id)  # frees the request's pages; nothing waits for the answer
 
 
 async def _collect(request_id: str, events: asyncio.Queue, watcher: asyncio.Task):
@@ -193,23 +185,26 @@ async def _collect(request_id: str, events: asyncio.Queue, watcher: asyncio.Task
     logprobs: list[Logprob] = []
     try:
         while True:
-            kind, value, *lp = await events.get()
-            if kind == "token":
-                tokens.append(value)
-                if lp and lp[0]:
-                    logprobs.append(Logprob.from_wire(lp[0]))
-            elif kind == "finish":  # "abort" too, when the watcher saw the client leave
+            ev = await events.get()
+            if isinstance(ev, Token):
+                tokens.append(ev.token)
+                if ev.logprobs:
+                    logprobs.append(Logprob.from_wire(ev.logprobs))
+            elif isinstance(ev, Finished):  # "abort" too, when the watcher saw the client leave
                 return GenerateReply(
-                    request_id=request_id, token_ids=tokens, finish_reason=value, logprobs=logprobs or None
+                    request_id=request_id,
+                    token_ids=tokens,
+                    finish_reason=ev.reason,
+                    logprobs=logprobs or None,
                 )
             else:
-                raise HTTPException(500, f"request {request_id} failed: {value}")
+                raise HTTPException(500, f"request {request_id} failed: {ev.message}")
     finally:
         watcher.cancel()
 
 
-async def _abort_on_disconnect(request: Request, request_id: str, engine_loop) -> None:
+async def _abort_on_disconnect(request: Request, request_id: str, loop) -> None:
     """Starlette does not cancel a handler whose client left before its response started: poll, then abort."""
     while not await request.is_disconnected():
         await asyncio.sleep(DISCONNECT_POLL_S)
-    engine_loop.abort(request_id)  # frees its pages; a no-op if the request already ended
+    loop.abort(request_id)  # frees its pages; a no-op if the request already ended

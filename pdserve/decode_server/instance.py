@@ -4,7 +4,7 @@ One global slot numbering for the whole instance (docs/design.md invariant 4): p
 slots, page_size a multiple of C_d, so a page's slots are spread evenly over the DCP group and a
 request's token p lands on group rank p % C_d. The scheduler decides; this class executes.
 
-Prefix cache (`--prefix-cache on`, engine/radix_cache.py): the tree holds whole pages of finished
+Prefix cache (`--prefix-cache on`, kvcache/radix_cache.py): the tree holds whole pages of finished
 requests (prompt and generated tokens); the scheduler locks a new request's cached prefix and
 reserves the rest, and the reservation tells the prefill side how many leading tokens it holds
 (`cached_len`, whole pages), so the hand-off ships only the rest. Cached rows stay on their ranks
@@ -18,12 +18,12 @@ import dataclasses
 import torch
 
 from ..engine.batch_sampler import SampleRow
-from ..engine.launcher import LaunchConfig, RankInstance
-from ..engine.node_group import make_group
-from ..engine.page_allocator import PageAllocator
-from ..engine.pipe_tensors import from_pipe
-from ..engine.radix_cache import RadixCache
+from ..kvcache.page_allocator import PageAllocator
+from ..kvcache.radix_cache import RadixCache
 from ..model.config import ModelConfig
+from ..runtime.launcher import LaunchConfig, RankInstance
+from ..runtime.node_group import make_group
+from ..runtime.pipe_tensors import from_pipe
 from ..transfer.frames import new_ticket
 from ..transfer.messages import DecodeReservation, Fingerprint, model_hash
 from ..transfer.plan import DecodeSide, PrefillSide, Transfer, plan_transfer
@@ -35,7 +35,7 @@ from ..transfer.rank_commands import (
     StageCmd,
     TransferStatusCmd,
 )
-from ..transfer.room import ANY_SRC, RoomSlots
+from ..transfer.room_rows import ANY_SRC, RoomSlots
 from .rank_worker import (
     CopyCmd,
     DecodeRankInfo,
@@ -43,8 +43,11 @@ from .rank_worker import (
     DecodeWorkerConfig,
     DumpCmd,
     ForgetSamplingCmd,
+    InfoCmd,
     LoadCmd,
     ReconfigureCmd,
+    SamplingStreamsCmd,
+    SelectionsCmd,
     StepCmd,
     StepResult,
 )
@@ -147,10 +150,17 @@ class DecodeInstance(RankInstance):
 
     def sampling_streams(self) -> list[str]:
         """The requests rank 0 holds a generator for (checks)."""
-        return self.ranks.call("sampling_streams")[0]
+        return self.ranks.call(SamplingStreamsCmd())[0]
 
     def dump(self, slots: list[int]) -> list[dict]:
-        return self.ranks.call(DumpCmd(slots))
+        return [  # the ranks send runtime/pipe_tensors.py wire
+            {
+                "slots": d["slots"],
+                "kv": {layer: from_pipe(t) for layer, t in d["kv"].items()},
+                "index": {layer: from_pipe(t) for layer, t in d["index"].items()},
+            }
+            for d in self.ranks.call(DumpCmd(slots))
+        ]
 
     def reconfigure(self, index_mode: str, comm: str) -> None:
         """Switches the index mode and merge backend on running ranks; clears every cache."""
@@ -158,10 +168,13 @@ class DecodeInstance(RankInstance):
 
     def selections(self) -> list[dict[int, torch.Tensor]]:
         """Every rank's selected positions of the last step, per indexer layer ([B, k], -1 padded)."""
-        return self.ranks.call("selections")
+        return [
+            {layer: from_pipe(wire) for layer, wire in rank.items()}
+            for rank in self.ranks.call(SelectionsCmd())
+        ]
 
     def rank_info(self) -> list[DecodeRankInfo]:
-        return self.ranks.call("info")
+        return self.ranks.call(InfoCmd())
 
     # ---- KV hand-off (transfer/decode_room.py) ------------------------------------------------------
     @property
@@ -204,7 +217,7 @@ class DecodeInstance(RankInstance):
             per[t.kind] = per.get(t.kind, 0) + t.rows
         totals = self._expect_totals_cmd(room, ticket, pages, n, cached_len) if expect else None
         replies = self.ranks.call(StageCmd(room, ticket, rows, totals))
-        errors = [f"decode rank {rank}: {r['error']}" for rank, r in enumerate(replies) if r["error"]]
+        errors = [f"decode rank {rank}: {r.error}" for rank, r in enumerate(replies) if r.error]
         if errors:
             self.forget(room, quiesced=True)  # nothing was sent for this ticket
             raise RuntimeError("; ".join(errors))
@@ -216,7 +229,7 @@ class DecodeInstance(RankInstance):
             self.worker.dcp_size,
             self.allocator.page_size,
             tuple(pages),
-            {rank: r["endpoint"] for rank, r in enumerate(replies)},
+            {rank: r.endpoint for rank, r in enumerate(replies)},
             ticket,
             cached_len,
         )
@@ -227,7 +240,7 @@ class DecodeInstance(RankInstance):
         )
 
     def room_slots(self, pages: list[int]) -> RoomSlots:
-        """The pool rows the room owns on each rank: receivers refuse rows anywhere else (transfer/room.py)."""
+        """The pool rows the room owns on each rank: receivers refuse rows anywhere else (transfer/room_rows.py)."""
         return RoomSlots.of(pages, self.allocator.page_size, self.worker.dcp_size, self.index_mode)
 
     def expect(self, room: str, ticket: bytes, plan: list[Transfer], pages: list[int]) -> None:
@@ -316,4 +329,4 @@ class DecodeInstance(RankInstance):
         Returns how long the room's pages must stay unused (0: at once): NIXL WRITEs land in the pool,
         so a room dropped while senders may still be writing holds its pages for the quarantine."""
         replies = self.ranks.call(ForgetCmd(room, quiesced))
-        return max((r.get("hold_s", 0.0) for r in replies if isinstance(r, dict)), default=0.0)
+        return max((r.hold_s for r in replies), default=0.0)

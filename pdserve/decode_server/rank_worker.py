@@ -21,15 +21,19 @@ import torch.distributed as dist
 
 from ..engine.attn_ops import make_attention_ops
 from ..engine.batch_sampler import BatchSampler, Sampled, SampleRow
-from ..engine.capacity import page_bytes_per_rank
-from ..engine.comm import CPU_COMMS, make_comm
-from ..engine.device import check_devices, rank_device
-from ..engine.faults import check_fault
 from ..engine.gemm_ops import apply_gemm_ops
-from ..engine.kv_cache import KVPool
-from ..engine.launcher import RankWorker
 from ..engine.llm_engine import parse_dtype
-from ..engine.memory_check import (
+from ..kvcache.capacity import page_bytes_per_rank
+from ..kvcache.kv_cache import KVPool
+from ..model.layers import Experts
+from ..model.shard import weight_bytes_by_dtype
+from ..model.tokenizer import decodable_vocab
+from ..model.weights import load_model
+from ..runtime.comm import CPU_COMMS, make_comm
+from ..runtime.device import check_devices, rank_device
+from ..runtime.faults import check_fault
+from ..runtime.launcher import RankWorker
+from ..runtime.memory_check import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     WORKSPACE_BYTES,
     RankMemoryError,
@@ -39,12 +43,8 @@ from ..engine.memory_check import (
     gib,
     kv_tokens_for_memory,
 )
-from ..engine.pipe_tensors import to_pipe
-from ..engine.sync_check import forbid_host_sync
-from ..model.layers import Experts
-from ..model.shard import weight_bytes_by_dtype
-from ..model.tokenizer import decodable_vocab
-from ..model.weights import load_model
+from ..runtime.pipe_tensors import to_pipe
+from ..runtime.sync_check import forbid_host_sync
 from ..transfer.backends import check_transfer, make_receiver
 from ..transfer.frames import DEV_FRAME_KEY
 from ..transfer.rank_commands import TRANSFER_CMDS
@@ -67,17 +67,17 @@ class DecodeWorkerConfig:
     dtype: str = "float32"
     kv_cache_dtype: str = "auto"
     float32_islands: bool = True
-    cpu_comm: str = "auto"  # collectives between the ranks: shared memory or gloo (engine/comm.py)
+    cpu_comm: str = "auto"  # collectives between the ranks: shared memory or gloo (runtime/comm.py)
     nnodes: int = 1  # hosts the W ranks span (W / nnodes each): shared memory only inside one
-    device: str = "cpu"  # "cuda": the GPU the launcher selected for this rank (engine/device.py)
+    device: str = "cpu"  # "cuda": the GPU the launcher selected for this rank (runtime/device.py)
     gpu_ids: tuple[int, ...] = ()  # the instance's GPUs (they decide NCCL or the host comm)
     attention_ops: str = "auto"  # engine/attn_ops.py
     linear_ops: str = "auto"  # engine/gemm_ops.py
     moe_ops: str = "auto"
-    moe_ep: bool = False  # routed experts by id across the W ranks (engine/expert_parallel.py)
+    moe_ep: bool = False  # routed experts by id across the W ranks (runtime/expert_parallel.py)
     max_batch: int = 64  # --max-batch: the largest batch bucket (decode_server/step_metadata.py)
     cuda_graphs: str = "off"  # on | off | auto (cuda's default): decode_server/cuda_graphs.py
-    forbid_host_sync: bool = False  # tests: the step raises on any host sync (engine/sync_check.py)
+    forbid_host_sync: bool = False  # tests: the step raises on any host sync (runtime/sync_check.py)
     pad_steps: bool | None = None  # steps in bucket shapes with padding rows (None: on cuda; tests: cpu)
     keep_fp8: bool = False  # fp8 checkpoint weights stay fp8 (model/shard.py): cuda without --dequantize
     transfer: str = "tcp"  # KV hand-off data path: "tcp" | "nixl"
@@ -107,7 +107,7 @@ class DecodeWorkerConfig:
 
 def step_forward(model, backend: DCPBackend, inputs: StepInputs, logits: bool) -> torch.Tensor:
     """A decode step on the device, from its inputs to the logits [B, vocab] (logits=False: the
-    final hidden states [B, hidden]): no host sync (engine/sync_check.py), so a CUDA graph can hold it."""
+    final hidden states [B, hidden]): no host sync (runtime/sync_check.py), so a CUDA graph can hold it."""
     backend.begin(DecodeBatch(inputs.page_table, inputs.lengths, inputs.page_size))
     hidden = model(inputs.token_ids.long(), inputs.positions.long(), backend)  # [B, hidden]
     return model.compute_logits(hidden) if logits else hidden
@@ -138,7 +138,7 @@ class StepCmd:
     pages: list[list[int]]  # per request: its pages (page tables are small; slot lists would be O(context))
     lengths: list[int]  # per request: S, so positions 0..S-1 are read and S-1 is the newest token
     page_size: int
-    request_ids: tuple[str, ...] = ()  # for error messages and the test-only fault hook (engine/faults.py)
+    request_ids: tuple[str, ...] = ()  # for error messages and the test-only fault hook (runtime/faults.py)
     # one per request: rank 0 samples and answers a StepResult; None: rank 0 answers the logits (checks)
     sampling: tuple[SampleRow, ...] | None = None
     forget: tuple[str, ...] = ()  # requests that ended: rank 0 drops their generators first
@@ -150,7 +150,7 @@ class StepResult:
     """Rank 0's answer to a StepCmd with sampling rows: one outcome per request, in the batch's order."""
 
     rows: list[Sampled]
-    # [B, vocab], only when asked: engine/pipe_tensors.py wire (DecodeInstance.sample_step rebuilds it)
+    # [B, vocab], only when asked: runtime/pipe_tensors.py wire (DecodeInstance.sample_step rebuilds it)
     logits: tuple | torch.Tensor | None = None
 
 
@@ -163,7 +163,7 @@ class ForgetSamplingCmd:
 
 @dataclass(frozen=True)
 class DecodeRankInfo:
-    """A rank's answer to "info" and ReconfigureCmd, and its readiness ack (DecodeInstance.rank_infos)."""
+    """A rank's answer to InfoCmd and ReconfigureCmd, and its readiness ack (DecodeInstance.rank_infos)."""
 
     rank: int
     pid: int
@@ -179,6 +179,21 @@ class DecodeRankInfo:
 @dataclass(frozen=True)
 class DumpCmd:
     slots: list[int]  # returns this rank's stored rows among these global slots
+
+
+@dataclass(frozen=True)
+class InfoCmd:
+    """Each rank's `DecodeRankInfo`."""
+
+
+@dataclass(frozen=True)
+class SelectionsCmd:
+    """Each rank's selected positions of the last step per indexer layer ([B, k], -1 padded; checks)."""
+
+
+@dataclass(frozen=True)
+class SamplingStreamsCmd:
+    """The request ids rank 0 holds a sampling generator for (checks: none once every request ended)."""
 
 
 @dataclass(frozen=True)
@@ -335,13 +350,11 @@ class DecodeRankWorker(RankWorker):
             ReconfigureCmd: self._reconfigure,
             ForgetSamplingCmd: self._forget_sampling,
             TRANSFER_CMDS: lambda cmd: self.receiver.handle(cmd),
-            "info": lambda _: self.info(),
-            # the last step's selected positions per indexer layer (for checks)
-            "selections": lambda _: {
-                layer: sel[: self._rows].cpu() for layer, sel in self.backend.selections.items()
+            InfoCmd: lambda _: self.info(),
+            SelectionsCmd: lambda _: {  # runtime/pipe_tensors.py: a step's small tensors as bytes
+                layer: to_pipe(sel[: self._rows]) for layer, sel in self.backend.selections.items()
             },
-            # the requests rank 0 holds a generator for (checks: none once every request ended)
-            "sampling_streams": lambda _: self._sampler().request_ids if self.rank == 0 else [],
+            SamplingStreamsCmd: lambda _: self._sampler().request_ids if self.rank == 0 else [],
         }
 
     def _sampler(self) -> BatchSampler:
@@ -425,9 +438,11 @@ class DecodeRankWorker(RankWorker):
         rows = slots[own] // self.dcp.size
         index = {}
         for layer in self.pool.index_row:
-            index[layer] = self.pool.read_index(layer, slots if self.cfg.index_mode == "copy" else rows).cpu()
+            index[layer] = to_pipe(
+                self.pool.read_index(layer, slots if self.cfg.index_mode == "copy" else rows)
+            )
         return {
             "slots": slots[own].tolist(),
-            "kv": {l: self.pool.read_kv(l, rows).cpu() for l in self.pool.layers},
+            "kv": {l: to_pipe(self.pool.read_kv(l, rows)) for l in self.pool.layers},
             "index": index,
         }

@@ -23,10 +23,21 @@ request aborts every choice.
 The first output token comes with the cache (the prefill sampled it), so a request with
 max_tokens = 1, or whose first token is EOS, finishes without a decode step.
 
-Only the decode loop thread (loop.py, the skeleton of engine/instance_loop.py) touches it, through
+Only the decode loop thread (loop.py, the skeleton of serving/instance_loop.py) touches it, through
 step_driver.py: submit and abort arrive there as commands; each iteration admits and steps once.
+Through the HTTP API (http_api.py), end to end:
+1. The handler validates the body (token ids inside the vocab, sampling params) and puts a submit
+   command on the loop thread's queue, with a callback that feeds this request's asyncio.Queue
+   through `call_soon_threadsafe`; handlers never touch the instance.
+2. The loop thread takes the command at the top of its next iteration; submit() accepts it or
+   rejects it (it can never fit this instance's KV slots: 400). Without a KV hand-off the engine
+   prefills the prompt locally; with one (`bootstrap`), the request waits for pages, then for the
+   prefill's rows (transfer/decode_room.py).
+3. Each step delivers the request's tokens (the first comes from the prefill) as they are sampled;
+   then exactly one finish (stop | length | abort) or error event.
+4. A client that disconnects before the finish aborts the request: its pages are freed at once.
 
-With a prefix cache (engine/radix_cache.py) and the prompt's token ids known, admission first locks
+With a prefix cache (kvcache/radix_cache.py) and the prompt's token ids known, admission first locks
 the longest cached run of whole pages of the prompt in its cache namespace (params.cache_namespace;
 at most prompt_len - 1 tokens; `cached_len`) and reserves only the rest; the request's pages are
 the cached ones, then its own. A request that finishes (stop | length) puts the whole pages of
@@ -41,10 +52,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ..engine import kv_fit
-from ..engine.page_allocator import PageAllocator
-from ..engine.radix_cache import Node, RadixCache
-from ..engine.request import SamplingParams, TokenLogprob, choice_id
+from ..kvcache import kv_fit
+from ..kvcache.page_allocator import PageAllocator
+from ..kvcache.radix_cache import Node, RadixCache
+from ..request import SamplingParams, TokenLogprob, choice_id
 
 _ids = itertools.count()
 
@@ -112,7 +123,7 @@ class DecodeScheduler:
         return self.allocator.num_pages * self.allocator.page_size
 
     def _tokens_for(self, req: DecodeRequest) -> int:
-        """Slots to reserve at admission: n choices, each in whole pages of its own (engine/kv_fit.py)."""
+        """Slots to reserve at admission: n choices, each in whole pages of its own (kvcache/kv_fit.py)."""
         return kv_fit.kv_tokens(req.prompt_len, req.params.max_tokens, req.params.n, self.allocator.page_size)
 
     def check_fits(self, req: DecodeRequest) -> None:

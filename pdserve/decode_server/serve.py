@@ -1,18 +1,18 @@
 """`pdserve decode`: one process that owns the W rank processes, the decode loop and the HTTP API.
 
 The threads, the command queue and the shutdown are the skeleton both roles share
-(engine/instance_loop.py); decode_server/loop.py is this role's loop thread.
+(serving/instance_loop.py); decode_server/loop.py is this role's loop thread.
 """
 
 from __future__ import annotations
 
 import sys
 
-from ..engine.auth import require_token
-from ..engine.instance_loop import serve_instance
-from ..engine.launcher import LaunchConfig
-from ..engine.nodes import apply_interfaces, describe_nodes
-from ..engine.watchdog import stop_instance
+from ..runtime.launcher import LaunchConfig
+from ..runtime.nodes import apply_interfaces, describe_nodes
+from ..serving.auth import require_token
+from ..serving.instance_loop import serve_instance
+from ..serving.watchdog import stop_instance
 from ..transfer.frames import cluster_frame_key
 from .config import DecodeServerConfig
 from .http_api import create_app
@@ -61,7 +61,7 @@ def serve(cfg: DecodeServerConfig) -> None:
     torch.set_num_threads(cfg.threads_per_rank)  # the local prefill must not take the ranks' cores
     require_token(cfg.internal_token)
     cfg.validate_model()
-    apply_interfaces(cfg)  # before any rank starts: they inherit it (engine/nodes.py)
+    apply_interfaces(cfg)  # before any rank starts: they inherit it (runtime/nodes.py)
     instance = build_instance(cfg)
     print(
         f"starting {cfg.tp_size} decode rank(s) (DCP {cfg.dcp_size}){describe_nodes(cfg)} for {cfg.model}",

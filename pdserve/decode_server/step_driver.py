@@ -16,11 +16,11 @@ import torch
 
 from ..engine.batch_sampler import SampleRow
 from ..engine.constraint import Grammars
-from ..engine.launcher import RankError
 from ..engine.llm_engine import LLMEngine
-from ..engine.request import SamplingParams, TokenLogprob, choice_id
 from ..engine.sampler import Sampler
 from ..model.tokenizer import decodable_vocab
+from ..request import SamplingParams, TokenLogprob, choice_id
+from ..runtime.launcher import RankError
 from .instance import DecodeInstance
 from .rank_worker import StepResult
 from .scheduler import DecodeRequest, DecodeScheduler

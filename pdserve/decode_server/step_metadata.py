@@ -6,7 +6,7 @@ packs them into one int32 array per step, [B, 3 + W]: token id, position, length
 request's page table (W pages; pages past the request's last are 0, never read), and copies it to
 the device once (pinned, non-blocking on cuda). Everything else -- each context position's global
 slot, which positions are read, the new token's slot -- is derived on the device by `derive_slots`
-and the attention backend, so the step itself never reads a value on the host (engine/sync_check.py)
+and the attention backend, so the step itself never reads a value on the host (runtime/sync_check.py)
 and can be replayed as a CUDA graph (decode_server/cuda_graphs.py).
 
 Buckets. With `pad` (CUDA graphs: one graph per shape) a batch of n requests takes the smallest
@@ -16,7 +16,7 @@ keeps its host and device buffers for good. The width is bucketed too because th
 ops read all W * page_size positions of every row (masked): one width of max_pages would make every
 step as slow as the longest context allows. Rows n..B-1 are padding: token 0 at position 0 with
 length 0, so they read no key, and the backend writes their new entry into the pool's scratch row
-(engine/kv_cache.py), never into a slot; their outputs are dropped. Without `pad` (the eager step on
+(kvcache/kv_cache.py), never into a slot; their outputs are dropped. Without `pad` (the eager step on
 the CPU) B = n and W = the batch's own most pages: no row or position is computed for nothing.
 """
 

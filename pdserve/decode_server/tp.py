@@ -6,7 +6,7 @@ group's head slices are those of its members. Each rank keeps:
     slice of its group, so it can compute the whole group's queries without an all-gather;
   - W_UV and the o_proj columns of its own slice; o_proj's output is all-reduced over the W ranks;
   - 1/W of every MLP / expert (intermediate dim), all-reduced after the block; with --moe-ep the
-    routed experts are split by id instead (E/W whole experts per rank, engine/expert_parallel.py):
+    routed experts are split by id instead (E/W whole experts per rank, runtime/expert_parallel.py):
     every rank holds every token of the step, so no token is exchanged and the same all-reduce
     sums the ranks' experts (the shared expert and dense MLPs stay cut by intermediate dim);
   - 1/W of the vocabulary's rows of the embedding and of the LM head (vocab_tp.py);
@@ -21,11 +21,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..engine.expert_parallel import shard_moe_ep
-from ..engine.tp_shard import shard_ffn
 from ..model.attention import MLAttention
 from ..model.shard import cut_linear
 from ..model.transformer import CausalLM
+from ..runtime.expert_parallel import shard_moe_ep
+from ..runtime.tp_shard import shard_ffn
 from .vocab_tp import shard_vocab, wrap_vocab
 
 
@@ -102,6 +102,6 @@ def wrap_decode_tp(model: CausalLM, rank: int, world: int, comm) -> None:
 def apply_decode_tp(
     model: CausalLM, rank: int, world: int, dcp: int, replicate_q: bool, comm, moe_ep: bool = False
 ) -> None:
-    """Both steps on a loaded (whole) model. comm: collectives over all W ranks (engine/comm.py)."""
+    """Both steps on a loaded (whole) model. comm: collectives over all W ranks (runtime/comm.py)."""
     shard_decode_model(model, rank, world, dcp, replicate_q, moe_ep)
     wrap_decode_tp(model, rank, world, comm)

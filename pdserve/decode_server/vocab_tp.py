@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..engine.tp_shard import span
 from ..model.shard import cut_rows
 from ..model.transformer import CausalLM, Embedding
+from ..runtime.tp_shard import span
 
 
 def shard_vocab(model: CausalLM, rank: int, world: int) -> None:

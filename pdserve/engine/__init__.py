@@ -1,1 +1,3 @@
-"""Run-time pieces shared by both servers: KV pool and page allocator, sampler, request types, the single-rank engine."""
+"""The single-rank reference engine and the per-rank compute both servers share: scheduler, model
+runner, sampling (logit processing, grammars, the batched sampler) and the attention and linear
+kernel choices (attn_ops, gemm_ops)."""

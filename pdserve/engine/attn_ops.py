@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model import native
 from ..model.kernels import attend, attend_rows, index_scores, merge_attention, topk_earliest
-from .placement import check_attention_ops
+from ..native import ops as native
+from ..runtime.placement import check_attention_ops
 
 INDEX_CHUNK_BYTES = 64 << 20  # cached_index_scores: the float32 keys converted at a time
 FLASHINFER_VERSION = "0.7.4"  # pyproject.toml's `cuda` extra pins the same; its API changes between minors

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..request import SamplingParams, TokenLogprob
 from . import logits_process
 from .logits_process import RowProcessing
-from .request import SamplingParams, TokenLogprob
 from .sampler import PROBS_ERRORS, draw, filtered_probs_batch, probs_problem
 
 NO_TOKEN = 100  # status of a row whose processing left no token (PROBS_ERRORS' keys are the others)

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import torch
 
+from ..kvcache.kv_cache import KVPool
+from ..kvcache.page_allocator import PageAllocator
 from ..model.config import ModelConfig
 from ..model.tokenizer import decodable_vocab
 from ..model.transformer import CausalLM
 from ..model.weights import load_model
+from ..request import Request, SamplingParams
 from .attn_ops import make_attention_ops
-from .kv_cache import KVPool
 from .model_runner import ModelRunner
-from .page_allocator import PageAllocator
-from .request import Request, SamplingParams
 from .sampler import Sampler
 from .scheduler import Chunk, Scheduler
 from .single_backend import SingleRankBackend

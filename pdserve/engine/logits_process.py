@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .request import SamplingParams, TokenLogprob
+from ..request import SamplingParams, TokenLogprob
 
 NO_TOKEN_ALLOWED = "no token is allowed (grammar, min_tokens and logit_bias exclude every token)"
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..kvcache.page_allocator import PageAllocator
 from ..model.transformer import CausalLM
-from .page_allocator import PageAllocator
 from .scheduler import Chunk
 from .single_backend import ForwardBatch, SeqChunk, SingleRankBackend
 

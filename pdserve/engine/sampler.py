@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
+from ..request import SamplingParams, TokenLogprob, choice_id
 from . import logits_process
 from .logits_process import to_device
-from .request import SamplingParams, TokenLogprob, choice_id
 
 
 class Sampler:

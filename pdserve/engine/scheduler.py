@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from .page_allocator import PageAllocator
-from .request import Request, Status
+from ..kvcache.page_allocator import PageAllocator
+from ..request import Request, Status
 
 
 @dataclass

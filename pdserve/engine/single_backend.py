@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kvcache.kv_cache import KVPool
 from ..model.backend import IndexerInputs
 from ..model.config import ModelConfig
 from .attn_ops import TorchOps, attend_cached, cached_index_scores
-from .kv_cache import KVPool
 from .prefill_attention import prefill_attention
 
 

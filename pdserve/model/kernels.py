@@ -9,11 +9,10 @@ exactly zero.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from . import native
+from .. import env
+from ..native import ops as native
 
 FEW_ROWS = 8  # products of at most this many rows (a decode step's) stay off oneDNN's many-row path
 # oneDNN's float32 product (what inductor calls on the CPU) against this torch's BLAS (MKL) on this
@@ -28,9 +27,9 @@ FEW_ROWS = 8  # products of at most this many rows (a decode step's) stay off on
 # multiple of 1024 (32 shapes) to 0.9 GB, one shape to 0.3 GB. For a few rows (decode) it is no faster
 # (6.2 vs 6.0 ms per step on the small model, batch 1) and costs more per call (15 vs 3 us).
 ONEDNN_AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-ONEDNN = ONEDNN_AVAILABLE and os.environ.get("PDSERVE_ONEDNN", "0") == "1"
+ONEDNN = ONEDNN_AVAILABLE and env.ONEDNN.on()
 # One row times a large W (a decode step at batch 1 reading its weights) is another matter (where the
-# native few-row kernel of model/native.py is built it takes these products, faster still): there
+# native few-row kernel of native/ops.py is built it takes these products, faster still): there
 # oneDNN streams W 1.0-1.9x faster than the BLAS's matrix-matrix path that `linear` takes otherwise
 # (a one-off sweep on 2026-12-01, 2 threads: 1.5-1.9x for W of 1024-2048 x 1024-2048, 1.0-1.3x for
 # 2048 x 512 and 3072 x 768, 0.7-1.0x below 4 MiB), its ~15 us call is small beside a read of
@@ -39,7 +38,7 @@ ONEDNN = ONEDNN_AVAILABLE and os.environ.get("PDSERVE_ONEDNN", "0") == "1"
 # `bench/engine.py --lengths 1024 --decode-batches 1 --skip-transformers` (medium preset: 104.7 vs
 # 85.7 ms per step in one such pair of runs).
 GEMV_MIN_BYTES = 4 << 20
-ONEDNN_GEMV = ONEDNN_AVAILABLE and os.environ.get("PDSERVE_ONEDNN_GEMV", "1") == "1"
+ONEDNN_GEMV = ONEDNN_AVAILABLE and env.ONEDNN_GEMV.on()
 
 
 def _float32_cpu(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -83,7 +82,7 @@ def take_rows(table: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
 
 def absorb_q(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
     """q_nope [T, H, nope] times W_UK [H, nope, c] per head -> [T, H, c]: MLA's absorbed query.
-    A decode step's few rows take the native kernel on the CPU (model/native.py), else torch.matmul."""
+    A decode step's few rows take the native kernel on the CPU (native/ops.py), else torch.matmul."""
     if native.heads_usable(q_nope, w_uk, 1):
         return native.heads_axpy(q_nope, w_uk)
     return torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
@@ -106,7 +105,7 @@ def attend(
     Returns out [B, H, dv] (values are keys[..., :dv]) in q's dtype and lse [B, H] (natural log of
     the scaled scores) in the compute dtype. Half-precision inputs are computed in float32, as
     attention kernels accumulate. A decode step's float32 queries on the CPU take the native kernel
-    (model/native.py: one pass, no [B, H, S] temporaries), everything else torch's ops.
+    (native/ops.py: one pass, no [B, H, S] temporaries), everything else torch's ops.
     """
     if native.attend_usable(q, keys, valid, dv):
         return native.attend(q, keys, valid, scale, dv)
@@ -155,7 +154,7 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, softmax_s
 
     q [B, Hi, Di] (roped index queries), w [B, Hi] (per-head weights, already scaled by Hi^-0.5),
     keys [S, Di] shared or [B, S, Di] per query. Returns [B, S] = sum_h w_h * relu(scale * q_h . k).
-    A decode step's float32 queries on the CPU take the native kernel (model/native.py).
+    A decode step's float32 queries on the CPU take the native kernel (native/ops.py).
     """
     if native.index_scores_usable(q, w, keys):
         return native.index_scores(q, w, keys, softmax_scale)
@@ -170,7 +169,7 @@ def topk_earliest(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Te
     (lower index) key wins. Invalid keys are never selected.
 
     scores [B, S] float, valid [B, S] bool -> indices [B, k] in ascending order, -1 where a row has
-    fewer than k valid keys. float32 scores on the CPU take the native kernel (model/native.py: a
+    fewer than k valid keys. float32 scores on the CPU take the native kernel (native/ops.py: a
     quickselect per row), unless a valid score is NaN.
     """
     B, S = scores.shape
@@ -182,7 +181,7 @@ def topk_earliest(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Te
     kk = min(k, S)
     kth = s.topk(kk, dim=-1).values[:, -1:]  # [B, 1]: the k-th largest score
     # No shortcut when no tie crosses the k-th place (topk's own set would do): telling would read a
-    # value on the host, and a decode step must not (engine/sync_check.py); the rule below gives
+    # value on the host, and a decode step must not (runtime/sync_check.py); the rule below gives
     # that set then too.
     n_valid = valid.sum(dim=-1, keepdim=True)  # [B, 1]
     above = s > kth

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import native
+from ..native import ops as native
 from .config import ModelConfig
 from .fp8_matmul import fp8_matmul
 from .kernels import FEW_ROWS, onednn_linear, uses_onednn, uses_onednn_gemv
@@ -33,7 +33,7 @@ SMALL_OUT = 64  # few-row products with a W of at most this many rows go to F.li
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b) for W [out, in]. On the CPU in float32, a product of at most native.MAX_ROWS rows
-    (a decode step's) goes to the native few-row kernel where it is built (model/native.py: it reads
+    (a decode step's) goes to the native few-row kernel where it is built (native/ops.py: it reads
     W at about the rate of a sum, the BLAS kernels below at half that); without it, and otherwise:
     with PDSERVE_ONEDNN=1, oneDNN takes every
     product of more than FEW_ROWS rows (prefill; model/kernels.py `uses_onednn`), and by default

@@ -1,6 +1,6 @@
 """A rank's part of the model: which slice of each checkpoint tensor it holds, and in which dtype.
 
-Parallelism (engine/tp_shard.py, engine/expert_parallel.py, decode_server/tp.py,
+Parallelism (runtime/tp_shard.py, runtime/expert_parallel.py, decode_server/tp.py,
 prefill_server/moe_tp.py) is applied to a model built on the meta device, before any storage
 exists: `cut_linear`, `cut_experts` (intermediate dim) and `cut_expert_ids` (whole experts by id,
 --moe-ep) give a module the shape of its slice and record which slice of the checkpoint's tensor

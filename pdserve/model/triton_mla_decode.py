@@ -7,7 +7,7 @@ Query b attends over table[rows[b, s]] for every s with rows[b, s] >= 0: a reque
 DCP rank (dense models) or its selected top-k rows (DSA): the caller's list, in any order, of any
 length per request (-1 padded). The value of a key is its first dv = C values (the latent c_kv).
 Scores are sm_scale * kv_scale * (q . k); values are kv_scale * k[:C]. The table may be float8_e4m3fn
-(the pool's fp8 cache, whose static scale is kv_scale: engine/kv_cache.py stores latent entries with
+(the pool's fp8 cache, whose static scale is kv_scale: kvcache/kv_cache.py stores latent entries with
 scale 1.0), bfloat16, float16 or float32; a tile is converted to the dot dtype in registers (fp8 ->
 bf16 is exact), never as a copy of the cache. Accumulation is float32 (online softmax, as flash
 decoding does). A query with no key gets lse -inf and out exactly 0: what the DCP merge needs

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..choices import CacheMode, Layout, Switch, check
 from ..flags import option
-from ..instance_options import InstanceOptions
+from ..instance_options import DEFAULT_MAX_KV_TOKENS, MIN_KV_TOKENS, InstanceOptions
 from .layouts import check_layout_allowed
 
 
@@ -27,7 +27,9 @@ class PrefillServerConfig(InstanceOptions):
         "Split MLP/MoE weights across the ranks (all-gather tokens, reduce-scatter outputs) instead of replicating them.",
     )
     max_kv_tokens: int = option(
-        65536, "KV cache capacity in tokens (per rank, every rank holds the same slots).", min=16
+        DEFAULT_MAX_KV_TOKENS,
+        "KV cache capacity in tokens (per rank, every rank holds the same slots).",
+        min=MIN_KV_TOKENS,
     )
     page_size: int = 16
     bootstrap_timeout_s: float = option(

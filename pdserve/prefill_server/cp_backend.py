@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 
 from ..engine.attn_ops import TorchOps
-from ..engine.collectives import all_gather_rows
-from ..engine.kv_cache import KVPool
 from ..engine.prefill_attention import prefill_attention
+from ..kvcache.kv_cache import KVPool
 from ..model.backend import IndexerInputs
 from ..model.config import ModelConfig
+from ..runtime.collectives import all_gather_rows
 
 
 def layer_owners(num_layers: int, cp_size: int) -> list[int]:

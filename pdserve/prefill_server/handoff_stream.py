@@ -15,9 +15,9 @@ this rank's posting for the room, never its compute: the other ranks' collective
 
 from __future__ import annotations
 
-from ..engine.faults import check_layer_fault
+from ..runtime.faults import check_layer_fault
 from ..transfer.plan import Transfer
-from ..transfer.rank_commands import StreamedSend
+from ..transfer.rank_commands import SendReply, StreamedSend
 
 
 class LayerStream:
@@ -64,7 +64,7 @@ class LayerStream:
         """The running chunk stored this layer's entries: their rows leave now."""
         for by_layer in self.current:
             self._post(by_layer.pop(layer, []))
-        check_layer_fault(self.room, layer, self.rank)  # test-only, off by default (engine/faults.py)
+        check_layer_fault(self.room, layer, self.rank)  # test-only, off by default (runtime/faults.py)
 
     def chunk_done(self) -> None:
         for by_layer in self.current:
@@ -72,7 +72,7 @@ class LayerStream:
                 self._post(by_layer.pop(layer))
         self.current = []
 
-    def close(self) -> dict:
+    def close(self) -> SendReply:
         """Ends the send (every segment posted or not): SendCmd's reply."""
         reply = self.sender.close_send()
-        return {"sums": {}, "error": self.error} if self.error else reply
+        return SendReply(error=self.error) if self.error else reply

@@ -13,10 +13,8 @@ POST /v1/prefill  {"token_ids": [...], "temperature", "top_p", "top_k", "seed", 
                   that reserves that room on this instance's side channel (/info "bootstrap"); the
                   answer comes after the transfer. A failed hand-off is a 502 naming the reason.
 
-A request: the handler checks the body, then submits it to the loop thread (loop.py, which alone
-owns the scheduler and the instance) and waits for its events: the accept (400 when the prompt can
-never fit, 429 when the queue is full, 503 while shutting down), then the first token and the
-finish, or an error. A client that leaves while its request waits aborts it.
+A request's lifecycle is written once, in scheduler.py (from the HTTP handler to its last event);
+the handlers only validate, submit to the loop thread (loop.py) and relay the request's events.
 """
 
 from __future__ import annotations
@@ -27,9 +25,9 @@ import time
 from fastapi import FastAPI, HTTPException
 
 from ..contracts import Logprob, PrefillInfo, PrefillReply, PrefillRequest, checked_params
-from ..engine.http_edge import add_flush_route, instance_app, refuse_if_draining, too_busy
-from ..engine.instance_loop import Unavailable
-from ..engine.request import Overloaded
+from ..request import Overloaded
+from ..serving.http_edge import add_flush_route, instance_app, refuse_if_draining, too_busy
+from ..serving.instance_loop import Failed, Token, Unavailable
 from .loop import PrefillLoop
 from .scheduler import PrefillJob
 
@@ -43,7 +41,7 @@ def create_app(
     token: str | None = None,
 ) -> FastAPI:
     """prefill_loop: the loop thread (handlers never touch the scheduler's state but to read it);
-    dead_rank() -> message naming a dead rank, or None; drain: engine.drain.Drain or None;
+    dead_rank() -> message naming a dead rank, or None; drain: serving.drain.Drain or None;
     token: the internal token every path but /health and /live requires (None: open, tests only)."""
     app = instance_app("pdserve prefill instance", token, dead_rank, drain)
 
@@ -88,15 +86,17 @@ def create_app(
             raise too_busy(str(e)) from None
         first_token = None
         try:
-            kind, value = await events.get()
-            while kind == "token":
-                first_token = value
-                kind, value = await events.get()
+            ev = await events.get()
+            while isinstance(ev, Token):
+                first_token = ev.token
+                ev = await events.get()
         except asyncio.CancelledError:  # the client went away
             prefill_loop.abort(job.request_id)
             raise
-        if kind == "error":
-            raise HTTPException(502 if body.handoff else 500, f"prefill of {job.request_id} failed: {value}")
+        if isinstance(ev, Failed):
+            raise HTTPException(
+                502 if body.handoff else 500, f"prefill of {job.request_id} failed: {ev.message}"
+            )
         return PrefillReply(
             request_id=job.request_id,
             first_token=first_token,

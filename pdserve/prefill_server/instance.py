@@ -4,7 +4,7 @@ Every rank holds the same slot numbering (full cache) or the same numbering for 
 (layer-split), so one PageAllocator here serves all of them. A request's pages stay held after its
 prefill until `release()`: the KV hand-off reads them before they are freed.
 
-Prefix cache (`--prefix-cache on`, engine/radix_cache.py): `prefill()` looks the prompt up in the
+Prefix cache (`--prefix-cache on`, kvcache/radix_cache.py): `prefill()` looks the prompt up in the
 radix tree, locks the longest cached run of whole pages (at most len - 1 tokens: the last position
 is always computed, it gives the first token) and prefills only the rest, split across the ranks by
 the layout as any chunk is (the cached positions are read, never recomputed). `release()` inserts
@@ -21,15 +21,16 @@ import threading
 from dataclasses import asdict, dataclass, field
 
 from ..engine.constraint import Grammars
-from ..engine.launcher import LaunchConfig, RankInstance
-from ..engine.node_group import make_group
-from ..engine.page_allocator import PageAllocator
-from ..engine.radix_cache import Node, RadixCache
-from ..engine.request import SamplingParams
+from ..kvcache.page_allocator import PageAllocator
+from ..kvcache.radix_cache import Node, RadixCache
 from ..model.config import ModelConfig
+from ..request import SamplingParams
+from ..runtime.launcher import LaunchConfig, RankInstance
+from ..runtime.node_group import make_group
+from ..runtime.pipe_tensors import from_pipe
 from ..transfer.messages import DecodeReservation, Fingerprint, model_hash
 from ..transfer.plan import DecodeSide, PrefillSide, Transfer, plan_stream
-from ..transfer.rank_commands import SendCmd, StreamedSend, TransferStatusCmd, merge_checksums
+from ..transfer.rank_commands import SendCmd, SenderStatusCmd, SendReply, StreamedSend, merge_checksums
 from .cp_backend import layer_owners
 from .layouts import check_layout_allowed
 from .rank_worker import DumpCacheCmd, PrefillCmd, PrefillRankInfo, PrefillRankWorker, PrefillWorkerConfig
@@ -47,7 +48,7 @@ class PrefillResult:
     logprob: object = None  # TokenLogprob of the first token, with params.logprobs
     prompt_logprobs: list | None = None  # [TokenLogprob | None] per position, with params.prompt_logprobs
     more_first: list = field(default_factory=list)  # n > 1: [(token, TokenLogprob | None)] of choices 1..
-    sent: list[dict] | None = None  # a streamed hand-off: every rank's SendCmd reply
+    sent: list[SendReply] | None = None  # a streamed hand-off: every rank's SendCmd reply
     computed_at: float = (
         0.0  # time.monotonic() when the last rank finished computing (bench/handoff_overlap.py)
     )
@@ -176,7 +177,7 @@ class PrefillInstance(RankInstance):
         return PrefillResult(
             request_id,
             owner.token,
-            owner.logits,
+            None if owner.logits is None else from_pipe(owner.logits),
             slots,
             cached_len,
             tuple(r.seconds for r in replies),
@@ -271,7 +272,13 @@ class PrefillInstance(RankInstance):
 
     def dump_cache(self, slots: list[int]) -> list[dict]:
         """Every rank's cache entries at these slots, per layer it holds (for checks)."""
-        return self.ranks.call(DumpCacheCmd(slots))
+        return [
+            {
+                layer: (from_pipe(kv), None if idx is None else from_pipe(idx))
+                for layer, (kv, idx) in rank.items()
+            }
+            for rank in self.ranks.call(DumpCacheCmd(slots))
+        ]
 
     # ---- KV hand-off (transfer/prefill_room.py: this instance is its KVSource) ------------------------------------------------------
     def handoff_fingerprint(self, reservation: DecodeReservation) -> Fingerprint:
@@ -337,7 +344,7 @@ class PrefillInstance(RankInstance):
 
     def transfer_status(self) -> list[dict]:
         """Every rank's sender counters (transfer/tcp.py, nixl.py): what a send holds after it returned."""
-        return self.ranks.call(TransferStatusCmd(""))
+        return self.ranks.call(SenderStatusCmd())
 
 
 def _merge_prompt_logprobs(replies, n: int) -> list | None:

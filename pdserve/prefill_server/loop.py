@@ -1,8 +1,8 @@
-"""The prefill loop thread: the only code that touches the prefill instance (engine/instance_loop.py).
+"""The prefill loop thread: the only code that touches the prefill instance (serving/instance_loop.py).
 
 Each iteration takes the queued submit / abort commands, then lets the scheduler prefill the
 oldest ready request (scheduler.py: its lifecycle). A request's outcome is one event for its
-listener: ("token", first token) then ("finish", "length"), or ("error", message).
+listener: Token(first token) then Finished("length"), or Failed(message).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 
-from ..engine.instance_loop import IDLE_WAIT_S, InstanceLoop, Listener, Submit
+from ..serving.instance_loop import IDLE_WAIT_S, Failed, Finished, InstanceLoop, Listener, Submit, Token
 from ..transfer.side_channel import BootstrapServer
 from .scheduler import JobState, PrefillJob, PrefillScheduler
 
@@ -58,10 +58,10 @@ class PrefillLoop(InstanceLoop):
 
     def _finished(self, job: PrefillJob) -> None:
         if job.state is JobState.done:
-            self.emit(job.request_id, ("token", job.first_token))
-            self.emit(job.request_id, ("finish", "length"))
+            self.emit(job.request_id, Token(job.first_token))
+            self.emit(job.request_id, Finished("length"))
         else:
-            self.emit(job.request_id, ("error", job.error))
+            self.emit(job.request_id, Failed(job.error))
 
     def fail_all(self, message: str) -> None:
         try:

@@ -6,7 +6,7 @@ their tokens, every rank applies its column slice of gate/up and the matching ro
 reduce-scatter sums the partial outputs and hands each rank back its own tokens. Each rank then
 holds about 1/C of the MLP weights. The router is replicated, so every rank routes identically.
 
-With --moe-ep as well the routed experts are split by id instead (engine/expert_parallel.py): the
+With --moe-ep as well the routed experts are split by id instead (runtime/expert_parallel.py): the
 block already sees every token, so no token is exchanged and the reduce-scatter sums the ranks'
 experts. --moe-ep alone exchanges tokens by all-to-all (ExpertParallelMoE).
 """
@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..engine.collectives import all_gather_rows, reduce_scatter_rows
-from ..engine.expert_parallel import shard_moe_ep
-from ..engine.tp_shard import shard_ffn
 from ..model.transformer import CausalLM
+from ..runtime.collectives import all_gather_rows, reduce_scatter_rows
+from ..runtime.expert_parallel import shard_moe_ep
+from ..runtime.tp_shard import shard_ffn
 
 
 class TokenSplit:

@@ -1,6 +1,6 @@
 """What one prefill rank process does: load the model, hold its share of the cache, run chunks.
 
-The launcher (engine/launcher.py) sends every rank the same command; each rank computes its own
+The launcher (runtime/launcher.py) sends every rank the same command; each rank computes its own
 tokens of every chunk, and the rank that holds the prompt's last token samples the first token.
 """
 
@@ -14,24 +14,25 @@ import torch
 
 from ..choices import CacheMode, values
 from ..engine.attn_ops import make_attention_ops
-from ..engine.device import rank_device
-from ..engine.expert_parallel import wrap_moe_ep
-from ..engine.faults import check_fault
 from ..engine.gemm_ops import apply_gemm_ops
-from ..engine.kv_cache import KVPool
-from ..engine.launcher import RankWorker
 from ..engine.llm_engine import parse_dtype
 from ..engine.logits_process import bitmask_words, decodable, prompt_logprobs, unpack_bitmask
-from ..engine.memory_check import check_device_fits
-from ..engine.request import SamplingParams, TokenLogprob
 from ..engine.sampler import Sampler
+from ..kvcache.kv_cache import KVPool
 from ..model.config import ModelConfig
 from ..model.shard import weight_bytes_by_dtype
 from ..model.tokenizer import decodable_vocab
 from ..model.weights import load_model
+from ..request import SamplingParams, TokenLogprob
+from ..runtime.device import rank_device
+from ..runtime.expert_parallel import wrap_moe_ep
+from ..runtime.faults import check_fault
+from ..runtime.launcher import RankWorker
+from ..runtime.memory_check import check_device_fits
+from ..runtime.pipe_tensors import to_pipe
 from ..transfer.backends import check_transfer, make_sender
 from ..transfer.frames import DEV_FRAME_KEY
-from ..transfer.rank_commands import SendCmd, StreamedSend, TransferStatusCmd
+from ..transfer.rank_commands import SendCmd, SenderStatusCmd, SendReply, StreamedSend
 from .cp_backend import ChunkPlan, CPBackend, layer_owners
 from .handoff_stream import LayerStream
 from .layouts import split_positions
@@ -52,11 +53,11 @@ class PrefillWorkerConfig:
     float32_islands: bool = True  # False: true float64 (see ModelConfig)
     transfer: str = "tcp"  # KV hand-off data path: "tcp" | "nixl"
     kv_residues: int = 0  # latent cache residue-major by this many residues (KVPool); 0: the CP size
-    device: str = "cpu"  # "cuda": the GPU the launcher selected for this rank (engine/device.py)
+    device: str = "cpu"  # "cuda": the GPU the launcher selected for this rank (runtime/device.py)
     attention_ops: str = "auto"  # engine/attn_ops.py
     linear_ops: str = "auto"  # engine/gemm_ops.py
     moe_ops: str = "auto"
-    moe_ep: bool = False  # routed experts by id across the ranks (engine/expert_parallel.py)
+    moe_ep: bool = False  # routed experts by id across the ranks (runtime/expert_parallel.py)
     keep_fp8: bool = False  # fp8 checkpoint weights stay fp8 (model/shard.py): cuda without --dequantize
     # data frames are signed with it (transfer/frames.py)
     frame_key: bytes = field(default=DEV_FRAME_KEY, repr=False)
@@ -106,13 +107,13 @@ class PrefillRankReply:
 
     rank: int
     token: int | None = None  # None on every rank but the one that computed the last position
-    logits: torch.Tensor | None = None  # [vocab], with PrefillCmd.want_logits
+    logits: tuple | None = None  # [vocab] (runtime/pipe_tensors.py wire), with PrefillCmd.want_logits
     seconds: float = 0.0  # this rank's wall time in the command
     comm_seconds: float = 0.0  # of which in the CP collectives (CPBackend.comm_s)
     logprob: TokenLogprob | None = None  # the first token's, with params.logprobs
     prompt_logprobs: dict[int, TokenLogprob] | None = None  # position p -> of token p + 1, own positions
     more: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)  # choices 1..n-1's first tokens
-    sent: dict | None = None  # with PrefillCmd.stream: SendCmd's reply (checksums or the error)
+    sent: SendReply | None = None  # with PrefillCmd.stream: SendCmd's reply (checksums or the error)
     computed_at: float = 0.0  # time.monotonic() when its last chunk was computed (before the stream closed)
 
 
@@ -189,12 +190,12 @@ class PrefillRankWorker(RankWorker):
             PrefillCmd: self.prefill,
             DumpCacheCmd: self.dump,
             SendCmd: lambda cmd: self.sender.send(cmd),
-            TransferStatusCmd: lambda _: self.sender.status(),
+            SenderStatusCmd: lambda _: self.sender.status(),
         }
 
     @torch.inference_mode()
     def prefill(self, cmd: PrefillCmd) -> PrefillRankReply:
-        check_fault([cmd.request_id])  # test-only, off by default (engine/faults.py)
+        check_fault([cmd.request_id])  # test-only, off by default (runtime/faults.py)
         t_start, self.backend.comm_s = time.perf_counter(), 0.0
         stream = LayerStream(self.sender, cmd.stream, self.rank) if cmd.stream else None
         try:
@@ -216,7 +217,7 @@ class PrefillRankWorker(RankWorker):
                 )
             finally:
                 self.sampler.forget_choices(cmd.request_id, cmd.params.n)
-            logits = logits[0].cpu() if cmd.want_logits else None
+            logits = to_pipe(logits[0]) if cmd.want_logits else None  # runtime/pipe_tensors.py wire
         seconds = time.perf_counter() - t_start
         return PrefillRankReply(
             self.rank, token, logits, seconds, self.backend.comm_s, lp, prompt_lp, more, sent, computed_at
@@ -268,7 +269,7 @@ class PrefillRankWorker(RankWorker):
     def dump(self, cmd: DumpCacheCmd) -> CacheDump:
         slots = torch.tensor(cmd.slots, dtype=torch.int64, device=self.device)
         out = {}
-        for layer in self.pool.layers:  # replies travel through a pipe: host tensors
-            idx = self.pool.read_index(layer, slots).cpu() if self.mcfg.has_indexer(layer) else None
-            out[layer] = (self.pool.read_kv(layer, slots).cpu(), idx)
+        for layer in self.pool.layers:  # replies travel through a pipe: runtime/pipe_tensors.py wire
+            idx = to_pipe(self.pool.read_index(layer, slots)) if self.mcfg.has_indexer(layer) else None
+            out[layer] = (to_pipe(self.pool.read_kv(layer, slots)), idx)
         return out

@@ -22,8 +22,12 @@ The bootstrap side channel (BootstrapService) owns its socket in its own thread;
 tables and queue replies.
 
 The scheduler decides; `PrefillInstance` executes. Only the prefill loop thread (loop.py, the
-skeleton of engine/instance_loop.py) calls it: submit() and abort() arrive there as commands, and
+skeleton of serving/instance_loop.py) calls it: submit() and abort() arrive there as commands, and
 `run_once()` is called once per loop iteration; `on_finish(job)` tells the loop a request ended.
+Through the HTTP API (http_api.py): the handler checks the body, then submits it to the loop thread
+(which alone owns the scheduler and the instance) and waits for its events: the accept (400 when
+the prompt can never fit, 429 when the queue is full, 503 while shutting down), then the first token
+and the finish, or an error. A client that leaves while its request waits aborts it.
 """
 
 from __future__ import annotations
@@ -36,8 +40,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ..engine.page_allocator import OutOfPages
-from ..engine.request import Overloaded, SamplingParams
+from ..kvcache.page_allocator import OutOfPages
+from ..request import Overloaded, SamplingParams
 from ..transfer.base import KVPoll
 from ..transfer.messages import TransferDone
 from ..transfer.prefill_room import PrefillRooms

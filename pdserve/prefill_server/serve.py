@@ -2,7 +2,7 @@
 
 Startup: spawn the C_p ranks and wait for every readiness ack, then serve HTTP. The threads, the
 command queue, the watchdog (a dead rank stops the instance, exit 1, never a hang in a collective)
-and the shutdown are the skeleton both roles share (engine/instance_loop.py); prefill_server/loop.py
+and the shutdown are the skeleton both roles share (serving/instance_loop.py); prefill_server/loop.py
 is this role's loop thread. The hand-off side channel (BootstrapService) runs in its own thread.
 """
 
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import sys
 
-from ..engine.auth import require_token
-from ..engine.instance_loop import serve_instance
-from ..engine.launcher import LaunchConfig
-from ..engine.nodes import apply_interfaces, describe_nodes
-from ..engine.watchdog import stop_instance
+from ..runtime.launcher import LaunchConfig
+from ..runtime.nodes import apply_interfaces, describe_nodes
+from ..serving.auth import require_token
+from ..serving.instance_loop import serve_instance
+from ..serving.watchdog import stop_instance
 from ..transfer.frames import cluster_frame_key
 from ..transfer.side_channel import BootstrapService
 from .config import PrefillServerConfig
@@ -57,7 +57,7 @@ def build_instance(cfg: PrefillServerConfig) -> PrefillInstance:
 def serve(cfg: PrefillServerConfig) -> None:
     require_token(cfg.internal_token)
     cfg.validate_model()
-    apply_interfaces(cfg)  # before any rank starts: they inherit it (engine/nodes.py)
+    apply_interfaces(cfg)  # before any rank starts: they inherit it (runtime/nodes.py)
     instance = build_instance(cfg)
     print(
         f"starting {cfg.cp_size} prefill rank(s){describe_nodes(cfg)} for {cfg.model}",

@@ -36,9 +36,9 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from ..engine.http_edge import PRINCIPAL_SCOPE_KEY, install_edge
-from ..engine.http_server import server_config
 from ..model.tokenizer import Tokenizer
+from ..serving.http_edge import PRINCIPAL_SCOPE_KEY, install_edge
+from ..serving.http_server import server_config
 from . import protocol as P
 from . import respond as R
 from .admin import admin_router
@@ -281,7 +281,7 @@ async def _until_disconnect(request: Request, coro):
 
 
 def make_server(cfg: RouterConfig):
-    """The router's uvicorn.Server on cfg.host:cfg.port (engine/http_server.py: its keep-alive)."""
+    """The router's uvicorn.Server on cfg.host:cfg.port (serving/http_server.py: its keep-alive)."""
     import uvicorn
 
     return uvicorn.Server(server_config(create_app(cfg), cfg.host, cfg.port))

@@ -1,6 +1,6 @@
 """The `cache_aware` policy's model of what each instance's prefix cache holds (torch-free).
 
-The router never sees the instances' radix trees (engine/radix_cache.py); it keeps an approximate
+The router never sees the instances' radix trees (kvcache/radix_cache.py); it keeps an approximate
 copy per instance, built from the prompts it routed there. A prompt is cut into blocks of BLOCK
 tokens and each block is named by a hash of the whole prefix up to its end (a hash chain), so "the
 instance holds the first k blocks" is k dictionary hits. The chain starts from the request's cache

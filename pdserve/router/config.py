@@ -1,21 +1,21 @@
 """`RouterConfig`: the router's one frozen config and, field by field, its `pdserve router` flags
-(pdserve/flags.py; cli_stack.py builds the command from it)."""
+(pdserve/flags.py; cli/stack.py builds the command from it)."""
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from .. import env
 from ..choices import Discovery, Policy, values
-from ..engine.auth import check_strength
 from ..flags import INTERNAL_TOKEN_HELP, option
+from ..serving.auth import check_strength
 from .instance_auth import check_entries
 
 POLICIES = values(Policy)
-ADMIN_TOKEN_ENV = "PDSERVE_ADMIN_TOKEN"
+ADMIN_TOKEN_ENV = env.ADMIN_TOKEN.name
 DISCOVERY = values(Discovery)
 HEADER_NAME = re.compile(r"^[A-Za-z0-9-]{1,64}$")
 
@@ -72,7 +72,7 @@ class RouterConfig:
         False,
         "Report the prompt tokens the prefix cache served in usage.prompt_tokens_details.cached_tokens (off: always 0; a cache hit tells a client that someone sent that prefix before, within its own cache namespace only: docs/security.md).",
     )
-    internal_token: str | None = option(  # sent to the instances (engine/auth.py)
+    internal_token: str | None = option(  # sent to the instances (serving/auth.py)
         None, INTERNAL_TOKEN_HELP, repr=False
     )
     allowed_instance_hosts: tuple[str, ...] = option(  # /admin/add may register these hosts too
@@ -229,4 +229,4 @@ class RouterConfig:
     @staticmethod
     def token_from_env(token: str | None) -> str | None:
         """--admin-token wins over the environment variable; an empty value means no token."""
-        return token or os.environ.get(ADMIN_TOKEN_ENV) or None
+        return token or env.ADMIN_TOKEN.text()

@@ -5,7 +5,7 @@ instance calls").
   only to requests for an origin (scheme, host, port) that proved it holds the token, and never to
   a challenge. The proof: the health poll sends `X-PDServe-Challenge: <random nonce>` without the
   token, and the instance answers `X-PDServe-Proof: token_proof(token, nonce, Host)`
-  (engine/auth.py; the instances' AnswerChallenge middleware). Every poll proves it again; an origin
+  (serving/auth.py; the instances' AnswerChallenge middleware). Every poll proves it again; an origin
   that stops proving is revoked at once.
 - `AllowedHosts`: the hosts `/admin/add` may register, checked before anything is sent to them:
   the hosts of --prefill / --decode, those Kubernetes discovery found, and --allowed-instance-hosts
@@ -20,7 +20,7 @@ import secrets
 
 import httpx
 
-from ..engine.auth import CHALLENGE_HEADER, PROOF_HEADER, token_proof
+from ..serving.auth import CHALLENGE_HEADER, PROOF_HEADER, token_proof
 
 
 class Unproven(RuntimeError):

@@ -9,7 +9,7 @@ exiting stops the stack (exit 1). Ctrl-C or SIGTERM stops every child (SIGTERM t
 instances drain for --shutdown-grace seconds; SIGKILL for what is left after that) and exits 0.
 Children's output goes to one log file each in --log-dir (a restart appends); a child that fails to
 start has its log's tail printed.
-Imports no torch: the model directory must exist (cli.py builds the built-in one first).
+Imports no torch: the model directory must exist (cli/stack.py builds the built-in one first).
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ from typing import Optional
 import httpx
 
 from ..choices import AttentionOps, DcpIndex, Device, Policy, Restart, Switch, Transfer
-from ..engine.auth import INTERNAL_TOKEN_ENV, new_token
-from ..engine.parent_death import die_with_parent
-from ..engine.placement import check_attention_ops, check_device, parse_gpu_ids
-from ..engine.ports import free_port
 from ..flags import ATTENTION_OPS_HELP, DEVICE_HELP, option
+from ..instance_options import MIN_KV_TOKENS
+from ..runtime.parent_death import die_with_parent
+from ..runtime.placement import check_attention_ops, check_device, parse_gpu_ids
+from ..serving.auth import INTERNAL_TOKEN_ENV, new_token
+from ..serving.ports import free_port
 from .config import ADMIN_TOKEN_ENV
 from .supervise import RESTART_POLICIES, Supervisor
 
@@ -61,7 +62,7 @@ class StackConfig:
     max_kv_tokens: int | None = option(  # per instance; None: each server's default
         None,
         "KV cache capacity in tokens of every instance (default: each server's own default).",
-        min=16,
+        min=MIN_KV_TOKENS,
         cli_type=Optional[int],
     )
     policy: str = option("round_robin", choices=Policy)

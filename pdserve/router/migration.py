@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 
 from ..contracts import FinishEvent, TokenEvent
-from ..engine.request import SEED_LIMIT
+from ..request import SEED_LIMIT
 
 CAUSES = ("stream_broken", "health", "lost")  # pdserve_router_migrations_total's label values
 _pumps: set[asyncio.Task] = set()  # merge()'s tasks while they run

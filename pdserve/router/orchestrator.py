@@ -31,8 +31,8 @@ from contextlib import aclosing
 import httpx
 
 from ..contracts import AbortRequest, FinishEvent, PrefillReply, TokenEvent
-from ..engine.kv_fit import Need
-from ..engine.request import Overloaded  # the router's queue is full, or every instance tried was
+from ..kvcache.kv_fit import Need
+from ..request import Overloaded  # the router's queue is full, or every instance tried was
 from .halves import BadRequest, GenParams, Halves, TryFailed
 from .metrics import Metrics
 from .migration import Progress, merge

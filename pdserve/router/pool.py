@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import httpx
 
 from ..contracts import LOAD_PATHS, LoadAnswer
-from ..engine.kv_fit import Need
+from ..kvcache.kv_fit import Need
 from .cache_aware import CacheAwarePolicy, prefix_hashes
 from .instance_auth import AllowedHosts, InstanceAuth, origin
 
@@ -122,6 +122,7 @@ class Pool:
         self.auth, self.allowed = auth, allowed or AllowedHosts()
         self.policy, self.max_in_flight = policy, max_in_flight
         self.cache_aware = CacheAwarePolicy(balance_threshold) if policy == "cache_aware" else None
+        self.health_rounds = 0  # completed polls of every instance (health_loop)
         self._room: asyncio.Event | None = None  # set (and replaced) whenever a request leaves an instance
         self._turn = {role: itertools.count() for role in ROLES}
         for role, urls in (("prefill", prefill), ("decode", decode)):
@@ -263,6 +264,7 @@ class Pool:
     async def health_loop(self, client: httpx.AsyncClient, interval_s: float) -> None:
         while True:
             await self.poll_all(client)
+            self.health_rounds += 1
             await asyncio.sleep(interval_s)
 
 
@@ -272,7 +274,7 @@ def _page_size(inst: Instance) -> int:
 
 def _fits(inst: Instance, need: int | Need, capacity_tokens: int) -> bool:
     """Whether `need` fits `capacity_tokens` of `inst`: a Need by the rule the decode scheduler refuses
-    by (engine/kv_fit.py, in the instance's own whole pages), an int (a prompt's tokens) as it is."""
+    by (kvcache/kv_fit.py, in the instance's own whole pages), an int (a prompt's tokens) as it is."""
     return need <= capacity_tokens if isinstance(need, int) else need.fits(_page_size(inst), capacity_tokens)
 
 
@@ -287,7 +289,7 @@ def _busy(inst: Instance) -> int:
 
 
 def _says_draining(resp: httpx.Response) -> bool:
-    """/health of an instance that got SIGTERM: 503 {"status": "draining"} (engine/drain.py)."""
+    """/health of an instance that got SIGTERM: 503 {"status": "draining"} (serving/drain.py)."""
     try:
         body = resp.json()
     except ValueError:

@@ -17,8 +17,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from pydantic import ConfigDict, Field
 
-from ..engine.http_edge import StrictModel, error_body, error_type
-from ..engine.request import (
+from ..request import (
     MAX_BIAS,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -31,6 +30,7 @@ from ..engine.request import (
     MAX_TOP_K,
     SEED_LIMIT,
 )
+from ..serving.http_edge import StrictModel, error_body, error_type
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024

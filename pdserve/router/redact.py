@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import re
 
-from ..engine.http_edge import new_error_id
+from ..serving.http_edge import new_error_id
 
 log = logging.getLogger("pdserve.router")
 

@@ -19,7 +19,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from ..contracts import FinishEvent, PrefillReply
-from ..engine.http_edge import RETRY_AFTER_S, new_error_id
+from ..serving.http_edge import RETRY_AFTER_S, new_error_id
 from . import protocol as P
 from .logprobs import LogprobFormatter
 from .logprobs import merge as merge_logprobs

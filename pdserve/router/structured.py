@@ -15,7 +15,7 @@ import asyncio
 import json
 
 from ..engine.constraint import GrammarError, grammar_for
-from ..engine.request import MAX_GRAMMAR_CHARS
+from ..request import MAX_GRAMMAR_CHARS
 from .protocol import ApiError
 
 MAX_SPEC_CHARS = 1 << 18  # a regex, Lark grammar or JSON schema (as compact JSON) as the client sends it
@@ -84,7 +84,7 @@ def _spec(fmt: dict) -> tuple[str | None, object]:
         "regex": {"type", "regex"},
         "grammar": {"type", "grammar"},
     }
-    if kind not in allowed:
+    if not isinstance(kind, str) or kind not in allowed:  # a list or object is no type name either
         raise ApiError(
             400, f"response_format.type must be one of {', '.join(allowed)}", "response_format.type"
         )

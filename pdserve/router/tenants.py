@@ -2,7 +2,7 @@
 
 Principals: `--api-key KEY` is one key named "default"; `--api-key-file PATH` holds one `name:key`
 a line (`#` comments and blank lines ignored). The authenticated principal of a request is its
-key's name (engine/http_edge.py `RequireBearer` puts it in the ASGI scope, PRINCIPAL_SCOPE_KEY).
+key's name (serving/http_edge.py `RequireBearer` puts it in the ASGI scope, PRINCIPAL_SCOPE_KEY).
 
 Cache namespace (docs/security.md "Prefix cache and tenants"): the router, never the request
 body, decides it: the principal's name, narrowed by the trusted `--namespace-header` (a gateway's

@@ -27,15 +27,16 @@ from typing import Callable
 
 import zmq
 
-from ..engine.launcher import RankError
-from ..engine.request import SamplingParams
+from ..request import SamplingParams
+from ..runtime.launcher import RankError
+from ..serving.instance_loop import Event, Failed, Finished, Token
 from .base import KVPoll
 from .decode_client import DecodeClient
 from .decode_room import DecodeRoom
 from .frames import DEV_FRAME_KEY
 from .interfaces import KVDestination
 
-Emit = Callable[[str, tuple[str, object]], None]  # (request_id, event) -> delivered to its listener
+Emit = Callable[[str, Event], None]  # (request_id, event) -> delivered to its listener
 MAX_CLIENTS = 64
 CLIENT_IDLE_S = 60.0
 LISTENER_CHECK_S = 2.0
@@ -78,10 +79,7 @@ class DecodeRooms:
         for the destination's prefix cache."""
         if room in self.rooms:
             raise ValueError(f"room {room!r} is already in use")
-        if prompt_ids is None:
-            self.dest.submit(room, prompt_len, params)
-        else:
-            self.dest.submit(room, prompt_len, params, prompt_ids)
+        self.dest.submit(room, prompt_len, params, prompt_ids)
         r = self.rooms[room] = DecodeRoom(
             self.dest, room, prompt_len, bootstrap, timeout_s or self.transfer_timeout_s
         )
@@ -123,12 +121,12 @@ class DecodeRooms:
             self.completed += 1
             self.bytes_received += r.nbytes
             self.transfer_seconds += time.monotonic() - r.sent
-            self.emit(r.room, ("token", r.done.first_token, r.done.first_logprob))
+            self.emit(r.room, Token(r.done.first_token, r.done.first_logprob))
             if r.request.state == "finished":
-                self.emit(r.room, ("finish", r.request.finish_reason))
+                self.emit(r.room, Finished(r.request.finish_reason))
         else:
             self.failed += 1
-            self.emit(r.room, ("error", f"KV transfer failed: {r.s.reason}"))
+            self.emit(r.room, Failed(f"KV transfer failed: {r.s.reason}"))
 
     def abort(self, room: str) -> bool:
         """The client went away: releases the room (True when it was pending here)."""

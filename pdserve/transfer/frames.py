@@ -1,7 +1,7 @@
 """Authenticated frames of the transfer layer (docs/design.md invariant 11), shared by the side channel,
 the TCP data path and NIXL notifications.
 
-Every frame carries an HMAC-SHA256 tag under the cluster's frame key (engine/auth.frame_key of the
+Every frame carries an HMAC-SHA256 tag under the cluster's frame key (serving/auth.frame_key of the
 internal token), checked BEFORE anything of the frame is decoded; a frame whose tag does not verify
 is dropped and counted. Why HMAC and not ZMQ CURVE: the one cluster secret keys everything (no
 per-instance key pairs to make, distribute and rotate), it works the same for ZMQ side-channel
@@ -17,7 +17,7 @@ keys every frame. NIXL WRITEs land without a frame to check: their rows are auth
 room MAC (transfer/base.py RoomChecksum, keyed row hashes) that the sender puts in the signed
 TransferDone and the receiver checks over the rows as they lie before the room is committed. A
 forged payload therefore fails its own room, never lands outside that room's own slots
-(transfer/room.py), and is never decoded from.
+(transfer/room_rows.py), and is never decoded from.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import time
 
 import msgpack
 
-from ..engine.auth import MAC_BYTES, frame_key, sign, verify
+from ..serving.auth import MAC_BYTES, frame_key, sign, verify
 
 # in-process tests only: serve() refuses to start without the internal token and passes its key
 DEV_FRAME_KEY = frame_key("pdserve-development-only-frame-key")
@@ -123,6 +123,6 @@ class Liveness:
 
 
 def cluster_frame_key(token: str | None) -> bytes:
-    """The frame key of a server's internal token (engine/auth.load_internal_token), or the
+    """The frame key of a server's internal token (serving/auth.load_internal_token), or the
     development key without one (in-process tests only: serve() refuses to start without a token)."""
     return frame_key(token) if token else DEV_FRAME_KEY

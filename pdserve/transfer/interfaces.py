@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from ..engine.request import SamplingParams
+from ..request import SamplingParams
 from .messages import DecodeReservation, Fingerprint
 from .plan import DecodeSide, PrefillSide, Transfer
 from .rank_commands import RoomStatus
@@ -20,7 +20,7 @@ from .rank_commands import RoomStatus
 class Prefilled(Protocol):
     token: int  # the first token, sampled by the prefill
     slots: list[int]  # where the prompt's rows sit in the source's pool
-    logprob: object  # the first token's TokenLogprob (engine/request.py) when asked for, else None
+    logprob: object  # the first token's TokenLogprob (request.py) when asked for, else None
     prompt_logprobs: list | None  # [TokenLogprob | None] per prompt position when asked for (echo)
     more_first: list  # n > 1: [(token, TokenLogprob | None)] of choices 1..n-1
     cached_len: int  # leading prompt positions the source's prefix cache served (not computed)
@@ -36,8 +36,10 @@ class KVSource(Protocol):
         """What this side asserts against the reservation's fingerprint (model, dtype, layers)."""
         ...
 
-    def prefill(self, room: str, token_ids: list[int], params: SamplingParams | None = None) -> Prefilled:
-        """Computes the prompt's rows; they stay held until release(room)."""
+    def prefill(
+        self, request_id: str, token_ids: list[int], params: SamplingParams | None = None
+    ) -> Prefilled:
+        """Computes the prompt's rows (request_id: the room); they stay held until release(request_id)."""
         ...
 
     def prefill_side(self, slots: list[int]) -> PrefillSide: ...
@@ -65,7 +67,7 @@ class KVSource(Protocol):
         destination took nothing). Returns only after every rank's sends completed or were cancelled."""
         ...
 
-    def release(self, room: str) -> None:
+    def release(self, request_id: str) -> None:
         """Frees the room's rows (no-op when none are held)."""
         ...
 

@@ -123,7 +123,7 @@ class TransferDone:
     ticket: bytes = b""  # the reservation's (stamped by BootstrapServer.reply): an outcome of an earlier
     # use of the room id never counts for a later one
     first_logprob: list = dataclasses.field(default_factory=list)  # [] or [logprob, [[id, logprob], ...]]:
-    # the first token's logprobs when the request asked for them (engine/request.py TokenLogprob)
+    # the first token's logprobs when the request asked for them (request.py TokenLogprob)
     more_first: list = dataclasses.field(default_factory=list)  # n > 1: [[token, first_logprob], ...] of
     # choices 1..n-1, each sampled from the same logits with its own seed stream
 

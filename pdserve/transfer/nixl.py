@@ -60,7 +60,7 @@ still write there:
     or was cancelled (release_xfer_handle): reusable at once;
   - otherwise a region stays quarantined until every row the room expected has been notified (late
     notifications are counted, then dropped) or `quarantine_s` passed; and ForgetCmd answers
-    {"hold_s": quarantine_s} for a pool-landing room, which DecodeInstance.forget passes on: the
+    ForgetReply(hold_s=quarantine_s) for a pool-landing room, which DecodeInstance.forget passes on: the
     engine frees the request's pages with that hold (PageAllocator.free), so no other request gets
     them before the quarantine ends.
 So a late WRITE lands in memory no other room owns, and its notification is dropped. A prefill
@@ -75,7 +75,7 @@ Peers: a sender loads a decode agent's metadata once per (name, generation), the
 that agent's creation time in ns. A newer generation replaces it (remove_remote_agent first: NIXL
 refuses to re-add a name), an older one is refused, and a peer whose WRITE failed is removed so the
 next reservation loads it afresh. Failures release what they hold: xfer handles (cancelling in-flight
-WRITEs), the room's region, the peer. Idle counters: TransferStatusCmd on either side.
+WRITEs), the room's region, the peer. Idle counters: TransferStatusCmd (decode) and SenderStatusCmd (prefill).
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ import torch
 from .base import RoomChecksum
 from .frames import DEV_FRAME_KEY, HEADER_MAX_BYTES, Liveness, open_notif, unpack
 from .nixl_agent import Arena, NixlEndpoint, agent_name, bind_device, make_agent, mem_type
-from .rank_commands import ExpectCmd, ForgetCmd, StageCmd, receive_command
-from .room import DTYPES, RoomRows, check_notif, count_rows, frame_rows, store_rows
+from .rank_commands import ExpectCmd, ForgetCmd, ForgetReply, StageCmd, StageReply, receive_command
+from .room_rows import DTYPES, RoomRows, check_notif, count_rows, frame_rows, store_rows
 
 QUARANTINE_S = 60.0
 BUSY_POLL_S, IDLE_POLL_S = 0.0005, 0.005
@@ -178,28 +178,28 @@ class NixlReceiver:
     def handle(self, cmd):
         return receive_command(self, cmd)
 
-    def forget(self, cmd: ForgetCmd) -> dict:
+    def forget(self, cmd: ForgetCmd) -> ForgetReply:
         return self._drop(cmd.room, cmd.quiesced)
 
     def _row_bytes(self, kind: str) -> int:
         pool = self.pool()
         return (pool.kv if kind == "kv" else pool.index_k).shape[-1] * pool.dtype.itemsize
 
-    def stage(self, cmd: StageCmd) -> dict:
+    def stage(self, cmd: StageCmd) -> StageReply:
         size = sum(n * self._row_bytes(kind) for kind, n in cmd.rows.get(self.rank, {}).items())
         self._drop(cmd.room, quiesced=False)  # an earlier use of the room id may still be written
         if (layout := self._pool_layout()) is not None:
             self.rooms[cmd.room] = _Room(cmd.ticket, {}, checksum=RoomChecksum(key=self.key), direct=True)
             ep = NixlEndpoint(self.name, self.generation, self.metadata, 0, 0, layout, self.mem, self.dev)
-            return {"endpoint": ep.encode(), "error": None}
+            return StageReply(ep.encode())
         got = self.arena.alloc(size)
         if got is None:
-            return {
-                "endpoint": None,
-                "error": f"receive staging full: room {cmd.room} needs {size} bytes, "
+            return StageReply(
+                None,
+                f"receive staging full: room {cmd.room} needs {size} bytes, "
                 f"{self.arena.size - self.arena.used} of {self.arena.size} free "
                 f"({len(self.quarantine)} regions quarantined)",
-            }
+            )
         start, length = got
         self.rooms[cmd.room] = _Room(
             cmd.ticket, {}, checksum=RoomChecksum(key=self.key), start=start, length=length, size=size
@@ -214,7 +214,7 @@ class NixlReceiver:
             self.mem,
             self.dev,
         )
-        return {"endpoint": ep.encode(), "error": None}
+        return StageReply(ep.encode())
 
     def _pool_layout(self) -> list | None:
         """Where senders WRITE in this rank's pool (NixlEndpoint.pool), registering the pool first
@@ -247,19 +247,19 @@ class NixlReceiver:
             cmd.ticket, expected, cmd.slots, checksum=RoomChecksum(key=self.key), expecting=True
         )  # no region: nothing can land for it
 
-    def _drop(self, room: str, quiesced: bool) -> dict:
-        """Forgets the room; {"hold_s": how long its pool pages must stay unused} -- non-zero for a
+    def _drop(self, room: str, quiesced: bool) -> ForgetReply:
+        """Forgets the room; how long its pool pages must stay unused -- non-zero for a
         direct room whose senders may still be writing (DecodeInstance.forget)."""
         r = self.rooms.pop(room, None)
         if r is None or not r.lands:
-            return {"hold_s": 0.0}
+            return ForgetReply()
         if quiesced or r.all_notified():
             if not r.direct:
                 self.arena.release(r.start, r.length)
-            return {"hold_s": 0.0}
+            return ForgetReply()
         r.until = time.monotonic() + self.quarantine_s
         self.quarantine[r.ticket] = (room, r)  # counts its late notifications
-        return {"hold_s": self.quarantine_s if r.direct else 0.0}
+        return ForgetReply(self.quarantine_s if r.direct else 0.0)
 
     def counters(self) -> dict:
         return {

@@ -11,12 +11,12 @@ import time
 import msgpack
 import torch
 
-from ..engine.faults import take as take_fault
+from ..runtime.faults import take as take_fault
 from .base import RoomChecksum, SendClock
 from .frames import DEV_FRAME_KEY, seal_notif
 from .nixl_agent import NixlEndpoint, agent_name, make_agent, mem_type
 from .plan import Run, Transfer
-from .rank_commands import SendCmd
+from .rank_commands import SendCmd, SendReply
 from .tcp import pack_rows
 
 SEND_POLL_S = 0.0001
@@ -162,8 +162,8 @@ class NixlSender:
     def _row_bytes(self, kind: str) -> int:
         return (self.pool.kv if kind == "kv" else self.pool.index_k).shape[-1] * self.pool.dtype.itemsize
 
-    def send(self, cmd: SendCmd) -> dict:
-        """{"sums": {dst_rank: checksum streams}, "error": None or why}, like TcpSender.send. Every
+    def send(self, cmd: SendCmd) -> SendReply:
+        """The room's SendReply (per decode rank, checksum streams; or why it stopped), like TcpSender.send. Every
         WRITE is posted as soon as its chunk is laid out (none waits for the one before); returns
         only when every WRITE it posted is DONE or cancelled; a failed destination fails the room only."""
         self.open(cmd)
@@ -175,7 +175,7 @@ class NixlSender:
         cmd.plan is the whole plan (every rank's region offsets follow from it)."""
         self.clock.__enter__()
         self._cmd, self._sums = cmd, {}
-        self._corrupt = [take_fault("corrupt", cmd.room)]  # test-only (engine/faults.py)
+        self._corrupt = [take_fault("corrupt", cmd.room)]  # test-only (runtime/faults.py)
         self._offsets, self._error, self.failure = {}, None, None
 
     @torch.inference_mode()
@@ -196,7 +196,7 @@ class NixlSender:
                 self._error = self.failure or f"decode rank {dst}: {err}"
         self._settle(block=False)  # releases the WRITEs already done
 
-    def close_send(self) -> dict:
+    def close_send(self) -> SendReply:
         """Ends the open send once every WRITE it posted is DONE or cancelled: its reply."""
         try:
             self._settle()
@@ -205,8 +205,8 @@ class NixlSender:
             self.staging_used = 0
             self.clock.__exit__()
         if err:
-            return {"sums": {}, "error": err}
-        return {"sums": {dst: dict(c.streams) for dst, c in self._sums.items()}, "error": None}
+            return SendReply(error=err)
+        return SendReply({dst: dict(c.streams) for dst, c in self._sums.items()})
 
     def _send_to(
         self, cmd: SendCmd, dst: int, transfers: list[Transfer], sums: dict, corrupt: list

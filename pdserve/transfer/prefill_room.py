@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from ..engine.request import SamplingParams
+from ..request import SamplingParams
 from .base import KVPoll, TransferState
 from .interfaces import KVSource
 from .messages import DecodeReservation, TransferDone, TransferFailed

@@ -1,6 +1,6 @@
 """The rank command set of a KV hand-off, shared by both data paths (transfer/tcp.py, transfer/nixl.py).
 
-A server's main process sends these to its ranks (engine/launcher.RankGroup.call); the rank's
+A server's main process sends these to its ranks (runtime/launcher.RankGroup.call); the rank's
 receiver (decode) or sender (prefill) answers. Replies cross the rank pipe as plain dicts (what a
 rank can always pickle); the hand-off state machines read them through the typed views below
 (`RoomStatus`, `merge_checksums`), never by key.
@@ -8,12 +8,12 @@ rank can always pickle); the hand-off state machines read them through the typed
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from .base import RoomChecksum
 from .plan import Segment, Transfer
-from .room import RoomSlots
+from .room_rows import RoomSlots
 
 
 @dataclass(frozen=True)
@@ -25,13 +25,13 @@ class ExpectCmd:
     room: str
     ticket: bytes
     expected: dict[int, dict[int, int]]
-    slots: RoomSlots  # the room's pages: rows anywhere else fail the room (transfer/room.py)
+    slots: RoomSlots  # the room's pages: rows anywhere else fail the room (transfer/room_rows.py)
 
 
 @dataclass(frozen=True)
 class StageCmd:
     """Decode ranks, at reservation time: get ready to receive `room`; rows[dst_rank] = {kind: rows}
-    this rank will store. Reply {"endpoint": where the senders write, "error": None or why}. TCP's
+    this rank will store. Reply: a `StageReply`. TCP's
     endpoint is the rank's socket; NIXL's also names a receive region reserved for this room.
     `expect`: the room's ExpectCmd, applied in the same round trip once the stage succeeded."""
 
@@ -43,14 +43,21 @@ class StageCmd:
 
 @dataclass(frozen=True)
 class TransferStatusCmd:
+    """Decode ranks: the receiver's view of `room` (rows, checksum, completion) and its counters."""
+
     room: str
+
+
+@dataclass(frozen=True)
+class SenderStatusCmd:
+    """Prefill ranks: the sender's counters (what a send still holds after it returned)."""
 
 
 @dataclass(frozen=True)
 class ForgetCmd:
     """Drops the room. quiesced: the caller knows no sender will write for it any more (every
     prefill rank's SendCmd returned), so a NIXL receive region is reusable at once; otherwise it is
-    quarantined (transfer/nixl.py). Reply {"hold_s": seconds the room's pages must stay unused}."""
+    quarantined (transfer/nixl.py). Reply: a `ForgetReply`."""
 
     room: str
     quiesced: bool = False
@@ -97,11 +104,11 @@ class Receiver(Protocol):
     unauthenticated: int
     bad_frames: int
 
-    def stage(self, cmd: StageCmd) -> dict: ...
+    def stage(self, cmd: StageCmd) -> StageReply: ...
 
     def expect(self, cmd: ExpectCmd) -> None: ...
 
-    def forget(self, cmd: ForgetCmd) -> dict | None: ...
+    def forget(self, cmd: ForgetCmd) -> ForgetReply: ...
 
     def counters(self) -> dict:
         """The data path's own idle counters (staging, quarantine, registrations), for status replies."""
@@ -114,7 +121,7 @@ def receive_command(receiver: Receiver, cmd):
     with receiver.lock:
         if isinstance(cmd, StageCmd):
             reply = receiver.stage(cmd)
-            if reply["error"] is None and cmd.expect is not None:
+            if reply.error is None and cmd.expect is not None:
                 receiver.expect(cmd.expect)
             return reply
         if isinstance(cmd, ExpectCmd):
@@ -135,6 +142,32 @@ def receive_command(receiver: Receiver, cmd):
     if isinstance(cmd, ListenerStatusCmd):
         return receiver.live.status()
     raise TypeError(f"unknown transfer command {type(cmd).__name__}")
+
+
+@dataclass(frozen=True)
+class StageReply:
+    """A decode rank's answer to StageCmd: where the room's senders write (TCP: the rank's socket;
+    NIXL: an encoded endpoint naming the room's region or the pool), or why it cannot receive it."""
+
+    endpoint: str | None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ForgetReply:
+    """A decode rank's answer to ForgetCmd: how long the room's pages must stay unused (NIXL WRITEs
+    that may still land in the pool; 0: at once)."""
+
+    hold_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class SendReply:
+    """A prefill rank's answer to SendCmd (and a streamed send's close): per decode rank, the
+    checksum streams of the rows it sent (the receivers compute the same), or why it stopped."""
+
+    sums: dict[int, dict] = field(default_factory=dict)
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -162,14 +195,14 @@ class SendError(RuntimeError):
     """A prefill rank could not deliver its share of a room (the rank itself is fine)."""
 
 
-def merge_checksums(replies: list[dict]) -> dict[int, int]:
+def merge_checksums(replies: list[SendReply]) -> dict[int, int]:
     """SendCmd replies -> per decode rank, one checksum over every prefill rank's streams (what the
     receiver computes); SendError if any rank failed to send."""
-    errors = [f"prefill rank {rank}: {r['error']}" for rank, r in enumerate(replies) if r["error"]]
+    errors = [f"prefill rank {rank}: {r.error}" for rank, r in enumerate(replies) if r.error]
     if errors:
         raise SendError("; ".join(errors))
     merged: dict[int, dict] = {}
     for reply in replies:
-        for dst, streams in reply["sums"].items():
+        for dst, streams in reply.sums.items():
             merged.setdefault(dst, {}).update(streams)
     return {dst: RoomChecksum(streams).value() for dst, streams in merged.items()}

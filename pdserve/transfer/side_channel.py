@@ -50,10 +50,11 @@ import dataclasses
 import queue
 import threading
 import time
+from typing import Callable
 
 import zmq
 
-from ..engine.auth import MAC_BYTES
+from ..serving.auth import MAC_BYTES
 from .frames import D2P, DEV_FRAME_KEY, P2D, Liveness
 from .messages import (
     DecodeReservation,
@@ -85,8 +86,10 @@ class BootstrapServer(Endpoint):
         host: str = "127.0.0.1",
         key: bytes = DEV_FRAME_KEY,
         reservation_ttl_s: float = RESERVATION_TTL_S,
+        clock: Callable[[], float] = time.monotonic,  # how old a reservation is (expire)
     ):
         super().__init__(zmq.ROUTER, key, P2D, D2P)
+        self.clock = clock
         self.endpoint = f"tcp://{host}:{self.sock.bind_to_random_port(f'tcp://{host}')}"
         self.reservation_ttl_s = reservation_ttl_s
         self.reservations: dict[str, DecodeReservation] = {}
@@ -181,7 +184,7 @@ class BootstrapServer(Endpoint):
                     self.refused += 1
                 return
             self.reservations[room], self.peers[room] = msg, identity
-            self.reserved_at[room] = time.monotonic()
+            self.reserved_at[room] = self.clock()
             self.aborted.pop(room, None)
         elif isinstance(msg, TransferFailed):
             reservation = self.reservations.get(room)
@@ -196,8 +199,8 @@ class BootstrapServer(Endpoint):
 
     def expire(self) -> None:
         """Forgets reservations nobody claimed within reservation_ttl_s (their request never came)."""
-        now = time.monotonic()
-        self._next_expiry = now + EXPIRE_EVERY_S
+        self._next_expiry = time.monotonic() + EXPIRE_EVERY_S
+        now = self.clock()
         for room, since in list(self.reserved_at.items()):
             if now - since > self.reservation_ttl_s and room not in self.claimed:
                 self.expired += 1

@@ -8,7 +8,7 @@ import time
 
 import zmq
 
-from ..engine.auth import sign, verify
+from ..serving.auth import sign, verify
 from .frames import SIDE_MAX_BYTES
 from .messages import Heartbeat, ProtocolError, decode, encode
 

@@ -12,7 +12,7 @@ One PUSH socket per destination endpoint (cached), so frames to one decode rank 
 order they were sent; `seq` counts frames per (room, destination) for debugging.
 
 The rank commands (transfer/rank_commands.py), the room bookkeeping (`RoomRows`) and the frame
-checks (transfer/room.py: `check_header`, `frame_rows`, `store_rows`) are shared with the NIXL data
+checks (transfer/room_rows.py: `check_header`, `frame_rows`, `store_rows`) are shared with the NIXL data
 path (transfer/nixl.py), which honours the same commands.
 
 Receiver invariants (docs/design.md 3.7-3.8):
@@ -41,7 +41,7 @@ import msgpack
 import torch
 import zmq
 
-from ..engine.faults import take as take_fault
+from ..runtime.faults import take as take_fault
 from .base import RoomChecksum, SendClock
 from .frames import (
     DATA_FRAME_MAX,
@@ -55,8 +55,17 @@ from .frames import (
     unpack,
 )
 from .plan import Transfer
-from .rank_commands import ExpectCmd, ForgetCmd, SendCmd, StageCmd, receive_command
-from .room import (
+from .rank_commands import (
+    ExpectCmd,
+    ForgetCmd,
+    ForgetReply,
+    SendCmd,
+    SendReply,
+    StageCmd,
+    StageReply,
+    receive_command,
+)
+from .room_rows import (
     SLICE_RUNS,
     RoomRows,
     check_header,
@@ -146,16 +155,17 @@ class TcpReceiver:
     def handle(self, cmd):
         return receive_command(self, cmd)
 
-    def stage(self, cmd: StageCmd) -> dict:
-        return {"endpoint": self.endpoint, "error": None}  # one socket for every room
+    def stage(self, cmd: StageCmd) -> StageReply:
+        return StageReply(self.endpoint)  # one socket for every room
 
     def expect(self, cmd: ExpectCmd) -> None:
         self.rooms[cmd.room] = RoomRows(
             cmd.ticket, dict(cmd.expected.get(self.rank, {})), cmd.slots, checksum=RoomChecksum(key=self.key)
         )
 
-    def forget(self, cmd: ForgetCmd) -> None:
+    def forget(self, cmd: ForgetCmd) -> ForgetReply:
         self.rooms.pop(cmd.room, None)
+        return ForgetReply()  # nothing lands in the pool but through this rank's own checks
 
     def counters(self) -> dict:
         return {}
@@ -233,8 +243,8 @@ class TcpSender:
         self.socks[endpoint].setsockopt(zmq.SNDTIMEO, timeout_ms)
         return self.socks[endpoint]
 
-    def send(self, cmd: SendCmd) -> dict:
-        """{"sums": {dst_rank: checksum streams}, "error": None or why}. A destination that does not
+    def send(self, cmd: SendCmd) -> SendReply:
+        """The room's SendReply (per decode rank, checksum streams; or why it stopped). A destination that does not
         drain (dead decode rank) is an error for this room only: its socket and queued frames are
         dropped and the reply says so; raising would break the whole prefill rank group."""
         self.open(cmd)
@@ -245,7 +255,7 @@ class TcpSender:
         """Begins a send whose transfers come in pieces (`post`, as the prefill computes them)."""
         self.clock.__enter__()
         self._cmd, self._sums, self._seq, self._error = cmd, {}, {}, None
-        self._corrupt = take_fault("corrupt", cmd.room)  # test-only (engine/faults.py)
+        self._corrupt = take_fault("corrupt", cmd.room)  # test-only (runtime/faults.py)
 
     @torch.inference_mode()
     def post(self, transfers: list[Transfer]) -> None:
@@ -254,13 +264,13 @@ class TcpSender:
             if self._error is None:
                 self._error = self._send_one(t)
 
-    def close_send(self) -> dict:
+    def close_send(self) -> SendReply:
         """Ends the open send: its reply. The frames are queued on their sockets (ZMQ sends them)."""
         self.clock.__exit__()
         sums, err, self._sums = self._sums, self._error, {}
         if err:
-            return {"sums": {}, "error": err}
-        return {"sums": {dst: dict(c.streams) for dst, c in sums.items()}, "error": None}
+            return SendReply(error=err)
+        return SendReply({dst: dict(c.streams) for dst, c in sums.items()})
 
     def _send_one(self, t: Transfer) -> str | None:
         cmd, seq = self._cmd, self._seq

@@ -17,9 +17,9 @@ import torch
 
 from pdserve.decode_server.instance import DecodeInstance
 from pdserve.decode_server.rank_worker import DecodeWorkerConfig
-from pdserve.engine.launcher import LaunchConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import SamplingParams
+from pdserve.request import SamplingParams
+from pdserve.runtime.launcher import LaunchConfig
 from tests.reference import assert_close, free_port, reference_prefill
 
 TOKENS = 32

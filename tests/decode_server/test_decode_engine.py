@@ -14,12 +14,12 @@ from pdserve.decode_server.rank_worker import DecodeWorkerConfig
 from pdserve.decode_server.scheduler import DecodeRequest, DecodeScheduler
 from pdserve.decode_server.step_driver import DecodeStepDriver
 from pdserve.engine.constraint import Grammars, grammar_for
-from pdserve.engine.launcher import LaunchConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.page_allocator import PageAllocator
-from pdserve.engine.request import SamplingParams
 from pdserve.engine.sampler import Sampler
+from pdserve.kvcache.page_allocator import PageAllocator
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.request import SamplingParams
+from pdserve.runtime.launcher import LaunchConfig
 from tests.engine.test_grammar_cache import big_schema
 from tests.reference import free_port
 
@@ -165,7 +165,7 @@ def test_500_requests_with_random_aborts_leave_the_allocator_idle(engine):
 
 @pytest.mark.slow
 def test_fp8_cache_decodes_with_one_byte_entries(tiny_checkpoints):
-    from pdserve.engine.capacity import bytes_per_token_per_rank
+    from pdserve.kvcache.capacity import bytes_per_token_per_rank
 
     path = str(tiny_checkpoints[("glm_moe_dsa", "make-model")])
     worker = DecodeWorkerConfig(

@@ -18,12 +18,12 @@ import time
 import pytest
 import torch
 
-from pdserve.engine import capacity
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import SamplingParams
+from pdserve.kvcache import capacity
 from pdserve.model.config import ModelConfig
 from pdserve.model.shard import weight_bytes_by_dtype
 from pdserve.model.weights import rank_model
+from pdserve.request import SamplingParams
 from tests.servers import http, pid_alive, start_server
 
 MAX_KV_TOKENS = 4096  # room for a long request, so the disconnect test can only pass by aborting it

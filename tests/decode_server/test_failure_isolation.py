@@ -5,7 +5,7 @@
   raise on the ranks that own no position yet (`arange(me, smax, C)`, then `gather` on a zero-size
   dimension) and take the whole instance down. It now decodes the single-rank engine's tokens
   (float64, logits within 1e-8) and the instance stays healthy.
-- An injected exception in one request's decode step (engine/faults.py, a test-only hook that the
+- An injected exception in one request's decode step (runtime/faults.py, a test-only hook that the
   last rank raises after its forward) fails only that request, with its message, through the
   server's DecodeLoop; the other requests finish with exact tokens and the instance keeps serving.
 - The prefill side: a job whose prefill raises on the ranks (CommandFailed) fails alone; the next
@@ -25,13 +25,14 @@ from pdserve.decode_server.instance import DecodeInstance
 from pdserve.decode_server.loop import DecodeLoop
 from pdserve.decode_server.rank_worker import DecodeWorkerConfig
 from pdserve.decode_server.step_driver import DecodeStepDriver
-from pdserve.engine.faults import FAULT_ENV
-from pdserve.engine.launcher import LaunchConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import SamplingParams
 from pdserve.prefill_server.instance import PrefillInstance
 from pdserve.prefill_server.rank_worker import PrefillWorkerConfig
 from pdserve.prefill_server.scheduler import PrefillJob, PrefillScheduler
+from pdserve.request import SamplingParams
+from pdserve.runtime.faults import FAULT_ENV
+from pdserve.runtime.launcher import LaunchConfig
+from pdserve.serving.instance_loop import Failed, Finished, Token
 from tests.reference import assert_close, free_port
 
 pytestmark = pytest.mark.slow
@@ -101,7 +102,7 @@ def run_loop(
     def listener(rid):
         def on(ev):
             events[rid].append(ev)
-            if ev[0] in ("finish", "error"):
+            if isinstance(ev, (Finished, Failed)):
                 ended[rid].set_result(None)
 
         return on
@@ -130,22 +131,23 @@ def test_injected_fault_fails_only_its_request(path, single, monkeypatch):
         }
         seeded = {"seeded": SamplingParams(max_tokens=TOKENS, ignore_eos=True, temperature=1.0, seed=7)}
         events = run_loop(engine, prompts, seeded)
-        assert events[FAULTY][-1][0] == "error" and "injected fault" in events[FAULTY][-1][1], events[FAULTY]
+        last = events[FAULTY][-1]
+        assert isinstance(last, Failed) and "injected fault" in last.message, events[FAULTY]
         for rid, ids in prompts.items():
             if rid in (FAULTY, "seeded"):
                 continue
             want = single.generate([ids], SamplingParams(max_tokens=TOKENS, ignore_eos=True))[0]
-            assert events[rid][-1] == ("finish", "length"), (rid, events[rid][-3:])
-            assert [v for k, v, *_ in events[rid] if k == "token"] == want, rid
+            assert events[rid][-1] == Finished("length"), (rid, events[rid][-3:])
+            assert [e.token for e in events[rid] if isinstance(e, Token)] == want, rid
         alloc = engine.instance.allocator
         assert engine.scheduler.is_idle() and alloc.num_free == alloc.num_pages
         assert engine.instance.ranks.unhealthy() is None
         again = run_loop(engine, {"after": [5]})  # the instance keeps serving
-        assert again["after"][-1] == ("finish", "length")
+        assert again["after"][-1] == Finished("length")
         # the seeded request's batch failed and was re-run request by request: rank 0 redrew the
         # tokens it had drawn (its generator rewinds), so it samples as it does alone
         alone = run_loop(engine, {"seeded": prompts["seeded"]}, seeded)
-        tokens = lambda evs: [v for k, v, *_ in evs if k == "token"]  # noqa: E731
+        tokens = lambda evs: [e.token for e in evs if isinstance(e, Token)]  # noqa: E731
         assert tokens(events["seeded"]) == tokens(alone["seeded"]) and len(tokens(alone["seeded"])) == TOKENS
         assert engine.instance.sampling_streams() == []
     finally:

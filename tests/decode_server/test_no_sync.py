@@ -1,5 +1,5 @@
 """A decode step never syncs with the host (issue 39 item 4): real rank processes run every step
-under engine/sync_check.forbid_host_sync (`DecodeWorkerConfig.forbid_host_sync`), single rank, TP
+under runtime/sync_check.forbid_host_sync (`DecodeWorkerConfig.forbid_host_sync`), single rank, TP
 and DCP, the dense MLA and the DSA model, and still decode exactly like the single-rank engine
 (float64 logits within 1e-8, the same greedy tokens), also in padded bucket shapes (what cuda runs:
 padding rows in the DCP collectives and the split index's candidate exchange). A rank that synced would raise, and the step
@@ -12,20 +12,20 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.checkpoints.random_checkpoint import make_model
 from pdserve.decode_server.dcp_backend import DCPBackend, DCPGroup
 from pdserve.decode_server.instance import DecodeInstance
 from pdserve.decode_server.rank_worker import DecodeWorkerConfig, step_forward
 from pdserve.decode_server.step_metadata import StepMetadata
-from pdserve.engine.comm import GlooComm
-from pdserve.engine.kv_cache import KVPool
-from pdserve.engine.launcher import LaunchConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import SamplingParams
-from pdserve.engine.sync_check import HostSyncError, forbid_host_sync
+from pdserve.kvcache.kv_cache import KVPool
 from pdserve.model.layers import Experts
 from pdserve.model.moe_ops import moe_dense
-from pdserve.model.random_checkpoint import make_model
 from pdserve.model.weights import load_model
+from pdserve.request import SamplingParams
+from pdserve.runtime.comm import GlooComm
+from pdserve.runtime.launcher import LaunchConfig
+from pdserve.runtime.sync_check import HostSyncError, forbid_host_sync
 from tests.reference import assert_close, free_port, reference_prefill
 
 STEPS = 4
@@ -133,7 +133,7 @@ def test_the_check_bites_and_the_static_moe_equals_the_grouped_one(tokens):
 @pytest.mark.parametrize("dtype,kv_cache_dtype", [(torch.float32, "auto"), (torch.float32, "fp8_e4m3")])
 def test_float32_and_fp8_cache_steps_do_not_sync(tmp_path, dtype, kv_cache_dtype):
     """The paths the float64 ranks above do not take: float32 on the CPU (the native kernels,
-    model/native.py) and an fp8 cache (per-key scales written and read), a padded bucket."""
+    native/ops.py) and an fp8 cache (per-key scales written and read), a padded bucket."""
     path = make_model(tmp_path / "m", "glm_moe_dsa", "tiny", seed=4)
     model = load_model(path, dtype, torch.device("cpu"))
     for m in model.modules():

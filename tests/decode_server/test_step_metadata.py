@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 
+from pdserve.checkpoints.random_checkpoint import make_model
 from pdserve.decode_server.cuda_graphs import StepGraphs, graph_blocker, use_graphs
 from pdserve.decode_server.dcp_backend import DCPBackend, DCPGroup
 from pdserve.decode_server.rank_worker import step_forward
@@ -24,12 +25,11 @@ from pdserve.decode_server.step_metadata import (
     derive_slots,
     width_of,
 )
-from pdserve.engine.comm import GlooComm
-from pdserve.engine.kv_cache import KVPool
-from pdserve.engine.sync_check import forbid_host_sync
+from pdserve.kvcache.kv_cache import KVPool
 from pdserve.model.layers import Experts
-from pdserve.model.random_checkpoint import make_model
 from pdserve.model.weights import load_model
+from pdserve.runtime.comm import GlooComm
+from pdserve.runtime.sync_check import forbid_host_sync
 
 CPU = torch.device("cpu")
 P = 4  # page size

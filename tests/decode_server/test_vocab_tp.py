@@ -10,10 +10,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pdserve.decode_server.vocab_tp import VocabParallelEmbedding, VocabParallelHead
-from pdserve.engine.comm import GlooComm
-from pdserve.engine.tp_shard import span
 from pdserve.model.shard import cut_rows
 from pdserve.model.transformer import Embedding
+from pdserve.runtime.comm import GlooComm
+from pdserve.runtime.tp_shard import span
 from tests.reference import free_port
 
 VOCAB, HIDDEN, WORLD = 11, 6, 3

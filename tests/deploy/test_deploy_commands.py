@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from pdserve.cli import app
-from pdserve.engine.auth import new_token
+from pdserve.cli.main import app
+from pdserve.serving.auth import new_token
 from tests.deploy.helpers import KUSTOMIZATIONS, compose_commands, k8s_commands, kustomize, lws_env
 
 

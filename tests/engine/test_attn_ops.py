@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from pdserve.checkpoints.presets import hf_config
 from pdserve.engine.attn_flashinfer import FlashinferOps
 from pdserve.engine.attn_ops import (
     FLASHINFER_VERSION,
@@ -21,13 +22,12 @@ from pdserve.engine.attn_ops import (
     cached_index_scores,
     select_attention_ops,
 )
-from pdserve.engine.device import DevicePlan, check_devices
-from pdserve.engine.kv_cache import KVPool
-from pdserve.engine.placement import parse_gpu_ids
+from pdserve.kvcache.kv_cache import KVPool
 from pdserve.model.backend import IndexerInputs
 from pdserve.model.config import ModelConfig
 from pdserve.model.kernels import index_scores
-from pdserve.model.presets import hf_config
+from pdserve.runtime.device import DevicePlan, check_devices
+from pdserve.runtime.placement import parse_gpu_ids
 
 H100, A100, T4 = (9, 0), (8, 0), (7, 5)
 GOOD = dict(

@@ -12,13 +12,13 @@ import re
 import pytest
 import torch
 
+from pdserve.checkpoints.random_checkpoint import make_model
 from pdserve.engine import logits_process
 from pdserve.engine.batch_sampler import BatchSampler, SampleRow
 from pdserve.engine.constraint import Grammars, grammar_for
-from pdserve.engine.request import SamplingParams
 from pdserve.engine.sampler import Sampler, draw
-from pdserve.model.random_checkpoint import make_model
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.request import SamplingParams
 
 STEPS = 10
 

@@ -16,11 +16,11 @@ from pdserve.decode_server.rank_worker import DecodeWorkerConfig
 from pdserve.decode_server.step_driver import DecodeStepDriver
 from pdserve.engine import logits_process
 from pdserve.engine.batch_sampler import BatchSampler, SampleRow
-from pdserve.engine.launcher import LaunchConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import SamplingParams
 from pdserve.engine.sampler import Sampler
 from pdserve.model.tokenizer import decodable_vocab
+from pdserve.request import SamplingParams
+from pdserve.runtime.launcher import LaunchConfig
 from tests.engine.test_batch_sampler import mix
 from tests.padded_vocab import make_padded_checkpoint
 from tests.reference import free_port

@@ -9,16 +9,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.checkpoints.random_checkpoint import make_model
 from pdserve.decode_server.dcp_backend import DCPBackend, DCPGroup, DecodeBatch
-from pdserve.engine.comm import GlooComm
-from pdserve.engine.kv_cache import KVPool
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import SamplingParams
-from pdserve.model.random_checkpoint import make_model
+from pdserve.kvcache.kv_cache import KVPool
 from pdserve.model.weights import load_model
 from pdserve.prefill_server.cp_backend import ChunkPlan, CPBackend
+from pdserve.request import SamplingParams
+from pdserve.runtime.comm import GlooComm
 from pdserve.transfer.plan import Run
-from pdserve.transfer.room import SLICE_RUNS
+from pdserve.transfer.room_rows import SLICE_RUNS
 from pdserve.transfer.tcp import pack_rows
 
 

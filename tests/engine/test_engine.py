@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.page_allocator import OutOfPages, PageAllocator
-from pdserve.engine.request import Request, SamplingParams, Status
 from pdserve.engine.sampler import Sampler, filtered_probs
 from pdserve.engine.scheduler import Scheduler
+from pdserve.kvcache.page_allocator import OutOfPages, PageAllocator
+from pdserve.request import Request, SamplingParams, Status
 
 
 def test_allocator_allocate_free_integrity():
@@ -31,7 +29,8 @@ def test_allocator_allocate_free_integrity():
 def test_held_pages_come_back_only_after_their_hold():
     """free(pages, hold_s): pages a failed hand-off's senders may still WRITE into are not handed out
     again until hold_s passed; a double free of them is still caught."""
-    a = PageAllocator(num_pages=4, page_size=16)
+    now = [100.0]
+    a = PageAllocator(num_pages=4, page_size=16, clock=lambda: now[0])
     held, kept = a.allocate(32), a.allocate(16)
     a.free(held, hold_s=0.3)
     assert a.num_free == 1 and a.num_held == 2 and not a.can_allocate(17)
@@ -40,7 +39,9 @@ def test_held_pages_come_back_only_after_their_hold():
         a.free(held)
     with pytest.raises(OutOfPages):
         a.allocate(17)
-    time.sleep(0.35)
+    now[0] += 0.29
+    assert a.num_held == 2 and a.num_free == 1  # not yet
+    now[0] += 0.02
     assert (
         a.num_held == 0
         and a.num_free == 3

@@ -11,9 +11,9 @@ from pdserve import contracts
 from pdserve.engine import logits_process
 from pdserve.engine.constraint import GrammarError, Grammars, grammar_for
 from pdserve.engine.logits_process import RowProcessing
-from pdserve.engine.request import SamplingParams
 from pdserve.engine.sampler import Sampler
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.request import SamplingParams
 
 V = 50
 

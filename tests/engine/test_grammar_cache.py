@@ -11,8 +11,8 @@ import time
 
 import pytest
 
+from pdserve.checkpoints.random_checkpoint import make_model
 from pdserve.engine.constraint import GrammarError, Grammars, _native, grammar_for
-from pdserve.model.random_checkpoint import make_model
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.router.protocol import ApiError
 from pdserve.router.structured import MAX_SPEC_CHARS, check_choices_grammar, response_grammar

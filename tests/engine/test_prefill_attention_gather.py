@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.checkpoints.presets import hf_config
 from pdserve.engine import prefill_attention as pa
 from pdserve.model.config import ModelConfig
-from pdserve.model.presets import hf_config
 
 
 def naive(q, keys, sel, scale, dv):

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
-    from pdserve.model.random_checkpoint import make_model
+    from pdserve.checkpoints.random_checkpoint import make_model
 
     return str(make_model(tmp_path_factory.mktemp("gpu") / "tiny", "glm_moe_dsa", "tiny", seed=0))
 
@@ -26,6 +26,6 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="session")
 def mla(tmp_path_factory):
     """The released MLA dims (kv_lora_rank 512, rope 64) in two layers: what flashinfer runs."""
-    from pdserve.model.random_checkpoint import make_model
+    from pdserve.checkpoints.random_checkpoint import make_model
 
     return str(make_model(tmp_path_factory.mktemp("gpu") / "mla", "glm_moe_dsa", "mla", seed=0))

@@ -9,7 +9,7 @@ import warnings
 import torch
 
 from pdserve.engine.batch_sampler import BatchSampler, SampleRow
-from pdserve.engine.request import SamplingParams
+from pdserve.request import SamplingParams
 
 V = 1000
 PARAMS = [

@@ -13,13 +13,13 @@ from pdserve.decode_server.dcp_backend import DCPBackend, DCPGroup
 from pdserve.decode_server.instance import DecodeInstance
 from pdserve.decode_server.rank_worker import DecodeWorkerConfig, step_forward
 from pdserve.decode_server.step_metadata import StepMetadata
-from pdserve.engine.comm import GlooComm
-from pdserve.engine.kv_cache import KVPool
-from pdserve.engine.launcher import LaunchConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import SamplingParams
+from pdserve.kvcache.kv_cache import KVPool
 from pdserve.model.layers import Experts
 from pdserve.model.weights import load_model
+from pdserve.request import SamplingParams
+from pdserve.runtime.comm import GlooComm
+from pdserve.runtime.launcher import LaunchConfig
 from tests.reference import assert_close, free_port, reference_prefill
 
 CUDA = torch.device("cuda")

@@ -4,7 +4,7 @@ float64 reference for 16 steps, or the first divergence explained by a near tie.
 from __future__ import annotations
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import SamplingParams
+from pdserve.request import SamplingParams
 
 PROMPT = list(range(7, 90))  # longer than the tiny model's top-k: the indexer selects
 STEPS = 16

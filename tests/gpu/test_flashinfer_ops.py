@@ -9,7 +9,7 @@ import torch
 
 from pdserve.engine.attn_ops import TorchOps, gather_facts, select_attention_ops
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import SamplingParams
+from pdserve.request import SamplingParams
 
 fi = pytest.importorskip("flashinfer")
 CUDA = torch.device("cuda", 0)

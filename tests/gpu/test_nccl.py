@@ -13,8 +13,8 @@ from tests.reference import free_port
 def _rank(rank: int, world: int, port: int, results) -> None:
     import torch.distributed as dist
 
-    from pdserve.engine.comm import make_comm
-    from pdserve.engine.device import check_devices, setup_rank_device
+    from pdserve.runtime.comm import make_comm
+    from pdserve.runtime.device import check_devices, setup_rank_device
 
     plan = check_devices("cuda", world, tuple(range(world)))
     setup_rank_device(plan, rank)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.model import native
+from pdserve.native import ops as native
 
 
 @pytest.fixture

@@ -16,10 +16,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from pdserve.checkpoints.random_checkpoint import make_model
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.model.config import ModelConfig
 from pdserve.model.quant import QuantizationError
-from pdserve.model.random_checkpoint import make_model
 from pdserve.model.weights import WeightError, load_model
 from tests.conftest import ARCHS
 from tests.model.test_weights import cli_error
@@ -220,7 +220,7 @@ def test_mtp_layers_are_skipped_with_one_line(fp8_checkpoints, tmp_path):
 def test_make_model_cli_quantize_fp8(tmp_path, fp8_checkpoints):
     from typer.testing import CliRunner
 
-    from pdserve.cli import app
+    from pdserve.cli.main import app
 
     out = tmp_path / "cli"
     r = CliRunner().invoke(

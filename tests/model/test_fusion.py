@@ -9,14 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.checkpoints.presets import ARCHS
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import SamplingParams
-from pdserve.engine.tp_shard import shard_mlp
 from pdserve.model.attention import MLAttention
 from pdserve.model.fusion import fuse_projections
 from pdserve.model.layers import MLP
-from pdserve.model.presets import ARCHS
 from pdserve.model.weights import load_model
+from pdserve.request import SamplingParams
+from pdserve.runtime.tp_shard import shard_mlp
 
 
 def _unfuse(model) -> None:

@@ -15,9 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.model import kernels, layers, native
+from pdserve.model import kernels, layers
 from pdserve.model.kernels import matmul_nt, uses_onednn
 from pdserve.model.layers import FEW_ROWS, SMALL_OUT, linear
+from pdserve.native import ops as native
 
 
 @pytest.fixture(autouse=True)

@@ -47,7 +47,7 @@ def peak_script(setup: str, load: str, report: str) -> str:
 
 
 SCRIPT = peak_script(
-    "from pdserve.model.random_checkpoint import make_model\n"
+    "from pdserve.checkpoints.random_checkpoint import make_model\n"
     'path = make_model(r"{out}", "glm_moe_dsa", "small", seed=0, max_shard_bytes={shard}, quantize={quantize!r})',
     "messages = []; model = load_model(path, progress=messages.append)",
     "weights_kb = sum(p.numel() * p.element_size() for p in model.parameters()) // 1024\n"

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from pdserve.model import bpe_builder
-from pdserve.model.presets import ARCHS, SIZES, hf_config
-from pdserve.model.random_checkpoint import make_model, num_parameters, tensor_specs
+from pdserve.checkpoints import bpe_builder
+from pdserve.checkpoints.presets import ARCHS, SIZES, hf_config
+from pdserve.checkpoints.random_checkpoint import make_model, num_parameters, tensor_specs
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.checkpoints.presets import hf_config
 from pdserve.engine.gemm_ops import set_gemm_ops
 from pdserve.model.config import ModelConfig
 from pdserve.model.layers import Experts, MoE
-from pdserve.model.presets import hf_config
 from pdserve.model.quant import quantize_fp8
 
 

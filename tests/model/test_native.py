@@ -1,4 +1,4 @@
-"""model/native.py and native/rows.c: the few-row float32 CPU kernels agree with float64 references
+"""native/ops.py and native/rows.c: the few-row float32 CPU kernels agree with float64 references
 for every row count up to MAX_ROWS and sizes that are not multiples of the vector width, on strided
 rows; their results do not depend on the thread count (each output is one thread's sum); `linear`
 and MLA's absorption route a decode step's products to them and nothing else; a machine where the
@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.model import native
 from pdserve.model.kernels import absorb_o, absorb_q
 from pdserve.model.layers import linear
+from pdserve.native import ops as native
 
 pytestmark = pytest.mark.skipif(
     native.status().startswith("unavailable"), reason=f"the native kernel is {native.status()}"
@@ -85,7 +85,7 @@ def test_linear_and_absorption_route_only_a_decode_steps_products(native_calls):
 
 
 def _status_in_a_fresh_process(env: dict, cache) -> str:
-    code = "from pdserve.model import native; print(native.status())"
+    code = "from pdserve.native import ops as native; print(native.status())"
     env = {**os.environ, "PDSERVE_CACHE": str(cache), **env}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     return out.stdout.strip()
@@ -109,7 +109,7 @@ def test_a_cache_another_user_could_write_is_not_loaded(tmp_path):
 
 
 def test_ranks_building_at_once_each_get_the_library(tmp_path):
-    code = "from pdserve.model import native; import torch; print(native.status()); " + (
+    code = "from pdserve.native import ops as native; import torch; print(native.status()); " + (
         "print(float(native.rows_linear(torch.ones(1, 9), torch.ones(5, 9)).sum()))"
     )
     env = {**os.environ, "PDSERVE_CACHE": str(tmp_path)}

@@ -1,4 +1,4 @@
-"""The native decode-step ops of model/native.py beside the few-row products: attention over
+"""The native decode-step ops of native/ops.py beside the few-row products: attention over
 gathered keys (native/attend.c), the DSA indexer's scores and top-k, RMSNorm, the MoE router and
 routed experts of a step's few tokens (native/moe.c). Each agrees with a float64 reference (top-k and routing: with
 torch's own rule, exactly), does not depend on the thread count, and is taken only by a decode
@@ -10,10 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.model import kernels, native
+from pdserve.checkpoints.presets import hf_config
+from pdserve.model import kernels
 from pdserve.model.config import ModelConfig
 from pdserve.model.layers import Experts, RMSNorm, TopkRouter
-from pdserve.model.presets import hf_config
+from pdserve.native import ops as native
 
 pytestmark = pytest.mark.skipif(
     native.status().startswith("unavailable"), reason=f"the native kernel is {native.status()}"

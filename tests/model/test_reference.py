@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import SamplingParams
+from pdserve.request import SamplingParams
 from tests.conftest import ARCHS
 
 SOURCES = ("make-model", "save_pretrained")

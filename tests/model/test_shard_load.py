@@ -17,11 +17,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from pdserve.checkpoints.random_checkpoint import make_model
 from pdserve.decode_server.tp import shard_decode_model
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.model.layers import Experts, Linear
 from pdserve.model.quant import dequantize_fp8
-from pdserve.model.random_checkpoint import make_model
 from pdserve.model.shard import EXPERT_KEY, weight_bytes_by_dtype
 from pdserve.model.weights import load_model
 from pdserve.prefill_server.moe_tp import shard_moe_tp, shard_prefill_ffn
@@ -263,11 +263,19 @@ def test_each_rank_of_a_w4_decode_instance_peaks_at_its_share(tmp_path):
             for key in f.keys():
                 part = f.get_slice(key)
                 largest_kb = max(largest_kb, torch.Size(part.get_shape()).numel() * 4 // 1024)
-    for rank in range(4):
-        script = PEAK.format(path=path, rank=rank)
-        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr
-        share_kb, held_kb, peak_kb = map(int, proc.stdout.split())
+    ranks = [  # at once, as an instance's ranks load (each measures its own peak)
+        subprocess.Popen(
+            [sys.executable, "-c", PEAK.format(path=path, rank=rank)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(4)
+    ]
+    for rank, proc in enumerate(ranks):
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+        share_kb, held_kb, peak_kb = map(int, out.split())
         assert share_kb == held_kb  # the meta plan is what the rank allocates
         # the replicated part (embeddings, LM head, norms, kv_a, the indexer, the router) is on every rank
         assert held_kb < ckpt_kb / 2, (held_kb, ckpt_kb)

@@ -11,8 +11,8 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from pdserve.model import bpe_builder
-from pdserve.model.random_checkpoint import make_model
+from pdserve.checkpoints import bpe_builder
+from pdserve.checkpoints.random_checkpoint import make_model
 from pdserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXT = "héllo wörld 😀 def f(x): return x"
@@ -67,7 +67,7 @@ def test_small_vocab_is_filled_and_in_range():
 def test_bpe_is_deterministic_across_processes():
     here = hashlib.sha256(bpe_builder.build_tokenizer(512).to_str(pretty=True).encode()).hexdigest()
     code = (
-        "import hashlib; from pdserve.model import bpe_builder as b; "
+        "import hashlib; from pdserve.checkpoints import bpe_builder as b; "
         "print(hashlib.sha256(b.build_tokenizer(512).to_str(pretty=True).encode()).hexdigest())"
     )
     root = Path(__file__).resolve().parents[2]

@@ -17,12 +17,12 @@ import sys
 import pytest
 import torch
 
+from pdserve.checkpoints.presets import hf_config
 from pdserve.engine.attn_ops import TorchOps, TritonOps, attend_cached
-from pdserve.engine.kv_cache import KVPool
-from pdserve.engine.sync_check import forbid_host_sync
+from pdserve.kvcache.kv_cache import KVPool
 from pdserve.model.config import ModelConfig
 from pdserve.model.kernels import attend
-from pdserve.model.presets import hf_config
+from pdserve.runtime.sync_check import forbid_host_sync
 from tests.model.test_triton_kernels import _create_dot, _patch_lang_tensor, _restore, interp, rel
 
 MODULE = "pdserve.model.triton_mla_decode"
@@ -147,10 +147,10 @@ def test_a_dcp_decode_step_over_an_fp8_pool(mla, tmp_path):
     """The tiny DSA model's decode step through decode_server/dcp_backend.py with an fp8 pool: the
     triton ops (the cache read as stored, the indexer's top-k rows) give the torch ops' hidden states
     (which dequantize the gathered rows) and select the same keys."""
+    from pdserve.checkpoints.random_checkpoint import make_model
     from pdserve.decode_server.dcp_backend import DCPBackend, DCPGroup, DecodeBatch
-    from pdserve.engine.comm import GlooComm
-    from pdserve.model.random_checkpoint import make_model
     from pdserve.model.weights import load_model
+    from pdserve.runtime.comm import GlooComm
 
     model = load_model(make_model(tmp_path / "m", "glm_moe_dsa", "tiny", seed=3), torch.float32)
     cfg, lengths = model.config, (31, 45)  # longer than the top-k of 8: the indexer selects

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from pdserve.checkpoints.random_checkpoint import make_model
 from pdserve.model.config import ConfigError
-from pdserve.model.random_checkpoint import make_model
 from pdserve.model.weights import WeightError, load_model
 
 

@@ -15,12 +15,12 @@ import itertools
 import pytest
 import torch
 
-from pdserve.engine.launcher import LaunchConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import SamplingParams
 from pdserve.prefill_server.instance import PrefillInstance
 from pdserve.prefill_server.layouts import ALLOWED_LAYOUTS
 from pdserve.prefill_server.rank_worker import PrefillWorkerConfig
+from pdserve.request import SamplingParams
+from pdserve.runtime.launcher import LaunchConfig
 from tests.reference import assert_close, assert_prefill_cache, free_port
 from tests.reference import reference_prefill as reference
 

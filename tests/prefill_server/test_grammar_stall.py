@@ -18,7 +18,7 @@ import pytest
 from pdserve.engine.constraint import grammar_for
 from pdserve.model.tokenizer import Tokenizer
 from tests.engine.test_grammar_cache import big_schema
-from tests.servers import AUTH, start_server
+from tests.servers import AUTH, http, start_server, wait_until
 
 
 @pytest.mark.slow
@@ -42,7 +42,13 @@ def test_a_12000_property_n128_grammar_leaves_other_requests_under_2s(tiny_check
 
         sender = threading.Thread(target=send_big)
         sender.start()
-        time.sleep(1.0)  # the big body is in: validating, then compiling
+        # the big body is in, validated, and its job queued while its grammar compiles
+        wait_until(
+            lambda: http.get(f"{url}/info", headers=AUTH).json()["queued"] >= 1,
+            "the big job queued",
+            120,
+            0.05,
+        )
         with httpx.Client(headers=AUTH, timeout=60) as c:
             start = time.monotonic()
             small = c.post(f"{url}/v1/prefill", json={"token_ids": [9, 10, 11]})

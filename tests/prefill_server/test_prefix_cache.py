@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.launcher import LaunchConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.prefill_server.instance import PrefillInstance
 from pdserve.prefill_server.rank_worker import PrefillWorkerConfig
+from pdserve.runtime.launcher import LaunchConfig
 from tests.reference import assert_close, assert_prefill_cache, free_port, reference_prefill
 
 PS = 4  # page size

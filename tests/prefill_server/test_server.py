@@ -16,7 +16,7 @@ import time
 import pytest
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import SamplingParams
+from pdserve.request import SamplingParams
 from tests.servers import http, pid_alive, start_server
 
 

@@ -16,7 +16,7 @@ import httpx
 from pdserve.router.app import make_server
 from pdserve.router.config import RouterConfig
 from tests.reference import free_port
-from tests.servers import TEST_TOKEN, http, start_server
+from tests.servers import TEST_TOKEN, http, start_server, wait_until  # noqa: F401 (wait_until: re-exported)
 
 
 def router_config(model_dir, prefill: str, decode: str, **overrides) -> RouterConfig:
@@ -46,16 +46,6 @@ def running_router(cfg: RouterConfig):
     finally:
         server.should_exit = True
         thread.join(30)
-
-
-def wait_until(predicate, what: str, timeout_s: float = 30.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def decode_idle(d_url: str) -> bool:

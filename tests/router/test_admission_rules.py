@@ -2,7 +2,7 @@
 decode of 64 KV slots in pages of 4) on a checkpoint whose LM head is padded past its tokenizer
 (tests/padded_vocab.py: the padded rows would win every step).
 
-  - fit (engine/kv_fit.py): a request the decode would refuse gets the router's own 400
+  - fit (kvcache/kv_fit.py): a request the decode would refuse gets the router's own 400
     `context_length_exceeded` (and the decode, asked directly, does refuse it); a request it accepts,
     however exactly it fills the cache, runs to its max_tokens;
   - vocabulary (engine/logits_process.py `decodable`): greedy and random sampling emit only ids the

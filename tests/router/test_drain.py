@@ -1,4 +1,4 @@
-"""Graceful shutdown (engine/drain.py) on real instances: SIGTERM drains instead of cutting.
+"""Graceful shutdown (serving/drain.py) on real instances: SIGTERM drains instead of cutting.
 
 Decode: a stream running at SIGTERM finishes with its finish event; while it runs, a new request
 gets 503 and /health answers 503 "draining"; the router's pool then stops choosing the instance

@@ -13,8 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from pdserve.engine.auth import CHALLENGE_HEADER, PROOF_HEADER, token_proof
 from pdserve.router.redact import redact
+from pdserve.serving.auth import CHALLENGE_HEADER, PROOF_HEADER, token_proof
 from tests.router.helpers import router_config, running_router, wait_until
 from tests.servers import TEST_TOKEN
 

@@ -19,8 +19,8 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
-from pdserve.engine.http_edge import AnswerChallenge
-from pdserve.engine.http_server import server_config
+from pdserve.serving.http_edge import AnswerChallenge
+from pdserve.serving.http_server import server_config
 from tests.reference import free_port
 from tests.router.helpers import router_config, running_router
 from tests.servers import TEST_TOKEN

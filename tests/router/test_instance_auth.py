@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
 
-from pdserve.engine.auth import CHALLENGE_HEADER, PROOF_HEADER, token_proof
+from pdserve.serving.auth import CHALLENGE_HEADER, PROOF_HEADER, token_proof
 from tests.reference import free_port
 from tests.router.helpers import router_config, running_router, wait_until
 from tests.servers import TEST_TOKEN
@@ -84,15 +83,23 @@ def topology(url: str) -> list[str]:
     return [row["url"] for row in r.json()["instances"]]
 
 
+def five_health_rounds(app) -> None:
+    """Waits until the router polled every instance five more times (a listener it had kept would
+    have been asked by now)."""
+    pool = app.state.router.pool
+    start = pool.health_rounds
+    wait_until(lambda: pool.health_rounds >= start + 5, "five health rounds of the router", 10, 0.02)
+
+
 def test_admin_add_outside_the_allowed_hosts_never_reaches_the_listener(router):
     listener = Listener("127.0.0.2")  # allowed: 127.0.0.1 only (the startup instances' host)
     try:
-        with running_router(router) as (url, _):
+        with running_router(router) as (url, app):
             r = add(url, listener.url)
             assert r.status_code == 403, r.text
             err = r.json()["error"]
             assert err["code"] == "host_not_allowed" and "127.0.0.2" in err["message"]
-            time.sleep(1.0)  # five health intervals
+            five_health_rounds(app)
             assert listener.url not in topology(url)
         assert listener.seen == [] and not listener.got_token()
     finally:
@@ -103,13 +110,13 @@ def test_admin_add_outside_the_allowed_hosts_never_reaches_the_listener(router):
 def test_a_listener_that_cannot_prove_the_token_is_not_added_and_never_gets_it(router, proof_token):
     listener = Listener("127.0.0.1", proof_token)  # an allowed host
     try:
-        with running_router(router) as (url, _):
+        with running_router(router) as (url, app):
             r = add(url, listener.url)
             assert r.status_code == 403, r.text
             err = r.json()["error"]
             assert err["code"] == "instance_not_proven" and "internal token" in err["message"]
             assert listener.url not in topology(url)
-            time.sleep(1.0)
+            five_health_rounds(app)
         assert [path for path, _ in listener.seen] == ["/health"]  # the challenge, and nothing after
         assert CHALLENGE_HEADER in listener.seen[0][1] and not listener.got_token()
     finally:

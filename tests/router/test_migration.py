@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from pdserve.contracts import FinishEvent, TokenEvent
-from pdserve.engine.request import SEED_LIMIT
+from pdserve.request import SEED_LIMIT
 from pdserve.router.halves import GenParams
 from pdserve.router.migration import CAUSES, Progress, continued_seed, merge
 from tests.router.flaky_link import flaky_link

@@ -28,7 +28,7 @@ import httpx
 import openai
 import pytest
 
-from pdserve.engine.faults import STEP_DELAY_ENV
+from pdserve.runtime.faults import STEP_DELAY_ENV
 from tests.router.helpers import metric, wait_until
 from tests.router.test_load_faults import _idle, _instance_urls
 from tests.router.test_up_restart import launch_up, stop_up

@@ -271,6 +271,8 @@ BAD = {
     ),
     "bad regex": ({"prompt": "x", "response_format": {"type": "regex", "regex": "(a"}}, "response_format"),
     "format type": ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format.type"),
+    # found by the HTTP fuzz: a list as the type was a 500 (unhashable in the set lookup)
+    "format type list": ({"prompt": "x", "response_format": {"type": ["text"]}}, "response_format.type"),
 }
 
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import SamplingParams
+from pdserve.request import SamplingParams
 from tests.router.helpers import (
     decode_idle,
     metric,

@@ -19,8 +19,8 @@ import openai
 import pytest
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import SamplingParams
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.request import SamplingParams
 from pdserve.router import app as router_app
 from pdserve.router.config import RouterConfig
 from tests.router.helpers import decode_idle, metric, running_router, wait_until

@@ -28,9 +28,9 @@ import openai
 import pytest
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import SamplingParams
+from pdserve.request import SamplingParams
 from tests.reference import free_port
-from tests.servers import http, pid_alive
+from tests.servers import http, pid_alive, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -199,7 +199,7 @@ def test_up_serves_and_stops_cleanly(model_dir, tmp_path, index, transfer, stop)
         else:
             proc.send_signal(signal.SIGTERM)
             if stop == "SIGTERM twice":
-                time.sleep(0.3)  # it is stopping its children now
+                wait_until(lambda: "stopping" in "".join(lines), "up to say it is stopping", 10)
                 proc.send_signal(signal.SIGTERM)
         code = proc.wait(60)
     if stop == "SIGKILL":

@@ -15,10 +15,10 @@ import torch
 from pdserve.decode_server.instance import DecodeInstance
 from pdserve.decode_server.rank_worker import DecodeWorkerConfig
 from pdserve.decode_server.step_driver import DecodeStepDriver
-from pdserve.engine.launcher import LaunchConfig
-from pdserve.engine.request import SamplingParams
 from pdserve.prefill_server.instance import PrefillInstance
 from pdserve.prefill_server.rank_worker import PrefillWorkerConfig
+from pdserve.request import SamplingParams
+from pdserve.runtime.launcher import LaunchConfig
 from tests.reference import free_port
 from tests.sweep.draw import Case, Pair
 from tests.transfer.handoff_driver import Driver

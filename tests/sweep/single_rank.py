@@ -15,13 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.kv_cache import KVPool
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.request import Request
 from pdserve.engine.scheduler import Chunk
 from pdserve.engine.single_backend import SingleRankBackend
+from pdserve.kvcache.kv_cache import KVPool
 from pdserve.model.kernels import index_scores
+from pdserve.request import Request
 
 
 class RecordingBackend(SingleRankBackend):

@@ -33,7 +33,7 @@ import time
 import pytest
 import torch
 
-from pdserve.engine.launcher import RankError
+from pdserve.runtime.launcher import RankError
 from tests.reference import assert_close
 from tests.sweep.draw import CASES_PER_PAIR, Case, draw_case, draw_pair, repro_command
 from tests.sweep.runner import PairRunner

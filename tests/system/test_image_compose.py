@@ -19,13 +19,14 @@ import subprocess
 import sys
 import time
 import uuid
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import SamplingParams
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.request import SamplingParams
 from tests.system.conftest import missing
 from tests.system.netns import in_netns
 
@@ -100,7 +101,12 @@ def test_image_runs_as_non_root_and_has_the_cli(image, tmp_path):
     assert torch.stdout.strip() == "2.13.0+cpu"
     size = int(sh(DOCKER, "image", "inspect", "-f", "{{.Size}}", tag).stdout)
     base = int(sh(DOCKER, "image", "inspect", "-f", "{{.Size}}", "pdserve-base:bookworm").stdout)
-    record = {"image_bytes": size, "base_bytes": base, **{k: round(v, 1) for k, v in timings.items()}}
+    record = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "image_bytes": size,
+        "base_bytes": base,
+        **{k: round(v, 1) for k, v in timings.items()},
+    }
     print(f"\nimage {tag}: {size / 1e9:.2f} GB (base {base / 1e6:.0f} MB); {record}")
     # a test writes only temporary files: PDSERVE_IMAGE_RECORD=bench/results/image_cpu.json
     # records a run in the committed results on purpose
@@ -145,7 +151,7 @@ def test_compose_stack_answers_the_quickstart_exactly(image, tmp_path):
     tag, _ = image
     project = f"pdsv{os.getpid()}"
     env = {**os.environ, "PDSERVE_IMAGE": tag, "PDSERVE_INTERNAL_TOKEN": uuid.uuid4().hex + uuid.uuid4().hex}
-    from pdserve.model.random_checkpoint import make_model
+    from pdserve.checkpoints.random_checkpoint import make_model
 
     model_dir = make_model(tmp_path / MODEL, "glm_moe_dsa", "small", seed=0)
     try:

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import SamplingParams
+from pdserve.request import SamplingParams
 from tests.system import cluster
 from tests.system.netns import Hosts, leftovers
 
@@ -30,7 +30,7 @@ NODE_TIMEOUT = "3"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from pdserve.model.random_checkpoint import make_model
+    from pdserve.checkpoints.random_checkpoint import make_model
 
     return make_model(tmp_path_factory.mktemp("ckpt") / "tiny", "glm_moe_dsa", "tiny", seed=0)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.kv_cache import KVPool
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.kvcache.kv_cache import KVPool
 from pdserve.model.config import ModelConfig
 from tests.transfer.handoff_helpers import Instances
 

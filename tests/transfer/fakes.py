@@ -23,7 +23,7 @@ class FakeDestination:
     committed: dict = field(default_factory=dict)
     released: dict = field(default_factory=dict)  # room -> hold_s
 
-    def submit(self, room, prompt_len, params):
+    def submit(self, room, prompt_len, params, prompt_ids=None):
         self.pages[room] = list(range(prompt_len // 4 + 1))
 
     def admitted_pages(self, room):
@@ -77,8 +77,8 @@ class FakeSource:
     def handoff_fingerprint(self, reservation):
         return self.fp
 
-    def prefill(self, room, token_ids, params=None):
-        self.held.add(room)
+    def prefill(self, request_id, token_ids, params=None):
+        self.held.add(request_id)
         return SimpleNamespace(
             token=7,
             slots=list(range(len(token_ids))),
@@ -102,5 +102,5 @@ class FakeSource:
         plan = plan_transfer(self.prefill_side(result.slots), decode, len(token_ids), start)
         return result, self.send(room, room, ticket, plan, endpoints)
 
-    def release(self, room):
-        self.held.discard(room)
+    def release(self, request_id):
+        self.held.discard(request_id)

@@ -19,7 +19,7 @@ import random
 import signal
 import time
 
-from pdserve.engine.request import SamplingParams
+from pdserve.request import SamplingParams
 from pdserve.transfer.base import KVPoll
 from pdserve.transfer.prefill_room import PrefillRoom
 from pdserve.transfer.side_channel import BootstrapService

@@ -16,12 +16,12 @@ import itertools
 import time
 from typing import Callable
 
-from pdserve.decode_server.destination import EngineDestination
+from pdserve.decode_server.destination import DriverDestination
 from pdserve.decode_server.scheduler import DecodeRequest
 from pdserve.decode_server.step_driver import DecodeStepDriver
-from pdserve.engine.faults import ArmFaultCmd
-from pdserve.engine.request import SamplingParams
 from pdserve.prefill_server.instance import PrefillInstance
+from pdserve.request import SamplingParams
+from pdserve.runtime.faults import ArmFaultCmd
 from pdserve.transfer.base import KVPoll
 from pdserve.transfer.decode_room import DecodeRoom
 from pdserve.transfer.decode_rooms import DecodeRooms
@@ -56,8 +56,8 @@ class FaultySource:
         fp = self.inner.handoff_fingerprint(reservation)
         return dataclasses.replace(fp, model_dtype=self.dtype) if self.dtype else fp
 
-    def prefill(self, room, token_ids, params=None):
-        return self.inner.prefill(room, token_ids, params)
+    def prefill(self, request_id, token_ids, params=None):
+        return self.inner.prefill(request_id, token_ids, params)
 
     def prefill_side(self, slots):
         return self.inner.prefill_side(slots)
@@ -88,8 +88,8 @@ class FaultySource:
         if self.corrupt:  # every rank: each that sends flips a byte of its first payload of the room
             self.inner.ranks.call(ArmFaultCmd("corrupt", room))
 
-    def release(self, room):
-        self.inner.release(room)
+    def release(self, request_id):
+        self.inner.release(request_id)
 
 
 class Driver:
@@ -98,7 +98,7 @@ class Driver:
         self.server = BootstrapService()
         self.events: dict[str, list] = {}
         self.rooms = DecodeRooms(
-            EngineDestination(decode),
+            DriverDestination(decode),
             lambda room, ev: self.events.setdefault(room, []).append(ev),
             heartbeat_timeout_s=heartbeat_timeout_s,
         )

@@ -9,11 +9,11 @@ import torch
 from pdserve.decode_server.instance import DecodeInstance
 from pdserve.decode_server.rank_worker import DecodeWorkerConfig
 from pdserve.decode_server.step_driver import DecodeStepDriver
-from pdserve.engine.launcher import LaunchConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import SamplingParams
 from pdserve.prefill_server.instance import PrefillInstance
 from pdserve.prefill_server.rank_worker import PrefillWorkerConfig
+from pdserve.request import SamplingParams
+from pdserve.runtime.launcher import LaunchConfig
 from tests.reference import assert_close, free_port
 from tests.transfer.handoff_driver import hand_off
 

@@ -13,8 +13,9 @@ import time
 
 import pytest
 
-from pdserve.decode_server.destination import EngineDestination
-from pdserve.engine.request import SamplingParams
+from pdserve.decode_server.destination import DriverDestination
+from pdserve.request import SamplingParams
+from pdserve.serving.instance_loop import Failed
 from pdserve.transfer.decode_rooms import DecodeRooms
 
 pytestmark = pytest.mark.slow
@@ -44,7 +45,7 @@ def test_thousands_of_bogus_bootstrap_endpoints_keep_threads_and_fds_bounded(ins
     decode = instances.get_decode(1, 1, "copy")
     events: list = []
     remote = DecodeRooms(
-        EngineDestination(decode),
+        DriverDestination(decode),
         lambda room, event: events.append((room, event)),
         heartbeat_timeout_s=0.001,
         max_clients=MAX_CLIENTS,
@@ -61,7 +62,7 @@ def test_thousands_of_bogus_bootstrap_endpoints_keep_threads_and_fds_bounded(ins
         assert peak_threads - base_threads <= 2 and threading.active_count() <= base_py + 1
         assert peak_fds - base_fds <= 4 * MAX_CLIENTS, (base_fds, peak_fds)
         assert len(events) == ENDPOINTS and all(
-            ev[0] == "error" and "stopped answering" in ev[1] for _, ev in events
+            isinstance(ev, Failed) and "stopped answering" in ev.message for _, ev in events
         )
         assert remote.clients_closed >= ENDPOINTS - MAX_CLIENTS
         time.sleep(0.3)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pdserve.decode_server.config import DecodeServerConfig
-from pdserve.engine.kv_cache import KVPool
+from pdserve.kvcache.kv_cache import KVPool
 from pdserve.model.config import ModelConfig
 from pdserve.transfer.frames import new_ticket
 from pdserve.transfer.plan import DecodeSide, PrefillSide, plan_transfer
@@ -20,7 +20,7 @@ from pdserve.transfer.rank_commands import (
     TransferStatusCmd,
     merge_checksums,
 )
-from pdserve.transfer.room import RoomSlots
+from pdserve.transfer.room_rows import RoomSlots
 from pdserve.transfer.tcp import (
     TcpReceiver,
     TcpSender,

@@ -14,9 +14,9 @@ import pytest
 import torch
 import zmq
 
-from pdserve.engine.auth import sign, verify
-from pdserve.engine.kv_cache import KVPool
+from pdserve.kvcache.kv_cache import KVPool
 from pdserve.model.config import ModelConfig
+from pdserve.serving.auth import sign, verify
 from pdserve.transfer import tcp
 from pdserve.transfer.base import RoomChecksum
 from pdserve.transfer.frames import DATA, DEV_FRAME_KEY, new_ticket
@@ -31,7 +31,7 @@ from pdserve.transfer.rank_commands import (
     TransferStatusCmd,
     merge_checksums,
 )
-from pdserve.transfer.room import SLICE_RUNS, RoomSlots
+from pdserve.transfer.room_rows import SLICE_RUNS, RoomSlots
 from pdserve.transfer.row_mac import P, _coefficients, row_macs
 from pdserve.transfer.tcp import (
     TcpReceiver,
@@ -171,11 +171,11 @@ def test_rows_arrive_exactly_and_the_checksums_agree(model_path, backend, kind, 
             new_ticket(),
             RoomSlots.of(decode.pages, decode.page_size, decode.dcp_size, decode.index_mode),
         )
-        endpoints = {r: recv[r].handle(StageCmd("room", ticket, rows))["endpoint"] for r in ranks}
+        endpoints = {r: recv[r].handle(StageCmd("room", ticket, rows)).endpoint for r in ranks}
         for r in ranks:
             recv[r].handle(ExpectCmd("room", ticket, {r: {0: sum(rows[r].values())}}, slots))
         reply = sender.send(SendCmd("room", ticket, plan, endpoints))
-        assert reply["error"] is None, reply
+        assert reply.error is None, reply
         deadline = time.monotonic() + 10
         while not all(recv[r].handle(TransferStatusCmd("room"))["complete"] for r in ranks):
             assert time.monotonic() < deadline, [recv[r].handle(TransferStatusCmd("room")) for r in ranks]
@@ -260,11 +260,11 @@ def _one_nixl_room(cfg, src, plan, decode, name: str, on_path=None) -> tuple[dic
             rows[t.dst_rank][t.kind] = rows[t.dst_rank].get(t.kind, 0) + t.rows
         ticket = new_ticket()
         slots = RoomSlots.of(decode.pages, decode.page_size, decode.dcp_size, decode.index_mode)
-        endpoints = {r: recv[r].handle(StageCmd("room", ticket, rows))["endpoint"] for r in ranks}
+        endpoints = {r: recv[r].handle(StageCmd("room", ticket, rows)).endpoint for r in ranks}
         for r in ranks:
             recv[r].handle(ExpectCmd("room", ticket, {r: {0: sum(rows[r].values())}}, slots))
         reply = sender.send(SendCmd("room", ticket, plan, endpoints))
-        assert reply["error"] is None, reply
+        assert reply.error is None, reply
         assert sender.status()["bytes_packed"] == 0  # every row went straight from the pool
         deadline = time.monotonic() + 10
         while not all(recv[r].handle(TransferStatusCmd("room"))["complete"] for r in ranks):
@@ -368,7 +368,7 @@ def test_a_forged_tcp_payload_with_a_matching_checksum_is_refused(model_path):
         slots = RoomSlots.of(decode.pages, decode.page_size, decode.dcp_size, decode.index_mode)
         expected = sum(t.rows for t in plan)
         recv.handle(ExpectCmd("room", ticket, {0: {0: expected}}, slots))
-        assert sender.send(SendCmd("room", ticket, plan, {0: path}))["error"] is None
+        assert sender.send(SendCmd("room", ticket, plan, {0: path})).error is None
         frames = [attacker.recv_multipart() for _ in plan]
         header, payload, tag = frames[0]
         forged = bytearray(payload)

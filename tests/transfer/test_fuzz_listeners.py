@@ -15,7 +15,7 @@ import msgpack
 import torch
 import zmq
 
-from pdserve.engine.auth import frame_key, sign
+from pdserve.serving.auth import frame_key, sign
 from pdserve.transfer.decode_client import DecodeClient
 from pdserve.transfer.frames import D2P, P2D, new_ticket, seal_data, seal_notif
 from pdserve.transfer.messages import (
@@ -39,7 +39,7 @@ from pdserve.transfer.rank_commands import (
     StageCmd,
     TransferStatusCmd,
 )
-from pdserve.transfer.room import RoomSlots
+from pdserve.transfer.room_rows import RoomSlots
 from pdserve.transfer.side_channel import BootstrapService
 from pdserve.transfer.tcp import (
     TcpReceiver,
@@ -205,10 +205,10 @@ def check_delivery(recv, sender, room: str, pages, cfg, src, dst) -> None:
     """A normal hand-off of one room through recv: every row exact, the checksums agree."""
     plan, rows, expected, slots = room_plan(cfg, pages)
     ticket = new_ticket()
-    endpoint = recv.handle(StageCmd(room, ticket, rows))["endpoint"]
+    endpoint = recv.handle(StageCmd(room, ticket, rows)).endpoint
     recv.handle(ExpectCmd(room, ticket, expected, slots))
     reply = sender.send(SendCmd(room, ticket, plan, {0: endpoint}))
-    assert reply["error"] is None, reply
+    assert reply.error is None, reply
     wait_for(
         lambda: recv.handle(TransferStatusCmd(room))["complete"],
         what=str(recv.handle(TransferStatusCmd(room))),

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import SamplingParams
+from pdserve.request import SamplingParams
 from tests.servers import http, start_server
 
 TOKENS = 10

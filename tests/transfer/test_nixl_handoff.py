@@ -25,8 +25,8 @@ import torch
 from pdserve.decode_server.instance import DecodeInstance
 from pdserve.decode_server.rank_worker import DecodeWorkerConfig
 from pdserve.decode_server.step_driver import DecodeStepDriver
-from pdserve.engine.launcher import LaunchConfig
-from pdserve.engine.request import SamplingParams
+from pdserve.request import SamplingParams
+from pdserve.runtime.launcher import LaunchConfig
 from pdserve.transfer.frames import new_ticket
 from pdserve.transfer.nixl import NixlReceiver
 from pdserve.transfer.nixl_send import NixlSender
@@ -40,7 +40,7 @@ from pdserve.transfer.rank_commands import (
     TransferStatusCmd,
     merge_checksums,
 )
-from pdserve.transfer.room import RoomSlots
+from pdserve.transfer.room_rows import RoomSlots
 from tests.reference import free_port
 from tests.transfer.fault_loop import fault_loop_leaves_nothing_behind
 from tests.transfer.handoff_driver import Driver, FaultySource, TransferError, hand_off
@@ -231,14 +231,14 @@ T1, T2 = new_ticket(), new_ticket()
 
 def deliver(recv: NixlReceiver, sender: NixlSender, room: str, ticket: bytes, plan, rows, expected) -> dict:
     ep = recv.handle(StageCmd(room, ticket, rows))
-    assert ep["error"] is None, ep
+    assert ep.error is None, ep
     recv.handle(ExpectCmd(room, ticket, expected, ONE_ROOM_SLOTS))
     before = time.monotonic()
-    reply = sender.send(SendCmd(room, ticket, plan, {0: ep["endpoint"]}))
+    reply = sender.send(SendCmd(room, ticket, plan, {0: ep.endpoint}))
     sent = time.monotonic()
     began, ended = sender.status()["last_send_began"], sender.status()["last_send_ended"]
     assert before <= began <= ended <= sent  # the send's own clock, which bench/transfer.py reads
-    if reply["error"] is None:
+    if reply.error is None:
         deadline = time.monotonic() + 5
         while not recv.handle(TransferStatusCmd(room))["complete"]:
             assert time.monotonic() < deadline
@@ -246,7 +246,7 @@ def deliver(recv: NixlReceiver, sender: NixlSender, room: str, ticket: bytes, pl
         status = recv.handle(TransferStatusCmd(room))
         assert status["checksum"] == merge_checksums([reply])[0]
         assert before <= status["first_row_at"] <= status["last_row_at"] <= time.monotonic()
-    return {"reply": reply, "endpoint": ep["endpoint"]}
+    return {"reply": reply, "endpoint": ep.endpoint}
 
 
 def test_restarted_peer_is_reloaded_and_an_old_generation_refused(pools):
@@ -256,7 +256,7 @@ def test_restarted_peer_is_reloaded_and_an_old_generation_refused(pools):
     first = NixlReceiver(0, lambda: dst, staging_bytes=1 << 20, name="test-decode")
     try:
         old = deliver(first, sender, "a", T1, plan, rows, expected)
-        assert old["reply"]["error"] is None and sender.status()["peers"] == 1
+        assert old["reply"].error is None and sender.status()["peers"] == 1
         first.handle(ForgetCmd("a", quiesced=True))
         first.close()
         dst.kv.zero_()
@@ -265,14 +265,14 @@ def test_restarted_peer_is_reloaded_and_an_old_generation_refused(pools):
         )  # same name, restarted
         try:
             new = deliver(second, sender, "b", T2, plan, rows, expected)
-            assert new["reply"]["error"] is None and sender.status()["reloads"] == 1
+            assert new["reply"].error is None and sender.status()["reloads"] == 1
             assert torch.equal(
                 dst.read_kv(0, torch.tensor([8, 9, 10, 11, 0])), src.read_kv(0, torch.arange(20, 25))
             )
             reply = sender.send(
                 SendCmd("a", T1, plan, {0: old["endpoint"]})
             )  # the first incarnation's endpoint
-            assert "stale endpoint" in reply["error"]
+            assert "stale endpoint" in reply.error
             assert (
                 sender.status()["xfer_handles"] == 0 and second.handle(TransferStatusCmd("b"))["dropped"] == 0
             )
@@ -289,17 +289,17 @@ def test_full_arena_refuses_a_room_until_the_quarantine_passed(pools):
         0, lambda: dst, staging_bytes=30_000, name="test-small-arena", quarantine_s=0.3, direct=False
     )  # WRITEs into regions (what an fp8 pool gets)
     try:
-        assert recv.handle(StageCmd("a", T1, rows))["error"] is None  # 18 kB of 30 kB
-        assert "receive staging full" in recv.handle(StageCmd("b", T2, rows))["error"]
+        assert recv.handle(StageCmd("a", T1, rows)).error is None  # 18 kB of 30 kB
+        assert "receive staging full" in recv.handle(StageCmd("b", T2, rows)).error
         recv.handle(ForgetCmd("a"))  # not quiesced: a sender may still write into it
         status = recv.handle(TransferStatusCmd("x"))
         assert status["quarantined"] == 1 and status["staging_bytes"] > 0
-        assert "receive staging full" in recv.handle(StageCmd("b", T2, rows))["error"]
+        assert "receive staging full" in recv.handle(StageCmd("b", T2, rows)).error
         deadline = time.monotonic() + 5
         while recv.handle(TransferStatusCmd("x"))["quarantined"]:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        assert recv.handle(StageCmd("b", T2, rows))["error"] is None
+        assert recv.handle(StageCmd("b", T2, rows)).error is None
         recv.handle(ForgetCmd("b", quiesced=True))
         assert recv.handle(TransferStatusCmd("x"))["staging_bytes"] == 0
     finally:

@@ -1,4 +1,5 @@
-"""Prefix caches on both sides of a KV hand-off are exact and ship only what the decode side lacks.
+"""Prefix caches on both sides of a KV hand-off are exact and ship only what the decode side lacks,
+for the sparse (glm_moe_dsa) and the dense (deepseek_v3) model over NIXL and TCP, on real rank processes.
 
 A multi-turn conversation runs through the production hand-off machines (tests/transfer/handoff_driver.py)
 between a prefill instance and a decode instance, both with --prefix-cache on: the decode reservation
@@ -18,10 +19,11 @@ import pytest
 from pdserve.decode_server.instance import DecodeInstance
 from pdserve.decode_server.rank_worker import DecodeWorkerConfig
 from pdserve.decode_server.step_driver import DecodeStepDriver
-from pdserve.engine.launcher import LaunchConfig
-from pdserve.engine.request import SamplingParams
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.prefill_server.instance import PrefillInstance
 from pdserve.prefill_server.rank_worker import PrefillWorkerConfig
+from pdserve.request import SamplingParams
+from pdserve.runtime.launcher import LaunchConfig
 from tests.reference import assert_close, free_port
 from tests.transfer.fault_loop import run_mixed_faults
 from tests.transfer.handoff_driver import Driver, hand_off
@@ -29,18 +31,41 @@ from tests.transfer.handoff_helpers import check_rows, prompt
 
 pytestmark = pytest.mark.slow
 PS = 4
-CI = [((2, "layer-split"), (2, 2), "split", "tcp"), ((1, "full"), (1, 1), "copy", "tcp")]
+CI = [  # both models (sparse and dense attention), both data paths; every pairing with --deep
+    ("glm_moe_dsa", (2, "layer-split"), (2, 2), "split", "tcp"),
+    ("glm_moe_dsa", (1, "full"), (1, 1), "copy", "nixl"),
+    ("deepseek_v3", (1, "full"), (2, 2), "copy", "nixl"),
+]
 DEEP = [
-    ((2, "full"), (2, 2), "copy", "tcp"),
-    ((1, "full"), (2, 2), "split", "tcp"),
-    ((2, "full"), (2, 2), "copy", "nixl"),
+    ("deepseek_v3", (2, "full"), (1, 1), "copy", "tcp"),
+    ("glm_moe_dsa", (2, "full"), (2, 2), "copy", "tcp"),
+    ("glm_moe_dsa", (1, "full"), (2, 2), "split", "tcp"),
+    ("glm_moe_dsa", (2, "full"), (2, 2), "copy", "nixl"),
+    ("deepseek_v3", (2, "layer-split"), (2, 1), "copy", "tcp"),
 ]
 
 
 def pytest_generate_tests(metafunc):
     if "dshape" in metafunc.fixturenames:
         deep = metafunc.config.getoption("--deep")
-        metafunc.parametrize("pshape,dshape,index_mode,transfer", CI + (DEEP if deep else []))
+        metafunc.parametrize("arch,pshape,dshape,index_mode,transfer", CI + (DEEP if deep else []))
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_checkpoints):
+    """arch -> (checkpoint path, its float64 single-rank engine), made on first use."""
+    made = {}
+
+    def get(arch: str):
+        if arch not in made:
+            path = str(tiny_checkpoints[(arch, "make-model")])
+            made[arch] = (
+                path,
+                LLMEngine.from_pretrained(path, "float64", float32_islands=False, max_kv_tokens=512),
+            )
+        return made[arch]
+
+    return get
 
 
 def start_pair(path: str, pshape, dshape, index_mode, transfer="tcp"):
@@ -78,7 +103,8 @@ def decode_idle(decode: DecodeStepDriver) -> None:
     assert alloc.num_free + cache.cached_pages == alloc.num_pages
 
 
-def test_multi_turn_handoff_with_prefix_caches(model_path, single, pshape, dshape, index_mode, transfer):
+def test_multi_turn_handoff_with_prefix_caches(engines, arch, pshape, dshape, index_mode, transfer):
+    model_path, single = engines(arch)
     prefill, decode = start_pair(model_path, pshape, dshape, index_mode, transfer)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     skipped = lambda: decode.instance.handoff_skipped_bytes  # noqa: E731

@@ -20,11 +20,11 @@ import pytest
 from pdserve.decode_server.instance import DecodeInstance
 from pdserve.decode_server.rank_worker import DecodeWorkerConfig
 from pdserve.decode_server.step_driver import DecodeStepDriver
-from pdserve.engine.launcher import CommandFailed, LaunchConfig
-from pdserve.engine.page_allocator import OutOfPages
-from pdserve.engine.request import SamplingParams
+from pdserve.kvcache.page_allocator import OutOfPages
 from pdserve.prefill_server.instance import PrefillInstance
 from pdserve.prefill_server.rank_worker import PrefillCmd, PrefillRankReply, PrefillWorkerConfig
+from pdserve.request import SamplingParams
+from pdserve.runtime.launcher import CommandFailed, LaunchConfig
 
 PS = 4  # ranks never start: the launch configs name an unused port
 

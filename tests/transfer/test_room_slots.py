@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from pdserve.engine.auth import frame_key
-from pdserve.engine.request import SamplingParams
+from pdserve.request import SamplingParams
+from pdserve.serving.auth import frame_key
 from pdserve.transfer.frames import new_ticket
 from pdserve.transfer.nixl import NixlReceiver
 from pdserve.transfer.nixl_send import NixlSender
@@ -25,7 +25,7 @@ from pdserve.transfer.rank_commands import (
     StageCmd,
     TransferStatusCmd,
 )
-from pdserve.transfer.room import RoomSlots
+from pdserve.transfer.room_rows import RoomSlots
 from pdserve.transfer.tcp import (
     TcpReceiver,
     TcpSender,
@@ -96,14 +96,14 @@ def test_nixl_notification_outside_the_room_fails_it(pools, direct):
         tickets, endpoints = {}, {}
         for room, pages in (("A", (0, 1, 2)), ("B", (3, 4, 5))):
             tickets[room] = new_ticket()
-            endpoints[room] = recv.handle(StageCmd(room, tickets[room], {0: rows}))["endpoint"]
+            endpoints[room] = recv.handle(StageCmd(room, tickets[room], {0: rows})).endpoint
             recv.handle(
                 ExpectCmd(
                     room, tickets[room], {0: {0: sum(rows.values())}}, RoomSlots.of(pages, 4, 1, "copy")
                 )
             )
         reply = sender.send(SendCmd("B", tickets["B"], plans["A"], {0: endpoints["B"]}))
-        assert reply["error"] is None, reply
+        assert reply.error is None, reply
         errors = wait_error(lambda: [recv.handle(TransferStatusCmd("B"))])
         assert "not the room's" in errors[0]
         status = recv.handle(TransferStatusCmd("A"))
@@ -162,7 +162,7 @@ def test_data_frames_without_the_key_are_dropped_unread(pools):
         recv.handle(
             ExpectCmd("r", ticket, {0: {0: sum(t.rows for t in plan)}}, RoomSlots.of((0, 1, 2), 4, 1, "copy"))
         )
-        assert foreign.send(SendCmd("r", ticket, plan, {0: recv.endpoint}))["error"] is None
+        assert foreign.send(SendCmd("r", ticket, plan, {0: recv.endpoint})).error is None
         deadline = time.monotonic() + 5
         while recv.handle(TransferStatusCmd("r"))["unauthenticated"] < len(plan):
             assert time.monotonic() < deadline, recv.handle(TransferStatusCmd("r"))

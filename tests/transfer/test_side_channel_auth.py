@@ -13,7 +13,7 @@ import msgpack
 import pytest
 import zmq
 
-from pdserve.engine.auth import frame_key, sign
+from pdserve.serving.auth import frame_key, sign
 from pdserve.transfer.decode_client import DecodeClient
 from pdserve.transfer.decode_rooms import DecodeRooms
 from pdserve.transfer.frames import D2P, P2D, SIDE_MAX_BYTES, new_ticket
@@ -182,7 +182,8 @@ def test_outcomes_are_kept_only_for_the_clients_own_rooms(service):
 
 
 def test_unclaimed_reservations_expire_and_claimed_ones_stay():
-    server = BootstrapServer(key=KEY, reservation_ttl_s=0.2)
+    now = [0.0]
+    server = BootstrapServer(key=KEY, reservation_ttl_s=0.2, clock=lambda: now[0])
     client = DecodeClient(server.endpoint, KEY)
     try:
         assert client.wait_ready(5, server.drain)
@@ -191,7 +192,10 @@ def test_unclaimed_reservations_expire_and_claimed_ones_stay():
         server.wait_reservation("idle", 5)
         server.wait_reservation("served", 5)
         assert server.claim("served") is not None
-        time.sleep(0.3)
+        now[0] += 0.19
+        server.expire()
+        assert server.expired == 0  # not yet
+        now[0] += 0.02
         server.expire()
         assert "idle" not in server.reservations and server.expired == 1 and "served" in server.reservations
         server.reply(TransferFailed("served", "done with it"))
@@ -214,7 +218,7 @@ def test_a_dead_service_thread_is_reported():
 
 def test_the_tag_covers_the_frame():
     """Flipping any byte of a signed frame, or moving it under another label, fails verification."""
-    from pdserve.engine.auth import verify
+    from pdserve.serving.auth import verify
 
     frame = msgpack.packb({"a": 1})
     tag = sign(KEY, D2P, frame)

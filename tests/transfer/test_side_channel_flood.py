@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from pdserve.engine.auth import frame_key
+from pdserve.serving.auth import frame_key
 from pdserve.transfer.decode_client import DecodeClient
 from pdserve.transfer.frames import new_ticket
 from pdserve.transfer.messages import DecodeReservation, Fingerprint, Hello, encode

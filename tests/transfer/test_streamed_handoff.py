@@ -17,12 +17,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.faults import KILL_AT_LAYER_ENV
-from pdserve.engine.launcher import LaunchConfig
-from pdserve.engine.request import SamplingParams
 from pdserve.model.config import ModelConfig
 from pdserve.prefill_server.instance import PrefillInstance
 from pdserve.prefill_server.rank_worker import PrefillWorkerConfig
+from pdserve.request import SamplingParams
+from pdserve.runtime.faults import KILL_AT_LAYER_ENV
+from pdserve.runtime.launcher import LaunchConfig
 from tests.reference import free_port
 from tests.transfer.handoff_driver import Driver, FaultySource, TransferError, hand_off
 from tests.transfer.handoff_helpers import assert_decode_idle, assert_idle, prompt

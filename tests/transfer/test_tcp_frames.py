@@ -12,7 +12,7 @@ import pytest
 import torch
 import zmq
 
-from pdserve.engine.kv_cache import KVPool
+from pdserve.kvcache.kv_cache import KVPool
 from pdserve.model.config import ModelConfig
 from pdserve.transfer.frames import DATA_FRAME_MAX, DATA_PAYLOAD_MAX, DATA_RUNS_MAX
 from pdserve.transfer.tcp import RECV_QUEUE, TcpReceiver, pieces

@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from pdserve.engine.request import SamplingParams
+from pdserve.request import SamplingParams
 from pdserve.transfer.base import KVPoll
 from pdserve.transfer.frames import new_ticket
 from pdserve.transfer.messages import TransferDone
