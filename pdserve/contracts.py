@@ -122,6 +122,17 @@ class _Sampling(StrictModel):
         )
 
 
+def sampling_fields(p: SamplingParams) -> dict:
+    """The inverse of `_Sampling.sampling_params` (without token_ids, max_tokens and prompt_logprobs,
+    which each body sets itself): what the router sends both halves. `generated` travels as a count,
+    the ids being the end of token_ids."""
+    names = (
+        "temperature top_p top_k seed ignore_eos stop_token_ids min_tokens presence_penalty "
+        "frequency_penalty repetition_penalty logit_bias logprobs grammar n cache_namespace"
+    ).split()
+    return {name: getattr(p, name) for name in names} | {"generated": len(p.generated)}
+
+
 # router -> prefill -------------------------------------------------------------------------------
 async def checked_params(body: _Sampling, vocab: int, max_tokens: int, **extra) -> SamplingParams:
     """body.sampling_params at an async edge: a body with a grammar is checked on a worker thread
@@ -137,6 +148,9 @@ class PrefillRequest(_Sampling):
     chunk_size: int | None = Field(default=None, ge=1, le=1 << 20)
     handoff: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # each prompt token's (echo)
+
+    def sampling_params(self, vocab: int, max_tokens: int, **extra) -> SamplingParams:
+        return super().sampling_params(vocab, max_tokens, prompt_logprobs=self.prompt_logprobs, **extra)
 
 
 class Logprob(StrictModel):

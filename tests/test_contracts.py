@@ -69,3 +69,42 @@ def test_request_bodies_keep_the_edge_limits():
     with pytest.raises(ValueError):
         contracts.PrefillRequest(token_ids=[1], request_id="../etc")
     assert contracts.GenerateRequest(token_ids=[1], bootstrap="tcp://10.0.0.1:5").bootstrap
+
+
+def test_the_router_s_sampling_params_arrive_at_the_rank_unchanged():
+    """One form on each side of the wire: the router's SamplingParams -> sampling_fields -> the body
+    -> the instance's SamplingParams is the identity (a field sampling_fields drops, or the body
+    renames, fails here; `generated` travels as a count, its ids the end of token_ids)."""
+    import dataclasses
+
+    from pdserve.contracts import GenerateRequest, PrefillRequest, sampling_fields
+    from pdserve.request import SamplingParams
+
+    sent = SamplingParams(
+        max_tokens=9,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=5,
+        seed=11,
+        stop_token_ids=(3, 4),
+        ignore_eos=True,
+        min_tokens=2,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        logit_bias=((7, 1.5),),
+        logprobs=2,
+        n=3,
+        cache_namespace="ab" * 8,
+        generated=(40, 41),
+    )
+    prompt = [1, 2, 40, 41]
+    fields = sampling_fields(sent)
+    asked = {f.name for f in dataclasses.fields(SamplingParams)}
+    assert asked - set(fields) == {"max_tokens", "prompt_ids", "prompt_logprobs"}  # each body's own
+    decode = GenerateRequest(token_ids=prompt, max_tokens=9, **fields).sampling_params(64, 9)
+    assert decode == sent
+    prefill = PrefillRequest(token_ids=prompt, prompt_logprobs=1, **fields).sampling_params(64, 9)
+    assert prefill == dataclasses.replace(sent, prompt_logprobs=1)
+    penalised = dataclasses.replace(sent, repetition_penalty=1.3)
+    body = GenerateRequest(token_ids=prompt, max_tokens=9, **sampling_fields(penalised))
+    assert body.sampling_params(64, 9) == dataclasses.replace(penalised, prompt_ids=tuple(prompt))

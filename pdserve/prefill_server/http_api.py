@@ -57,9 +57,7 @@ def create_app(
     async def prefill(body: PrefillRequest) -> PrefillReply:
         refuse_if_draining(drain)
         try:  # max_tokens 1: the prefill samples the first token only
-            params = await checked_params(
-                body, instance.model_config.vocab_size, 1, prompt_logprobs=body.prompt_logprobs
-            )
+            params = await checked_params(body, instance.model_config.vocab_size, 1)
         except ValueError as e:
             raise HTTPException(400, str(e)) from None
         if body.handoff and not body.request_id:

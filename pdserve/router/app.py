@@ -24,6 +24,7 @@ client that goes away cancels the request: both halves abort.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -46,7 +47,7 @@ from .chat import ChatShaper
 from .config import RouterConfig
 from .instance_auth import AllowedHosts, InstanceAuth
 from .metrics import Metrics
-from .orchestrator import GenParams, Orchestrator
+from .orchestrator import Orchestrator
 from .pool import NoInstance, Pool, TooLong
 from .prompt import PromptLimits, chat_prompt, completion_prompt
 from .structured import check_choices_grammar, response_grammar
@@ -231,8 +232,8 @@ async def _serve(
     try:
         sampling = P.check_sampling(body, state.cfg.default_max_tokens, state.tokenizer.vocab_size)
         P.check_response_budget(sampling, body.stream, state.cfg.max_response_budget)
-        params = GenParams(
-            **sampling,
+        params = dataclasses.replace(
+            sampling,
             grammar=await response_grammar(body.response_format, tool_grammar),
             cache_namespace=_namespace(state.cfg, request, body),
         )

@@ -1,6 +1,7 @@
 """The two halves of one try (orchestrator.py `_try`), each reporting onto the try's event queue.
 
-`GenParams` is what a request asks of both halves. `Halves.prefill` POSTs /v1/prefill and puts
+A request asks both halves for the same `SamplingParams` (request.py; on the wire
+contracts.sampling_fields). `Halves.prefill` POSTs /v1/prefill and puts
 ("prompt", PrefillReply) when the prefill answered (its hand-off done); `Halves.decode` reads the decode's NDJSON stream of POST /v1/generate and puts
 ("token", TokenEvent) per token (and per finish of a choice but the last), ("finish", FinishEvent)
 for the last. Either puts ("failed", TryFailed | BadRequest) instead, and never raises for an
@@ -13,43 +14,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 
 import httpx
 
-from ..contracts import FinishEvent, GenerateRequest, PrefillReply, PrefillRequest, TokenEvent, parse_event
+from ..contracts import (
+    FinishEvent,
+    GenerateRequest,
+    PrefillReply,
+    PrefillRequest,
+    TokenEvent,
+    parse_event,
+    sampling_fields,
+)
+from ..request import SamplingParams
 from .metrics import Metrics
 from .pool import Instance, error_message
-
-
-@dataclass(frozen=True)
-class GenParams:
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = ()
-    min_tokens: int = 0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    logprobs: int | None = None  # the sampled tokens' and the top k
-    grammar: str | None = None  # llguidance's (engine/constraint.py grammar_for)
-    prompt_logprobs: int | None = None  # echo: the prefill's reply comes first in generate()
-    n: int = 1  # choices from one prefill (the decode copies the prompt's cache for each)
-    cache_namespace: str = ""  # the prefix caches' namespace (tenants.py); "": the shared one
-    generated: int = 0  # a continuation (migration.py): the prompt's last tokens are output already sent
-
-    def sampling(self) -> dict:
-        """The fields both halves sample with (contracts._Sampling), and the cache namespace."""
-        names = (
-            "temperature top_p top_k seed ignore_eos stop_token_ids min_tokens presence_penalty "
-            "frequency_penalty repetition_penalty logit_bias logprobs grammar n cache_namespace generated"
-        ).split()
-        return {n: getattr(self, n) for n in names}
 
 
 class BadRequest(Exception):
@@ -77,14 +56,14 @@ class Halves:
         self.client, self.metrics, self.timeout_s = client, metrics, timeout_s
 
     async def prefill(
-        self, inst: Instance, room: str, prompt: list[int], params: GenParams, events: asyncio.Queue
+        self, inst: Instance, room: str, prompt: list[int], params: SamplingParams, events: asyncio.Queue
     ) -> None:
         body = PrefillRequest(
             token_ids=prompt,
             request_id=room,
             handoff=True,
             prompt_logprobs=params.prompt_logprobs,
-            **params.sampling(),
+            **sampling_fields(params),
         )
         start = time.perf_counter()
         try:
@@ -116,13 +95,13 @@ class Halves:
         bootstrap: str,
         room: str,
         prompt: list[int],
-        params: GenParams,
+        params: SamplingParams,
         events: asyncio.Queue,
     ) -> None:
         body = GenerateRequest(
             token_ids=prompt,
             max_tokens=params.max_tokens,
-            **params.sampling(),
+            **sampling_fields(params),
             stream=True,
             request_id=room,
             bootstrap=bootstrap,

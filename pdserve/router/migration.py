@@ -10,8 +10,8 @@ streamed; prompt_tokens stays the original prompt's).
 
 The continuation of choice i after k sent tokens is exactly the request (`Progress.continuation`)
 
-    token_ids = prompt + those k tokens, generated = k (the penalties and the grammar count them
-    as output: contracts._Sampling), n = 1, max_tokens - k, max(0, min_tokens - k),
+    token_ids = prompt + those k tokens, generated = those k ids (a count on the wire; the
+    penalties and the grammar count them as output: contracts._Sampling), n = 1, max_tokens - k, max(0, min_tokens - k),
     seed = continued_seed(seed + i, k), no prompt logprobs,
 
 so with greedy sampling the whole output equals an unbroken run's, token for token (the same
@@ -51,7 +51,7 @@ class Progress:
     """What each choice of one request has sent to the client, and what a continuation sends."""
 
     def __init__(self, prompt: list[int], params, eos_ids: Sequence[int] = ()):
-        """params: orchestrator.GenParams; eos_ids: the model's (a sent EOS ended its choice unless
+        """params: request.SamplingParams; eos_ids: the model's (a sent EOS ended its choice unless
         ignore_eos)."""
         self.prompt, self.params, self.eos_ids = list(prompt), params, frozenset(eos_ids)
         self.tokens: list[list[int]] = [[] for _ in range(params.n)]
@@ -75,7 +75,7 @@ class Progress:
         return "length" if len(sent) >= p.max_tokens else None
 
     def continuation(self, i: int):
-        """(prompt, GenParams) of choice i's continuation (the module's docstring)."""
+        """(prompt, SamplingParams) of choice i's continuation (the module's docstring)."""
         sent, p = self.tokens[i], self.params
         k = len(sent)
         if k >= p.max_tokens:
@@ -88,7 +88,7 @@ class Progress:
             seed=continued_seed(seed, k),
             n=1,
             prompt_logprobs=None,
-            generated=k,
+            generated=tuple(sent),
         )
         return self.prompt + sent, params
 

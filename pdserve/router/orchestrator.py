@@ -32,13 +32,16 @@ import httpx
 
 from ..contracts import AbortRequest, FinishEvent, PrefillReply, TokenEvent
 from ..kvcache.kv_fit import Need
-from ..request import Overloaded  # the router's queue is full, or every instance tried was
-from .halves import BadRequest, GenParams, Halves, TryFailed
+from ..request import (
+    Overloaded,  # the router's queue is full, or every instance tried was
+    SamplingParams,
+)
+from .halves import BadRequest, Halves, TryFailed
 from .metrics import Metrics
 from .migration import Progress, merge
 from .pool import Instance, NoInstance, Pool, Saturated, TooLong
 
-__all__ = ["BadRequest", "DeadlineExceeded", "GenParams", "Orchestrator", "Overloaded", "RequestFailed"]
+__all__ = ["BadRequest", "DeadlineExceeded", "Orchestrator", "Overloaded", "RequestFailed"]
 
 PREFILL_ANSWER_GRACE_S = 1.0  # how long the last finish waits for a late prefill answer (usage)
 HEALTH_CHECK_S = 0.5  # a try whose decode is silent this long fails if its instance failed a health check
@@ -87,7 +90,7 @@ class Orchestrator:
         self.pool.candidates("decode", Need(prompt_len, max_tokens, n), admit=False)
         self.pool.candidates("prefill", prompt_len, admit=False)
 
-    async def generate(self, prompt: list[int], params: GenParams, deadline: float):
+    async def generate(self, prompt: list[int], params: SamplingParams, deadline: float):
         """Yields the prefill's PrefillReply first when params.prompt_logprobs is set (else before
         the last FinishEvent, when it came: usage's cached tokens), one TokenEvent per token (id,
         logprob, choice index) and one FinishEvent per choice (reason "stop" | "length" | "abort");
@@ -103,7 +106,7 @@ class Orchestrator:
         self,
         progress: Progress,
         prompt: list[int],
-        params: GenParams,
+        params: SamplingParams,
         choices: list[int],
         deadline: float,
         budget: list[int],
@@ -148,7 +151,7 @@ class Orchestrator:
                     yield event
 
     async def _attempts(
-        self, prompt: list[int], params: GenParams, deadline: float, avoid: set[str], answer: bool
+        self, prompt: list[int], params: SamplingParams, deadline: float, avoid: set[str], answer: bool
     ):
         """One request's tries on different pairs while none sent a token; Migrate or RequestFailed
         when a try fails after it did. answer: wait for a late prefill answer (usage) at the end."""
@@ -185,7 +188,12 @@ class Orchestrator:
         raise RequestFailed(f"failed after {attempt + 1} tries: {last}")
 
     async def _pick(
-        self, prompt: list[int], params: GenParams, avoid: set[str], deadline: float, patience_s: float = 0
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        avoid: set[str],
+        deadline: float,
+        patience_s: float = 0,
     ):
         """A (prefill, decode) pair with room, waiting for one while at most max_queue others wait.
         With `patience_s` (a continuation: its stream must go on) it also waits that long for a
@@ -224,7 +232,7 @@ class Orchestrator:
         prefill: Instance,
         decode: Instance,
         prompt: list[int],
-        params: GenParams,
+        params: SamplingParams,
         deadline: float,
         answer: bool = True,
     ):

@@ -29,6 +29,7 @@ from ..request import (
     MAX_TEMPERATURE,
     MAX_TOP_K,
     SEED_LIMIT,
+    SamplingParams,
 )
 from ..serving.http_edge import StrictModel, error_body, error_type
 
@@ -139,17 +140,15 @@ def template_kwargs(req: ChatRequest) -> dict:
     return kwargs
 
 
-def check_sampling(req: _Common, default_max_tokens: int, vocab: int) -> dict:
-    """The validated sampling fields (OpenAI defaults: temperature 1, top_p 1) or an ApiError(400).
+def check_sampling(req: _Common, default_max_tokens: int, vocab: int) -> SamplingParams:
+    """The request's SamplingParams (OpenAI defaults: temperature 1, top_p 1) or an ApiError(400);
+    the router adds the grammar and the cache namespace (app.py) before both halves send it.
 
     Ranges and finiteness are enforced by the body model; this refuses what is valid but not served."""
     max_tokens = req.max_tokens
     if max_tokens is None and isinstance(req, ChatRequest):
         max_tokens = req.max_completion_tokens
     max_tokens = default_max_tokens if max_tokens is None else max_tokens
-    temperature = 1.0 if req.temperature is None else req.temperature
-    top_p = 1.0 if req.top_p is None else req.top_p
-    top_k = 0 if req.top_k in (None, -1) else req.top_k
     _check_stop(req.stop_list())
     if req.min_tokens > max_tokens:
         raise ApiError(
@@ -164,22 +163,25 @@ def check_sampling(req: _Common, default_max_tokens: int, vocab: int) -> dict:
         raise ApiError(400, "best_of > n cannot be streamed (the best are known only at the end)", "best_of")
     if getattr(req, "suffix", None):
         raise ApiError(400, "suffix is not supported", "suffix")
-    return {
-        "max_tokens": max_tokens,
-        "temperature": temperature,
-        "top_p": top_p,
-        "top_k": top_k,
-        "seed": req.seed,
-        "ignore_eos": req.ignore_eos,
-        "stop_token_ids": tuple(req.stop_token_ids or ()),
-        "min_tokens": req.min_tokens,
-        "presence_penalty": req.presence_penalty or 0.0,
-        "frequency_penalty": req.frequency_penalty or 0.0,
-        "repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        "logit_bias": _logit_bias(req.logit_bias, vocab),
-        "n": best_of,  # generated; the best n are returned (respond.collect)
-        **_logprobs(req),
-    }
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k in (None, -1) else req.top_k,
+            seed=req.seed,
+            ignore_eos=req.ignore_eos,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            min_tokens=req.min_tokens,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=_logit_bias(req.logit_bias, vocab),
+            n=best_of,  # generated; the best n are returned (respond.collect)
+            **_logprobs(req),
+        )
+    except ValueError as e:  # the body model's ranges are SamplingParams's: a second line of defence
+        raise ApiError(400, str(e)) from None
 
 
 def _logit_bias(bias: dict[str, float] | None, vocab: int) -> tuple[tuple[int, float], ...]:
@@ -195,10 +197,10 @@ def _logit_bias(bias: dict[str, float] | None, vocab: int) -> tuple[tuple[int, f
     return tuple(sorted(out))
 
 
-def check_response_budget(sampling: dict, stream: bool, budget: int) -> None:
+def check_response_budget(sampling: SamplingParams, stream: bool, budget: int) -> None:
     """A non-streamed answer is built whole in the router's memory: n x max_tokens x (1 +
     top_logprobs) token entries beyond `budget` (--max-response-budget) are served only streamed."""
-    size = sampling["n"] * sampling["max_tokens"] * (1 + (sampling["logprobs"] or 0))
+    size = sampling.n * sampling.max_tokens * (1 + (sampling.logprobs or 0))
     if size > budget and not stream:
         raise ApiError(
             400,

@@ -19,11 +19,12 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from ..contracts import FinishEvent, PrefillReply
+from ..request import SamplingParams
 from ..serving.http_edge import RETRY_AFTER_S, new_error_id
 from . import protocol as P
 from .logprobs import LogprobFormatter
 from .logprobs import merge as merge_logprobs
-from .orchestrator import BadRequest, DeadlineExceeded, GenParams, Overloaded, RequestFailed
+from .orchestrator import BadRequest, DeadlineExceeded, Overloaded, RequestFailed
 from .pool import NoInstance
 from .redact import public, redact
 from .text import TextStream
@@ -60,7 +61,13 @@ class _Choice:
 
 
 async def pieces(
-    state, prompt: list[int], params: GenParams, stop: list[str], deadline: float, echo: bool, counts: Counts
+    state,
+    prompt: list[int],
+    params: SamplingParams,
+    stop: list[str],
+    deadline: float,
+    echo: bool,
+    counts: Counts,
 ):
     """Yields Pieces; records the latency metrics, the outcome and `counts`."""
     m = state.metrics

@@ -21,8 +21,7 @@ import httpx
 import pytest
 
 from pdserve.contracts import FinishEvent, TokenEvent
-from pdserve.request import SEED_LIMIT
-from pdserve.router.halves import GenParams
+from pdserve.request import SEED_LIMIT, SamplingParams
 from pdserve.router.migration import CAUSES, Progress, continued_seed, merge
 from tests.router.flaky_link import flaky_link
 from tests.router.helpers import decode_idle, metric, router_config, running_router, wait_until
@@ -31,7 +30,7 @@ PROMPT = [5, 17, 99, 3, 250, 42, 7, 7, 31]
 
 
 def test_a_continuation_asks_for_the_rest_of_its_choice():
-    params = GenParams(
+    params = SamplingParams(
         max_tokens=10, temperature=0.8, seed=SEED_LIMIT - 1, min_tokens=4, n=3, logprobs=2, prompt_logprobs=1
     )
     progress = Progress(PROMPT, params, eos_ids=[0])
@@ -41,7 +40,7 @@ def test_a_continuation_asks_for_the_rest_of_its_choice():
     assert progress.unfinished([0, 1, 2]) == [0, 1]
     prompt, p = progress.continuation(0)
     assert prompt == PROMPT + [11, 13] and progress.prompt == PROMPT
-    assert (p.max_tokens, p.min_tokens, p.n, p.generated, p.prompt_logprobs) == (8, 2, 1, 2, None)
+    assert (p.max_tokens, p.min_tokens, p.n, p.generated, p.prompt_logprobs) == (8, 2, 1, (11, 13), None)
     assert p.seed == continued_seed(SEED_LIMIT - 1, 2) and p.logprobs == 2 and p.temperature == 0.8
     prompt, p = progress.continuation(1)  # choice 1: its own seed stream, seed + 1 (mod the limit)
     assert prompt == PROMPT + [12] and p.seed == continued_seed(0, 1) and p.min_tokens == 3
@@ -53,11 +52,11 @@ def test_a_continuation_asks_for_the_rest_of_its_choice():
 
 
 def test_a_sent_stop_token_or_eos_ended_its_choice():
-    progress = Progress(PROMPT, GenParams(max_tokens=5, stop_token_ids=(9,), n=3), eos_ids=[0])
+    progress = Progress(PROMPT, SamplingParams(max_tokens=5, stop_token_ids=(9,), n=3), eos_ids=[0])
     for index, token in ((0, 9), (1, 0), (2, 4)):
         progress.record(TokenEvent(token=token, index=index))
     assert [progress.ended(i) for i in range(3)] == ["stop", "stop", None]
-    ignoring = Progress(PROMPT, GenParams(max_tokens=5, ignore_eos=True), eos_ids=[0])
+    ignoring = Progress(PROMPT, SamplingParams(max_tokens=5, ignore_eos=True), eos_ids=[0])
     ignoring.record(TokenEvent(token=0))
     assert ignoring.ended(0) is None
 
