@@ -119,6 +119,8 @@ class Flag:
     cli_type: Any = None  # the option's type when it is not the field's (a path, a size given as text)
     cli_default: Any = None  # the option's default when it is not the field's (with has_cli_default)
     has_cli_default: bool = False
+    # `pdserve up`: the (config class, field) pairs this option becomes in the processes it starts
+    passes_to: tuple[tuple[type, str], ...] = ()
 
     def flag_name(self, field_name: str) -> str:
         return self.name or "--" + field_name.replace("_", "-")
@@ -135,17 +137,79 @@ def option(
     cli_default: Any = MISSING,
     repr: bool = True,
     default_factory: Callable[[], Any] | Any = MISSING,
+    passes_to: tuple[tuple[type, str], ...] = (),
 ) -> Any:
     """A dataclass field that is also a command-line option (see the module docstring)."""
     has = cli_default is not MISSING
     if not help and choices is not None and choices.__doc__ != Enum.__doc__:  # the set's own help
         help = " ".join(inspect.cleandoc(choices.__doc__ or "").split())
-    flag = Flag(help, name, min, choices, cli_type, cli_default if has else None, has)
+    flag = Flag(help, name, min, choices, cli_type, cli_default if has else None, has, passes_to)
     if choices is not None and default is not MISSING and default is not None:
         default = choices(default).value  # a typo in a default fails at import
     return dataclasses.field(
         default=default, default_factory=default_factory, repr=repr, metadata={"flag": flag}
     )
+
+
+def passed_on(
+    *targets: tuple[type, str],
+    who: str,
+    name: str | None = None,
+    default: Any = MISSING,
+    help: str | None = None,
+    **kw: Any,
+) -> Any:
+    """An option of a launcher (`pdserve up`) that it passes on as each target's own (config class,
+    field): its choices, lower bound, help and default (unless `default` is given, e.g. None for
+    "each process's own") are the first target's, so the two cannot drift apart; `who` says whose
+    option it is in the help ("every prefill instance's"; `help` replaces the target's own text).
+    `name`: the launcher's flag, when the target's would be ambiguous (--prefill-cp for --cp-size)."""
+    cls, field = targets[0]
+    f = {x.name: x for x in dataclasses.fields(cls)}[field]
+    flag = f.metadata["flag"]
+    text = help or flag.help
+    if text[:1].isupper() and text[1:2].islower():  # "How ..." -> "...'s --policy: how ..."
+        text = text[0].lower() + text[1:]
+    help = f"{who[0].upper()}{who[1:]} {flag.flag_name(field)}: {text}"
+    return option(
+        f.default if default is MISSING else default,
+        help,
+        name=name or flag.name,
+        min=flag.min,
+        choices=flag.choices,
+        passes_to=targets,
+        **kw,
+    )
+
+
+def passed_values(cfg, target: type) -> dict[str, Any]:
+    """target's field -> value for the options of `cfg` (a launcher's config) that pass on to it
+    (`passed_on`); an option set to None is left out (the process's own default then holds)."""
+    out = {}
+    for f, flag in flagged_fields(type(cfg)):
+        value = getattr(cfg, f.name)
+        out |= {field: value for cls, field in flag.passes_to if cls is target and value is not None}
+    return out
+
+
+def as_args(cls, values: dict[str, Any]) -> list[str]:
+    """The command-line arguments that give these fields of `cls` these values (a bool is an on-flag:
+    given when true, left out at its default false; tuples comma-separated): how a launcher passes a
+    config on to a process it starts."""
+    fields = {f.name: (f, flag) for f, flag in flagged_fields(cls)}
+    args: list[str] = []
+    for field, value in values.items():
+        f, flag = fields[field]
+        name = flag.flag_name(field)
+        if isinstance(value, bool):
+            if not value and f.default is not False:
+                raise ValueError(f"{name} is an on-flag: false cannot be passed on")
+            args += [name] if value else []
+        elif isinstance(value, tuple):
+            args += [name, ",".join(str(v) for v in value)]
+        else:
+            args += [name, str(value)]
+    return args
 
 
 def flagged_fields(cls) -> list[tuple[dataclasses.Field, Flag]]:

@@ -117,19 +117,9 @@ def test_up_gives_each_instance_its_gpus(tmp_path):
     assert [cfg.instance_gpus("prefill", i) for i in range(2)] == [(0, 1), (2, 3)]
     assert cfg.instance_gpus("decode", 0) == (4, 5)
     shared = StackConfig(model="m", decode_tp=2, device="cuda", gpu_ids=(0, 0, 0), log_dir=str(tmp_path))
-    assert Stack(shared)._device_args("decode", 0) == [
-        "--device",
-        "cuda",
-        "--attention-ops",
-        "auto",
-        "--gpu-ids",
-        "0,0",
-    ]
-    assert Stack(StackConfig(model="m", log_dir=str(tmp_path)))._device_args("prefill", 0) == [
-        "--device",
-        "cpu",
-        "--attention-ops",
-        "auto",
-    ]
+    decode = Stack(shared).instance_args("decode", 0, 8200)
+    assert decode[decode.index("--device") + 1] == "cuda" and decode[decode.index("--gpu-ids") + 1] == "0,0"
+    prefill = Stack(StackConfig(model="m", log_dir=str(tmp_path))).instance_args("prefill", 0, 8100)
+    assert prefill[prefill.index("--device") + 1] == "cpu" and "--gpu-ids" not in prefill
     with pytest.raises(ValueError, match="one GPU per rank of the stack"):
         StackConfig(model="m", device="cuda", gpu_ids=(0,))

@@ -46,6 +46,7 @@ def router(
                 "internal_token": internal_token(values["internal_token"], internal_token_file, check_config),
             }
         )
+        cfg.validate_model()
     except ValueError as e:
         fail(str(e))
     if check_config:

@@ -214,6 +214,10 @@ class RouterConfig:
                 raise ValueError(f"--k8s-api must start with http:// or https://, got {self.k8s_api!r}")
         elif self.selector or self.namespace or self.k8s_api:
             raise ValueError("--selector, --namespace and --k8s-api need --discovery k8s")
+
+    def validate_model(self) -> None:
+        """The check that needs the checkpoint directory (as the servers' configs: a config can be
+        built, and `up` check what it passes on, before the model exists)."""
         if not (Path(self.model) / "tokenizer.json").is_file():
             raise ValueError(f"{self.model} has no tokenizer.json (the router needs the model's tokenizer)")
 

@@ -14,6 +14,7 @@ Imports no torch: the model directory must exist (cli/stack.py builds the built-
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -26,19 +27,26 @@ from typing import Optional
 
 import httpx
 
-from ..choices import AttentionOps, DcpIndex, Device, Policy, Restart, Switch, Transfer
-from ..flags import ATTENTION_OPS_HELP, DEVICE_HELP, option
-from ..instance_options import MIN_KV_TOKENS
+from ..choices import Restart
+from ..decode_server.config import DecodeServerConfig as D
+from ..flags import as_args, option, passed_on, passed_values
+from ..prefill_server.config import PrefillServerConfig as P
 from ..runtime.parent_death import die_with_parent
-from ..runtime.placement import check_attention_ops, check_device, parse_gpu_ids
+from ..runtime.placement import check_device, parse_gpu_ids
 from ..serving.auth import INTERNAL_TOKEN_ENV, new_token
 from ..serving.ports import free_port
-from .config import ADMIN_TOKEN_ENV
+from .config import ADMIN_TOKEN_ENV, RouterConfig
 from .supervise import RESTART_POLICIES, Supervisor
 
 STOP_MARGIN_S = 15.0  # past the instances' grace period: time to stop their ranks before SIGKILL
 POLL_S = 0.5  # how often the launcher looks at its children
 ROUTER_HEALTH_INTERVAL_S = 1.0  # a restarted instance rejoins (and a dead one leaves) within about this
+EVERY, EVERY_P, EVERY_D, ROUTER = (
+    "every instance's",
+    "every prefill instance's",
+    "every decode instance's",
+    "the router's",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,41 +59,32 @@ class StackConfig:
         cli_default=None,
     )
     prefill_instances: int = option(1, "Number of prefill instances N.", min=1)
-    prefill_cp: int = option(1, "Context-parallel ranks C_p of every prefill instance.", min=1)
+    prefill_cp: int = passed_on((P, "cp_size"), who=EVERY_P, name="--prefill-cp")
     decode_instances: int = option(1, "Number of decode instances M.", min=1)
-    decode_tp: int = option(1, "Ranks W of every decode instance (tensor parallel).", min=1)
-    decode_dcp: int = option(
-        1, "Decode context-parallel size C_d of every decode instance (must divide --decode-tp).", min=1
-    )
-    dcp_index: str = option("copy", choices=DcpIndex)
-    transfer: str = option("tcp", choices=Transfer)
-    max_kv_tokens: int | None = option(  # per instance; None: each server's default
-        None,
-        "KV cache capacity in tokens of every instance (default: each server's own default).",
-        min=MIN_KV_TOKENS,
+    decode_tp: int = passed_on((D, "tp_size"), who=EVERY_D, name="--decode-tp")
+    decode_dcp: int = passed_on((D, "dcp_size"), who=EVERY_D, name="--decode-dcp")
+    dcp_index: str = passed_on((D, "dcp_index"), who=EVERY_D)
+    transfer: str = passed_on((P, "transfer"), (D, "transfer"), who=EVERY)
+    max_kv_tokens: int | None = passed_on(  # None: each server's default
+        (P, "max_kv_tokens"),
+        (D, "max_kv_tokens"),
+        who=EVERY,
+        default=None,
+        help="KV cache capacity in tokens (default: each server's own default).",
         cli_type=Optional[int],
     )
-    policy: str = option("round_robin", choices=Policy)
-    prefix_cache: str = option("on", "Every instance's --prefix-cache: on or off.", choices=Switch)
-    host: str = option("127.0.0.1", "Address the router's OpenAI-compatible API listens on.")
-    port: int = option(8000, "Port of the router's OpenAI-compatible API.")
+    policy: str = passed_on((RouterConfig, "policy"), who=ROUTER)
+    prefix_cache: str = passed_on((P, "prefix_cache"), (D, "prefix_cache"), who=EVERY)
+    host: str = passed_on((RouterConfig, "host"), who=ROUTER)
+    port: int = passed_on((RouterConfig, "port"), who=ROUTER)
     admin_token: str | None = option(  # reaches the router through its environment
         None,
         "Bearer token of the router's /admin API (default: PDSERVE_ADMIN_TOKEN); none disables it.",
         repr=False,
     )
-    report_cached_tokens: bool = option(  # the router's --report-cached-tokens
-        False, "The router's --report-cached-tokens: usage reports the prompt tokens the prefix cache served."
-    )
-    max_migrations: int = option(  # the router's --max-migrations
-        3,
-        "The router's --max-migrations: times a request may move to another instance pair when its decode instance fails mid-stream (0: it ends with an error).",
-        min=0,
-    )
-    api_key_file: str | None = option(  # the router's --api-key-file
-        None,
-        "The router's --api-key-file: clients' API keys, one `name:key` a line (each name its own prefix-cache namespace).",
-    )
+    report_cached_tokens: bool = passed_on((RouterConfig, "report_cached_tokens"), who=ROUTER)
+    max_migrations: int = passed_on((RouterConfig, "max_migrations"), who=ROUTER)
+    api_key_file: str | None = passed_on((RouterConfig, "api_key_file"), who=ROUTER)
     log_dir: str = option(
         "pdserve-logs",
         "Directory for one log file per started process.",
@@ -106,18 +105,9 @@ class StackConfig:
         name="--restart-backoff-max",
         min=1.0,
     )
-    bootstrap_timeout_s: float = option(  # each prefill instance's --bootstrap-timeout
-        30.0,
-        "Every prefill instance's --bootstrap-timeout: seconds a hand-off waits for its decode instance's page reservation before it fails.",
-        name="--bootstrap-timeout",
-    )
-    shutdown_grace_s: float = option(  # each instance's --shutdown-grace
-        30.0,
-        "Every instance's --shutdown-grace: on Ctrl-C / SIGTERM the instances drain this long (new requests 503, running ones finish) before they stop.",
-        name="--shutdown-grace",
-        min=0.0,
-    )
-    device: str = option("cpu", DEVICE_HELP, choices=Device)
+    bootstrap_timeout_s: float = passed_on((P, "bootstrap_timeout_s"), who=EVERY_P)
+    shutdown_grace_s: float = passed_on((P, "shutdown_grace_s"), (D, "shutdown_grace_s"), who=EVERY)
+    device: str = passed_on((P, "device"), (D, "device"), who=EVERY)
     gpu_ids: tuple[int, ...] = option(  # cuda: one per rank of the whole stack, prefill instances first
         (),
         "--device cuda: comma-separated GPU ordinals, one per rank of the whole stack (prefill instances' "
@@ -126,7 +116,7 @@ class StackConfig:
         cli_type=Optional[str],
         cli_default=None,
     )
-    attention_ops: str = option("auto", ATTENTION_OPS_HELP, choices=AttentionOps)
+    attention_ops: str = passed_on((P, "attention_ops"), (D, "attention_ops"), who=EVERY)
     internal_token: str = option(  # one per stack, in the children's environment
         help="The stack's internal token (default: $PDSERVE_INTERNAL_TOKEN, else a new random one); it reaches the router and the instances through their environment, never their command lines.",
         default_factory=new_token,
@@ -136,27 +126,15 @@ class StackConfig:
     )
 
     def __post_init__(self):
-        if self.api_key_file is not None:  # a bad key file: an error now, not a router that never starts
-            from .tenants import load_api_keys
-
-            load_api_keys(None, self.api_key_file)
         if self.restart not in RESTART_POLICIES:
             raise ValueError(f"--restart must be one of {', '.join(RESTART_POLICIES)}, got {self.restart!r}")
-        if not 0 < self.bootstrap_timeout_s <= 86400:  # NaN and inf fail too
-            raise ValueError(f"--bootstrap-timeout must be in (0, 86400] s, got {self.bootstrap_timeout_s}")
         if not 1.0 <= self.restart_backoff_max_s <= 3600:
             raise ValueError(
                 f"--restart-backoff-max must be in [1, 3600] s, got {self.restart_backoff_max_s}"
             )
-        if self.max_migrations < 0:
-            raise ValueError(f"--max-migrations must be >= 0, got {self.max_migrations}")
-        if self.shutdown_grace_s < 0:
-            raise ValueError(f"--shutdown-grace must be >= 0, got {self.shutdown_grace_s}")
-        for name in ("prefill_instances", "prefill_cp", "decode_instances", "decode_tp", "decode_dcp"):
+        for name in ("prefill_instances", "decode_instances"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        if self.decode_tp % self.decode_dcp:
-            raise ValueError(f"--decode-dcp {self.decode_dcp} must divide --decode-tp {self.decode_tp}")
         gpu_ids = parse_gpu_ids(self.gpu_ids) if isinstance(self.gpu_ids, str) else tuple(self.gpu_ids or ())
         object.__setattr__(self, "gpu_ids", gpu_ids)
         check_device(self.device)
@@ -165,7 +143,27 @@ class StackConfig:
                 f"--gpu-ids needs --device cuda and one GPU per rank of the stack ({self.total_ranks}), "
                 f"got {len(self.gpu_ids)}"
             )
-        check_attention_ops(self.attention_ops)
+        # what `up` passes on is checked by the configs that receive it: one rule per knob
+        for role, cls in (("prefill", P), ("decode", D)):
+            try:
+                cls(**self.instance_fields(role, 0))
+            except ValueError as e:
+                raise ValueError(f"a {role} instance would refuse these options: {e}") from None
+        try:
+            RouterConfig(model=self.model, **passed_values(self, RouterConfig))
+        except ValueError as e:
+            raise ValueError(f"the router would refuse these options: {e}") from None
+
+    def instance_fields(self, role: str, index: int) -> dict:
+        """The server config fields `up` sets on `role` instance `index`, ports aside (each gets free
+        ones): the options it passes on, the instance's GPUs and what follows from the stack's shape."""
+        cls = P if role == "prefill" else D
+        fields = {"model": self.model, **passed_values(self, cls)}
+        if self.device == "cuda":
+            fields["gpu_ids"] = self.instance_gpus(role, index)
+        if role == "prefill":  # residues = C_d: each decode rank's rows are contiguous in the prefill cache
+            return fields | {"kv_residues": self.decode_dcp}
+        return fields | {"page_size": math.lcm(64, self.decode_dcp)}  # pages are C_d-wide
 
     @property
     def total_ranks(self) -> int:
@@ -232,69 +230,18 @@ class Stack:
         child.proc = _popen(child.args(), child.log, "a", self.env)
 
     def start_instances(self) -> tuple[list[Child], list[Child]]:
-        prefill = [
-            self._start_instance(f"prefill-{i}", self._prefill_args, self._device_args("prefill", i))
-            for i in range(self.cfg.prefill_instances)
-        ]
-        decode = [
-            self._start_instance(f"decode-{i}", self._decode_args, self._device_args("decode", i))
-            for i in range(self.cfg.decode_instances)
-        ]
+        prefill = [self._start_instance("prefill", i) for i in range(self.cfg.prefill_instances)]
+        decode = [self._start_instance("decode", i) for i in range(self.cfg.decode_instances)]
         return prefill, decode
 
-    def _device_args(self, role: str, index: int) -> list[str]:
-        c = self.cfg
-        args = ["--device", c.device, "--attention-ops", c.attention_ops]
-        if c.device == "cuda":
-            args += ["--gpu-ids", ",".join(str(g) for g in c.instance_gpus(role, index))]
-        return args
+    def _start_instance(self, role: str, index: int) -> Child:
+        port = free_port()
+        return self._spawn(f"{role}-{index}", lambda: self.instance_args(role, index, port), port)
 
-    def _start_instance(self, name: str, role_args: Callable[[], list[str]], device_args: list[str]) -> Child:
-        c, port = self.cfg, free_port()
-        kv = ["--max-kv-tokens", str(c.max_kv_tokens)] if c.max_kv_tokens else []
-        return self._spawn(
-            name,
-            lambda: [
-                *role_args(),
-                "--model",
-                c.model,
-                "--port",
-                str(port),
-                "--dist-port",
-                str(free_port()),
-                "--transfer",
-                c.transfer,
-                "--shutdown-grace",
-                f"{c.shutdown_grace_s:g}",
-                *device_args,
-                *kv,
-            ],
-            port,
-        )
-
-    def _prefill_args(self) -> list[str]:
-        # residues = C_d: each decode rank's rows are contiguous in the prefill cache
-        c = self.cfg
-        args = ["prefill", "--cp-size", str(c.prefill_cp), "--kv-residues", str(c.decode_dcp)]
-        args += ["--bootstrap-timeout", f"{c.bootstrap_timeout_s:g}"]
-        return args + ["--prefix-cache", c.prefix_cache]
-
-    def _decode_args(self) -> list[str]:
-        c = self.cfg
-        page = 64 if 64 % c.decode_dcp == 0 else 64 * c.decode_dcp
-        return [
-            "decode",
-            "--tp-size",
-            str(c.decode_tp),
-            "--dcp-size",
-            str(c.decode_dcp),
-            "--dcp-index",
-            c.dcp_index,
-            "--page-size",
-            str(page),
-            "--prefix-cache",
-            c.prefix_cache,
-        ]
+    def instance_args(self, role: str, index: int, port: int) -> list[str]:
+        """The `pdserve` arguments of `role` instance `index` (a fresh --dist-port each call: a restart)."""
+        fields = self.cfg.instance_fields(role, index) | {"port": port, "dist_port": free_port()}
+        return [role, *as_args(P if role == "prefill" else D, fields)]
 
     def start_router(self, prefill: list[Child], decode: list[Child]) -> Child:
         c = self.cfg
@@ -305,31 +252,12 @@ class Stack:
 
     def router_args(self, prefill: list[str], decode: list[str]) -> list[str]:
         """The router's `pdserve` arguments in front of these instance URLs."""
-        c = self.cfg
-        args = [
-            "router",
-            "--model",
-            c.model,
-            "--host",
-            c.host,
-            "--port",
-            str(c.port),
-            "--policy",
-            c.policy,
-            "--health-interval",
-            str(ROUTER_HEALTH_INTERVAL_S),
-            "--max-migrations",
-            str(c.max_migrations),
-        ]
-        if c.report_cached_tokens:
-            args.append("--report-cached-tokens")
-        if c.api_key_file:
-            args += ["--api-key-file", str(Path(c.api_key_file).resolve())]
-        return (
-            args
-            + [a for p in prefill for a in ("--prefill", p)]
-            + [a for d in decode for a in ("--decode", d)]
-        )
+        values = {"model": self.cfg.model, **passed_values(self.cfg, RouterConfig)}
+        values["health_interval_s"] = ROUTER_HEALTH_INTERVAL_S
+        if self.cfg.api_key_file:  # the router's working directory may differ
+            values["api_key_file"] = str(Path(self.cfg.api_key_file).resolve())
+        urls = [a for p in prefill for a in ("--prefill", p)] + [a for d in decode for a in ("--decode", d)]
+        return ["router", *as_args(RouterConfig, values), *urls]
 
     def wait_ready(self, children: list[Child], deadline: float) -> None:
         """Polls every child's /health until all answer 200; raises if one exits or the deadline passes."""
