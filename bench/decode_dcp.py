@@ -35,7 +35,7 @@ from common import free_port, machine_info, resolve_model  # bench/ is on sys.pa
 
 from pdserve.checkpoints.presets import glm53_like_config
 from pdserve.decode_server.instance import DecodeInstance
-from pdserve.decode_server.rank_worker import DecodeWorkerConfig
+from pdserve.decode_server.worker_config import DecodeWorkerConfig
 from pdserve.kvcache import capacity, kv_cache
 from pdserve.model.config import ModelConfig
 from pdserve.runtime.comm import CPU_COMMS

@@ -89,9 +89,9 @@ def one(pre, dec, ids: list[int], stream: bool, room: str) -> dict:
 
 def measure(model: str, transfer: str, tokens: int, repeats: int) -> dict:
     from pdserve.decode_server.instance import DecodeInstance
-    from pdserve.decode_server.rank_worker import DecodeWorkerConfig
+    from pdserve.decode_server.worker_config import DecodeWorkerConfig
     from pdserve.prefill_server.instance import PrefillInstance
-    from pdserve.prefill_server.rank_worker import PrefillWorkerConfig
+    from pdserve.prefill_server.worker_config import PrefillWorkerConfig
     from pdserve.runtime.launcher import LaunchConfig
 
     slots = -(-tokens // PAGE) * PAGE

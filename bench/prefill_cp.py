@@ -86,7 +86,7 @@ class Bench:
     """One started PrefillInstance per C_p, measured in alternation."""
 
     def __init__(self, a: argparse.Namespace, model_dir: str):
-        from pdserve.prefill_server.rank_worker import PrefillWorkerConfig
+        from pdserve.prefill_server.worker_config import PrefillWorkerConfig
 
         self.a = a
         longest = max(a.lengths + [WARMUP_TOKENS, a.chunk_size])

@@ -227,9 +227,9 @@ def handoff(
     hand-off, outside its timing, with the bytes each (prefill rank, decode rank) pair carried, a
     latent row's bytes and the instances' process ids (transfer_raw.Interleaved)."""
     from pdserve.decode_server.instance import DecodeInstance
-    from pdserve.decode_server.rank_worker import DecodeWorkerConfig
+    from pdserve.decode_server.worker_config import DecodeWorkerConfig
     from pdserve.prefill_server.instance import PrefillInstance
-    from pdserve.prefill_server.rank_worker import PrefillWorkerConfig
+    from pdserve.prefill_server.worker_config import PrefillWorkerConfig
     from pdserve.request import SamplingParams
     from pdserve.runtime.launcher import LaunchConfig
     from pdserve.transfer.plan import plan_transfer

@@ -131,11 +131,11 @@ def test_modules_take_their_choice_sets_from_choices():
     from pdserve.decode_server.dcp_backend import COMM_MODES, INDEX_MODES
     from pdserve.kvcache.capacity import KV_CACHE_DTYPES
     from pdserve.prefill_server.layouts import LAYOUTS
-    from pdserve.prefill_server.rank_worker import CACHE_MODES
     from pdserve.router.config import DISCOVERY, POLICIES
     from pdserve.router.supervise import RESTART_POLICIES
     from pdserve.runtime.comm import CPU_COMMS
     from pdserve.transfer.backends import TRANSFERS
+    from pdserve.transfer.plan import CACHE_MODES
     from pdserve.transfer.plan import INDEX_MODES as PLAN_INDEX_MODES
 
     assert COMM_MODES == choices.values(choices.DcpComm) and CPU_COMMS == choices.values(choices.CpuComm)

@@ -40,7 +40,6 @@ from .rank_worker import (
     CopyCmd,
     DecodeRankInfo,
     DecodeRankWorker,
-    DecodeWorkerConfig,
     DumpCmd,
     ForgetSamplingCmd,
     InfoCmd,
@@ -51,6 +50,7 @@ from .rank_worker import (
     StepCmd,
     StepResult,
 )
+from .worker_config import DecodeWorkerConfig
 
 
 class DecodeInstance(RankInstance):

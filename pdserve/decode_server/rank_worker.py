@@ -29,80 +29,27 @@ from ..model.layers import Experts
 from ..model.shard import weight_bytes_by_dtype
 from ..model.tokenizer import decodable_vocab
 from ..model.weights import load_model
-from ..runtime.comm import CPU_COMMS, make_comm
+from ..runtime.comm import make_comm
 from ..runtime.device import check_devices, rank_device
 from ..runtime.faults import check_fault
 from ..runtime.launcher import RankWorker
 from ..runtime.memory_check import (
-    DEFAULT_GPU_MEMORY_UTILIZATION,
     WORKSPACE_BYTES,
     RankMemoryError,
     check_device_fits,
-    check_gpu_memory_utilization,
     device_memory,
     gib,
     kv_tokens_for_memory,
 )
 from ..runtime.pipe_tensors import to_pipe
 from ..runtime.sync_check import forbid_host_sync
-from ..transfer.backends import check_transfer, make_receiver
-from ..transfer.frames import DEV_FRAME_KEY
+from ..transfer.backends import make_receiver
 from ..transfer.rank_commands import TRANSFER_CMDS
 from .cuda_graphs import StepGraphs, graph_blocker, use_graphs
-from .dcp_backend import COMM_MODES, INDEX_MODES, DCPBackend, DCPGroup, DecodeBatch
+from .dcp_backend import DCPBackend, DCPGroup, DecodeBatch
 from .step_metadata import StepInputs, StepMetadata
 from .tp import shard_decode_model, wrap_decode_tp
-
-
-@dataclass(frozen=True)
-class DecodeWorkerConfig:
-    model_dir: str
-    # global slots of the instance (each rank stores num_slots / dcp_size rows); None on cuda: the
-    # ranks size it from gpu_memory_utilization of their GPUs' memory, in pages of page_size
-    num_slots: int | None
-    dcp_size: int = 1
-    index_mode: str = "copy"
-    comm: str = "a2a"
-    replicate_q: bool = False
-    dtype: str = "float32"
-    kv_cache_dtype: str = "auto"
-    float32_islands: bool = True
-    cpu_comm: str = "auto"  # collectives between the ranks: shared memory or gloo (runtime/comm.py)
-    nnodes: int = 1  # hosts the W ranks span (W / nnodes each): shared memory only inside one
-    device: str = "cpu"  # "cuda": the GPU the launcher selected for this rank (runtime/device.py)
-    gpu_ids: tuple[int, ...] = ()  # the instance's GPUs (they decide NCCL or the host comm)
-    attention_ops: str = "auto"  # engine/attn_ops.py
-    linear_ops: str = "auto"  # engine/gemm_ops.py
-    moe_ops: str = "auto"
-    moe_ep: bool = False  # routed experts by id across the W ranks (runtime/expert_parallel.py)
-    max_batch: int = 64  # --max-batch: the largest batch bucket (decode_server/step_metadata.py)
-    cuda_graphs: str = "off"  # on | off | auto (cuda's default): decode_server/cuda_graphs.py
-    forbid_host_sync: bool = False  # tests: the step raises on any host sync (runtime/sync_check.py)
-    pad_steps: bool | None = None  # steps in bucket shapes with padding rows (None: on cuda; tests: cpu)
-    keep_fp8: bool = False  # fp8 checkpoint weights stay fp8 (model/shard.py): cuda without --dequantize
-    transfer: str = "tcp"  # KV hand-off data path: "tcp" | "nixl"
-    data_host: str = "127.0.0.1"  # address the TCP receivers bind and advertise to prefill ranks
-    transfer_quarantine_s: float = (
-        60.0  # NIXL: a failed room's pages stay unused this long (senders may write)
-    )
-    # data frames must be signed with it (transfer/frames.py)
-    frame_key: bytes = field(default=DEV_FRAME_KEY, repr=False)
-    page_size: int = 64
-    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
-
-    def __post_init__(self):
-        check_transfer(self.transfer)
-        if self.index_mode not in INDEX_MODES:
-            raise ValueError(f"--dcp-index must be one of {', '.join(INDEX_MODES)}, got {self.index_mode!r}")
-        if self.comm not in COMM_MODES:
-            raise ValueError(f"--dcp-comm must be one of {', '.join(COMM_MODES)}, got {self.comm!r}")
-        if self.cpu_comm not in CPU_COMMS:
-            raise ValueError(f"--cpu-comm must be one of {', '.join(CPU_COMMS)}, got {self.cpu_comm!r}")
-        if self.dcp_size < 1 or (self.num_slots or 0) % self.dcp_size:
-            raise ValueError(f"num_slots {self.num_slots} must be a multiple of --dcp-size {self.dcp_size}")
-        if self.num_slots is None and self.device != "cuda":
-            raise ValueError("the KV pool is sized from GPU memory only with --device cuda")
-        check_gpu_memory_utilization(self.gpu_memory_utilization)
+from .worker_config import DecodeWorkerConfig
 
 
 def step_forward(model, backend: DCPBackend, inputs: StepInputs, logits: bool) -> torch.Tensor:

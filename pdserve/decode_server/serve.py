@@ -18,40 +18,12 @@ from .config import DecodeServerConfig
 from .http_api import create_app
 from .instance import DecodeInstance
 from .loop import DecodeLoop
-from .rank_worker import DecodeWorkerConfig
 from .step_driver import DecodeStepDriver
+from .worker_config import DecodeWorkerConfig
 
 
 def build_instance(cfg: DecodeServerConfig) -> DecodeInstance:
-    worker = DecodeWorkerConfig(
-        cfg.model,
-        cfg.num_slots(),
-        cfg.dcp_size,
-        cfg.dcp_index,
-        cfg.dcp_comm,
-        cfg.replicate_q_proj,
-        cfg.dtype,
-        cfg.kv_cache_dtype,
-        cpu_comm=cfg.cpu_comm,
-        nnodes=cfg.nnodes,
-        transfer=cfg.transfer,
-        data_host=cfg.data_host,
-        transfer_quarantine_s=cfg.transfer_quarantine_s,
-        frame_key=cluster_frame_key(cfg.internal_token),
-        device=cfg.device,
-        gpu_ids=cfg.gpu_ids,
-        attention_ops=cfg.attention_ops,
-        linear_ops=cfg.linear_ops,
-        moe_ops=cfg.moe_ops,
-        moe_ep=cfg.moe_ep,
-        max_batch=cfg.max_batch,
-        cuda_graphs=cfg.cuda_graphs,
-        keep_fp8=cfg.device == "cuda" and not cfg.dequantize,
-        float32_islands=not cfg.exact_dtype,
-        page_size=cfg.page_size,
-        gpu_memory_utilization=cfg.gpu_memory_utilization,
-    )
-    launch = LaunchConfig.of_server(cfg, cfg.tp_size)
+    worker, launch = DecodeWorkerConfig.of_server(cfg), LaunchConfig.of_server(cfg, cfg.tp_size)
     return DecodeInstance(worker, launch, page_size=cfg.page_size, prefix_cache=cfg.prefix_cache == "on")
 
 

@@ -33,7 +33,8 @@ from ..transfer.plan import DecodeSide, PrefillSide, Transfer, plan_stream
 from ..transfer.rank_commands import SendCmd, SenderStatusCmd, SendReply, StreamedSend, merge_checksums
 from .cp_backend import layer_owners
 from .layouts import check_layout_allowed
-from .rank_worker import DumpCacheCmd, PrefillCmd, PrefillRankInfo, PrefillRankWorker, PrefillWorkerConfig
+from .rank_worker import DumpCacheCmd, PrefillCmd, PrefillRankInfo, PrefillRankWorker
+from .worker_config import PrefillWorkerConfig
 
 
 @dataclass

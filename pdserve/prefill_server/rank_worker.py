@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..choices import CacheMode, values
 from ..engine.attn_ops import make_attention_ops
 from ..engine.gemm_ops import apply_gemm_ops
 from ..engine.llm_engine import parse_dtype
@@ -30,45 +29,13 @@ from ..runtime.faults import check_fault
 from ..runtime.launcher import RankWorker
 from ..runtime.memory_check import check_device_fits
 from ..runtime.pipe_tensors import to_pipe
-from ..transfer.backends import check_transfer, make_sender
-from ..transfer.frames import DEV_FRAME_KEY
+from ..transfer.backends import make_sender
 from ..transfer.rank_commands import SendCmd, SenderStatusCmd, SendReply, StreamedSend
 from .cp_backend import ChunkPlan, CPBackend, layer_owners
 from .handoff_stream import LayerStream
 from .layouts import split_positions
 from .moe_tp import TokenSplit, shard_prefill_ffn, wrap_moe_tp
-
-CACHE_MODES = values(CacheMode)
-
-
-@dataclass(frozen=True)
-class PrefillWorkerConfig:
-    model_dir: str
-    num_slots: int
-    dtype: str = "float32"
-    layout: str = "interleave"
-    cache: str = "full"
-    moe_tp: bool = False
-    query_block: int = 256
-    float32_islands: bool = True  # False: true float64 (see ModelConfig)
-    transfer: str = "tcp"  # KV hand-off data path: "tcp" | "nixl"
-    kv_residues: int = 0  # latent cache residue-major by this many residues (KVPool); 0: the CP size
-    device: str = "cpu"  # "cuda": the GPU the launcher selected for this rank (runtime/device.py)
-    attention_ops: str = "auto"  # engine/attn_ops.py
-    linear_ops: str = "auto"  # engine/gemm_ops.py
-    moe_ops: str = "auto"
-    moe_ep: bool = False  # routed experts by id across the ranks (runtime/expert_parallel.py)
-    keep_fp8: bool = False  # fp8 checkpoint weights stay fp8 (model/shard.py): cuda without --dequantize
-    # data frames are signed with it (transfer/frames.py)
-    frame_key: bytes = field(default=DEV_FRAME_KEY, repr=False)
-
-    def __post_init__(self):
-        check_transfer(self.transfer)
-        if self.kv_residues < 0:
-            raise ValueError(f"kv_residues must be >= 0, got {self.kv_residues}")
-        if self.cache not in CACHE_MODES:
-            raise ValueError(f"unknown cache mode {self.cache!r} (allowed: {', '.join(CACHE_MODES)})")
-
+from .worker_config import PrefillWorkerConfig
 
 PROMPT_LOGPROB_ROWS = 64  # echo's prompt logprobs: logits of this many positions at once
 

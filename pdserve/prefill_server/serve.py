@@ -21,29 +21,11 @@ from .config import PrefillServerConfig
 from .http_api import create_app
 from .instance import PrefillInstance
 from .loop import PrefillLoop
-from .rank_worker import PrefillWorkerConfig
+from .worker_config import PrefillWorkerConfig
 
 
 def build_instance(cfg: PrefillServerConfig) -> PrefillInstance:
-    worker = PrefillWorkerConfig(
-        cfg.model,
-        cfg.num_slots,
-        cfg.dtype,
-        cfg.cp_layout,
-        cfg.cache,
-        cfg.moe_tp,
-        transfer=cfg.transfer,
-        kv_residues=cfg.kv_residues or cfg.cp_size,
-        frame_key=cluster_frame_key(cfg.internal_token),
-        device=cfg.device,
-        attention_ops=cfg.attention_ops,
-        linear_ops=cfg.linear_ops,
-        moe_ops=cfg.moe_ops,
-        moe_ep=cfg.moe_ep,
-        keep_fp8=cfg.device == "cuda" and not cfg.dequantize,
-        float32_islands=not cfg.exact_dtype,
-    )
-    launch = LaunchConfig.of_server(cfg, cfg.cp_size)
+    worker, launch = PrefillWorkerConfig.of_server(cfg), LaunchConfig.of_server(cfg, cfg.cp_size)
     return PrefillInstance(
         worker,
         launch,

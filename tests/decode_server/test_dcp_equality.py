@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pdserve.decode_server.instance import DecodeInstance
-from pdserve.decode_server.rank_worker import DecodeWorkerConfig
+from pdserve.decode_server.worker_config import DecodeWorkerConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.request import SamplingParams
 from pdserve.runtime.launcher import LaunchConfig

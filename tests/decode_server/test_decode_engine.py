@@ -10,9 +10,9 @@ import random
 import pytest
 
 from pdserve.decode_server.instance import DecodeInstance
-from pdserve.decode_server.rank_worker import DecodeWorkerConfig
 from pdserve.decode_server.scheduler import DecodeRequest, DecodeScheduler
 from pdserve.decode_server.step_driver import DecodeStepDriver
+from pdserve.decode_server.worker_config import DecodeWorkerConfig
 from pdserve.engine.constraint import Grammars, grammar_for
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampler import Sampler

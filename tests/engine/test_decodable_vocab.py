@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from pdserve.decode_server.instance import DecodeInstance
-from pdserve.decode_server.rank_worker import DecodeWorkerConfig
 from pdserve.decode_server.step_driver import DecodeStepDriver
+from pdserve.decode_server.worker_config import DecodeWorkerConfig
 from pdserve.engine import logits_process
 from pdserve.engine.batch_sampler import BatchSampler, SampleRow
 from pdserve.engine.llm_engine import LLMEngine

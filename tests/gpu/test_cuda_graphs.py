@@ -11,8 +11,9 @@ import torch
 from pdserve.decode_server.cuda_graphs import StepGraphs
 from pdserve.decode_server.dcp_backend import DCPBackend, DCPGroup
 from pdserve.decode_server.instance import DecodeInstance
-from pdserve.decode_server.rank_worker import DecodeWorkerConfig, step_forward
+from pdserve.decode_server.rank_worker import step_forward
 from pdserve.decode_server.step_metadata import StepMetadata
+from pdserve.decode_server.worker_config import DecodeWorkerConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kvcache.kv_cache import KVPool
 from pdserve.model.layers import Experts

@@ -81,7 +81,7 @@ def test_auto_picks_triton_for_an_fp8_cache(mla):
 
 def test_pool_sized_by_gpu_memory_utilization(tiny):
     from pdserve.decode_server.instance import DecodeInstance
-    from pdserve.decode_server.rank_worker import DecodeWorkerConfig
+    from pdserve.decode_server.worker_config import DecodeWorkerConfig
     from pdserve.runtime.launcher import LaunchConfig
     from tests.reference import free_port
 

@@ -18,7 +18,7 @@ import torch
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.prefill_server.instance import PrefillInstance
 from pdserve.prefill_server.layouts import ALLOWED_LAYOUTS
-from pdserve.prefill_server.rank_worker import PrefillWorkerConfig
+from pdserve.prefill_server.worker_config import PrefillWorkerConfig
 from pdserve.request import SamplingParams
 from pdserve.runtime.launcher import LaunchConfig
 from tests.reference import assert_close, assert_prefill_cache, free_port

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from pdserve.decode_server.config import DEFAULT_MAX_KV_TOKENS, DecodeServerConfig
-from pdserve.decode_server.rank_worker import DecodeWorkerConfig
 from pdserve.decode_server.tp import shard_decode_model
+from pdserve.decode_server.worker_config import DecodeWorkerConfig
 from pdserve.kvcache.kv_cache import KVPool
 from pdserve.model.shard import weight_bytes_by_dtype
 from pdserve.model.weights import load_model

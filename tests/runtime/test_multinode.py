@@ -27,7 +27,7 @@ import torch
 
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.prefill_server.instance import PrefillInstance
-from pdserve.prefill_server.rank_worker import PrefillWorkerConfig
+from pdserve.prefill_server.worker_config import PrefillWorkerConfig
 from pdserve.request import SamplingParams
 from pdserve.runtime.launcher import CommandFailed, LaunchConfig, RankError
 from pdserve.runtime.node_wire import LinkError, Replies, connect_link, dumps, link_key, loads

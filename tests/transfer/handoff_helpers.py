@@ -7,11 +7,11 @@ import time
 import torch
 
 from pdserve.decode_server.instance import DecodeInstance
-from pdserve.decode_server.rank_worker import DecodeWorkerConfig
 from pdserve.decode_server.step_driver import DecodeStepDriver
+from pdserve.decode_server.worker_config import DecodeWorkerConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.prefill_server.instance import PrefillInstance
-from pdserve.prefill_server.rank_worker import PrefillWorkerConfig
+from pdserve.prefill_server.worker_config import PrefillWorkerConfig
 from pdserve.request import SamplingParams
 from pdserve.runtime.launcher import LaunchConfig
 from tests.reference import assert_close, free_port

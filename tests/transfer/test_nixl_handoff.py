@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from pdserve.decode_server.instance import DecodeInstance
-from pdserve.decode_server.rank_worker import DecodeWorkerConfig
 from pdserve.decode_server.step_driver import DecodeStepDriver
+from pdserve.decode_server.worker_config import DecodeWorkerConfig
 from pdserve.request import SamplingParams
 from pdserve.runtime.launcher import LaunchConfig
 from pdserve.transfer.frames import new_ticket

@@ -18,11 +18,12 @@ import time
 import pytest
 
 from pdserve.decode_server.instance import DecodeInstance
-from pdserve.decode_server.rank_worker import DecodeWorkerConfig
 from pdserve.decode_server.step_driver import DecodeStepDriver
+from pdserve.decode_server.worker_config import DecodeWorkerConfig
 from pdserve.kvcache.page_allocator import OutOfPages
 from pdserve.prefill_server.instance import PrefillInstance
-from pdserve.prefill_server.rank_worker import PrefillCmd, PrefillRankReply, PrefillWorkerConfig
+from pdserve.prefill_server.rank_worker import PrefillCmd, PrefillRankReply
+from pdserve.prefill_server.worker_config import PrefillWorkerConfig
 from pdserve.request import SamplingParams
 from pdserve.runtime.launcher import CommandFailed, LaunchConfig
 

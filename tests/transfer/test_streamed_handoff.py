@@ -19,7 +19,7 @@ import torch
 
 from pdserve.model.config import ModelConfig
 from pdserve.prefill_server.instance import PrefillInstance
-from pdserve.prefill_server.rank_worker import PrefillWorkerConfig
+from pdserve.prefill_server.worker_config import PrefillWorkerConfig
 from pdserve.request import SamplingParams
 from pdserve.runtime.faults import KILL_AT_LAYER_ENV
 from pdserve.runtime.launcher import LaunchConfig
