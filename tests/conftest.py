@@ -38,13 +38,27 @@ def pytest_configure(config):
     os.environ.setdefault(SWEEP_SEED_ENV, str(now // 7 % 1_000_000))
 
 
-def pytest_report_header(config):
+def _seed_lines(config) -> list[str]:
     sweep = config.getoption("--seed")
     sweep = os.environ[SWEEP_SEED_ENV] if sweep is None else sweep
     return [
         f"fuzz seed {os.environ[FUZZ_SEED_ENV]} (rerun: {FUZZ_SEED_ENV}={os.environ[FUZZ_SEED_ENV]})",
         f"sweep seed {sweep} (rerun: {SWEEP_SEED_ENV}={sweep} or --seed {sweep})",
     ]
+
+
+def pytest_sessionstart(session):
+    """The seeds, first thing in the output (with -q too, and once with xdist: the controller's)."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and not hasattr(session.config, "workerinput"):
+        for line in _seed_lines(session.config):
+            reporter.write_line(line)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """And again at the end, beside the failures they reproduce."""
+    for line in _seed_lines(config):
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")
