@@ -34,7 +34,7 @@ lint: setup
 	$(VENV)/bin/ruff check pdserve tests bench docs
 
 test: setup scan-tools lint
-	PDSERVE_CHECKOV=$(SCAN_VENV)/bin/checkov $(PY) -m pytest -q --durations=25 tests
+	PDSERVE_CHECKOV=$(SCAN_VENV)/bin/checkov $(PY) -m pytest -q -n 2 --dist worksteal --durations=25 tests
 
 # root only (CI runs it after `make test`): prefill and decode hosts in network namespaces, the image
 # built offline, the compose stack up and down, with a dockerd of its own (.ci/system); under plain

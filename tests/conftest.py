@@ -24,15 +24,50 @@ BENCH = str(Path(__file__).resolve().parents[1] / "bench")
 
 
 FUZZ_SEED_ENV = "PDSERVE_FUZZ_SEED"
+SWEEP_SEED_ENV = "PDSERVE_SWEEP_SEED"
+
+
+def pytest_configure(config):
+    """The run's seeds (the fuzzers', the shape sweep's), new per run unless the environment gives
+    them, chosen once by the process that runs the session and put in its environment: pytest-xdist
+    workers (make test runs two) inherit it, so every worker draws from the same seeds."""
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller chose them
+        return
+    now = time.time_ns() // 1000
+    os.environ.setdefault(FUZZ_SEED_ENV, str(now % 1_000_000))
+    os.environ.setdefault(SWEEP_SEED_ENV, str(now // 7 % 1_000_000))
+
+
+def _seed_lines(config) -> list[str]:
+    sweep = config.getoption("--seed")
+    sweep = os.environ[SWEEP_SEED_ENV] if sweep is None else sweep
+    return [
+        f"fuzz seed {os.environ[FUZZ_SEED_ENV]} (rerun: {FUZZ_SEED_ENV}={os.environ[FUZZ_SEED_ENV]})",
+        f"sweep seed {sweep} (rerun: {SWEEP_SEED_ENV}={sweep} or --seed {sweep})",
+    ]
+
+
+def pytest_sessionstart(session):
+    """The seeds, first thing in the output (with -q too, and once with xdist: the controller's)."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and not hasattr(session.config, "workerinput"):
+        for line in _seed_lines(session.config):
+            reporter.write_line(line)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """And again at the end, beside the failures they reproduce."""
+    for line in _seed_lines(config):
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")
 def fuzz_seed(pytestconfig) -> int:
     """The seed of this session's fuzzers (tests/router/test_http_fuzz.py, the schemathesis fuzz in
-    test_hardening.py): $PDSERVE_FUZZ_SEED, else a new one per session, so run after run they draw
-    other cases. Printed here and named in every failure: PDSERVE_FUZZ_SEED=S reruns that draw."""
-    env = os.environ.get(FUZZ_SEED_ENV)
-    seed = int(env) if env else time.time_ns() // 1000 % 1_000_000
+    test_hardening.py): $PDSERVE_FUZZ_SEED, which pytest_configure sets to a new one per run unless
+    given, so run after run they draw other cases. Printed in the session's header and here, and
+    named in every failure: PDSERVE_FUZZ_SEED=S reruns that draw."""
+    seed = int(os.environ[FUZZ_SEED_ENV])
     capture = pytestconfig.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled():
         print(f"\nfuzz seed {seed} (rerun: {FUZZ_SEED_ENV}={seed})")

@@ -94,6 +94,7 @@ class ShmComm(GlooComm):
         dist.broadcast_object_list(
             name, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group
         )
+        self.path = name[0]  # unlinked once every rank mapped it
         if rank == 0:
             with open(name[0], "wb") as f:
                 f.truncate(total)

@@ -10,7 +10,6 @@ A missing peer makes the wait time out with the ranks named; no segment file is 
 
 from __future__ import annotations
 
-import glob
 import os
 
 import torch
@@ -69,26 +68,28 @@ def _worker(rank: int, port: int, results) -> None:
             if rank == 0:
                 try:
                     lonely.all_gather(torch.zeros(3))
-                    results.put((rank, "no timeout"))
+                    results.put((rank, "no timeout", []))
                 except TimeoutError as e:
-                    results.put((rank, str(e)))
+                    results.put((rank, str(e), []))
             lonely.close()
         for shm, _, _ in comms:
             shm.close()
         assert make_comm("gloo", rank, 3).__class__ is GlooComm
-        results.put((rank, "ok"))
+        paths = [shm.path for shm, _, _ in comms] + ([lonely.path] if rank < 2 else [])
+        results.put((rank, "ok", paths))
     finally:
         dist.destroy_process_group()
 
 
 def test_shared_memory_collectives_equal_gloo():
-    before = set(glob.glob("/dev/shm/pdserve-comm-*"))
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     mp.start_processes(_worker, args=(free_port(), results), nprocs=3, start_method="spawn")
     got = sorted(results.get(timeout=5) for _ in range(4))
-    assert [r for r, msg in got if msg == "ok"] == [0, 1, 2]
-    timeout_msgs = [msg for r, msg in got if msg != "ok"]
+    assert [r for r, msg, _ in got if msg == "ok"] == [0, 1, 2]
+    timeout_msgs = [msg for r, msg, _ in got if msg != "ok"]
     assert len(timeout_msgs) == 1 and "ranks [1] did not arrive" in timeout_msgs[0], timeout_msgs
-    assert set(glob.glob("/dev/shm/pdserve-comm-*")) <= before, "a segment file was left in /dev/shm"
+    segments = {path for _, _, paths in got for path in paths}
+    assert len(segments) == 4 and all(p.startswith("/dev/shm/pdserve-comm-") for p in segments), segments
+    assert not [p for p in segments if os.path.exists(p)], "a segment file was left in /dev/shm"
     assert os.path.isdir("/dev/shm")

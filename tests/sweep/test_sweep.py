@@ -45,14 +45,10 @@ STATS = {"cases": 0, "zero_ties": 0, "archs": set()}
 
 
 def sweep_seed(config) -> int:
-    """--seed, else $PDSERVE_SWEEP_SEED, else a new one per session (the same for all its pairs)."""
-    if not hasattr(config, "_pdserve_sweep_seed"):
-        given = config.getoption("--seed")
-        env = os.environ.get("PDSERVE_SWEEP_SEED")
-        config._pdserve_sweep_seed = (
-            given if given is not None else int(env) if env else time.time_ns() // 1000 % 1_000_000
-        )
-    return config._pdserve_sweep_seed
+    """--seed, else $PDSERVE_SWEEP_SEED (tests/conftest.py sets a new one per run unless given: the
+    same for all its pairs, on every xdist worker)."""
+    given = config.getoption("--seed")
+    return given if given is not None else int(os.environ["PDSERVE_SWEEP_SEED"])
 
 
 def pytest_generate_tests(metafunc):

@@ -9,7 +9,9 @@ temperature 0 every request's tokens equal the single-rank engine's without any 
 last decode step's logits and every decode rank's rows of the prompt equal the single-rank engine's
 (float64, 1e-8), for prefixes that end
 mid-page, on a page boundary, cover the whole prompt, and were evicted and are recomputed. Afterwards
-every page is free or cached (unreferenced), and flushing returns them all.
+every page is free or cached (unreferenced), and flushing returns them all. The mixed-fault loop
+(failed hand-offs of every kind, aborts on both sides) with shared prefixes leaves the same, on both
+models over NIXL and TCP.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pdserve.prefill_server.worker_config import PrefillWorkerConfig
 from pdserve.request import SamplingParams
 from pdserve.runtime.launcher import LaunchConfig
 from tests.reference import assert_close, free_port
+from tests.servers import wait_until
 from tests.transfer.fault_loop import run_mixed_faults
 from tests.transfer.handoff_driver import Driver, hand_off
 from tests.transfer.handoff_helpers import check_rows, prompt
@@ -46,7 +49,7 @@ DEEP = [
 
 
 def pytest_generate_tests(metafunc):
-    if "dshape" in metafunc.fixturenames:
+    if metafunc.function.__name__ == "test_multi_turn_handoff_with_prefix_caches":
         deep = metafunc.config.getoption("--deep")
         metafunc.parametrize("arch,pshape,dshape,index_mode,transfer", CI + (DEEP if deep else []))
 
@@ -68,7 +71,7 @@ def engines(tiny_checkpoints):
     return get
 
 
-def start_pair(path: str, pshape, dshape, index_mode, transfer="tcp"):
+def start_pair(path: str, pshape, dshape, index_mode, transfer="tcp", quarantine_s: float = 60.0):
     cp, cache = pshape
     pw = PrefillWorkerConfig(
         path,
@@ -89,6 +92,7 @@ def start_pair(path: str, pshape, dshape, index_mode, transfer="tcp"):
         dtype="float64",
         float32_islands=False,
         transfer=transfer,
+        transfer_quarantine_s=quarantine_s,
     )
     inst = DecodeInstance(dw, LaunchConfig(w, free_port()), page_size=PS, prefix_cache=True)
     return prefill, DecodeStepDriver(inst.start(), keep_logits=True)  # the last step's logits are checked
@@ -150,29 +154,45 @@ def test_multi_turn_handoff_with_prefix_caches(engines, arch, pshape, dshape, in
         decode.instance.shutdown()
 
 
-@pytest.mark.skipif("not config.getoption('--deep')", reason="--deep: 500 hand-offs with real ranks")
-def test_fault_loop_with_prefix_caches_leaves_only_cached_pages(model_path):
-    """500 seeded cases of the mixed-fault loop (tests/transfer/fault_loop.py) with prompts that share
-    prefixes, through real ranks with prefix caches on both sides: afterwards every page is free or
-    cached and unreferenced, and flushing returns them all."""
-    prefill, decode = start_pair(model_path, (2, "full"), (2, 2), "copy")
+NO_LEAK = [  # both models, both data paths (NIXL with its quarantine holds)
+    ("glm_moe_dsa", (2, "full"), (2, 2), "copy", "nixl"),
+    ("deepseek_v3", (2, "layer-split"), (2, 1), "copy", "tcp"),
+]
+
+
+@pytest.mark.parametrize("arch,pshape,dshape,index_mode,transfer", NO_LEAK)
+def test_fault_loop_with_prefix_caches_leaves_only_cached_pages(
+    request, engines, arch, pshape, dshape, index_mode, transfer
+):
+    """Seeded cases of the mixed-fault loop (tests/transfer/fault_loop.py: successes, corrupt and
+    missing rows, aborts on either side in every state, failures mid-send) with prompts that share
+    prefixes, through real ranks with prefix caches on both sides: every success decodes the
+    single-rank engine's token (a stale cached page would change it), and afterwards -- once the
+    quarantine holds expired -- every page is free or cached and unreferenced, and flushing returns
+    them all. 40 cases per pairing here, 500 with --deep."""
+    model_path, single = engines(arch)
+    prefill, decode = start_pair(model_path, pshape, dshape, index_mode, transfer, quarantine_s=0.5)
     systems = [prompt(n) for n in (6, 13, 22)]
     driver = Driver(prefill, decode, heartbeat_timeout_s=2.0)
+    one = SamplingParams(max_tokens=1)
     try:
         run_mixed_faults(
             driver,
-            500,
+            500 if request.config.getoption("--deep") else 40,
             seed=1,
-            quarantine=False,
+            quarantine=transfer == "nixl",
             prompt=lambda rng: rng.choice(systems) + prompt(rng.randint(1, 9)),
+            first_token=lambda ids: single.generate([ids], [one])[0][0],
         )
         prefill.check_idle()
+        alloc = decode.instance.allocator
+        wait_until(lambda: not alloc.num_held, "the quarantine holds to expire", timeout_s=10)
         decode_idle(decode)
         assert decode.instance.cache.hit_tokens > 0 and prefill.cache.hit_tokens > 0
         decode.instance.flush_cache()
         prefill.flush_cache()
         assert prefill.allocator.num_free == prefill.allocator.num_pages
-        assert decode.instance.allocator.num_free == decode.instance.allocator.num_pages
+        assert alloc.num_free == alloc.num_pages
     finally:
         driver.close()
         prefill.shutdown()

@@ -3,7 +3,9 @@
 in every decode state (some with the quarantine hold), failed and finished requests, several at a
 time on small pools so that the caches evict. The bookkeeping is the production one -- a
 `PrefillInstance` and a `DecodeStepDriver` with their page allocators and radix trees -- with the rank
-processes replaced by an in-process stand-in (no tensors: the equality tests cover the values).
+processes replaced by an in-process stand-in (no tensors: the equality tests cover the values), so
+it can afford 500 requests in a second; tests/transfer/test_prefix_handoff.py runs the mixed-fault
+loop with prefix caches through the production ranks (both models, NIXL and TCP).
 
 Checked throughout: every cached prefix a request is given holds exactly the tokens it stands for
 (pages are tracked by what was written into them). At the end: every page is free or cached and

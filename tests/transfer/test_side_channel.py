@@ -86,7 +86,7 @@ def test_bootstrap_timeout_and_garbage(channel):
 
 def test_service_heartbeats_peers_with_open_rooms_only():
     server = BootstrapService()
-    a, b = DecodeClient(server.endpoint), DecodeClient(server.endpoint)
+    a, b, witness = (DecodeClient(server.endpoint) for _ in range(3))
     try:
         start = time.monotonic()
         a.send(reservation("r"))
@@ -97,11 +97,15 @@ def test_service_heartbeats_peers_with_open_rooms_only():
         assert a.silent_for(server.endpoint, start) < 2 * HEARTBEAT_S
         server.reply(TransferDone("r", 7, {}, FP))  # the room is answered: no more heartbeats to a
         wait_for(lambda: a.outcome("r") is not None)
-        time.sleep(3 * HEARTBEAT_S)
+        answered = time.monotonic()
+        witness.send(reservation("w"))  # its heartbeats show the service's rounds go on
+        wait_for(
+            lambda: witness.drain() or witness.heartbeats.get(server.endpoint, 0) > answered + 2 * HEARTBEAT_S
+        )
         a.drain()
         assert a.silent_for(server.endpoint, start) > 2 * HEARTBEAT_S
         b.drain()
         assert server.endpoint not in b.heartbeats  # b never reserved anything here
     finally:
-        for x in (a, b, server):
+        for x in (a, b, witness, server):
             x.close()

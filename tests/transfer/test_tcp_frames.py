@@ -14,7 +14,7 @@ import zmq
 
 from pdserve.kvcache.kv_cache import KVPool
 from pdserve.model.config import ModelConfig
-from pdserve.transfer.frames import DATA_FRAME_MAX, DATA_PAYLOAD_MAX, DATA_RUNS_MAX
+from pdserve.transfer.frames import DATA_FRAME_MAX, DATA_PAYLOAD_MAX, DATA_RUNS_MAX, seal_data
 from pdserve.transfer.tcp import RECV_QUEUE, TcpReceiver, pieces
 
 
@@ -69,13 +69,16 @@ def test_an_oversized_message_is_cut_off_before_it_is_taken(model_path):
     try:
         push.connect(recv.endpoint)
         push.send_multipart([b"h" * 100, bytes(DATA_FRAME_MAX + 1), b"t" * 32])  # over the limit
-        push.send_multipart([b"h" * 100, b"p" * 1000, b"t" * 32])  # within it (after a reconnect)
+        # within it (after a reconnect), signed, its header garbage: the receiver counts it apart
+        header, payload = b"h" * 100, b"p" * 1000
+        push.send_multipart([header, payload, seal_data(recv.key, header, payload)])
         deadline = time.monotonic() + 5
-        while recv.unauthenticated < 1:  # the receiver thread lives and takes the next frame
+        while recv.bad_frames < 1:  # the receiver thread lives and takes the next message
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        time.sleep(0.3)
-        assert recv.unauthenticated == 1 and recv.frames == 0  # ZMQ dropped the first, untaken
+        # messages arrive in order: had the first been taken, it would have counted (unauthenticated)
+        # before the second did
+        assert recv.unauthenticated == 0 and recv.frames == 0  # ZMQ dropped the first, untaken
         assert recv.live.problem() is None
     finally:
         push.close()
