@@ -42,12 +42,12 @@ PAGE = 64
 def _wait_rows(dec, room: str, sums: dict[int, int]) -> float:
     """time.monotonic() once every decode rank holds the room's rows with the senders' room MAC."""
     while True:
-        status = dec.transfer_status(room)
-        if any(s.get("error") for s in status):
+        status = dec.room_status(room)
+        if any(s.error for s in status):
             raise RuntimeError(f"room {room}: {status}")
-        if all(s["complete"] for s in status):
+        if all(s.complete for s in status):
             now = time.monotonic()
-            bad = [r for r, s in enumerate(status) if s["checksum"] != sums.get(r, 0)]
+            bad = [r for r, s in enumerate(status) if s.checksum != sums.get(r, 0)]
             if bad:
                 raise RuntimeError(f"room {room}: decode ranks {bad} disagree with the senders' room MAC")
             return now

@@ -196,14 +196,15 @@ def transports(sizes_mb: list[int], repeats: int) -> dict:
 
 
 # ---- (c) the whole hand-off ---------------------------------------------------------------------------
-def _phases(start: float, seen: float, senders: list[dict], receivers: list[dict]) -> dict[str, float]:
+def _phases(start: float, seen: float, senders: list, receivers: list) -> dict[str, float]:
+    # senders: the prefill ranks' SenderStatus, receivers: the decode ranks' RoomStatus
     """One hand-off's critical path in ms, from the ranks' own clocks (time.monotonic: one clock on one
     host), in four parts that add up to the whole: the command reaching the last sender; from there
     until the last send returned (laying out, WRITEs, waiting for them); the receivers counting and
     checksumming the last rows after that; the caller seeing every rank complete."""
-    began = max(s["last_send_began"] for s in senders)
-    ended = max(s["last_send_ended"] for s in senders)
-    checked = max((r["last_row_at"] for r in receivers if r["last_row_at"] is not None), default=ended)
+    began = max(s.counters["last_send_began"] for s in senders)
+    ended = max(s.counters["last_send_ended"] for s in senders)
+    checked = max((r.last_row_at for r in receivers if r.last_row_at is not None), default=ended)
     return {
         "dispatch": 1000 * (began - start),
         "sends": 1000 * (ended - began),
@@ -264,10 +265,10 @@ def handoff(
             c0, t0, m0 = [cpu_user_system(pid) for pid in pids], time.perf_counter(), time.monotonic()
             pre.send("bench", room, reservation.ticket, plan, reservation.endpoints)
             while True:  # one status round trip per poll, as the decode loop thread does
-                status = dec.transfer_status(room)
-                if all(s["complete"] for s in status):
+                status = dec.room_status(room)
+                if all(s.complete for s in status):
                     break
-                if any(s.get("error") for s in status):
+                if any(s.error for s in status):
                     raise RuntimeError(status)
                 time.sleep(0.0005)
             times.append(time.perf_counter() - t0)

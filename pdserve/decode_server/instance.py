@@ -31,6 +31,7 @@ from ..transfer.rank_commands import (
     ExpectCmd,
     ForgetCmd,
     ListenerStatusCmd,
+    ReceiverStatus,
     RoomStatus,
     StageCmd,
     TransferStatusCmd,
@@ -307,20 +308,20 @@ class DecodeInstance(RankInstance):
             "transfer_skipped_bytes": self.handoff_skipped_bytes,
         }
 
-    def transfer_status(self, room: str) -> list[dict]:
-        """Every rank's receiver counters and its view of the room (the raw replies)."""
+    def transfer_status(self, room: str) -> list[ReceiverStatus]:
+        """Every rank's receiver counters and its view of the room."""
         return self.ranks.call(TransferStatusCmd(room))
 
     def room_status(self, room: str) -> list[RoomStatus]:
-        return [RoomStatus.of(r) for r in self.transfer_status(room)]
+        return [s.room for s in self.transfer_status(room)]
 
     def listener_problem(self) -> str | None:
         """Why a rank's data-path receiver thread cannot receive (dead or wedged), or None. A rank
         call: only from the thread that owns the ranks (transfer/decode_rooms.py caches it for /health)."""
         problems = [
-            f"decode rank {rank}: {s['problem']}"
+            f"decode rank {rank}: {s.problem}"
             for rank, s in enumerate(self.ranks.call(ListenerStatusCmd()))
-            if s.get("problem")
+            if s.problem
         ]
         return "; ".join(problems) or None
 

@@ -30,7 +30,14 @@ from ..runtime.node_group import make_group
 from ..runtime.pipe_tensors import from_pipe
 from ..transfer.messages import DecodeReservation, Fingerprint, model_hash
 from ..transfer.plan import DecodeSide, PrefillSide, Transfer, plan_stream
-from ..transfer.rank_commands import SendCmd, SenderStatusCmd, SendReply, StreamedSend, merge_checksums
+from ..transfer.rank_commands import (
+    SendCmd,
+    SenderStatus,
+    SenderStatusCmd,
+    SendReply,
+    StreamedSend,
+    merge_checksums,
+)
 from .cp_backend import layer_owners
 from .layouts import check_layout_allowed
 from .rank_worker import DumpCacheCmd, PrefillCmd, PrefillRankInfo, PrefillRankWorker
@@ -343,7 +350,7 @@ class PrefillInstance(RankInstance):
         result = self.prefill(room, token_ids, params, stream=stream)
         return result, merge_checksums(result.sent)
 
-    def transfer_status(self) -> list[dict]:
+    def transfer_status(self) -> list[SenderStatus]:
         """Every rank's sender counters (transfer/tcp.py, nixl.py): what a send holds after it returned."""
         return self.ranks.call(SenderStatusCmd())
 

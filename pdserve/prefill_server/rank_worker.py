@@ -30,7 +30,7 @@ from ..runtime.launcher import RankWorker
 from ..runtime.memory_check import check_device_fits
 from ..runtime.pipe_tensors import to_pipe
 from ..transfer.backends import make_sender
-from ..transfer.rank_commands import SendCmd, SenderStatusCmd, SendReply, StreamedSend
+from ..transfer.rank_commands import SendCmd, SenderStatus, SenderStatusCmd, SendReply, StreamedSend
 from .cp_backend import ChunkPlan, CPBackend, layer_owners
 from .handoff_stream import LayerStream
 from .layouts import split_positions
@@ -157,7 +157,7 @@ class PrefillRankWorker(RankWorker):
             PrefillCmd: self.prefill,
             DumpCacheCmd: self.dump,
             SendCmd: lambda cmd: self.sender.send(cmd),
-            SenderStatusCmd: lambda _: self.sender.status(),
+            SenderStatusCmd: lambda _: SenderStatus(self.sender.status()),
         }
 
     @torch.inference_mode()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
+from dataclasses import dataclass
 
 import msgpack
 
@@ -90,6 +91,15 @@ def open_notif(key: bytes, msg: bytes) -> bytes | None:
     return header if verify(key, tag, NOTIF, header) else None
 
 
+@dataclass(frozen=True)
+class ListenerStatus:
+    """A decode rank's answer to ListenerStatusCmd: its receiving thread's liveness."""
+
+    alive: bool
+    problem: str | None  # dead or wedged, said in words; None: receiving
+    crashes: int  # frames whose handling raised (caught: the loop went on)
+
+
 class Liveness:
     """A long-lived listener thread's health: `beat()` once per loop turn; `problem()` says why it is
     dead or wedged (None while fine)."""
@@ -114,12 +124,10 @@ class Liveness:
             else None
         )
 
-    def status(self) -> dict:
-        return {
-            "alive": self.thread is not None and self.thread.is_alive(),
-            "problem": self.problem(),
-            "crashes": self.crashes,
-        }
+    def status(self) -> ListenerStatus:
+        return ListenerStatus(
+            self.thread is not None and self.thread.is_alive(), self.problem(), self.crashes
+        )
 
 
 def cluster_frame_key(token: str | None) -> bytes:

@@ -81,6 +81,7 @@ WRITEs), the room's region, the peer. Idle counters: TransferStatusCmd (decode) 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass
@@ -91,7 +92,7 @@ from .base import RoomChecksum
 from .frames import DEV_FRAME_KEY, HEADER_MAX_BYTES, Liveness, open_notif, unpack
 from .nixl_agent import Arena, NixlEndpoint, agent_name, bind_device, make_agent, mem_type
 from .rank_commands import ExpectCmd, ForgetCmd, ForgetReply, StageCmd, StageReply, receive_command
-from .room_rows import DTYPES, RoomRows, check_notif, count_rows, frame_rows, store_rows
+from .room_rows import DTYPES, RoomRows, RoomStatus, check_notif, count_rows, frame_rows, store_rows
 
 QUARANTINE_S = 60.0
 BUSY_POLL_S, IDLE_POLL_S = 0.0005, 0.005
@@ -107,10 +108,9 @@ class _Room(RoomRows):
     until: float = 0.0  # end of the quarantine once forgotten
     direct: bool = False  # WRITEs land in the pool's rows (no region)
 
-    def status(self) -> dict:
+    def status(self) -> RoomStatus:
         s = super().status()
-        s["complete"] = s["complete"] and self.expecting
-        return s
+        return dataclasses.replace(s, complete=s.complete and self.expecting)
 
     @property
     def lands(self) -> bool:

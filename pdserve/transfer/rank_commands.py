@@ -13,7 +13,7 @@ from typing import Protocol
 
 from .base import RoomChecksum
 from .plan import Segment, Transfer
-from .room_rows import RoomSlots
+from .room_rows import RoomSlots, RoomStatus
 
 
 @dataclass(frozen=True)
@@ -43,14 +43,16 @@ class StageCmd:
 
 @dataclass(frozen=True)
 class TransferStatusCmd:
-    """Decode ranks: the receiver's view of `room` (rows, checksum, completion) and its counters."""
+    """Decode ranks: the receiver's view of `room` (rows, checksum, completion) and its counters.
+    Reply: a `ReceiverStatus`."""
 
     room: str
 
 
 @dataclass(frozen=True)
 class SenderStatusCmd:
-    """Prefill ranks: the sender's counters (what a send still holds after it returned)."""
+    """Prefill ranks: the sender's counters (what a send still holds after it returned). Reply: a
+    `SenderStatus`."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,7 @@ class StreamedSend:
 
 @dataclass(frozen=True)
 class ListenerStatusCmd:
-    """Decode ranks: {"alive", "problem", "crashes"} of the receiver thread (frames.Liveness)."""
+    """Decode ranks: whether the receiver thread lives (frames.Liveness). Reply: a `ListenerStatus`."""
 
 
 TRANSFER_CMDS = (StageCmd, ExpectCmd, TransferStatusCmd, ForgetCmd, ListenerStatusCmd)
@@ -98,7 +100,7 @@ class Receiver(Protocol):
 
     lock: object  # guards the room table, shared with the receiving thread
     live: object  # frames.Liveness of the receiving thread
-    rooms: dict  # room -> what the receiver knows of it (a .status() dict)
+    rooms: dict  # room -> what the receiver knows of it (its .status() is a RoomStatus)
     frames: int  # frames / notified chunks stored (every room's)
     dropped: int  # frames / notifications for rooms not expected (late or stale)
     unauthenticated: int
@@ -130,15 +132,15 @@ def receive_command(receiver: Receiver, cmd):
             return receiver.forget(cmd)
         if isinstance(cmd, TransferStatusCmd):
             r = receiver.rooms.get(cmd.room)
-            return {
+            counters = {
                 "open_rooms": len(receiver.rooms),
                 "stored_frames": receiver.frames,
                 "dropped": receiver.dropped,
                 "unauthenticated": receiver.unauthenticated,
                 "bad_frames": receiver.bad_frames,
                 **receiver.counters(),
-                **(r.status() if r else {"known": False}),
             }
+            return ReceiverStatus(counters, r.status() if r else RoomStatus(False))
     if isinstance(cmd, ListenerStatusCmd):
         return receiver.live.status()
     raise TypeError(f"unknown transfer command {type(cmd).__name__}")
@@ -171,24 +173,22 @@ class SendReply:
 
 
 @dataclass(frozen=True)
-class RoomStatus:
-    """One decode rank's view of one room (the typed reply of TransferStatusCmd)."""
+class ReceiverStatus:
+    """A decode rank's answer to TransferStatusCmd: its receiver's counters (open rooms, frames
+    stored, dropped, unauthenticated, malformed; the data path's own: staging, quarantine,
+    registrations) and its view of the room."""
 
-    known: bool  # False: the rank does not expect the room (dropped, or never expected)
-    rows: int = 0
-    expected: int = 0
-    checksum: int = 0
-    error: str | None = None
+    counters: dict[str, int | float | None]
+    room: RoomStatus
 
-    @property
-    def complete(self) -> bool:
-        return self.known and self.rows == self.expected
 
-    @classmethod
-    def of(cls, reply: dict) -> "RoomStatus":
-        if not reply.get("known"):
-            return cls(False)
-        return cls(True, reply["rows"], reply["expected"], reply["checksum"], reply["error"])
+@dataclass(frozen=True)
+class SenderStatus:
+    """A prefill rank's answer to SenderStatusCmd: what its sender holds after a send returned (peers,
+    transfer handles, staging, registrations: transfer/tcp.py, nixl_send.py) and the clock of its
+    last send (last_send_began / last_send_ended, time.monotonic)."""
+
+    counters: dict[str, int | float | None]
 
 
 class SendError(RuntimeError):

@@ -27,6 +27,20 @@ MAX_RUNS, MAX_ROW = 1 << 20, 1 << 40
 
 
 @dataclass(frozen=True)
+class RoomStatus:
+    """One decode rank's view of one room (in its ReceiverStatus)."""
+
+    known: bool  # False: the rank does not expect the room (dropped, or never expected)
+    rows: int = 0
+    expected: int = 0
+    complete: bool = False  # every expected row came (NIXL: and the room's ExpectCmd)
+    checksum: int = 0
+    error: str | None = None
+    first_row_at: float | None = None  # time.monotonic() when its first rows were counted (checksummed)
+    last_row_at: float | None = None  # ... and when its latest were
+
+
+@dataclass(frozen=True)
 class RoomSlots:
     """The rows of a decode rank's pool that belong to one room: those of its pages. A page of
     page_size slots is page_size // C_d latent rows on every DCP rank (rows page * that, onwards),
@@ -141,18 +155,18 @@ class RoomRows:
     first_at: float | None = None  # time.monotonic() when its first rows were counted (and checksummed)
     last_at: float | None = None  # ... and when its latest were
 
-    def status(self) -> dict:
+    def status(self) -> RoomStatus:
         rows, expected = sum(self.received.values()), sum(self.expected.values())
-        return {
-            "known": True,
-            "rows": rows,
-            "expected": expected,
-            "complete": rows == expected,
-            "checksum": self.checksum.value(),
-            "error": self.error,
-            "first_row_at": self.first_at,
-            "last_row_at": self.last_at,
-        }
+        return RoomStatus(
+            True,
+            rows,
+            expected,
+            rows == expected,
+            self.checksum.value(),
+            self.error,
+            self.first_at,
+            self.last_at,
+        )
 
 
 def _count_key(r: RoomRows, src: int) -> int:

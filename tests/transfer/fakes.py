@@ -42,7 +42,11 @@ class FakeDestination:
 
     def room_status(self, room):
         r = self.rooms.get(room)
-        return [RoomStatus(True, r["rows"], r["expected"], r["rows"]) if r else RoomStatus(False)]
+        return [
+            RoomStatus(True, r["rows"], r["expected"], r["rows"] == r["expected"], checksum=r["rows"])
+            if r
+            else RoomStatus(False)
+        ]
 
     def forget(self, room, quiesced):
         self.rooms.pop(room, None)

@@ -69,6 +69,10 @@ class Instances:
                 (inst.instance if isinstance(inst, DecodeStepDriver) else inst).shutdown()
 
 
+HELD_RECV = ("staging_bytes", "quarantined")  # a receiver's counters of what an idle one holds none of
+HELD_SEND = ("xfer_handles", "stuck", "staging_bytes")  # ... and a sender's
+
+
 def prompt(n: int) -> list[int]:
     return torch.randint(4, 500, (n,), generator=torch.Generator().manual_seed(n)).tolist()
 
@@ -97,13 +101,15 @@ def assert_decode_idle(
     while True:
         recv = decode.instance.transfer_status("none")
         send = prefill.transfer_status() if prefill is not None else []
-        busy = [s for s in recv if s["open_rooms"] or s.get("staging_bytes") or s.get("quarantined")]
-        busy += [s for s in send if s.get("xfer_handles") or s.get("stuck") or s.get("staging_bytes")]
+        busy = [s for s in recv if s.counters["open_rooms"] or any(s.counters.get(k) for k in HELD_RECV)]
+        busy += [s for s in send if any(s.counters.get(k) for k in HELD_SEND)]
         if not busy:
             break
         assert time.monotonic() < deadline, f"not idle: receivers {recv}, senders {send}"
         time.sleep(0.01)
-    assert all(s.get("registered_regions", 1) == 1 for s in recv + send)  # registered once, never again
+    assert all(
+        s.counters.get("registered_regions", 1) == 1 for s in recv + send
+    )  # registered once, never again
 
 
 def check_handoffs(prefill: PrefillInstance, decode: DecodeStepDriver, single: LLMEngine, tag: str) -> None:
@@ -117,7 +123,8 @@ def check_handoffs(prefill: PrefillInstance, decode: DecodeStepDriver, single: L
         before = time.monotonic()
         req = hand_off(prefill, decode, ids, params)
         for s in prefill.transfer_status():  # each sender's clock of its send (bench/transfer.py)
-            assert before <= s["last_send_began"] <= s["last_send_ended"] <= time.monotonic(), (what, s)
+            c = s.counters
+            assert before <= c["last_send_began"] <= c["last_send_ended"] <= time.monotonic(), (what, s)
         check_rows(prefill, decode, single, ids, req.pages, rows, what)
         decode.run_until_idle()
         assert req.output_ids == want, what

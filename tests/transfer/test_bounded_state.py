@@ -72,6 +72,6 @@ def test_thousands_of_bogus_bootstrap_endpoints_keep_threads_and_fds_bounded(ins
         assert remote.unhealthy() is None  # every rank's receiver thread lives
         alloc = decode.instance.allocator
         assert decode.scheduler.is_idle() and alloc.num_free == alloc.num_pages
-        assert all(s["open_rooms"] == 0 for s in decode.instance.transfer_status("none"))
+        assert all(s.counters["open_rooms"] == 0 for s in decode.instance.transfer_status("none"))
     finally:
         remote.close()

@@ -62,10 +62,10 @@ def test_receiver_listens_and_advertises_the_data_host(model_path):
         )
         reply = sender.send(SendCmd("r", ticket, plan, {0: recv.endpoint}))
         deadline = time.monotonic() + 5
-        while not recv.handle(TransferStatusCmd("r"))["complete"]:
+        while not recv.handle(TransferStatusCmd("r")).room.complete:
             assert time.monotonic() < deadline, recv.handle(TransferStatusCmd("r"))
             time.sleep(0.005)
-        assert recv.handle(TransferStatusCmd("r"))["checksum"] == merge_checksums([reply])[0]
+        assert recv.handle(TransferStatusCmd("r")).room.checksum == merge_checksums([reply])[0]
         for t in plan:
             for run in t.runs:
                 got = dst.read_kv(t.layer, torch.arange(run.dst, run.dst + run.length))

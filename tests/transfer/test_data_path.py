@@ -177,13 +177,13 @@ def test_rows_arrive_exactly_and_the_checksums_agree(model_path, backend, kind, 
         reply = sender.send(SendCmd("room", ticket, plan, endpoints))
         assert reply.error is None, reply
         deadline = time.monotonic() + 10
-        while not all(recv[r].handle(TransferStatusCmd("room"))["complete"] for r in ranks):
+        while not all(recv[r].handle(TransferStatusCmd("room")).room.complete for r in ranks):
             assert time.monotonic() < deadline, [recv[r].handle(TransferStatusCmd("room")) for r in ranks]
             time.sleep(0.002)
         sums = merge_checksums([reply])
         for r in ranks:
-            status = recv[r].handle(TransferStatusCmd("room"))
-            assert status["error"] is None and status["checksum"] == sums[r]
+            status = recv[r].handle(TransferStatusCmd("room")).room
+            assert status.error is None and status.checksum == sums[r]
         for t in plan:
             read_dst = dst[t.dst_rank].read_kv if t.kind == "kv" else dst[t.dst_rank].read_index
             read_src = src.read_kv if t.kind == "kv" else src.read_index
@@ -198,7 +198,8 @@ def test_rows_arrive_exactly_and_the_checksums_agree(model_path, backend, kind, 
             assert max(recv[r].frames for r in ranks) > 3 * len(plan)
         if not backend.startswith("tcp"):
             assert all(
-                recv[r].handle(TransferStatusCmd("x"))["registered_pool"] == (2 if backend == "nixl" else 0)
+                recv[r].handle(TransferStatusCmd("x")).counters["registered_pool"]
+                == (2 if backend == "nixl" else 0)
                 for r in ranks
             )
             row_bytes = {"kv": cfg.kv_entry_dim * 8, "index": cfg.index_head_dim * 8}
@@ -267,10 +268,10 @@ def _one_nixl_room(cfg, src, plan, decode, name: str, on_path=None) -> tuple[dic
         assert reply.error is None, reply
         assert sender.status()["bytes_packed"] == 0  # every row went straight from the pool
         deadline = time.monotonic() + 10
-        while not all(recv[r].handle(TransferStatusCmd("room"))["complete"] for r in ranks):
+        while not all(recv[r].handle(TransferStatusCmd("room")).room.complete for r in ranks):
             assert time.monotonic() < deadline
             time.sleep(0.002)
-        return reply, {r: recv[r].handle(TransferStatusCmd("room")) for r in ranks}, dst
+        return reply, {r: recv[r].handle(TransferStatusCmd("room")).room for r in ranks}, dst
     finally:
         for r in ranks:
             recv[r].close()
@@ -302,7 +303,7 @@ def test_rows_sent_straight_from_the_pool_arrive_with_equal_room_macs(model_path
     plan = plan_transfer(prefill, decode, 300)
     reply, status, dst = _one_nixl_room(cfg, src, plan, decode, "test-sums")
     sums = merge_checksums([reply])
-    assert all(status[r]["error"] is None and status[r]["checksum"] == sums[r] for r in status)
+    assert all(status[r].error is None and status[r].checksum == sums[r] for r in status)
     for t in plan:
         if t.kind == "kv":
             for run in t.runs:
@@ -343,8 +344,8 @@ def test_a_forged_nixl_payload_with_a_matching_checksum_fails(model_path):
     assert forged and not torch.equal(forged[0], genuine)
     assert torch.equal(row_sums(forged[0].view(1, -1)), row_sums(genuine.view(1, -1)))  # old checksum: same
     sums = merge_checksums([reply])
-    assert status[t.dst_rank]["complete"] and status[t.dst_rank]["checksum"] != sums[t.dst_rank]
-    assert all(status[r]["checksum"] == sums[r] for r in status if r != t.dst_rank)
+    assert status[t.dst_rank].complete and status[t.dst_rank].checksum != sums[t.dst_rank]
+    assert all(status[r].checksum == sums[r] for r in status if r != t.dst_rank)
 
 
 def test_a_forged_tcp_payload_with_a_matching_checksum_is_refused(model_path):
@@ -391,12 +392,12 @@ def test_a_forged_tcp_payload_with_a_matching_checksum_is_refused(model_path):
             onward.send_multipart(f)
         rows = expected - plan[0].rows
         deadline = time.monotonic() + 10
-        while recv.handle(TransferStatusCmd("room"))["rows"] < rows or recv.unauthenticated < 1:
+        while recv.handle(TransferStatusCmd("room")).room.rows < rows or recv.unauthenticated < 1:
             assert time.monotonic() < deadline, recv.handle(TransferStatusCmd("room"))
             time.sleep(0.002)
-        status = recv.handle(TransferStatusCmd("room"))
-        assert recv.unauthenticated == 1 and status["rows"] == rows and not status["complete"]
-        assert status["error"] is None
+        status = recv.handle(TransferStatusCmd("room")).room
+        assert recv.unauthenticated == 1 and status.rows == rows and not status.complete
+        assert status.error is None
         for dst_row, n in msgpack.unpackb(header)["runs"]:
             read = dst.read_kv if plan[0].kind == "kv" else dst.read_index
             assert not read(plan[0].layer, torch.arange(dst_row, dst_row + n)).any()  # never stored

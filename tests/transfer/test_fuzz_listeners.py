@@ -17,7 +17,7 @@ import zmq
 
 from pdserve.serving.auth import frame_key, sign
 from pdserve.transfer.decode_client import DecodeClient
-from pdserve.transfer.frames import D2P, P2D, new_ticket, seal_data, seal_notif
+from pdserve.transfer.frames import D2P, P2D, ListenerStatus, new_ticket, seal_data, seal_notif
 from pdserve.transfer.messages import (
     DecodeReservation,
     Fingerprint,
@@ -210,10 +210,10 @@ def check_delivery(recv, sender, room: str, pages, cfg, src, dst) -> None:
     reply = sender.send(SendCmd(room, ticket, plan, {0: endpoint}))
     assert reply.error is None, reply
     wait_for(
-        lambda: recv.handle(TransferStatusCmd(room))["complete"],
+        lambda: recv.handle(TransferStatusCmd(room)).room.complete,
         what=str(recv.handle(TransferStatusCmd(room))),
     )
-    assert recv.handle(TransferStatusCmd(room))["error"] is None
+    assert recv.handle(TransferStatusCmd(room)).room.error is None
     for t in plan:
         read_dst, read_src = (
             (dst.read_kv, src.read_kv) if t.kind == "kv" else (dst.read_index, src.read_index)
@@ -258,9 +258,13 @@ def test_tcp_receiver_survives_any_frame(pools):
             }
         )
         push.send_multipart([last, bytes(8 * width), seal_data(KEY, last, bytes(8 * width))])
-        wait_for(lambda: recv.handle(TransferStatusCmd("sentinel"))["complete"], what="the receiver stopped")
+        wait_for(
+            lambda: recv.handle(TransferStatusCmd("sentinel")).room.complete, what="the receiver stopped"
+        )
         status = recv.handle(TransferStatusCmd("fuzz"))
-        assert status["unauthenticated"] > FRAMES // 10 and status["bad_frames"] > FRAMES // 4, status
+        assert (
+            status.counters["unauthenticated"] > FRAMES // 10 and status.counters["bad_frames"] > FRAMES // 4
+        ), status
         assert recv.live.problem() is None and recv.live.crashes == 0
         check_delivery(recv, sender, "real", (5, 3, 4), cfg, src, dst)
     finally:
@@ -310,11 +314,15 @@ def test_nixl_notification_receiver_survives_any_notification(pools):
         fuzzer.send_notif(recv.name, seal_notif(KEY, last))
         # the fuzzer has no progress thread either: polling its notifications moves its sends along
         wait_for(
-            lambda: fuzzer.get_new_notifs() is None or recv.handle(TransferStatusCmd("sentinel"))["complete"],
+            lambda: (
+                fuzzer.get_new_notifs() is None or recv.handle(TransferStatusCmd("sentinel")).room.complete
+            ),
             what="the receiver stopped",
         )
         status = recv.handle(TransferStatusCmd("fuzz"))
-        assert status["unauthenticated"] > FRAMES // 10 and status["bad_frames"] > FRAMES // 4, status
+        assert (
+            status.counters["unauthenticated"] > FRAMES // 10 and status.counters["bad_frames"] > FRAMES // 4
+        ), status
         assert recv.live.problem() is None and recv.live.crashes == 0
         for room in ("fuzz", "sentinel"):
             recv.handle(ForgetCmd(room, quiesced=True))
@@ -334,10 +342,10 @@ def test_a_dead_receiver_thread_is_reported(pools):
     _, _, dst = pools
     recv = TcpReceiver(0, lambda: dst, key=KEY)
     try:
-        assert recv.handle(ListenerStatusCmd()) == {"alive": True, "problem": None, "crashes": 0}
+        assert recv.handle(ListenerStatusCmd()) == ListenerStatus(alive=True, problem=None, crashes=0)
         recv._stop.set()  # the loop ends, as if the thread had died
         recv.thread.join(2)
         status = recv.handle(ListenerStatusCmd())
-        assert not status["alive"] and "dead" in status["problem"]
+        assert not status.alive and "dead" in status.problem
     finally:
         recv.close()

@@ -111,11 +111,11 @@ def test_stale_write_for_a_reused_room_never_reaches_the_live_request(pair, sing
     live = hand_off(prefill, decode, ids, params, room="late")
     assert not set(live.pages) & set(old_pages)
     slots = inst.slots(live.pages, len(ids))
-    before, dropped = inst.dump(slots), [s["dropped"] for s in inst.transfer_status("late")]
+    before, dropped = inst.dump(slots), [s.counters["dropped"] for s in inst.transfer_status("late")]
     prefill.send("stale-sender", "late", stale.ticket, plan, stale.endpoints)  # the late WRITEs
     chunks = [len({t.src_rank for t in plan if t.dst_rank == r}) for r in range(len(dropped))]
     deadline = time.monotonic() + 10
-    while [s["dropped"] - d for s, d in zip(inst.transfer_status("late"), dropped)] != chunks:
+    while [s.counters["dropped"] - d for s, d in zip(inst.transfer_status("late"), dropped)] != chunks:
         assert time.monotonic() < deadline, "the late notifications were not all seen and dropped"
         time.sleep(0.01)
     for b, a in zip(before, inst.dump(slots)):
@@ -156,7 +156,7 @@ def test_decode_rank_killed_mid_write(pair, model_path):
     """The victim's rank is stopped, a WRITE to it is posted (it cannot complete), then the rank is
     killed: the send fails for that room only, its handle is released and the dead peer dropped."""
     prefill, decode = pair
-    peers = [s["peers"] for s in prefill.transfer_status()]
+    peers = [s.counters["peers"] for s in prefill.transfer_status()]
     cfg = DecodeWorkerConfig(
         model_path, num_slots=1024, dtype="float64", float32_islands=False, transfer="nixl"
     )
@@ -205,7 +205,7 @@ def test_decode_rank_killed_mid_write(pair, model_path):
     finally:
         victim.instance.shutdown()
     assert prefill.ranks.broken is None
-    assert [s["peers"] for s in prefill.transfer_status()] == peers  # the dead peer was dropped
+    assert [s.counters["peers"] for s in prefill.transfer_status()] == peers  # the dead peer was dropped
     again = hand_off(prefill, decode, prompt(9), SamplingParams(max_tokens=2, ignore_eos=True))
     decode.run_until_idle()
     assert len(again.output_ids) == 2
@@ -240,12 +240,12 @@ def deliver(recv: NixlReceiver, sender: NixlSender, room: str, ticket: bytes, pl
     assert before <= began <= ended <= sent  # the send's own clock, which bench/transfer.py reads
     if reply.error is None:
         deadline = time.monotonic() + 5
-        while not recv.handle(TransferStatusCmd(room))["complete"]:
+        while not recv.handle(TransferStatusCmd(room)).room.complete:
             assert time.monotonic() < deadline
             time.sleep(0.002)
         status = recv.handle(TransferStatusCmd(room))
-        assert status["checksum"] == merge_checksums([reply])[0]
-        assert before <= status["first_row_at"] <= status["last_row_at"] <= time.monotonic()
+        assert status.room.checksum == merge_checksums([reply])[0]
+        assert before <= status.room.first_row_at <= status.room.last_row_at <= time.monotonic()
     return {"reply": reply, "endpoint": ep.endpoint}
 
 
@@ -274,7 +274,8 @@ def test_restarted_peer_is_reloaded_and_an_old_generation_refused(pools):
             )  # the first incarnation's endpoint
             assert "stale endpoint" in reply.error
             assert (
-                sender.status()["xfer_handles"] == 0 and second.handle(TransferStatusCmd("b"))["dropped"] == 0
+                sender.status()["xfer_handles"] == 0
+                and second.handle(TransferStatusCmd("b")).counters["dropped"] == 0
             )
         finally:
             second.close()
@@ -293,14 +294,14 @@ def test_full_arena_refuses_a_room_until_the_quarantine_passed(pools):
         assert "receive staging full" in recv.handle(StageCmd("b", T2, rows)).error
         recv.handle(ForgetCmd("a"))  # not quiesced: a sender may still write into it
         status = recv.handle(TransferStatusCmd("x"))
-        assert status["quarantined"] == 1 and status["staging_bytes"] > 0
+        assert status.counters["quarantined"] == 1 and status.counters["staging_bytes"] > 0
         assert "receive staging full" in recv.handle(StageCmd("b", T2, rows)).error
         deadline = time.monotonic() + 5
-        while recv.handle(TransferStatusCmd("x"))["quarantined"]:
+        while recv.handle(TransferStatusCmd("x")).counters["quarantined"]:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         assert recv.handle(StageCmd("b", T2, rows)).error is None
         recv.handle(ForgetCmd("b", quiesced=True))
-        assert recv.handle(TransferStatusCmd("x"))["staging_bytes"] == 0
+        assert recv.handle(TransferStatusCmd("x")).counters["staging_bytes"] == 0
     finally:
         recv.close()

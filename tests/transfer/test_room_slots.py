@@ -39,7 +39,7 @@ pytestmark = pytest.mark.slow
 def wait_error(status, timeout_s: float = 10.0) -> list[str]:
     """The ranks' errors for a room, once at least one rank reports one."""
     deadline = time.monotonic() + timeout_s
-    while not (errors := [s["error"] for s in status() if s.get("error")]):
+    while not (errors := [s.room.error for s in status() if s.room.error]):
         assert time.monotonic() < deadline, status()
         time.sleep(0.01)
     return errors
@@ -64,7 +64,7 @@ def test_tcp_rows_for_another_requests_slots_fail_the_senders_room(instances, si
     )  # a valid ticket, wrong rows
     errors = wait_error(lambda: inst.transfer_status("evil"))
     assert all("not the room's" in e for e in errors), errors
-    assert all(s["rows"] == 0 for s in inst.transfer_status("evil"))
+    assert all(s.room.rows == 0 for s in inst.transfer_status("evil"))
     for b, a in zip(before, inst.dump(slots)):  # nothing of the victim was written
         assert all(torch.equal(b["kv"][l], a["kv"][l]) for l in b["kv"])
         assert all(torch.equal(b["index"][l], a["index"][l]) for l in b["index"])
@@ -107,12 +107,12 @@ def test_nixl_notification_outside_the_room_fails_it(pools, direct):
         errors = wait_error(lambda: [recv.handle(TransferStatusCmd("B"))])
         assert "not the room's" in errors[0]
         status = recv.handle(TransferStatusCmd("A"))
-        assert status["error"] is None and status["rows"] == 0
+        assert status.room.error is None and status.room.rows == 0
         if not direct:  # region landing: the refused chunk never left B's region
             assert not dst.kv.any() and not dst.index_k.any()
         reply = sender.send(SendCmd("A", tickets["A"], plans["A"], {0: endpoints["A"]}))
         deadline = time.monotonic() + 5
-        while not recv.handle(TransferStatusCmd("A"))["complete"]:
+        while not recv.handle(TransferStatusCmd("A")).room.complete:
             assert time.monotonic() < deadline, recv.handle(TransferStatusCmd("A"))
             time.sleep(0.002)
         for t in plans["A"]:
@@ -164,11 +164,11 @@ def test_data_frames_without_the_key_are_dropped_unread(pools):
         )
         assert foreign.send(SendCmd("r", ticket, plan, {0: recv.endpoint})).error is None
         deadline = time.monotonic() + 5
-        while recv.handle(TransferStatusCmd("r"))["unauthenticated"] < len(plan):
+        while recv.handle(TransferStatusCmd("r")).counters["unauthenticated"] < len(plan):
             assert time.monotonic() < deadline, recv.handle(TransferStatusCmd("r"))
             time.sleep(0.005)
         status = recv.handle(TransferStatusCmd("r"))
-        assert status["rows"] == 0 and status["error"] is None and status["bad_frames"] == 0
+        assert status.room.rows == 0 and status.room.error is None and status.counters["bad_frames"] == 0
         assert not dst.kv.any() and not dst.index_k.any()
     finally:
         recv.close()

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 
 
 def stored_frames(decode) -> int:
-    return sum(s["stored_frames"] for s in decode.instance.transfer_status("none"))
+    return sum(s.counters["stored_frames"] for s in decode.instance.transfer_status("none"))
 
 
 @pytest.mark.parametrize("transfer", ["tcp", "nixl"])

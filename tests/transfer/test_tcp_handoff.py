@@ -101,18 +101,18 @@ def test_late_data_for_an_aborted_room_is_dropped(pair, reused):
     decode.abort("late")
     if reused:  # the room id is expected again, by a newer reservation (another ticket)
         inst.expect("late", new_ticket(), plan, req.pages)
-    dropped = [s["dropped"] for s in inst.transfer_status("late")]
+    dropped = [s.counters["dropped"] for s in inst.transfer_status("late")]
     prefill.send("late", "late", reservation.ticket, plan, reservation.endpoints)  # ... then the data arrives
     frames = [sum(1 for t in plan if t.dst_rank == r) for r in range(len(dropped))]
     deadline = time.monotonic() + 10
-    while [s["dropped"] - d for s, d in zip(inst.transfer_status("late"), dropped)] != frames:
+    while [s.counters["dropped"] - d for s, d in zip(inst.transfer_status("late"), dropped)] != frames:
         assert time.monotonic() < deadline, "late frames were not all seen and dropped"
         time.sleep(0.01)
     for b, a in zip(before, inst.dump(slots)):  # nothing was written
         assert all(torch.equal(b["kv"][l], a["kv"][l]) for l in b["kv"])
         assert all(torch.equal(b["index"][l], a["index"][l]) for l in b["index"])
     if reused:
-        assert all(s["known"] and s["rows"] == 0 for s in inst.transfer_status("late"))
+        assert all(s.room.known and s.room.rows == 0 for s in inst.transfer_status("late"))
         inst.forget("late")
     prefill.release("late")
 
