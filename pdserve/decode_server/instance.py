@@ -45,6 +45,7 @@ from .rank_worker import (
     ForgetSamplingCmd,
     InfoCmd,
     LoadCmd,
+    RankRows,
     ReconfigureCmd,
     SamplingStreamsCmd,
     SelectionsCmd,
@@ -153,13 +154,13 @@ class DecodeInstance(RankInstance):
         """The requests rank 0 holds a generator for (checks)."""
         return self.ranks.call(SamplingStreamsCmd())[0]
 
-    def dump(self, slots: list[int]) -> list[dict]:
+    def dump(self, slots: list[int]) -> list[RankRows]:
         return [  # the ranks send runtime/pipe_tensors.py wire
-            {
-                "slots": d["slots"],
-                "kv": {layer: from_pipe(t) for layer, t in d["kv"].items()},
-                "index": {layer: from_pipe(t) for layer, t in d["index"].items()},
-            }
+            RankRows(
+                d.slots,
+                {layer: from_pipe(t) for layer, t in d.kv.items()},
+                {layer: from_pipe(t) for layer, t in d.index.items()},
+            )
             for d in self.ranks.call(DumpCmd(slots))
         ]
 

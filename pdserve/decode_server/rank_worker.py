@@ -15,6 +15,7 @@ import contextlib
 import os
 import sys
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -125,7 +126,18 @@ class DecodeRankInfo:
 
 @dataclass(frozen=True)
 class DumpCmd:
-    slots: list[int]  # returns this rank's stored rows among these global slots
+    slots: list[int]  # returns this rank's stored rows among these global slots (RankRows)
+
+
+@dataclass(frozen=True)
+class RankRows:
+    """A decode rank's answer to DumpCmd (checks): its own slots among those asked for and their rows,
+    the latent cache per layer and the index keys per indexer layer (runtime/pipe_tensors.py wire
+    from the rank, tensors once DecodeInstance.dump has them)."""
+
+    slots: list[int]
+    kv: dict[int, Any]
+    index: dict[int, Any]
 
 
 @dataclass(frozen=True)
@@ -379,7 +391,7 @@ class DecodeRankWorker(RankWorker):
         rows = self._sampler().sample(logits, cmd.sampling)
         return StepResult(rows, to_pipe(logits) if cmd.return_logits else None)
 
-    def dump(self, cmd: DumpCmd) -> dict:
+    def dump(self, cmd: DumpCmd) -> RankRows:
         slots = torch.tensor(cmd.slots, dtype=torch.int64, device=self.device)
         own = self._own(slots)
         rows = slots[own] // self.dcp.size
@@ -388,8 +400,6 @@ class DecodeRankWorker(RankWorker):
             index[layer] = to_pipe(
                 self.pool.read_index(layer, slots if self.cfg.index_mode == "copy" else rows)
             )
-        return {
-            "slots": slots[own].tolist(),
-            "kv": {l: to_pipe(self.pool.read_kv(l, rows)) for l in self.pool.layers},
-            "index": index,
-        }
+        return RankRows(
+            slots[own].tolist(), {l: to_pipe(self.pool.read_kv(l, rows)) for l in self.pool.layers}, index
+        )

@@ -148,14 +148,14 @@ def check_rows(
     copy = inst.index_mode == "copy"
     for rank, dump in enumerate(inst.dump(slots)):
         own = [p for p in range(n) if slots[p] % C == rank % C]
-        assert dump["slots"] == [slots[p] for p in own], f"{tag} rank {rank} slots"
-        for layer, rows in dump["kv"].items():
+        assert dump.slots == [slots[p] for p in own], f"{tag} rank {rank} slots"
+        for layer, rows in dump.kv.items():
             if prefill_rows is not None:
                 assert torch.equal(rows, prefill_rows[layer][0][own]), (
                     f"{tag} rank {rank} layer {layer} latent"
                 )
             assert_close(rows, want_kv[layer][own], f"{tag} rank {rank} layer {layer} latent vs single")
-        for layer, keys in dump["index"].items():
+        for layer, keys in dump.index.items():
             pos = list(range(n)) if copy else own
             if prefill_rows is not None:
                 assert torch.equal(keys, prefill_rows[layer][1][pos]), (

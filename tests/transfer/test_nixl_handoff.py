@@ -119,8 +119,8 @@ def test_stale_write_for_a_reused_room_never_reaches_the_live_request(pair, sing
         assert time.monotonic() < deadline, "the late notifications were not all seen and dropped"
         time.sleep(0.01)
     for b, a in zip(before, inst.dump(slots)):
-        assert all(torch.equal(b["kv"][l], a["kv"][l]) for l in b["kv"])
-        assert all(torch.equal(b["index"][l], a["index"][l]) for l in b["index"])
+        assert all(torch.equal(b.kv[l], a.kv[l]) for l in b.kv)
+        assert all(torch.equal(b.index[l], a.index[l]) for l in b.index)
     prefill.release("stale-sender")
     decode.run_until_idle()
     assert live.output_ids == single.generate([ids], [params])[0]

@@ -66,8 +66,8 @@ def test_tcp_rows_for_another_requests_slots_fail_the_senders_room(instances, si
     assert all("not the room's" in e for e in errors), errors
     assert all(s.room.rows == 0 for s in inst.transfer_status("evil"))
     for b, a in zip(before, inst.dump(slots)):  # nothing of the victim was written
-        assert all(torch.equal(b["kv"][l], a["kv"][l]) for l in b["kv"])
-        assert all(torch.equal(b["index"][l], a["index"][l]) for l in b["index"])
+        assert all(torch.equal(b.kv[l], a.kv[l]) for l in b.kv)
+        assert all(torch.equal(b.index[l], a.index[l]) for l in b.index)
     prefill.release("evil-sender")
     decode.abort("evil", inst.forget("evil", quiesced=True))
     decode.run_until_idle()

@@ -86,9 +86,9 @@ def test_streamed_and_unstreamed_rows_are_equal(instances):
         dumps.append(decode.instance.dump(decode.instance.slots(req.pages, len(ids))))
         decode.run_until_idle()
     for a, b in zip(*dumps):  # each rank's rows in position order (the pages may differ)
-        assert len(a["slots"]) == len(b["slots"]) and a["kv"].keys() == b["kv"].keys()
-        for layer in a["kv"]:
-            assert torch.equal(a["kv"][layer], b["kv"][layer]), layer
-        for layer in a["index"]:
-            assert torch.equal(a["index"][layer], b["index"][layer]), layer
+        assert len(a.slots) == len(b.slots) and a.kv.keys() == b.kv.keys()
+        for layer in a.kv:
+            assert torch.equal(a.kv[layer], b.kv[layer]), layer
+        for layer in a.index:
+            assert torch.equal(a.index[layer], b.index[layer]), layer
     assert_idle(prefill, decode)

@@ -109,8 +109,8 @@ def test_late_data_for_an_aborted_room_is_dropped(pair, reused):
         assert time.monotonic() < deadline, "late frames were not all seen and dropped"
         time.sleep(0.01)
     for b, a in zip(before, inst.dump(slots)):  # nothing was written
-        assert all(torch.equal(b["kv"][l], a["kv"][l]) for l in b["kv"])
-        assert all(torch.equal(b["index"][l], a["index"][l]) for l in b["index"])
+        assert all(torch.equal(b.kv[l], a.kv[l]) for l in b.kv)
+        assert all(torch.equal(b.index[l], a.index[l]) for l in b.index)
     if reused:
         assert all(s.room.known and s.room.rows == 0 for s in inst.transfer_status("late"))
         inst.forget("late")
