@@ -38,3 +38,12 @@ def assert_thread_count_free():
             assert torch.equal(a, b)
 
     return check
+
+
+@pytest.fixture(scope="module")
+def kern():
+    """The triton kernels under triton's CPU interpreter (tests/model/triton_interp.py; imported only
+    when a test asks for it, so the other model tests run where triton is missing)."""
+    from tests.model.triton_interp import interpreted_kernels
+
+    yield from interpreted_kernels()

@@ -60,25 +60,16 @@ class EnvWorker:
 
 
 class FailsToStart:
-    """Rank 0 raises while starting; rank 1 is still starting when rank 0 has exited: it waits for
-    rank 0's process to be gone (its pid in the file `payload`), then 1 s more for the launcher to
-    notice, 5 s at most in all."""
+    """Rank 0 raises while starting; rank 1 is still starting when rank 0 has exited, and stays so
+    until the launcher, having noticed, stops it (30 s at most: on a busy machine the launcher may
+    take more than a moment to notice, and rank 1 must not finish starting first)."""
 
     def __init__(self, rank: int, world: int, payload):
         if rank == 0:
             with open(payload, "w") as f:
                 f.write(str(os.getpid()))
             raise ValueError("no checkpoint at /nowhere")
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            try:
-                with open(payload) as f:
-                    if not pid_alive(int(f.read())):
-                        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-                        return
-            except (FileNotFoundError, ValueError):  # not written yet, or half written
-                pass
-            time.sleep(0.05)
+        time.sleep(30)
 
 
 def test_a_rank_that_fails_to_start_says_why(tmp_path):
