@@ -12,7 +12,15 @@ import torch
 
 from pdserve.model.moe_ops import dequant_linear
 from pdserve.model.quant import dequantize_fp8, quantize_fp8
-from tests.model.triton_interp import BLOCK, KERNEL_MODULES, _restore, rel, triton
+from tests.model.triton_interp import (
+    BLOCK,
+    KERNEL_MODULES,
+    SM90_SHARED_MAX,
+    CompileForSm90,
+    _restore,
+    rel,
+    triton,
+)
 
 # --- fp8_linear -----------------------------------------------------------------------------------
 
@@ -100,35 +108,6 @@ def test_scaled_mm_linear_arguments(kern, monkeypatch):
 
 # --- compiled for an H200, on the CPU -------------------------------------------------------------
 
-SM90_SHARED_MAX = 232448  # bytes of shared memory one block may opt into on sm90 (227 KiB)
-
-
-class _CompileForSm90:
-    """Stands in for a @triton.jit kernel: each launch compiles it for sm90, with the specialization
-    the real launch would get (argument types, divisibility by 16, constexprs), down to ptxas's
-    cubin, instead of running it."""
-
-    def __init__(self, kernel, backend, target, compiled: list):
-        from triton.runtime.jit import create_function_from_signature
-
-        self.kernel, self.backend, self.target, self.compiled = kernel, backend, target, compiled
-        self.binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            from triton.compiler import ASTSource, compile
-
-            bound, spec, opts = self.binder(*args, **kwargs)
-            options, signature, constexprs, attrs = self.kernel._pack_args(
-                self.backend, kwargs, bound, spec, opts
-            )
-            src = ASTSource(self.kernel, signature, constexprs, attrs)
-            if src.hash() not in {h for h, _ in self.compiled}:
-                out = compile(src, target=self.target, options=options.__dict__)
-                self.compiled.append((src.hash(), out))
-
-        return launch
-
 
 def test_kernels_compile_for_sm90(monkeypatch, tmp_path):
     """Every kernel variant the H200 check (tests/gpu/test_triton_ops.py) launches, at GLM-5's dims,
@@ -148,10 +127,10 @@ def test_kernels_compile_for_sm90(monkeypatch, tmp_path):
         target = GPUTarget("cuda", 90, 32)
         backend, compiled = make_backend(target), []
         monkeypatch.setattr(
-            moe, "_moe_gemm_kernel", _CompileForSm90(moe._moe_gemm_kernel, backend, target, compiled)
+            moe, "_moe_gemm_kernel", CompileForSm90(moe._moe_gemm_kernel, backend, target, compiled)
         )
         monkeypatch.setattr(
-            gemm, "_fp8_gemm_kernel", _CompileForSm90(gemm._fp8_gemm_kernel, backend, target, compiled)
+            gemm, "_fp8_gemm_kernel", CompileForSm90(gemm._fp8_gemm_kernel, backend, target, compiled)
         )
 
         hidden, inter, experts, k = 6144, 2048, 32, 8

@@ -7,7 +7,7 @@ with no key (lse -inf, out exactly 0), heads not a multiple of the 16-head block
 two, the split-KV partials merged, an fp8 cache with a kv_scale; then the wiring: engine/attn_ops'
 TritonOps over real pools and a DCP decode step of the tiny DSA model over an fp8 pool. Tolerances: float32 queries
 multiply in float32 (1e-5 relative); bf16 ones round the probabilities to bf16 (2e-2).
-The interpreter patches are test_triton_kernels.py's (its module docstring says why)."""
+The interpreter patches are tests/model/triton_interp.py's (test_triton_kernels.py's docstring says why)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from pdserve.kvcache.kv_cache import KVPool
 from pdserve.model.config import ModelConfig
 from pdserve.model.kernels import attend
 from pdserve.runtime.sync_check import forbid_host_sync
-from tests.model.test_triton_kernels import _create_dot, _patch_lang_tensor, _restore, interp, rel
+from tests.model.triton_interp import _create_dot, _patch_lang_tensor, _restore, interp, rel
 
 MODULE = "pdserve.model.triton_mla_decode"
 FP8 = torch.float8_e4m3fn
@@ -177,12 +177,12 @@ def test_a_dcp_decode_step_over_an_fp8_pool(mla, tmp_path):
 
 def test_kernel_compiles_for_sm90(monkeypatch, tmp_path):
     """The variants tests/gpu/test_mla_decode_cuda.py launches, at GLM-5's dims (kv_lora 512 + rope
-    64, 64 heads), compiled for sm90 on the CPU down to ptxas (test_triton_kernels' _CompileForSm90),
+    64, 64 heads), compiled for sm90 on the CPU down to ptxas (triton_interp.CompileForSm90),
     within sm90's shared memory: bf16 queries over fp8 and bf16 caches, float32 over fp8."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
 
-    from tests.model.test_triton_kernels import SM90_SHARED_MAX, _CompileForSm90, triton
+    from tests.model.triton_interp import SM90_SHARED_MAX, CompileForSm90, triton
 
     ptxas = __import__("pathlib").Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
     if not ptxas.is_file():
@@ -194,7 +194,7 @@ def test_kernel_compiles_for_sm90(monkeypatch, tmp_path):
         module = importlib.import_module(MODULE)
         target = GPUTarget("cuda", 90, 32)
         backend, compiled = make_backend(target), []
-        kernel = _CompileForSm90(module._mla_decode_kernel, backend, target, compiled)
+        kernel = CompileForSm90(module._mla_decode_kernel, backend, target, compiled)
         monkeypatch.setattr(module, "_mla_decode_kernel", kernel)
         rows = torch.zeros(4, 2048, dtype=torch.int64)
         for q_dtype, table_dtype in (

@@ -76,3 +76,33 @@ def _restore(saved: dict) -> None:
 
 def rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+SM90_SHARED_MAX = 232448  # bytes of shared memory one block may opt into on sm90 (227 KiB)
+
+
+class CompileForSm90:
+    """Stands in for a @triton.jit kernel: each launch compiles it for sm90, with the specialization
+    the real launch would get (argument types, divisibility by 16, constexprs), down to ptxas's
+    cubin, instead of running it."""
+
+    def __init__(self, kernel, backend, target, compiled: list):
+        from triton.runtime.jit import create_function_from_signature
+
+        self.kernel, self.backend, self.target, self.compiled = kernel, backend, target, compiled
+        self.binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            from triton.compiler import ASTSource, compile
+
+            bound, spec, opts = self.binder(*args, **kwargs)
+            options, signature, constexprs, attrs = self.kernel._pack_args(
+                self.backend, kwargs, bound, spec, opts
+            )
+            src = ASTSource(self.kernel, signature, constexprs, attrs)
+            if src.hash() not in {h for h, _ in self.compiled}:
+                out = compile(src, target=self.target, options=options.__dict__)
+                self.compiled.append((src.hash(), out))
+
+        return launch
