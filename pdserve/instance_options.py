@@ -28,7 +28,7 @@ from .flags import (
     SHUTDOWN_GRACE_HELP,
     option,
 )
-from .runtime.placement import check_device_fields
+from .runtime.placement import check_device_fields, default_dtype
 
 # --max-kv-tokens, one bound and one default for prefill, decode and `up` (per instance)
 MIN_KV_TOKENS = 16
@@ -41,7 +41,7 @@ class InstanceOptions(ABC):
     host: str = option("127.0.0.1", "Address the instance's HTTP API listens on.")
     port: int = option(8000, "Port of the instance's HTTP API.")
     dist_port: int = option(29500, "TCP port the ranks use to form their torch.distributed group.")
-    dtype: str = option(  # "": float32 on cpu, bfloat16 on cuda (filled in by __post_init__)
+    dtype: str = option(  # "": float32 on cpu, bfloat16 on cuda (filled in by create)
         "", DTYPE_HELP, cli_type=Optional[ModelDType], cli_default=None
     )
     exact_dtype: bool = option(False, EXACT_DTYPE_HELP)
@@ -75,6 +75,18 @@ class InstanceOptions(ABC):
     gloo_ifname: str = option("", NODE_HELP["gloo_ifname"])
     nccl_ifname: str = option("", NODE_HELP["nccl_ifname"])
     nccl_ib_hca: str = option("", NODE_HELP["nccl_ib_hca"])
+
+    @classmethod
+    def create(cls, **given):
+        """The config of these fields, with the defaults that follow from other fields filled in
+        (`resolve`): the one way the CLI and `up` build one (a config is never changed once built)."""
+        return cls(**cls.resolve(given))
+
+    @classmethod
+    def resolve(cls, given: dict) -> dict:
+        """given, with dtype "" or missing: the device's default (float32 on cpu, bfloat16 on cuda)."""
+        device = given.get("device", "cpu")
+        return {**given, "dtype": given.get("dtype") or default_dtype(device)}
 
     @abstractmethod
     def world_size(self) -> int:

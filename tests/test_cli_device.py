@@ -98,15 +98,27 @@ def test_check_config_shows_device_fields_and_cuda_dtype(ckpt):
 
 
 def test_server_configs_resolve_dtype_per_device(ckpt):
-    assert PrefillServerConfig(ckpt).dtype == "float32"
-    assert PrefillServerConfig(ckpt, device="cuda").dtype == "bfloat16"
-    assert PrefillServerConfig(ckpt, device="cuda", dtype="float64").dtype == "float64"
-    assert DecodeServerConfig(ckpt, device="cuda", max_kv_tokens=64).dtype == "bfloat16"
-    assert DecodeServerConfig(ckpt, max_kv_tokens=64).cuda_graphs == "off"  # --cuda-graphs per device
-    assert DecodeServerConfig(ckpt, device="cuda", max_kv_tokens=64).cuda_graphs == "auto"
-    assert DecodeServerConfig(ckpt, device="cuda", max_kv_tokens=64, cuda_graphs="off").cuda_graphs == "off"
+    assert PrefillServerConfig.create(model=ckpt).dtype == "float32"
+    assert PrefillServerConfig.create(model=ckpt, device="cuda").dtype == "bfloat16"
+    assert PrefillServerConfig.create(model=ckpt, device="cuda", dtype="float64").dtype == "float64"
+    assert DecodeServerConfig.create(model=ckpt, device="cuda", max_kv_tokens=64).dtype == "bfloat16"
+    assert (
+        DecodeServerConfig.create(model=ckpt, max_kv_tokens=64).cuda_graphs == "off"
+    )  # --cuda-graphs per device
+    assert DecodeServerConfig.create(model=ckpt, device="cuda", max_kv_tokens=64).cuda_graphs == "auto"
+    assert (
+        DecodeServerConfig.create(model=ckpt, device="cuda", max_kv_tokens=64, cuda_graphs="off").cuda_graphs
+        == "off"
+    )
     with pytest.raises(ValueError, match="--attention-ops must be one of"):
-        PrefillServerConfig(ckpt, attention_ops="fast")
+        PrefillServerConfig.create(model=ckpt, attention_ops="fast")
+    # a config is never changed once built: only create() fills the defaults that follow the device
+    with pytest.raises(ValueError, match="dtype is empty"):
+        PrefillServerConfig(ckpt)
+    with pytest.raises(ValueError, match="cuda_graphs is empty"):
+        DecodeServerConfig(ckpt, dtype="float32", max_kv_tokens=64)
+    with pytest.raises(ValueError, match="gpu_ids must be a tuple"):
+        PrefillServerConfig.create(model=ckpt, device="cuda", gpu_ids="0")
 
 
 def test_up_gives_each_instance_its_gpus(tmp_path):

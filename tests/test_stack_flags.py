@@ -64,10 +64,10 @@ def test_up_refuses_exactly_what_the_instance_refuses(tmp_path, stack_field, ser
         with pytest.raises(ValueError, match="instance would refuse"):
             StackConfig(**base, decode_tp=2, **{stack_field: value})
         with pytest.raises(ValueError):
-            server(**base, **shape, **{field: value})
+            server.create(**base, **shape, **{field: value})
     for value in good:
         assert getattr(StackConfig(**base, decode_tp=2, **{stack_field: value}), stack_field) == value
-        assert getattr(server(**base, **shape, **{field: value}), field) == value
+        assert getattr(server.create(**base, **shape, **{field: value}), field) == value
 
 
 def test_up_refuses_what_its_router_refuses(tmp_path):
@@ -118,7 +118,7 @@ def test_the_processes_up_starts_get_the_configs_up_checked(tmp_path):
     for role, cls in (("prefill", P), ("decode", D)):
         shown = _shown(*stack.instance_args(role, 0, 8100))
         expected = dataclasses.asdict(
-            cls(**cfg.instance_fields(role, 0), port=8100, dist_port=shown["dist_port"])
+            cls.create(**cfg.instance_fields(role, 0), port=8100, dist_port=shown["dist_port"])
         )
         assert {k: shown[k] for k in expected if k != "internal_token"} == {
             k: json.loads(json.dumps(v)) for k, v in expected.items() if k != "internal_token"
@@ -136,3 +136,16 @@ def test_the_processes_up_starts_get_the_configs_up_checked(tmp_path):
         _shown(*quiet.router_args(["http://127.0.0.1:1"], ["http://127.0.0.1:2"]))["report_cached_tokens"]
         is False
     )
+
+
+def test_no_config_is_changed_once_built():
+    """Frozen configs are built whole (InstanceOptions.create fills the defaults that follow from
+    other fields; the CLI parses --gpu-ids): object.__setattr__ appears only where wire messages
+    normalise what msgpack decoded (lists back to tuples, string keys back to ints)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "pdserve"
+    users = sorted(
+        str(p.relative_to(root)) for p in root.rglob("*.py") if "object.__setattr__" in p.read_text()
+    )
+    assert users == ["transfer/messages.py", "transfer/plan.py"], users

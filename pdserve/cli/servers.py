@@ -65,7 +65,7 @@ def prefill(
 ):
     """Run a prefill instance: C_p rank processes with context parallelism, behind an HTTP control API."""
     try:
-        cfg = PrefillServerConfig(**_server_values(values, internal_token_file, check_config))
+        cfg = PrefillServerConfig.create(**_server_values(values, internal_token_file, check_config))
         cfg.validate_model()
         if not check_config:
             prestart(cfg.device)  # the ranks' forkserver imports torch while this process does
@@ -106,7 +106,7 @@ def decode(
         if values["kv_memory"] is not None:
             values["kv_memory"] = parse_bytes(values["kv_memory"])
         values["cuda_graphs"] = values["cuda_graphs"] or ""  # on where it can run with --device cuda
-        cfg = DecodeServerConfig(**_server_values(values, internal_token_file, check_config))
+        cfg = DecodeServerConfig.create(**_server_values(values, internal_token_file, check_config))
         cfg.validate_model()
         if not check_config:
             prestart(cfg.device)  # the ranks' forkserver imports torch while this process does

@@ -18,7 +18,16 @@ from ..flags import config_command
 from ..instance_options import DEFAULT_MAX_KV_TOKENS
 from ..router.config import RouterConfig
 from ..router.launch import StackConfig
-from .common import InternalTokenFileOpt, app, fail, internal_token, masked, model_arg, stack_token
+from .common import (
+    InternalTokenFileOpt,
+    app,
+    fail,
+    gpu_ids_value,
+    internal_token,
+    masked,
+    model_arg,
+    stack_token,
+)
 
 
 @app.command()
@@ -82,6 +91,7 @@ def up(
                 "admin_token": RouterConfig.token_from_env(values["admin_token"]),
                 "log_dir": str(values["log_dir"]),
                 "internal_token": stack_token(values["internal_token"], internal_token_file),
+                "gpu_ids": gpu_ids_value(values["gpu_ids"]),
             }
         )
         if not check_config and cfg.device == "cuda":  # the GPUs exist, before any process starts

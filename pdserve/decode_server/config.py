@@ -94,6 +94,17 @@ class DecodeServerConfig(InstanceOptions):
     def world_size(self) -> int:
         return self.tp_size
 
+    @classmethod
+    def resolve(cls, given: dict) -> dict:
+        """InstanceOptions.resolve, and --cuda-graphs (auto on cuda, off on cpu) and on cpu without
+        --kv-memory --max-kv-tokens (DEFAULT_MAX_KV_TOKENS)."""
+        out = super().resolve(given)
+        cuda = out.get("device", "cpu") == "cuda"
+        out["cuda_graphs"] = out.get("cuda_graphs") or ("auto" if cuda else "off")
+        if out.get("kv_memory") is None and out.get("max_kv_tokens") is None and not cuda:
+            out["max_kv_tokens"] = DEFAULT_MAX_KV_TOKENS
+        return out
+
     def __post_init__(self):
         if self.tp_size < 1 or self.dcp_size < 1 or self.tp_size % self.dcp_size:
             raise ValueError(f"--dcp-size {self.dcp_size} must divide --tp-size {self.tp_size} (both >= 1)")
@@ -110,7 +121,9 @@ class DecodeServerConfig(InstanceOptions):
         if self.cuda_graphs == "on" and self.device != "cuda":
             raise ValueError(f"--cuda-graphs on needs --device cuda (device is {self.device})")
         if not self.cuda_graphs:
-            object.__setattr__(self, "cuda_graphs", "auto" if self.device == "cuda" else "off")
+            raise ValueError(
+                "cuda_graphs is empty: give one, or build the config with create() (the device's default)"
+            )
         if self.page_size < 1 or self.page_size % self.dcp_size:  # pages are C_d-wide (invariant 4)
             raise ValueError(
                 f"--page-size {self.page_size} must be a positive multiple of --dcp-size {self.dcp_size}"
@@ -119,7 +132,9 @@ class DecodeServerConfig(InstanceOptions):
             raise ValueError("give either --kv-memory or --max-kv-tokens, not both")
         check_gpu_memory_utilization(self.gpu_memory_utilization)
         if self.kv_memory is None and self.max_kv_tokens is None and self.device != "cuda":
-            object.__setattr__(self, "max_kv_tokens", DEFAULT_MAX_KV_TOKENS)
+            raise ValueError(
+                "on cpu the KV pool needs --max-kv-tokens or --kv-memory (create() fills the default)"
+            )
         if (self.kv_memory or 1) < 1 or (self.max_kv_tokens or 1) < 1:
             raise ValueError("--kv-memory and --max-kv-tokens must be positive")
         if self.max_batch < 1:

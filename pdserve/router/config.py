@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,10 +157,7 @@ class RouterConfig:
     )
 
     def __post_init__(self):
-        from .tenants import load_api_keys
-
-        # key -> principal name; not a field, so asdict (--check-config's output) never holds a key
-        object.__setattr__(self, "_api_keys", load_api_keys(self.api_key, self.api_key_file))
+        self.api_keys  # noqa: B018 -- read (and checked) now: a bad key file fails the start, not a request
         if self.namespace_header is not None and not HEADER_NAME.match(self.namespace_header):
             raise ValueError(f"--namespace-header must be an HTTP header name, got {self.namespace_header!r}")
         if self.admin_token is not None:
@@ -221,10 +219,13 @@ class RouterConfig:
         if not (Path(self.model) / "tokenizer.json").is_file():
             raise ValueError(f"{self.model} has no tokenizer.json (the router needs the model's tokenizer)")
 
-    @property
+    @functools.cached_property
     def api_keys(self) -> dict[str, str] | None:
-        """{key: principal name} of --api-key and --api-key-file (router/tenants.py); None: open."""
-        return self._api_keys
+        """{key: principal name} of --api-key and --api-key-file (router/tenants.py); None: open. Not a
+        field, so asdict (--check-config's output) never holds a key."""
+        from .tenants import load_api_keys
+
+        return load_api_keys(self.api_key, self.api_key_file)
 
     @property
     def model_name(self) -> str:

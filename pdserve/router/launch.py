@@ -32,7 +32,7 @@ from ..decode_server.config import DecodeServerConfig as D
 from ..flags import as_args, option, passed_on, passed_values
 from ..prefill_server.config import PrefillServerConfig as P
 from ..runtime.parent_death import die_with_parent
-from ..runtime.placement import check_device, parse_gpu_ids
+from ..runtime.placement import check_device, check_gpu_ids
 from ..serving.auth import INTERNAL_TOKEN_ENV, new_token
 from ..serving.ports import free_port
 from .config import ADMIN_TOKEN_ENV, RouterConfig
@@ -135,8 +135,7 @@ class StackConfig:
         for name in ("prefill_instances", "decode_instances"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        gpu_ids = parse_gpu_ids(self.gpu_ids) if isinstance(self.gpu_ids, str) else tuple(self.gpu_ids or ())
-        object.__setattr__(self, "gpu_ids", gpu_ids)
+        check_gpu_ids(self.gpu_ids)
         check_device(self.device)
         if self.gpu_ids and (self.device != "cuda" or len(self.gpu_ids) != self.total_ranks):
             raise ValueError(
@@ -146,7 +145,7 @@ class StackConfig:
         # what `up` passes on is checked by the configs that receive it: one rule per knob
         for role, cls in (("prefill", P), ("decode", D)):
             try:
-                cls(**self.instance_fields(role, 0))
+                cls.create(**self.instance_fields(role, 0))
             except ValueError as e:
                 raise ValueError(f"a {role} instance would refuse these options: {e}") from None
         try:

@@ -33,6 +33,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from .faults import ArmFaultCmd, arm_command
+from .placement import check_gpu_ids
 from .rank_process import STOP, prestart, rank_main, start_context
 
 __all__ = ["CommandFailed", "LaunchConfig", "RankError", "RankGroup", "RankWorker", "prestart"]
@@ -79,7 +80,7 @@ class LaunchConfig:
             raise ValueError(f"dist_port must be a TCP port, got {self.dist_port}")
         if self.threads_per_rank < 1:
             raise ValueError(f"threads_per_rank must be >= 1, got {self.threads_per_rank}")
-        object.__setattr__(self, "gpu_ids", tuple(self.gpu_ids))
+        check_gpu_ids(self.gpu_ids)
         self.devices()  # a configuration that cannot run fails here, before any rank starts
 
     @classmethod

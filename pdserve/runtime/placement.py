@@ -36,6 +36,15 @@ def parse_gpu_ids(text: str | None) -> tuple[int, ...]:
     return ids
 
 
+def check_gpu_ids(gpu_ids) -> tuple[int, ...]:
+    """gpu_ids as a config holds them: a tuple of GPU ordinals (parse_gpu_ids reads --gpu-ids)."""
+    if not (isinstance(gpu_ids, tuple) and all(isinstance(i, int) and i >= 0 for i in gpu_ids)):
+        raise ValueError(
+            f"gpu_ids must be a tuple of GPU ordinals (parse_gpu_ids reads --gpu-ids), got {gpu_ids!r}"
+        )
+    return gpu_ids
+
+
 def default_dtype(device: str) -> str:
     """bfloat16 on cuda, float32 on cpu (an explicit --dtype always wins)."""
     return "bfloat16" if device == "cuda" else "float32"
@@ -43,16 +52,16 @@ def default_dtype(device: str) -> str:
 
 def check_device_fields(cfg, world_size: int) -> None:
     """__post_init__ of a server config with `device`, `gpu_ids`, `attention_ops` and `dtype`:
-    normalises gpu_ids to a tuple, fills dtype "" with the device's default, validates the names.
-    Whether the GPUs exist is checked when the instance is built (LaunchConfig), so a config can
-    be written (and --check-config printed) on a machine without them."""
+    validates them (gpu_ids a tuple of ordinals: the CLI parses --gpu-ids; dtype given: the config's
+    `create` fills the device's default). Whether the GPUs exist is checked when the instance is
+    built (LaunchConfig), so a config can be written (and --check-config printed) on a machine
+    without them."""
     check_device(cfg.device)
-    gpu_ids = parse_gpu_ids(cfg.gpu_ids) if isinstance(cfg.gpu_ids, str) else tuple(cfg.gpu_ids)
-    object.__setattr__(cfg, "gpu_ids", gpu_ids)
+    gpu_ids = check_gpu_ids(cfg.gpu_ids)
     if gpu_ids and cfg.device != "cuda":
         raise ValueError("--gpu-ids needs --device cuda")
     if gpu_ids and len(gpu_ids) != world_size:
         raise ValueError(f"--gpu-ids lists {len(gpu_ids)} GPU(s) for {world_size} rank(s): give one per rank")
     if not cfg.dtype:
-        object.__setattr__(cfg, "dtype", default_dtype(cfg.device))
+        raise ValueError("dtype is empty: give one, or build the config with create() (the device's default)")
     check_attention_ops(cfg.attention_ops)

@@ -113,13 +113,13 @@ def test_moe_ep_reaches_the_rank_workers(tiny_checkpoints):
     from pdserve.prefill_server.serve import build_instance as build_prefill
 
     path = str(tiny_checkpoints[("glm_moe_dsa", "make-model")])  # 8 routed experts, 4 heads
-    decode = DecodeServerConfig(model=path, tp_size=2, moe_ep=True, max_kv_tokens=256)
+    decode = DecodeServerConfig.create(model=path, tp_size=2, moe_ep=True, max_kv_tokens=256)
     decode.validate_model()
     assert build_decode(decode).worker.moe_ep
-    prefill = PrefillServerConfig(model=path, cp_size=2, moe_ep=True)
+    prefill = PrefillServerConfig.create(model=path, cp_size=2, moe_ep=True)
     prefill.validate_model()
     assert build_prefill(prefill).worker.moe_ep
     with pytest.raises(ValueError, match="8 routed experts cannot be split evenly over 3 ranks"):
-        PrefillServerConfig(model=path, cp_size=3, moe_ep=True).validate_model()
+        PrefillServerConfig.create(model=path, cp_size=3, moe_ep=True).validate_model()
     with pytest.raises(ValueError, match="cannot be split evenly over 3 ranks"):
-        build_prefill(PrefillServerConfig(model=path, cp_size=3, moe_ep=True))
+        build_prefill(PrefillServerConfig.create(model=path, cp_size=3, moe_ep=True))

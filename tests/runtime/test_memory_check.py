@@ -96,16 +96,18 @@ def test_gpu_memory_utilization_is_range_checked(bad):
     with pytest.raises(ValueError, match="--gpu-memory-utilization"):
         kv_tokens_for_memory(GIB, 0, 0, 0, bad, 1, 1)
     with pytest.raises(ValueError, match="--gpu-memory-utilization"):
-        DecodeServerConfig("m", gpu_memory_utilization=bad)
+        DecodeServerConfig.create(model="m", gpu_memory_utilization=bad)
     assert check_gpu_memory_utilization(1) == 1.0 and check_gpu_memory_utilization(0.05) == 0.05
 
 
 def test_the_pool_is_sized_from_memory_on_cuda_only_without_an_explicit_size():
-    cpu = DecodeServerConfig("m", gpu_memory_utilization=0.5)  # accepted and ignored: today's default pool
+    cpu = DecodeServerConfig.create(
+        model="m", gpu_memory_utilization=0.5
+    )  # accepted and ignored: today's default pool
     assert not cpu.sized_by_memory() and cpu.num_slots() == DEFAULT_MAX_KV_TOKENS
-    cuda = DecodeServerConfig("m", device="cuda")
+    cuda = DecodeServerConfig.create(model="m", device="cuda")
     assert cuda.sized_by_memory() and cuda.num_slots() is None
-    explicit = DecodeServerConfig("m", device="cuda", max_kv_tokens=1000, page_size=64)
+    explicit = DecodeServerConfig.create(model="m", device="cuda", max_kv_tokens=1000, page_size=64)
     assert not explicit.sized_by_memory() and explicit.num_slots() == 1024
     with pytest.raises(ValueError, match="only with --device cuda"):
         DecodeWorkerConfig("model", None)

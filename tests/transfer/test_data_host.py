@@ -78,4 +78,4 @@ def test_receiver_listens_and_advertises_the_data_host(model_path):
 @pytest.mark.parametrize("host", ["0.0.0.0", "::"])
 def test_a_wildcard_data_host_is_refused(model_path, host):
     with pytest.raises(ValueError, match="wildcard"):
-        DecodeServerConfig(str(model_path), max_kv_tokens=64, data_host=host)
+        DecodeServerConfig.create(model=str(model_path), max_kv_tokens=64, data_host=host)
