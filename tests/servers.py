@@ -15,7 +15,9 @@ from tests.reference import free_port
 # environment); `http` sends it, so tests reach the instances' authenticated APIs.
 TEST_TOKEN = "pdserve-test-internal-token-7f3a9c1e5b"
 AUTH = {"Authorization": f"Bearer {TEST_TOKEN}"}
-http = httpx.Client(headers=AUTH, timeout=5.0)
+# 30 s: make test runs two xdist workers on 2 cores, and a busy instance may answer slowly; a test
+# that means a shorter wait says so per call
+http = httpx.Client(headers=AUTH, timeout=30.0)
 
 
 def pid_alive(pid: int) -> bool:

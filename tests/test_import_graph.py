@@ -65,6 +65,19 @@ def test_transfer_imports_no_server():
     assert not bad, f"transfer/ imports a server: {sorted(bad)}"
 
 
+def test_transfer_speaks_no_server_vocabulary():
+    """The hand-off machines report outcomes; turning them into a server's events (Token, Finished,
+    Failed) or asking a rank group is the servers' orchestration (decode_server/handoff_rooms.py)."""
+    bad = {
+        (m, i)
+        for m, deps in graph().items()
+        if m.startswith("pdserve.transfer")
+        for i in deps
+        if i in ("pdserve.serving.instance_loop", "pdserve.runtime.launcher")
+    }
+    assert not bad, f"transfer/ uses the servers' events or rank groups: {sorted(bad)}"
+
+
 def test_no_package_level_cycles():
     edges: dict[str, set[str]] = {}
     for m, deps in graph().items():

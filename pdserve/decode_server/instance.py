@@ -318,7 +318,7 @@ class DecodeInstance(RankInstance):
 
     def listener_problem(self) -> str | None:
         """Why a rank's data-path receiver thread cannot receive (dead or wedged), or None. A rank
-        call: only from the thread that owns the ranks (transfer/decode_rooms.py caches it for /health)."""
+        call: only from the thread that owns the ranks (decode_server/handoff_rooms.py caches it for /health)."""
         problems = [
             f"decode rank {rank}: {s.problem}"
             for rank, s in enumerate(self.ranks.call(ListenerStatusCmd()))

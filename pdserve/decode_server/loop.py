@@ -1,7 +1,7 @@
 """The decode loop thread: the only code that touches the decode instance (serving/instance_loop.py).
 
 Each iteration takes the queued submit / abort commands, polls the KV hand-offs in flight
-(transfer/decode_rooms.py), runs one decode step (admission, then one token for every running
+(decode_server/handoff_rooms.py), runs one decode step (admission, then one token for every running
 request: decode_server/step_driver.py) and reserves the rooms it admitted in the same iteration.
 """
 
@@ -24,9 +24,9 @@ from ..serving.instance_loop import (
     Submit,
     Token,
 )
-from ..transfer.decode_rooms import DecodeRooms
 from ..transfer.frames import DEV_FRAME_KEY
 from .destination import DriverDestination
+from .handoff_rooms import DecodeRooms
 from .step_driver import DecodeStepDriver
 
 TRANSFER_POLL_S = 0.002  # with nothing to decode, how often pending hand-offs are polled
@@ -38,7 +38,7 @@ class DecodeSubmit:
     params: SamplingParams
     bootstrap: (
         str | None
-    )  # a prefill's side channel: the cache comes by KV hand-off (transfer/decode_rooms.py)
+    )  # a prefill's side channel: the cache comes by KV hand-off (decode_server/handoff_rooms.py)
 
 
 class DecodeLoop(InstanceLoop):

@@ -17,6 +17,7 @@ import time
 from typing import Callable
 
 from pdserve.decode_server.destination import DriverDestination
+from pdserve.decode_server.handoff_rooms import DecodeRooms
 from pdserve.decode_server.scheduler import DecodeRequest
 from pdserve.decode_server.step_driver import DecodeStepDriver
 from pdserve.prefill_server.instance import PrefillInstance
@@ -24,7 +25,6 @@ from pdserve.request import SamplingParams
 from pdserve.runtime.faults import ArmFaultCmd
 from pdserve.transfer.base import KVPoll
 from pdserve.transfer.decode_room import DecodeRoom
-from pdserve.transfer.decode_rooms import DecodeRooms
 from pdserve.transfer.prefill_room import PrefillRoom, PrefillRooms
 from pdserve.transfer.side_channel import BootstrapService
 

@@ -14,9 +14,9 @@ import time
 import pytest
 
 from pdserve.decode_server.destination import DriverDestination
+from pdserve.decode_server.handoff_rooms import DecodeRooms
 from pdserve.request import SamplingParams
 from pdserve.serving.instance_loop import Failed
-from pdserve.transfer.decode_rooms import DecodeRooms
 
 pytestmark = pytest.mark.slow
 

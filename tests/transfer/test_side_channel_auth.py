@@ -13,9 +13,9 @@ import msgpack
 import pytest
 import zmq
 
+from pdserve.decode_server.handoff_rooms import DecodeRooms
 from pdserve.serving.auth import frame_key, sign
 from pdserve.transfer.decode_client import DecodeClient
-from pdserve.transfer.decode_rooms import DecodeRooms
 from pdserve.transfer.frames import D2P, P2D, SIDE_MAX_BYTES, new_ticket
 from pdserve.transfer.messages import (
     DecodeReservation,

@@ -1,5 +1,7 @@
 """The decode instance's hand-off rooms: a table of `DecodeRoom` machines (transfer/decode_room.py)
 and the side-channel clients they talk through, polled by the thread that owns the decode engine.
+Server orchestration, so it lives here and not in transfer/ (the leaf): it speaks the server's event
+vocabulary (serving/instance_loop.py) and asks the ranks.
 
 A request submitted with a `bootstrap` endpoint (a prefill instance's side channel) gets its cache
 by hand-off instead of a local prefill. `poll()` advances every room once; `reserve_admitted()`
@@ -30,11 +32,11 @@ import zmq
 from ..request import SamplingParams
 from ..runtime.launcher import RankError
 from ..serving.instance_loop import Event, Failed, Finished, Token
-from .base import KVPoll
-from .decode_client import DecodeClient
-from .decode_room import DecodeRoom
-from .frames import DEV_FRAME_KEY
-from .interfaces import KVDestination
+from ..transfer.base import KVPoll
+from ..transfer.decode_client import DecodeClient
+from ..transfer.decode_room import DecodeRoom
+from ..transfer.frames import DEV_FRAME_KEY
+from ..transfer.interfaces import KVDestination
 
 Emit = Callable[[str, Event], None]  # (request_id, event) -> delivered to its listener
 MAX_CLIENTS = 64
