@@ -209,10 +209,12 @@ class DecodeScheduler:
             raise ValueError(
                 f"{len(req.children) + 1} choices need as many first tokens, got {len(more_first) + 1}"
             )
-        for r, token in ((req, first_token), *zip(req.children, more_first)):
-            r.output_ids.append(token)
+        choices = ((req, first_token), *zip(req.children, more_first))
+        for r, token in choices:  # every choice starts before any ends: an ending choice 0 must
+            r.output_ids.append(token)  # not take the others for choices that never started
             r.state = RequestState.running
             self.running.append(r)
+        for r, token in choices:
             reason = r.params.finish_reason(token, len(r.output_ids), self.eos_ids)
             if reason:
                 self._finish(r, reason)

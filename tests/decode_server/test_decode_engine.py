@@ -48,6 +48,26 @@ def test_lifecycle_admission_stop_and_abort_without_torch():
         s.submit(DecodeRequest(prompt_len=20, params=SamplingParams(max_tokens=1)))
 
 
+def test_a_choice_whose_first_token_ends_it_leaves_the_other_choices_running():
+    """n = 2: choice 0's first token is EOS, choice 1's is not. Choice 1 started (it has its first
+    token), so it keeps its pages and decodes on (seen by the HTTP fuzz: the parent's finish freed
+    the child's pages as if it had never started, and the next step found a running choice with
+    no pages)."""
+    alloc = PageAllocator(num_pages=8, page_size=4)
+    s = DecodeScheduler(alloc, eos_ids=(0,))
+    req = DecodeRequest(prompt_len=5, params=SamplingParams(max_tokens=3, n=2))
+    s.submit(req)
+    assert s.admit() == [req]
+    (child,) = req.children
+    s.kv_ready(req.request_id, 0, [7])  # EOS for choice 0, 7 for choice 1
+    assert req.finish_reason == "stop" and child.state == "running" and s.running == [child]
+    assert len(child.pages) * 4 >= child.num_tokens  # its pages, all of them
+    assert s.postprocess([child], [8]) == [] and s.postprocess([child], [9]) == [child]
+    assert child.output_ids == [7, 8, 9] and child.finish_reason == "length"
+    assert s.is_idle() and alloc.num_free == alloc.num_pages
+    alloc.check_integrity()
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoints):
     path = str(tiny_checkpoints[("glm_moe_dsa", "make-model")])
