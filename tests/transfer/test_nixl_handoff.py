@@ -15,6 +15,7 @@ region's quarantine has passed.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -205,7 +206,12 @@ def test_decode_rank_killed_mid_write(pair, model_path):
     finally:
         victim.instance.shutdown()
     assert prefill.ranks.broken is None
-    assert [s.counters["peers"] for s in prefill.transfer_status()] == peers  # the dead peer was dropped
+    # each prefill rank whose WRITE failed dropped the dead peer; a rank whose share landed before the
+    # kill (a shared-memory transport can write into a stopped process) still knows it, unused
+    failed = {int(r) for r in re.findall(r"prefill rank (\d+):", outcome["error"])}
+    after = [s.counters["peers"] for s in prefill.transfer_status()]
+    assert failed and all(after[r] == peers[r] for r in failed), (outcome["error"], peers, after)
+    assert all(after[r] <= peers[r] + 1 for r in range(len(peers))), (peers, after)
     again = hand_off(prefill, decode, prompt(9), SamplingParams(max_tokens=2, ignore_eos=True))
     decode.run_until_idle()
     assert len(again.output_ids) == 2
