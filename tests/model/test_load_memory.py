@@ -1,6 +1,6 @@
 """Loading never holds two copies of the weights: peak anonymous memory during load_model stays
 close to one copy of the parameters (file pages mapped by safetensors are page cache, not counted).
-An FP8 checkpoint is dequantized tensor by tensor as it is read, so it obeys the same bound (<= 1.3x),
+An FP8 checkpoint is dequantized tensor by tensor as it is read, so it obeys a like bound (<= 1.2x and 1.3x),
 and prints its progress per shard."""
 
 from __future__ import annotations
@@ -55,7 +55,9 @@ SCRIPT = peak_script(
 )
 
 
-@pytest.mark.parametrize("quantize,shard,bound", [(None, 64 << 20, 1.15), ("fp8", 16 << 20, 1.3)])
+# 1.2: a fresh-clone run under two xdist workers measured 1.150007 once (176,372 kB of weights):
+# the allocator's and the sampling thread's overhead is not all proportional; two copies would be 2.0
+@pytest.mark.parametrize("quantize,shard,bound", [(None, 64 << 20, 1.2), ("fp8", 16 << 20, 1.3)])
 def test_peak_memory_while_loading_is_one_copy_of_the_weights(tmp_path, quantize, shard, bound):
     script = SCRIPT.format(out=tmp_path / "small", shard=shard, quantize=quantize)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
