@@ -1,6 +1,6 @@
 """Loading never holds two copies of the weights: peak anonymous memory during load_model stays
-close to one copy of the parameters (file pages mapped by safetensors are page cache, not counted).
-An FP8 checkpoint is dequantized tensor by tensor as it is read, so it obeys a like bound (<= 1.2x and 1.3x),
+within 1.2x of one copy of the parameters (file pages mapped by safetensors are page cache, not
+counted). An FP8 checkpoint is dequantized tensor by tensor as it is read, so it stays within 1.3x,
 and prints its progress per shard."""
 
 from __future__ import annotations
