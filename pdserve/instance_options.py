@@ -84,9 +84,10 @@ class InstanceOptions(ABC):
 
     @classmethod
     def resolve(cls, given: dict) -> dict:
-        """given, with dtype "" or missing: the device's default (float32 on cpu, bfloat16 on cuda)."""
-        device = given.get("device", "cpu")
-        return {**given, "dtype": given.get("dtype") or default_dtype(device)}
+        """given, with the device named (its field default when missing) and dtype "" or missing:
+        the device's default (float32 on cpu, bfloat16 on cuda)."""
+        device = given.get("device", cls.__dataclass_fields__["device"].default)
+        return {**given, "device": device, "dtype": given.get("dtype") or default_dtype(device)}
 
     @abstractmethod
     def world_size(self) -> int:

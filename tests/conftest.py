@@ -62,16 +62,12 @@ def pytest_terminal_summary(terminalreporter, config):
 
 
 @pytest.fixture(scope="session")
-def fuzz_seed(pytestconfig) -> int:
+def fuzz_seed() -> int:
     """The seed of this session's fuzzers (tests/router/test_http_fuzz.py, the schemathesis fuzz in
     test_hardening.py): $PDSERVE_FUZZ_SEED, which pytest_configure sets to a new one per run unless
-    given, so run after run they draw other cases. Printed in the session's header and here, and
-    named in every failure: PDSERVE_FUZZ_SEED=S reruns that draw."""
-    seed = int(os.environ[FUZZ_SEED_ENV])
-    capture = pytestconfig.pluginmanager.getplugin("capturemanager")
-    with capture.global_and_fixture_disabled():
-        print(f"\nfuzz seed {seed} (rerun: {FUZZ_SEED_ENV}={seed})")
-    return seed
+    given, so run after run they draw other cases. Printed first and last in the run's output
+    (pytest_sessionstart, pytest_terminal_summary) and named in every failure."""
+    return int(os.environ[FUZZ_SEED_ENV])
 
 
 @pytest.fixture

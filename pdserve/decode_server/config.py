@@ -99,7 +99,7 @@ class DecodeServerConfig(InstanceOptions):
         """InstanceOptions.resolve, and --cuda-graphs (auto on cuda, off on cpu) and on cpu without
         --kv-memory --max-kv-tokens (DEFAULT_MAX_KV_TOKENS)."""
         out = super().resolve(given)
-        cuda = out.get("device", "cpu") == "cuda"
+        cuda = out["device"] == "cuda"
         out["cuda_graphs"] = out.get("cuda_graphs") or ("auto" if cuda else "off")
         if out.get("kv_memory") is None and out.get("max_kv_tokens") is None and not cuda:
             out["max_kv_tokens"] = DEFAULT_MAX_KV_TOKENS

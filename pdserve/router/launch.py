@@ -32,7 +32,7 @@ from ..decode_server.config import DecodeServerConfig as D
 from ..flags import as_args, option, passed_on, passed_values
 from ..prefill_server.config import PrefillServerConfig as P
 from ..runtime.parent_death import die_with_parent
-from ..runtime.placement import check_device, check_gpu_ids
+from ..runtime.placement import check_gpu_ids
 from ..serving.auth import INTERNAL_TOKEN_ENV, new_token
 from ..serving.ports import free_port
 from .config import ADMIN_TOKEN_ENV, RouterConfig
@@ -136,7 +136,6 @@ class StackConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         check_gpu_ids(self.gpu_ids)
-        check_device(self.device)
         if self.gpu_ids and (self.device != "cuda" or len(self.gpu_ids) != self.total_ranks):
             raise ValueError(
                 f"--gpu-ids needs --device cuda and one GPU per rank of the stack ({self.total_ranks}), "
