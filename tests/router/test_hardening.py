@@ -124,8 +124,12 @@ def test_a_large_prompt_is_refused_and_never_blocks_health(stack):
         time.sleep(0.02)
     sender.join()
     assert_error(result["r"], 400, "prompt")
-    assert len(latencies) >= 3, f"the prompt took {result['s']:.2f} s: too short to show anything"
-    assert max(latencies) < 0.5, f"/health took up to {max(latencies):.3f} s while a prompt was tokenized"
+    assert len(latencies) >= 10, f"{len(latencies)} /health answers in the prompt's {result['s']:.2f} s"
+    # a loop blocked by the tokenizer would hold one /health for most of the prompt's time; the bound is
+    # relative so that a loaded machine's scheduling spikes (0.5 s seen under two test workers) pass
+    assert max(latencies) < result["s"] / 4, (
+        f"/health took up to {max(latencies):.3f} s while a prompt was tokenized for {result['s']:.2f} s"
+    )
 
 
 def _deep(n: int) -> str:
