@@ -64,7 +64,8 @@ class LayerStream:
         """The running chunk stored this layer's entries: their rows leave now."""
         for by_layer in self.current:
             self._post(by_layer.pop(layer, []))
-        check_layer_fault(self.room, layer, self.rank)  # test-only, off by default (runtime/faults.py)
+        # test-only, off by default (runtime/faults.py): what was posted leaves before the kill
+        check_layer_fault(self.room, layer, self.rank, self.sender.settle_posted)
 
     def chunk_done(self) -> None:
         for by_layer in self.current:

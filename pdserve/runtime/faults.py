@@ -10,7 +10,10 @@ decode step, so that a test can act while a stream is running (kill a rank after
 Read once, when the module is imported.
 
 `PDSERVE_TEST_KILL_AT_LAYER` = "room:layer:rank": that prefill rank kills itself (SIGKILL) right
-after it posted that layer's rows of a streamed hand-off of that room (prefill_server/handoff_stream.py).
+after it posted that layer's rows of a streamed hand-off of that room (prefill_server/handoff_stream.py)
+and they left: for KILL_FLUSH_S it settles its in-flight WRITEs and progresses its agent (TCP: its
+queued frames go out meanwhile), so that a test sees rows arrive from a rank that then died, whatever
+the machine's load.
 
 `PDSERVE_TEST_FAULTS` = 1: a rank process accepts `ArmFaultCmd` (any rank worker, runtime/launcher.py),
 which arms a one-shot fault by (kind, key) in that process; the code path that owns the fault takes
@@ -24,7 +27,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from .. import env
@@ -55,9 +58,16 @@ def step_delay() -> None:
         time.sleep(_STEP_DELAY_S)
 
 
-def check_layer_fault(room: str, layer: int, rank: int) -> None:
+KILL_FLUSH_S = 0.2
+
+
+def check_layer_fault(room: str, layer: int, rank: int, settle: Callable[[], object]) -> None:
     wanted = env.TEST_KILL_AT_LAYER.text()
     if wanted and wanted == f"{room}:{layer}:{rank}":
+        end = time.monotonic() + KILL_FLUSH_S
+        while time.monotonic() < end:
+            settle()
+            time.sleep(0.001)
         os.kill(os.getpid(), signal.SIGKILL)
 
 

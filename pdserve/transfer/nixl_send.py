@@ -196,6 +196,12 @@ class NixlSender:
                 self._error = self.failure or f"decode rank {dst}: {err}"
         self._settle(block=False)  # releases the WRITEs already done
 
+    def settle_posted(self) -> None:
+        """Waits until every WRITE posted so far is DONE, failed or cancelled (the send stays open),
+        then progresses the agent once more (what a DONE WRITE's notification may still need)."""
+        self._settle()
+        self.agent.get_new_notifs()
+
     def close_send(self) -> SendReply:
         """Ends the open send once every WRITE it posted is DONE or cancelled: its reply."""
         try:

@@ -264,6 +264,9 @@ class TcpSender:
             if self._error is None:
                 self._error = self._send_one(t)
 
+    def settle_posted(self) -> None:
+        """Nothing to wait for: every posted frame is queued on its socket (ZMQ sends it)."""
+
     def close_send(self) -> SendReply:
         """Ends the open send: its reply. The frames are queued on their sockets (ZMQ sends them)."""
         self.clock.__exit__()

@@ -40,7 +40,9 @@ def test_a_rank_killed_after_half_the_layers_leaks_nothing(
 ):
     decode = instances.get_decode(2, 2, "copy", transfer)
     room, layers = f"half-{transfer}", ModelConfig.from_pretrained(model_path).num_layers
-    monkeypatch.setenv(KILL_AT_LAYER_ENV, f"{room}:{layers // 2 - 1}:1")  # read by the ranks it starts
+    # rank 0: the plan of this prompt has it send in layers 0..L/2-1 (rank 1's first rows come later,
+    # and a rank blocked in a collective makes no progress on WRITEs it posted)
+    monkeypatch.setenv(KILL_AT_LAYER_ENV, f"{room}:{layers // 2 - 1}:0")  # read by the ranks it starts
     w = PrefillWorkerConfig(
         model_path,
         num_slots=512,
@@ -60,7 +62,10 @@ def test_a_rank_killed_after_half_the_layers_leaks_nothing(
     finally:
         driver.close()
         prefill.shutdown()
-    assert stored_frames(decode) > before, "no row arrived before the prefill died: nothing streamed"
+    counters = [s.counters for s in decode.instance.transfer_status("none")]
+    assert stored_frames(decode) > before, (
+        f"no row arrived before the prefill died: nothing streamed {counters}"
+    )
     assert not prefill.held and prefill.allocator.num_free == prefill.allocator.num_pages
     assert_decode_idle(decode)
     ids, params = prompt(23), SamplingParams(max_tokens=8, ignore_eos=True)
