@@ -50,7 +50,11 @@ API_KEY = EnvKnob("PDSERVE_API_KEY", "The router's client API key (else --api-ke
 CACHE = EnvKnob(
     "PDSERVE_CACHE", "Where built-in models and native kernels are cached (default ~/.cache/pdserve)."
 )
-NATIVE = EnvKnob("PDSERVE_NATIVE", "0: torch's kernels instead of the native few-row CPU kernels.", "1")
+NATIVE = EnvKnob(
+    "PDSERVE_NATIVE",
+    "0: torch's kernels instead of the native CPU kernels (few-row ops, room MAC row hashes).",
+    "1",
+)
 ONEDNN = EnvKnob("PDSERVE_ONEDNN", "1: oneDNN for every CPU product (opt in: its heap grows).", "0")
 ONEDNN_GEMV = EnvKnob("PDSERVE_ONEDNN_GEMV", "0: no oneDNN for one-row CPU products.", "1")
 GROUP_RESTARTS = EnvKnob(

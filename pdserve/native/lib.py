@@ -1,4 +1,4 @@
-"""The shared library of native/ops.py's kernels (native/rows.c, moe.c, attend.c): built with the
+"""The shared library of native/ops.py's kernels (native/rows.c, moe.c, attend.c, rowhash.c): built with the
 machine's C compiler at first use, loaded and called through ctypes.
 
 The shared library lives in ~/.cache/pdserve/native (or $PDSERVE_CACHE/native), keyed by the
@@ -24,7 +24,7 @@ import torch
 
 from .. import env
 
-SOURCES = [Path(__file__).parent / name for name in ("rows.c", "moe.c", "attend.c")]
+SOURCES = [Path(__file__).parent / name for name in ("rows.c", "moe.c", "attend.c", "rowhash.c")]
 HEADERS = [Path(__file__).parent / "rows.h"]  # part of the key, like the sources
 COMPILE_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC"]
 MAX_ROWS = 8  # rows.h MAX_ROWS
@@ -50,6 +50,9 @@ _SIGNATURES = {
     "pd_index_scores": "PIIPIPIIPIIIIfi",
     # (scores, row stride, valid, its strides, B, S, k, out, threads)
     "pd_topk_earliest": "PIPIIIIIPi",
+    # rowhash.c: (int16 rows, their row stride in words, n, words, int32 coefficients [3, words], int64
+    # out [n, 3], threads)
+    "pd_row_hash": "PIIIPPi",
 }
 _CPU = torch.device("cpu")
 _state: dict = {}  # "lib": the bound library or None, "status": why

@@ -29,6 +29,12 @@ an odd layout) keeps torch's kernels, and so does a machine where the kernel can
 compiler, a CPU without AVX2 and FMA, a torch without libgomp): `status()` says which, and the
 servers print it at startup. PDSERVE_NATIVE=0 turns it off.
 
+One kernel is not a decode step's: the keyed row hashes of the hand-off's room MAC
+(transfer/row_mac.py, native/rowhash.c, `row_hash`), exact integer arithmetic over the rows' 16-bit
+words. The room MAC of one decode rank's rows of a 16k-token hand-off (42 MB, not in cache, one
+core; bench/transfer.py's `checksum` line, bench/transfer_costs.py): 9.0-12.5 ms (3.5-4.9 GB/s)
+against 24.4-24.9 ms (1.8 GB/s) with PDSERVE_NATIVE=0, alternating runs on the 2-core VM.
+
 The library itself (where it is built, how it is loaded and called): native/lib.py.
 """
 
@@ -36,7 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from .lib import MAX_ROWS, _call, _floats, _lib, _out, _state, status  # noqa: F401 (the API)
+from .lib import _CPU, MAX_ROWS, _call, _floats, _lib, _out, _state, status  # noqa: F401 (the API)
 
 MAX_HEADS = 1024  # attend.c MAX_HEADS
 MAX_BATCH = 64  # queries with keys of their own (a decode batch) that attend / index_scores take
@@ -345,3 +351,28 @@ def route_rows(
     _call("pd_route_rows", x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), bias.data_ptr(), E, H, n_group,
           topk_group, k, int(norm), scaling, M, ids.data_ptr(), weights.data_ptr())  # fmt: skip
     return weights, ids
+
+
+def row_hash(w: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """The keyed row hashes of transfer/row_mac.py by native/rowhash.c: w [n, words] int16 rows on
+    the CPU (each row contiguous) under coefficients k [3, words] int32 -> [n, 3] int64 in [0, P).
+    None where the kernel is not built or the layout is not this one: the caller keeps torch's form."""
+    n, words = w.shape if w.dim() == 2 else (0, -1)
+    if (
+        words < 0
+        or w.dtype != torch.int16
+        or not w.is_cpu
+        or (words > 1 and w.stride(1) != 1)
+        or k.dtype != torch.int32
+        or not k.is_cpu
+        or tuple(k.shape) != (3, words)
+        or not k.is_contiguous()
+        or _lib() is None
+    ):
+        return None
+    ld = w.stride(0) if n > 1 else words
+    if ld < words:
+        return None
+    out = torch.empty(n, 3, dtype=torch.int64, device=_CPU)
+    _call("pd_row_hash", w.data_ptr(), ld, n, words, k.data_ptr(), out.data_ptr())
+    return out

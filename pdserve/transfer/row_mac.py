@@ -8,10 +8,13 @@ make a changed row keep its hashes, whatever he knows of the rows (the +d / -d e
 wrapping int64 sum change them). The hashes never travel: RoomChecksum folds them, in the rows'
 order, into a keyed BLAKE2b.
 
-Computed as one float64 matrix product per block of rows, exact: |w| < 2^15 and k < 2^21, so every
-product and every partial sum of at most COLS of them stays an integer below 2^53 (a row of more
-words is summed COLS words at a time, each part reduced mod P). Torch on the rows' own device (a GPU
-hashes VRAM rows there, no host copy), independent of how rows are cut into frames or chunks: a
+On a CPU where native/rowhash.c is built (native/ops.py `row_hash`): exact int64 sums, read where
+the rows lie (a pool's strided rows too), 2-3x torch's form below on one core. Elsewhere (a GPU,
+PDSERVE_NATIVE=0, no compiler): one float64 matrix product per block of rows, exact too: |w| < 2^15
+and k < 2^21, so every product and every partial sum of at most COLS of them stays an integer below
+2^53 (a row of more words is summed COLS words at a time, each part reduced mod P), on the rows' own
+device (a GPU hashes VRAM rows there, no host copy). Both equal the Python-int polynomial
+(tests/transfer/test_row_hash.py) and neither depends on how rows are cut into frames or chunks: a
 sender and a receiver that split a stream differently hash it alike.
 """
 
@@ -21,6 +24,8 @@ import functools
 import hashlib
 
 import torch
+
+from ..native import ops as native
 
 P = (1 << 21) - 9
 LANES = 3  # independent hashes per row
@@ -38,16 +43,34 @@ def _coefficients(key: bytes, words: int, device: str) -> torch.Tensor:
     return torch.remainder(k, P).view(LANES, words).to(torch.float64).to(device)
 
 
-def row_macs(key: bytes, rows: torch.Tensor) -> torch.Tensor:
-    """[n, LANES] int64 keyed hashes of the n rows of `rows` ([n, ...], any dtype), on the rows' device."""
-    b = rows.reshape(len(rows), -1).contiguous().view(torch.uint8)
+@functools.lru_cache(maxsize=64)
+def _int_coefficients(key: bytes, words: int) -> torch.Tensor:
+    """The same coefficients as [LANES, words] int32 on the CPU: native/rowhash.c's form."""
+    return _coefficients(key, words, "cpu").to(torch.int32).contiguous()
+
+
+def _words(rows: torch.Tensor) -> torch.Tensor:
+    """rows [n, ...] as [n, words] signed 16-bit words (a zero byte after an odd row), each row
+    contiguous; without a copy where the rows already lie so (a pool's rows, a chunk's runs)."""
+    r = rows.reshape(len(rows), -1)
+    if r.shape[1] and r.stride(1) != 1:
+        r = r.contiguous()
+    b = r.view(torch.uint8)
     if b.shape[1] % 2:
         b = torch.nn.functional.pad(b, (0, 1))
-    if b.numel() == 0:
-        return torch.zeros(len(b), LANES, dtype=torch.int64, device=b.device)
-    if b.data_ptr() % 2:
-        b = b.clone()
-    w = b.view(torch.int16)
+    if b.numel() and (b.data_ptr() % 2 or b.stride(0) % 2):  # int16 words need even addresses
+        b = torch.empty(b.shape, dtype=torch.uint8, device=b.device).copy_(b)
+    return b.view(torch.int16)
+
+
+def row_macs(key: bytes, rows: torch.Tensor) -> torch.Tensor:
+    """[n, LANES] int64 keyed hashes of the n rows of `rows` ([n, ...], any dtype), on the rows'
+    device: by native/rowhash.c on a CPU where it is built, else torch's float64 form below."""
+    w = _words(rows)
+    if w.numel() == 0:
+        return torch.zeros(len(w), LANES, dtype=torch.int64, device=w.device)
+    if w.is_cpu and (fast := native.row_hash(w, _int_coefficients(key, w.shape[1]))) is not None:
+        return fast
     k = _coefficients(key, w.shape[1], str(w.device))
     step = max(1, BLOCK_WORDS // w.shape[1])
     cols = min(COLS, w.shape[1])
