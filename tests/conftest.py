@@ -84,7 +84,11 @@ def bench_module():
 def pytest_addoption(parser):
     """The randomized equality sweep (tests/sweep/test_sweep.py)."""
     group = parser.getgroup("sweep", "randomized equality sweep")
-    group.addoption("--deep", action="store_true", help="the long local sweep (1008 drawn cases)")
+    group.addoption(
+        "--deep",
+        action="store_true",
+        help="the long local runs: the sweep's 1008 drawn cases, the whole CP and DCP equality grids",
+    )
     group.addoption(
         "--seed",
         type=int,

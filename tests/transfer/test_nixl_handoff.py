@@ -3,7 +3,7 @@
 Between real rank processes, the same hand-off as over TCP (the cases run for both data paths on
 the same shapes): C_p=2 full cache into (W, C_d)=(2, 2) with a copied index, C_p=3 layer-split into
 (4, 2) with a split index; every decode rank's rows equal the prefill's exactly and the single-rank
-engine's float64 rows, and 32 greedy tokens match. NIXL faults: a corrupted payload (checksum), a
+engine's float64 rows, and 12 greedy tokens match. NIXL faults: a corrupted payload (checksum), a
 decode rank killed while a WRITE to it is in flight, a stale WRITE for an aborted room whose id and
 pages were reused by a live request (ignored: the live request decodes exactly), and a loop of
 failures after which both sides' staging, handles and registrations are back at idle. In one

@@ -3,7 +3,7 @@
 After a hand-off from a prefill instance (C_p in {1, 2, 3}, full and layer-split) into a decode
 instance ((W, C_d) in {(1,1), (2,2), (4,2)}, copy and split index): every decode rank's rows are
 bit-identical to the prefill instance's rows of its tokens (the transfer itself is exact) and equal
-the single-rank engine's within 1e-8 (prefill CP reorders float64 sums), and 32 greedy tokens
+the single-rank engine's within 1e-8 (prefill CP reorders float64 sums), and 12 greedy tokens
 decoded after the hand-off equal the single-rank engine's `generate`. Faults: a corrupted payload,
 data that never comes, late data for an aborted (or reused) room, a fingerprint mismatch; afterwards
 both sides are back at idle (pages, held requests, receiver rooms). Every hand-off here runs the
