@@ -31,11 +31,8 @@ from tests.router.helpers import wait_until
 from tests.router.test_up_restart import launch_up, stop_up
 from tests.servers import TEST_TOKEN, http
 
-REQUESTS, CONCURRENCY, KILL_AFTER = (
-    100,
-    32,
-    40,
-)  # 220 took 72 s of make test, 140 47-53 s (its limit: 12 minutes)
+# 220 requests took 72 s of make test, 140 took 47-53 s (its limit: 12 minutes)
+REQUESTS, CONCURRENCY, KILL_AFTER = 100, 32, 40
 CLIENT_TIMEOUT_S = 120  # longer than any request may take: hitting it is a hang
 
 
