@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from .lib import _CPU, MAX_ROWS, _call, _floats, _lib, _out, _state, status  # noqa: F401 (the API)
+from .lib import MAX_ROWS, _call, _floats, _lib, _out, _state, status  # noqa: F401 (the API)
 
 MAX_HEADS = 1024  # attend.c MAX_HEADS
 MAX_BATCH = 64  # queries with keys of their own (a decode batch) that attend / index_scores take
@@ -357,22 +357,14 @@ def row_hash(w: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     """The keyed row hashes of transfer/row_mac.py by native/rowhash.c: w [n, words] int16 rows on
     the CPU (each row contiguous) under coefficients k [3, words] int32 -> [n, 3] int64 in [0, P).
     None where the kernel is not built or the layout is not this one: the caller keeps torch's form."""
-    n, words = w.shape if w.dim() == 2 else (0, -1)
-    if (
-        words < 0
-        or w.dtype != torch.int16
-        or not w.is_cpu
-        or (words > 1 and w.stride(1) != 1)
-        or k.dtype != torch.int32
-        or not k.is_cpu
-        or tuple(k.shape) != (3, words)
-        or not k.is_contiguous()
-        or _lib() is None
-    ):
+    if w.dim() != 2 or w.dtype != torch.int16 or not w.is_cpu or k.dtype != torch.int32 or not k.is_cpu:
         return None
+    n, words = w.shape
     ld = w.stride(0) if n > 1 else words
-    if ld < words:
+    if (words > 1 and w.stride(1) != 1) or ld < words or k.shape != (3, words) or not k.is_contiguous():
         return None
-    out = torch.empty(n, 3, dtype=torch.int64, device=_CPU)
+    if _lib() is None:
+        return None
+    out = torch.empty(n, 3, dtype=torch.int64)
     _call("pd_row_hash", w.data_ptr(), ld, n, words, k.data_ptr(), out.data_ptr())
     return out

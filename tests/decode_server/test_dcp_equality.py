@@ -2,8 +2,9 @@
 decodes exactly like the single-rank engine (float64 logits within 1e-8, identical greedy tokens).
 
 For (W, C_d) in {(1,1), (2,1), (2,2), (4,2), (4,4)} x index {copy, split} x merge {a2a, ag_rs} x
-replicated query projection {on, off} (in CI one of the two per layout: CI_CASES; `--deep` both): a batch of requests of different lengths (one shorter than
-C_d, one long enough that some rank selects no token in some layer) decodes 16 greedy tokens.
+replicated query projection {on, off} (in CI one of the two per layout: CI_CASES; `--deep` both):
+a batch of requests of different lengths (one shorter than C_d, one long enough that some rank
+selects no token in some layer) decodes 16 greedy tokens.
 The prompt caches come from the single-rank engine and are loaded directly. The short prompts run
 batched with the 70-token one here, so no rank is ever empty: a short request alone in the batch is
 test_failure_isolation.py's regression test and a drawn case of tests/sweep/test_sweep.py.

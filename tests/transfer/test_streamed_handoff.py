@@ -63,8 +63,8 @@ def test_a_rank_killed_after_half_the_layers_leaks_nothing(
         driver.close()
         prefill.shutdown()
     counters = [s.counters for s in decode.instance.transfer_status("none")]
-    assert stored_frames(decode) > before, (
-        f"no row arrived before the prefill died: nothing streamed {counters}"
+    assert sum(c["stored_frames"] for c in counters) > before, (
+        f"no row arrived before the prefill died: {counters}"
     )
     assert not prefill.held and prefill.allocator.num_free == prefill.allocator.num_pages
     assert_decode_idle(decode)
