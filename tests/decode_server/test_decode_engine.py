@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import threading
 
 import pytest
 
@@ -207,10 +208,21 @@ def test_fp8_cache_decodes_with_one_byte_entries(tiny_checkpoints):
 
 
 @pytest.mark.slow
-def test_a_compiling_grammar_holds_only_its_own_request(engine):
+def test_a_compiling_grammar_holds_only_its_own_request(engine, monkeypatch, request):
     """Issue 40 item 1: a request whose grammar compiles (in the background, engine/constraint.py)
-    sits the steps out while the others decode; once compiled it decodes within its grammar."""
+    sits the steps out while the others decode; once compiled it decodes within its grammar.
+    The compile is held until the other request has finished: how long a compile takes against
+    four decode steps depends on the machine (an idle fast core compiled this schema first)."""
     grammar = grammar_for("json_schema", big_schema(3000))
+    grammars, release = engine.sampler.grammars, threading.Event()
+    compile_now = grammars._compile
+
+    def held_compile(g):
+        assert release.wait(60), "the test never released the compile"
+        return compile_now(g)
+
+    monkeypatch.setattr(grammars, "_compile", held_compile)
+    request.addfinalizer(release.set)  # a failure below never leaves the compile thread waiting
     model_dir = engine.instance.worker.model_dir
     tok = Tokenizer.from_pretrained(model_dir)
     (brace,) = tok.encode('{"')  # the token the grammar allows first (an object with required keys)
@@ -224,7 +236,8 @@ def test_a_compiling_grammar_holds_only_its_own_request(engine):
         if other.state == "finished":
             break
     assert other.state == "finished" and len(other.output_ids) == 4
-    assert slow.output_ids == [brace], "the grammar compiled before the other request finished"
+    assert slow.output_ids == [brace], "the request with a compiling grammar was stepped"
+    release.set()
     engine.run_until_idle()
     assert slow.state == "finished" and len(slow.output_ids) > 1, slow.error
     matcher = Grammars(model_dir, tok.vocab_size, tok.eos_token_ids).matcher(grammar)
