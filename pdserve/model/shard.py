@@ -104,17 +104,25 @@ def _compose(prev: Cut | None, dim: int, span: slice, full: int) -> Cut:
     return Cut(dim, prev.start + span.start, prev.start + span.stop, prev.full)
 
 
+def _halves(t: torch.Tensor, half: int, span: slice) -> torch.Tensor:
+    """Rows `span` of each of the two stacked halves (dim 1) of t, stacked again. A model built on
+    the meta device only needs the shape: torch.cat of meta tensors runs a Python meta kernel whose
+    first call imports torch._dynamo (about 1 s of every TP decode rank's start)."""
+    a, b = t[:, :half][:, span], t[:, half:][:, span]
+    if t.is_meta:
+        return t.new_empty(a.shape[0], a.shape[1] + b.shape[1], *a.shape[2:])
+    return torch.cat([a, b], dim=1)
+
+
 def cut_experts(ex: Experts, span: slice) -> None:
     """Every routed expert keeps intermediate rows `span` of gate and up and columns `span` of down."""
     inter = ex.down_proj.shape[2]
-    gate_up = ex.gate_up_proj
-    _keep(gate_up, torch.cat([gate_up[:, :inter][:, span], gate_up[:, inter:][:, span]], dim=1))
+    _keep(ex.gate_up_proj, _halves(ex.gate_up_proj, inter, span))
     _keep(ex.down_proj, ex.down_proj[:, :, span])
     if ex.gate_up_scale_inv is not None:
         b0, b1 = ex.block
         rows, half = slice(span.start // b0, -(-span.stop // b0)), -(-inter // b0)
-        s = ex.gate_up_scale_inv
-        ex.gate_up_scale_inv = torch.cat([s[:, :half][:, rows], s[:, half:][:, rows]], dim=1)
+        ex.gate_up_scale_inv = _halves(ex.gate_up_scale_inv, half, rows)
         ex.down_scale_inv = ex.down_scale_inv[:, :, span.start // b1 : -(-span.stop // b1)].contiguous()
     ex.cut = _compose(ex.cut, -1, span, inter)
 

@@ -242,6 +242,11 @@ def test_fp8_kept_on_cpu_equals_the_dequantized_model_in_float64(checkpoints, ar
 
 
 PEAK = peak_script(
+    # what a rank's forkserver imported before the rank started (torch's symbolic shapes, sympy
+    # under it, load on first use otherwise: tens of MB that are no weights)
+    "import importlib\n"
+    "from pdserve.runtime.rank_process import _PRELOAD\n"
+    "for module in _PRELOAD: importlib.import_module(module)\n"
     "from pdserve.decode_server.tp import shard_decode_model\n"
     "from pdserve.model.shard import weight_bytes_by_dtype\n"
     "from pdserve.model.weights import rank_model\n"
