@@ -64,7 +64,7 @@ class RotaryEmbedding(torch.nn.Module):
 
     def __init__(self, rope: RopeConfig, max_positions: int = 0):
         super().__init__()
-        # a plain attribute, not a buffer: it must survive model.to_empty() during loading
+        # a plain attribute, not a buffer: it must survive materializing a meta model (model/shard.py)
         self.inv_freq, self.attention_scaling = inv_freq_and_scale(rope)
         self.max_positions = max_positions
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -30,9 +30,10 @@ STOP = "__stop__"
 _LISTENERS: list = []  # rank 0's rendezvous socket (see _store)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
-# what the forkserver imports once for every cpu rank; symbolic_shapes (and sympy under it) is what
-# Module.to_empty imports on first use: about 1 s of each rank's start when left to the rank
-_PRELOAD = ["torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes"]
+# what the forkserver imports once for every cpu rank. Nothing a rank runs at its start may import
+# torch's Python meta references: model/shard.py builds and materializes meta models with C++ ops
+# only (torch.fx's symbolic shapes and sympy, or torch._dynamo, cost 0.3-1 s of CPU each first time)
+_PRELOAD = ["torch", "torch.distributed"]
 
 
 def start_context(device: str):
