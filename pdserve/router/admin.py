@@ -80,14 +80,16 @@ def admin_router(token: str | None) -> APIRouter:
         except ValueError as e:
             raise ApiError(403, str(e), "url", "host_not_allowed") from None
         try:
-            inst = p.add(body.role, body.url)
+            inst = p.candidate(body.role, body.url)
         except ValueError as e:
             raise ApiError(400, str(e), "url") from None
-        await p.poll(request.app.state.router.client, inst)
+        await p.poll(request.app.state.router.client, inst)  # before the pool's health loop sees it
         if inst.proven is False:  # it answered, without proving it holds the internal token
-            p.remove(inst.url)
             raise ApiError(403, f"not added: {inst.error}", "url", "instance_not_proven")
-        return inst.summary()
+        try:
+            return p.admit(inst).summary()
+        except ValueError as e:
+            raise ApiError(400, str(e), "url") from None
 
     @router.post("/remove")
     def remove(body: UrlBody, request: Request):

@@ -131,6 +131,11 @@ class Pool:
 
     # topology -----------------------------------------------------------------------------
     def add(self, role: str, url: str) -> Instance:
+        return self.admit(self.candidate(role, url))
+
+    def candidate(self, role: str, url: str) -> Instance:
+        """An instance that may be added (ValueError if not), not yet in the pool: /admin/add polls
+        it first, so one that cannot prove the internal token is never seen by the health loop."""
         if role not in ROLES:
             raise ValueError(f"role must be prefill or decode, got {role!r}")
         url = url.rstrip("/")
@@ -138,8 +143,13 @@ class Pool:
             raise ValueError(f"instance URL must start with http:// or https://, got {url!r}")
         if url in self.instances:
             raise ValueError(f"{url} is already registered (as {self.instances[url].role})")
-        self.instances[url] = inst = Instance(role, url)
-        self.allowed.learn(url)  # the operator's or the discovery's (/admin/add checks first)
+        return Instance(role, url)
+
+    def admit(self, inst: Instance) -> Instance:
+        if inst.url in self.instances:  # added while a candidate was being polled
+            raise ValueError(f"{inst.url} is already registered (as {self.instances[inst.url].role})")
+        self.instances[inst.url] = inst
+        self.allowed.learn(inst.url)  # the operator's or the discovery's (/admin/add checks first)
         return inst
 
     def get(self, url: str) -> Instance:
