@@ -1,8 +1,10 @@
-"""How long one server takes from its command to a healthy /health: `pdserve prefill` (C_p = 2) and
-`pdserve decode` (W = 1), each started and stopped --repeats times, with an idle wait before each side.
+"""How long one server takes from its command to a healthy /health, and the CPU the machine spent
+meanwhile (every process of the start: server, forkserver, ranks): `pdserve prefill` (C_p = 2),
+`pdserve decode` (W = 1) and `pdserve decode` with W = C_d = 2 (decode-tp2), each started and
+stopped --repeats times, with an idle wait before each side.
 
-    .venv/bin/python bench/server_start.py                 both roles, 5 starts each, the built-in model
-    .venv/bin/python bench/server_start.py --roles decode --repeats 3
+    .venv/bin/python bench/server_start.py                 every role, 5 starts each, the built-in model
+    .venv/bin/python bench/server_start.py --roles decode,decode-tp2 --repeats 3
 
 Not a claim of the README table: what the suite's server fixtures and `pdserve up` pay per instance
 (a server imports torch, and so does the forkserver its cpu ranks fork from: runtime/launcher.prestart
@@ -22,16 +24,30 @@ import time
 import httpx
 from common import add_model_and_out, free_port, idle_side, machine_info, resolve_model, spread
 
-WORLD = {"prefill": ["--cp-size", "2"], "decode": []}
+# role: (subcommand, its flags)
+WORLD = {
+    "prefill": ("prefill", ["--cp-size", "2"]),
+    "decode": ("decode", []),
+    "decode-tp2": ("decode", ["--tp-size", "2", "--dcp-size", "2"]),
+}
 
 
-def start_once(role: str, model: str, http: httpx.Client, timeout_s: float) -> float:
-    """Seconds from Popen to the first 200 from /health; the server is stopped (SIGTERM) after."""
+def busy_cpu_s() -> float:
+    """CPU seconds the whole machine has spent busy since boot (/proc/stat: user, nice, system)."""
+    with open("/proc/stat") as f:
+        user, nice, system = map(int, f.readline().split()[1:4])
+    return (user + nice + system) / os.sysconf("SC_CLK_TCK")
+
+
+def start_once(role: str, model: str, http: httpx.Client, timeout_s: float) -> tuple[float, float]:
+    """(seconds from Popen to the first 200 from /health, machine CPU seconds meanwhile); the server
+    is stopped (SIGTERM) after."""
     port = free_port()
-    cmd = [sys.executable, "-m", "pdserve.cli", role, "--model", model, "--port", str(port)]
-    cmd += ["--dist-port", str(free_port()), *WORLD[role]]
+    sub, flags = WORLD[role]
+    cmd = [sys.executable, "-m", "pdserve.cli", sub, "--model", model, "--port", str(port)]
+    cmd += ["--dist-port", str(free_port()), *flags]
     env = dict(os.environ, PDSERVE_INTERNAL_TOKEN=secrets.token_urlsafe(32))
-    t0 = time.perf_counter()
+    c0, t0 = busy_cpu_s(), time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True)
     try:
         while time.perf_counter() - t0 < timeout_s:
@@ -39,7 +55,7 @@ def start_once(role: str, model: str, http: httpx.Client, timeout_s: float) -> f
                 raise RuntimeError(f"{role} server exited {proc.returncode}: {proc.stderr.read()[-800:]}")
             try:
                 if http.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    return time.perf_counter() - t0
+                    return time.perf_counter() - t0, busy_cpu_s() - c0
             except httpx.HTTPError:
                 pass
             time.sleep(0.05)
@@ -58,7 +74,7 @@ def main(argv=None) -> None:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_model_and_out(ap, "server_start")
-    ap.add_argument("--roles", default="prefill,decode", help="servers to start (default prefill,decode)")
+    ap.add_argument("--roles", default=",".join(WORLD), help=f"servers to start (default {','.join(WORLD)})")
     ap.add_argument("--repeats", type=int, default=5, help="starts per role; medians (default 5)")
     ap.add_argument(
         "--idle-wait", type=float, default=60, help="seconds to wait for an idle machine (default 60)"
@@ -73,12 +89,14 @@ def main(argv=None) -> None:
     with httpx.Client() as http:
         for role in roles:
             idle = idle_side(a.idle_wait, f"{role} starts")
-            times = [start_once(role, model, http, a.timeout) for _ in range(a.repeats)]
-            res[role] = {"command": f"pdserve {role} {' '.join(WORLD[role])}".strip(), "idle_before": idle}
-            res[role]["seconds"] = spread(times)
+            times, cpu = zip(*(start_once(role, model, http, a.timeout) for _ in range(a.repeats)))
+            sub, flags = WORLD[role]
+            res[role] = {"command": f"pdserve {sub} {' '.join(flags)}".strip(), "idle_before": idle}
+            res[role]["seconds"], res[role]["cpu_seconds"] = spread(times), spread(cpu)
             print(
                 f"{res[role]['command']}: healthy after {res[role]['seconds']['median']:.2f} s median "
-                f"(min {min(times):.2f}, max {max(times):.2f}, {a.repeats} starts)",
+                f"(min {min(times):.2f}, max {max(times):.2f}, {a.repeats} starts), "
+                f"{res[role]['cpu_seconds']['median']:.2f} CPU s median",
                 flush=True,
             )
     a.out.mkdir(parents=True, exist_ok=True)
