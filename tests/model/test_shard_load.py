@@ -242,8 +242,8 @@ def test_fp8_kept_on_cpu_equals_the_dequantized_model_in_float64(checkpoints, ar
 
 
 PEAK = peak_script(
-    # what a rank's forkserver imported before the rank started (torch's symbolic shapes, sympy
-    # under it, load on first use otherwise: tens of MB that are no weights)
+    # what a rank's forkserver imported before the rank started: modules that load during the
+    # measure are no weights (sympy, which loading used to import, is tens of MB)
     "import importlib\n"
     "from pdserve.runtime.rank_process import _PRELOAD\n"
     "for module in _PRELOAD: importlib.import_module(module)\n"
