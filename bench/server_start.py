@@ -22,7 +22,15 @@ import sys
 import time
 
 import httpx
-from common import add_model_and_out, free_port, idle_side, machine_info, resolve_model, spread
+from common import (
+    add_model_and_out,
+    free_port,
+    idle_side,
+    machine_info,
+    resolve_model,
+    spread,
+    system_busy_seconds,
+)
 
 # role: (subcommand, its flags)
 WORLD = {
@@ -30,13 +38,6 @@ WORLD = {
     "decode": ("decode", []),
     "decode-tp2": ("decode", ["--tp-size", "2", "--dcp-size", "2"]),
 }
-
-
-def busy_cpu_s() -> float:
-    """CPU seconds the whole machine has spent busy since boot (/proc/stat: user, nice, system)."""
-    with open("/proc/stat") as f:
-        user, nice, system = map(int, f.readline().split()[1:4])
-    return (user + nice + system) / os.sysconf("SC_CLK_TCK")
 
 
 def start_once(role: str, model: str, http: httpx.Client, timeout_s: float) -> tuple[float, float]:
@@ -47,7 +48,7 @@ def start_once(role: str, model: str, http: httpx.Client, timeout_s: float) -> t
     cmd = [sys.executable, "-m", "pdserve.cli", sub, "--model", model, "--port", str(port)]
     cmd += ["--dist-port", str(free_port()), *flags]
     env = dict(os.environ, PDSERVE_INTERNAL_TOKEN=secrets.token_urlsafe(32))
-    c0, t0 = busy_cpu_s(), time.perf_counter()
+    c0, t0 = system_busy_seconds(), time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True)
     try:
         while time.perf_counter() - t0 < timeout_s:
@@ -55,7 +56,7 @@ def start_once(role: str, model: str, http: httpx.Client, timeout_s: float) -> t
                 raise RuntimeError(f"{role} server exited {proc.returncode}: {proc.stderr.read()[-800:]}")
             try:
                 if http.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    return time.perf_counter() - t0, busy_cpu_s() - c0
+                    return time.perf_counter() - t0, system_busy_seconds() - c0
             except httpx.HTTPError:
                 pass
             time.sleep(0.05)

@@ -18,21 +18,20 @@ import os
 import time
 
 import pytest
+from common import system_busy_seconds
 
 OUT = os.environ.get("SUITE_CPU_OUT", "/tmp/suite_cpu.jsonl")
 
 
-def busy_cpu_s() -> float:
-    with open("/proc/stat") as f:
-        user, nice, system = map(int, f.readline().split()[1:4])
-    return (user + nice + system) / os.sysconf("SC_CLK_TCK")
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    cpu, wall = busy_cpu_s(), time.monotonic()
+    cpu, wall = system_busy_seconds(), time.monotonic()
     yield
-    row = {"id": item.nodeid, "cpu": round(busy_cpu_s() - cpu, 2), "wall": round(time.monotonic() - wall, 2)}
+    row = {
+        "id": item.nodeid,
+        "cpu": round(system_busy_seconds() - cpu, 2),
+        "wall": round(time.monotonic() - wall, 2),
+    }
     with open(OUT, "a") as f:
         f.write(json.dumps(row) + "\n")
 

@@ -107,7 +107,7 @@ def _compose(prev: Cut | None, dim: int, span: slice, full: int) -> Cut:
 def _halves(t: torch.Tensor, half: int, span: slice) -> torch.Tensor:
     """Rows `span` of each of the two stacked halves (dim 1) of t, stacked again. A model built on
     the meta device only needs the shape: torch.cat of meta tensors runs a Python meta kernel whose
-    first call imports torch._dynamo (about 1 s of every TP decode rank's start)."""
+    first call imports torch._dynamo (about 0.55 s of CPU in every TP decode rank's start)."""
     a, b = t[:, :half][:, span], t[:, half:][:, span]
     if t.is_meta:
         return t.new_empty(a.shape[0], a.shape[1] + b.shape[1], *a.shape[2:])
@@ -234,10 +234,10 @@ def _empty(t: torch.Tensor, device) -> torch.Tensor:
 def materialize(model: CausalLM, device: str | torch.device) -> CausalLM:
     """Storage on `device` for every parameter, buffer and fp8 scale of a meta model (uninitialised)."""
     for module in model.modules():
-        for name, p in module.named_parameters(recurse=False):
+        for name, p in list(module.named_parameters(recurse=False)):
             if p.is_meta:
                 setattr(module, name, nn.Parameter(_empty(p, device), requires_grad=p.requires_grad))
-        for name, b in module.named_buffers(recurse=False):
+        for name, b in list(module.named_buffers(recurse=False)):
             if b.is_meta:
                 module._buffers[name] = _empty(b, device)
         for attr in ("weight_scale_inv", "gate_up_scale_inv", "down_scale_inv"):
