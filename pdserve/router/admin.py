@@ -76,13 +76,13 @@ def admin_router(token: str | None) -> APIRouter:
     async def add(body: AddBody, request: Request):
         p = pool(request)
         try:
-            p.allowed.check(body.url)  # before anything is sent to it
-        except ValueError as e:
-            raise ApiError(403, str(e), "url", "host_not_allowed") from None
-        try:
-            inst = p.candidate(body.role, body.url)
+            inst = p.candidate(body.role, body.url)  # a URL a client can connect to, not yet added
         except ValueError as e:
             raise ApiError(400, str(e), "url") from None
+        try:
+            p.allowed.check(inst.url)  # before anything is sent to it
+        except ValueError as e:
+            raise ApiError(403, str(e), "url", "host_not_allowed") from None
         await p.poll(request.app.state.router.client, inst)  # before the pool's health loop sees it
         if inst.proven is False:  # it answered, without proving it holds the internal token
             raise ApiError(403, f"not added: {inst.error}", "url", "instance_not_proven")

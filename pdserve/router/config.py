@@ -13,7 +13,7 @@ from .. import env
 from ..choices import Discovery, Policy, values
 from ..flags import INTERNAL_TOKEN_HELP, option
 from ..serving.auth import check_strength
-from .instance_auth import check_entries
+from .instance_auth import check_entries, instance_url
 
 POLICIES = values(Policy)
 ADMIN_TOKEN_ENV = env.ADMIN_TOKEN.name
@@ -166,8 +166,10 @@ class RouterConfig:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         for role, urls in (("prefill", self.prefill), ("decode", self.decode)):
             for url in urls:
-                if not url.startswith(("http://", "https://")):
-                    raise ValueError(f"{role} instance URL must start with http:// or https://, got {url!r}")
+                try:
+                    instance_url(url)
+                except ValueError as e:
+                    raise ValueError(f"{role}: {e}") from None
         check_entries(self.allowed_instance_hosts)
         urls = [u.rstrip("/") for u in self.prefill + self.decode]
         if len(set(urls)) < len(urls):

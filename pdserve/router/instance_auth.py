@@ -27,6 +27,26 @@ class Unproven(RuntimeError):
     """An instance answered without a valid proof that it holds the internal token."""
 
 
+MAX_URL_CHARS = 2048
+
+
+def instance_url(url: str) -> str:
+    """An instance's base URL without its trailing slash; ValueError unless it is an http(s) URL with
+    a host and a port in 1..65535 (what a client can connect to), of at most MAX_URL_CHARS."""
+    url = url.rstrip("/")
+    if len(url) > MAX_URL_CHARS:
+        raise ValueError(f"instance URL longer than {MAX_URL_CHARS} characters")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"instance URL must start with http:// or https://, got {url!r}")
+    try:
+        u = httpx.URL(url)
+    except httpx.InvalidURL as e:
+        raise ValueError(f"invalid instance URL {url!r}: {e}") from None
+    if not u.host or (u.port is not None and not 0 < u.port < 65536):
+        raise ValueError(f"instance URL {url!r} needs a host and a port in 1..65535")
+    return url
+
+
 def origin(url) -> tuple[str, str, int | None]:
     """(scheme, host, port) of a URL; an IP address in its one spelling."""
     u = httpx.URL(str(url))

@@ -21,7 +21,7 @@ import httpx
 from ..contracts import LOAD_PATHS, LoadAnswer
 from ..kvcache.kv_fit import Need
 from .cache_aware import CacheAwarePolicy, prefix_hashes
-from .instance_auth import AllowedHosts, InstanceAuth, origin
+from .instance_auth import AllowedHosts, InstanceAuth, instance_url, origin
 
 ROLES = ("prefill", "decode")
 
@@ -138,9 +138,7 @@ class Pool:
         it first, so one that cannot prove the internal token is never seen by the health loop."""
         if role not in ROLES:
             raise ValueError(f"role must be prefill or decode, got {role!r}")
-        url = url.rstrip("/")
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"instance URL must start with http:// or https://, got {url!r}")
+        url = instance_url(url)
         if url in self.instances:
             raise ValueError(f"{url} is already registered (as {self.instances[url].role})")
         return Instance(role, url)

@@ -143,3 +143,30 @@ def test_an_allowed_listener_that_proves_the_token_gets_it_only_after_the_proof(
         assert CHALLENGE_HEADER in listener.seen[first - 1][1]  # right after a proven challenge
     finally:
         listener.close()
+
+
+BAD_URLS = [
+    "http://127.0.0.1:99999",  # a port no client can connect to
+    "http://127.0.0.1:" + "9" * 100,
+    "http://127.0.0.1:1/\x00",
+    "http://" + "a" * 10_000_000,  # a 10 MB URL
+    "ftp://127.0.0.1:1",
+    "http://",
+]
+
+
+def test_admin_add_of_an_unusable_url_is_a_400_and_the_router_keeps_serving(router):
+    """Every URL a client could not connect to is refused at /admin/add with an OpenAI-style 400
+    (they were 500s: an invalid URL raised in the host check, an out-of-range port in the poll),
+    nothing is added, and the router still answers. Static instance URLs take the same rule."""
+    with running_router(router) as (url, _):
+        before = topology(url)
+        for bad in BAD_URLS:
+            r = add(url, bad)
+            assert r.status_code == 400, (bad[:40], r.status_code, r.text[:200])
+            assert r.json()["error"]["message"], bad[:40]
+        assert topology(url) == before
+        assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 200
+    for bad in BAD_URLS[:3]:
+        with pytest.raises(ValueError, match="instance URL"):
+            router_config(router.model, bad, f"http://127.0.0.1:{free_port()}")
