@@ -50,8 +50,8 @@ _SIGNATURES = {
     "pd_index_scores": "PIIPIPIIPIIIIfi",
     # (scores, row stride, valid, its strides, B, S, k, out, threads)
     "pd_topk_earliest": "PIPIIIIIPi",
-    # rowhash.c: (int16 rows, their row stride in words, n, words, int32 coefficients [3, words], int64
-    # out [n, 3], threads)
+    # rowhash.c: (byte rows, their row stride in bytes, n, bytes per row, uint32 key words, uint64 out
+    # [n, 2], threads)
     "pd_row_hash": "PIIIPPi",
 }
 _CPU = torch.device("cpu")

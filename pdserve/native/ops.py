@@ -30,10 +30,10 @@ compiler, a CPU without AVX2 and FMA, a torch without libgomp): `status()` says 
 servers print it at startup. PDSERVE_NATIVE=0 turns it off.
 
 One kernel is not a decode step's: the keyed row hashes of the hand-off's room MAC
-(transfer/row_mac.py, native/rowhash.c, `row_hash`), exact integer arithmetic over the rows' 16-bit
-words. The room MAC of one decode rank's rows of a 16k-token hand-off (42 MB, not in cache, one
-core; bench/transfer.py's `checksum` line, bench/transfer_costs.py): 9.0-12.5 ms (3.5-4.9 GB/s)
-against 24.4-24.9 ms (1.8 GB/s) with PDSERVE_NATIVE=0, alternating runs on the 2-core VM.
+(transfer/row_mac.py, native/rowhash.c, `row_hash`): Toeplitz NH over the rows' bytes, unsigned
+64-bit arithmetic: the room MAC of one decode rank's rows of a 16k-token hand-off (42 MB, not in
+cache, one core) at 13.1 GB/s, against 7.0-7.2 GB/s for the polynomial hash it replaced
+(bench/transfer_costs.py `checksum_cost`; docs/security.md, Room MAC).
 
 The library itself (where it is built, how it is loaded and called): native/lib.py.
 """
@@ -353,18 +353,20 @@ def route_rows(
     return weights, ids
 
 
-def row_hash(w: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
-    """The keyed row hashes of transfer/row_mac.py by native/rowhash.c: w [n, words] int16 rows on
-    the CPU (each row contiguous) under coefficients k [3, words] int32 -> [n, 3] int64 in [0, P).
-    None where the kernel is not built or the layout is not this one: the caller keeps torch's form."""
-    if w.dim() != 2 or w.dtype != torch.int16 or not w.is_cpu or k.dtype != torch.int32 or not k.is_cpu:
+def row_hash(b: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """The keyed row hashes of transfer/row_mac.py by native/rowhash.c: b [n, L] uint8 rows on the
+    CPU (each row contiguous, any address) under key words k [ceil(L / 8) * 2 + 4] int32 -> [n, 2]
+    int64 (the 64-bit NH sums). None where the kernel is not built or the layout is not this one: the
+    caller keeps torch's form."""
+    if b.dim() != 2 or b.dtype != torch.uint8 or not b.is_cpu or k.dtype != torch.int32 or not k.is_cpu:
         return None
-    n, words = w.shape
-    ld = w.stride(0) if n > 1 else words
-    if (words > 1 and w.stride(1) != 1) or ld < words or k.shape != (3, words) or not k.is_contiguous():
+    n, length = b.shape
+    ld = b.stride(0) if n > 1 else length
+    words = (length + 7) // 8 * 2 + 4
+    if (length > 1 and b.stride(1) != 1) or ld < length or k.shape != (words,) or not k.is_contiguous():
         return None
     if _lib() is None:
         return None
-    out = torch.empty(n, 3, dtype=torch.int64)
-    _call("pd_row_hash", w.data_ptr(), ld, n, words, k.data_ptr(), out.data_ptr())
+    out = torch.empty(n, 2, dtype=torch.int64)
+    _call("pd_row_hash", b.data_ptr(), ld, n, length, k.data_ptr(), out.data_ptr())
     return out

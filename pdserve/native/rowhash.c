@@ -1,67 +1,62 @@
 /* Keyed row hashes on the CPU (transfer/row_mac.py defines them and keeps torch's form for other
- * devices): for each of n rows of `words` signed 16-bit words and each of LANES lanes,
- *     out[i][l] = sum_j k[l][j] * w[i][j] mod P        (P = 2^21 - 9, 0 <= out < P)
- * with k[l][j] in [0, P). Exact in int64: |k w| < 2^36, so SPAN products per vector element and the
- * eight elements' sum stay below 2^63; a row of more words is reduced every SPAN words.
+ * devices): Toeplitz NH (UMAC's inner hash) over each row's bytes. A row of L bytes, zero-padded to a
+ * multiple of 8, is read as little-endian 32-bit words m_0, m_1, ...; for each lane l < LANES
+ *     out[l] = sum_i ((m_2i + k_{SHIFT l + 2i}) mod 2^32) * ((m_2i+1 + k_{SHIFT l + 2i+1}) mod 2^32)  mod 2^64
+ * with secret 32-bit key words k. Unsigned arithmetic: every wrap is the definition's.
  *
- * Why it exists: the room MAC hashes every byte of a hand-off on both ends, and torch's form (a
- * float64 product per block of rows: an int16 -> float64 copy, then a [3, words] x [words, n] GEMM)
- * reads 1.8-3 GB/s on one core of the 2-core VM; this loop 3.5-4.9 GB/s inside the room MAC
- * (bench/transfer.py's `checksum` line, with and without PDSERVE_NATIVE=0), about half the rate a
- * float32 sum reads at: six multiplies per 8 words bound it. Eight words per step: sign-extended
- * to int32, the even and odd ones multiplied by their coefficients into int64 (two
- * _mm256_mul_epi32), per lane.
+ * Why NH: the room MAC hashes every byte of a hand-off on both ends. The polynomial hash mod a prime
+ * it replaced needed six 32x32 multiplies per 8 16-bit words (3.5-4.9 GB/s on a core of the 2-core
+ * VM); NH needs one per 8 bytes per lane: per 32 bytes and lane an add, a shift, a multiply and an
+ * add: 13.1 GB/s on a core against the polynomial's 7.0-7.2 (bench/transfer_costs.py `checksum_cost`).
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 
-#define LANES 3
-#define P ((1LL << 21) - 9)
-#define SPAN (1LL << 24)
-#define GRAIN (1LL << 20) /* words: below this a call runs on the calling thread */
+#define LANES 2
+#define SHIFT 4              /* key words between two lanes' keys (Toeplitz) */
+#define GRAIN (1LL << 21)    /* bytes: below this a call runs on the calling thread */
 
-static inline int64_t hsum(__m256i v) {
+static inline uint64_t hsum(__m256i v) {
     __m128i s = _mm_add_epi64(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    return _mm_cvtsi128_si64(s) + _mm_extract_epi64(s, 1);
+    return (uint64_t)_mm_cvtsi128_si64(s) + (uint64_t)_mm_extract_epi64(s, 1);
 }
 
-static inline int64_t modp(int64_t s) {
-    s %= P;
-    return s < 0 ? s + P : s;
-}
-
-/* w: n rows of `words` int16, row i at w + i * ld; k: [LANES][words] int32; out: [n][LANES] int64. */
-int pd_row_hash(const int16_t *w, int64_t ld, int64_t n, int64_t words, const int32_t *k, int64_t *out,
+/* rows: n rows of `bytes` bytes, row i at rows + i * ld; k: ceil(bytes / 8) * 2 + SHIFT * (LANES - 1)
+ * key words; out: [n][LANES]. */
+int pd_row_hash(const uint8_t *rows, int64_t ld, int64_t n, int64_t bytes, const uint32_t *k, uint64_t *out,
                 int threads) {
-    if (n < 0 || words < 0 || ld < words)
+    if (n < 0 || bytes < 0 || (n > 1 && ld < bytes))
         return -2;
-#pragma omp parallel for schedule(static) num_threads(threads) if (n * words >= GRAIN)
+#pragma omp parallel for schedule(static) num_threads(threads) if (n * bytes >= GRAIN)
     for (int64_t i = 0; i < n; i++) {
-        const int16_t *row = w + i * ld;
-        int64_t acc[LANES] = {0};
-        for (int64_t j0 = 0; j0 < words; j0 += SPAN) {
-            int64_t end = words - j0 < SPAN ? words : j0 + SPAN, j = j0;
-            __m256i even[LANES], odd[LANES];
-            for (int l = 0; l < LANES; l++)
-                even[l] = odd[l] = _mm256_setzero_si256();
-            for (; j + 8 <= end; j += 8) {
-                __m256i x = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(row + j)));
-                __m256i xo = _mm256_srli_epi64(x, 32); /* the odd words, in the low halves */
-                for (int l = 0; l < LANES; l++) {
-                    __m256i kv = _mm256_loadu_si256((const __m256i *)(k + l * words + j));
-                    even[l] = _mm256_add_epi64(even[l], _mm256_mul_epi32(x, kv));
-                    odd[l] = _mm256_add_epi64(odd[l], _mm256_mul_epi32(xo, _mm256_srli_epi64(kv, 32)));
-                }
-            }
+        const uint8_t *row = rows + i * ld;
+        __m256i acc[LANES];
+        for (int l = 0; l < LANES; l++)
+            acc[l] = _mm256_setzero_si256();
+        int64_t j = 0;
+        for (; j + 32 <= bytes; j += 32) {
+            __m256i x = _mm256_loadu_si256((const __m256i *)(row + j));
             for (int l = 0; l < LANES; l++) {
-                int64_t s = hsum(even[l]) + hsum(odd[l]);
-                for (int64_t t = j; t < end; t++)
-                    s += (int64_t)k[l * words + t] * row[t];
-                acc[l] = modp(acc[l] + modp(s));
+                __m256i t = _mm256_add_epi32(x, _mm256_loadu_si256((const __m256i *)(k + SHIFT * l + j / 4)));
+                acc[l] = _mm256_add_epi64(acc[l], _mm256_mul_epu32(t, _mm256_srli_epi64(t, 32)));
+            }
+        }
+        uint64_t s[LANES];
+        for (int l = 0; l < LANES; l++)
+            s[l] = hsum(acc[l]);
+        if (j < bytes) { /* the last < 32 bytes, zero-padded to whole 8-byte pairs */
+            uint32_t m[8] = {0};
+            memcpy(m, row + j, (size_t)(bytes - j));
+            int64_t words = (bytes - j + 7) / 8 * 2;
+            for (int l = 0; l < LANES; l++) {
+                const uint32_t *kl = k + SHIFT * l + j / 4;
+                for (int64_t w = 0; w < words; w += 2)
+                    s[l] += (uint64_t)(uint32_t)(m[w] + kl[w]) * (uint32_t)(m[w + 1] + kl[w + 1]);
             }
         }
         for (int l = 0; l < LANES; l++)
-            out[i * LANES + l] = acc[l];
+            out[i * LANES + l] = s[l];
     }
     return 0;
 }

@@ -76,10 +76,10 @@ class RoomChecksum:
     key and the same on both ends (docs/design.md invariant 11).
 
     Per stream (src_rank, layer, kind), a keyed BLAKE2b runs over the keyed ROW HASHES of its
-    payloads in the order they were sent (`transfer/row_mac.py`: three universal hashes per row under
-    secret coefficients, taken on the rows' device); the streams are then combined sorted by key, so
+    payloads in the order they were sent (`transfer/row_mac.py`: two Toeplitz NH hashes per row under
+    a secret key, taken on the rows' device); the streams are then combined sorted by key, so
     the result does not depend on how chunks of different streams interleave, nor on how a stream was
-    cut into frames or chunks. A changed row changes its hashes (but with chance ~2^-63), and the
+    cut into frames or chunks. A changed row changes its hashes (but with chance <= 2^-64), and the
     ordered MAC over them catches rows that were dropped, repeated or moved; without the key nobody
     can make forged rows keep it, which the CRC of wrapping int64 row sums it replaced did not give
     (+d on one word and -d on another kept a row's sum).

@@ -1,21 +1,25 @@
 """Keyed row hashes: what a hand-off's room MAC (transfer/base.py `RoomChecksum`) runs over.
 
-Per row of a [n, width] tensor, LANES hashes sum_j k_j * w_j mod P (P = 2^21 - 9, a prime) over the
-row's signed 16-bit words w_j, with secret coefficients k_j in [0, P) drawn from the cluster frame
-key (SHAKE-256): polynomial universal hashes (Carter-Wegman). For any two different rows the chance
-over the key that one lane agrees is 1/P, all three: ~2^-63; an attacker without the key cannot
-make a changed row keep its hashes, whatever he knows of the rows (the +d / -d edits that keep a
-wrapping int64 sum change them). The hashes never travel: RoomChecksum folds them, in the rows'
-order, into a keyed BLAKE2b.
+Per row of a [n, ...] tensor, LANES Toeplitz NH hashes (the inner hash of UMAC, Black et al. 1999)
+over the row's bytes: the row of L bytes, zero-padded to a multiple of 8, read as little-endian
+32-bit words m_0, m_1, ..., gives for lane l
 
-On a CPU where native/rowhash.c is built (native/ops.py `row_hash`): exact int64 sums, read where
-the rows lie (a pool's strided rows too), 2-3x torch's form below on one core. Elsewhere (a GPU,
-PDSERVE_NATIVE=0, no compiler): one float64 matrix product per block of rows, exact too: |w| < 2^15
-and k < 2^21, so every product and every partial sum of at most COLS of them stays an integer below
-2^53 (a row of more words is summed COLS words at a time, each part reduced mod P), on the rows' own
-device (a GPU hashes VRAM rows there, no host copy). Both equal the Python-int polynomial
-(tests/transfer/test_row_hash.py) and neither depends on how rows are cut into frames or chunks: a
-sender and a receiver that split a stream differently hash it alike.
+    sum_i ((m_2i + k_(SHIFT l + 2i)) mod 2^32) * ((m_2i+1 + k_(SHIFT l + 2i+1)) mod 2^32)   mod 2^64
+
+with secret 32-bit key words k drawn from the cluster frame key and L (SHAKE-256), so rows of
+different lengths have unrelated keys. NH is 2^-32-almost-universal over rows of one length, and
+Toeplitz lanes (each the next one's key shifted by SHIFT words) multiply: two different rows of one
+length keep both lanes with chance at most 2^-64 over the key, whatever an attacker without the key
+knows of them (the +d / -d edits that kept a wrapping sum of the words change them). The hashes never
+travel: RoomChecksum folds them, in the rows' order, into a keyed BLAKE2b.
+
+On a CPU where native/rowhash.c is built (native/ops.py `row_hash`): one add, shift, multiply and
+add per 8 bytes and lane in AVX2, read where the rows lie (a pool's strided rows, any address), at
+about the memory's rate. Elsewhere (a GPU, PDSERVE_NATIVE=0, no compiler): torch's form below on the
+rows' own device (a GPU hashes VRAM rows there, no host copy): int64 products and sums, which wrap
+mod 2^64 like NH's (checked once per device). Both equal the definition
+over Python integers (tests/transfer/test_row_hash.py) and neither depends on how rows are cut into
+frames or chunks: a sender and a receiver that split a stream differently hash it alike.
 """
 
 from __future__ import annotations
@@ -27,61 +31,85 @@ import torch
 
 from ..native import ops as native
 
-P = (1 << 21) - 9
-LANES = 3  # independent hashes per row
-COLS = 1 << 16  # words summed exactly in float64 before a reduction
-BLOCK_WORDS = 1 << 18  # rows are converted to float64 in blocks of about this many words (2 MB)
+LANES = 2  # Toeplitz NH lanes per row
+SHIFT = 4  # key words between two lanes' keys
+BLOCK_BYTES = 1 << 22  # torch's form takes rows in blocks of about this many bytes
+M32 = (1 << 32) - 1
+
+
+def key_words(length: int) -> int:
+    """Key words a row of `length` bytes takes: its padded 32-bit words, plus SHIFT per further lane."""
+    return (length + 7) // 8 * 2 + SHIFT * (LANES - 1)
 
 
 @functools.lru_cache(maxsize=64)
-def _coefficients(key: bytes, words: int, device: str) -> torch.Tensor:
-    """[LANES, words] float64 integers in [0, P), from the key alone (the same on every rank)."""
-    raw = hashlib.shake_256(b"pdserve row mac v2" + key + words.to_bytes(8, "little")).digest(
-        4 * LANES * words
+def _key(key: bytes, length: int) -> torch.Tensor:
+    """[key_words(length)] int32 key words (their bits are the 32-bit words k) for rows of `length`
+    bytes, from the frame key alone (the same on every rank)."""
+    raw = hashlib.shake_256(b"pdserve row mac nh v3" + key + length.to_bytes(8, "little")).digest(
+        4 * key_words(length)
     )
-    k = torch.frombuffer(bytearray(raw), dtype=torch.int32).to(torch.int64) & 0x7FFFFFFF
-    return torch.remainder(k, P).view(LANES, words).to(torch.float64).to(device)
+    return torch.frombuffer(bytearray(raw), dtype=torch.int32)
 
 
 @functools.lru_cache(maxsize=64)
-def _int_coefficients(key: bytes, words: int) -> torch.Tensor:
-    """The same coefficients as [LANES, words] int32 on the CPU: native/rowhash.c's form."""
-    return _coefficients(key, words, "cpu").to(torch.int32).contiguous()
+def _key64(key: bytes, length: int, device: str) -> torch.Tensor:
+    """The same key words as int64 in [0, 2^32), on `device`: torch's form."""
+    return (_key(key, length).to(torch.int64) & M32).to(device)
 
 
-def _words(rows: torch.Tensor) -> torch.Tensor:
-    """rows [n, ...] as [n, words] signed 16-bit words (a zero byte after an odd row), each row
-    contiguous; without a copy where the rows already lie so (a pool's rows, a chunk's runs)."""
+def _bytes(rows: torch.Tensor) -> torch.Tensor:
+    """rows [n, ...] as [n, L] bytes, each row contiguous; without a copy where the rows already lie
+    so (a pool's rows, a chunk's runs)."""
     r = rows.reshape(len(rows), -1)
     if r.shape[1] and r.stride(1) != 1:
         r = r.contiguous()
-    b = r.view(torch.uint8)
-    if b.shape[1] % 2:
-        b = torch.nn.functional.pad(b, (0, 1))
-    if b.numel() and (b.data_ptr() % 2 or b.stride(0) % 2):  # int16 words need even addresses
-        b = torch.empty(b.shape, dtype=torch.uint8, device=b.device).copy_(b)
-    return b.view(torch.int16)
+    return r.view(torch.uint8)
 
 
 def row_macs(key: bytes, rows: torch.Tensor) -> torch.Tensor:
-    """[n, LANES] int64 keyed hashes of the n rows of `rows` ([n, ...], any dtype), on the rows'
-    device: by native/rowhash.c on a CPU where it is built, else torch's float64 form below."""
-    w = _words(rows)
-    if w.numel() == 0:
-        return torch.zeros(len(w), LANES, dtype=torch.int64, device=w.device)
-    if w.is_cpu and (fast := native.row_hash(w, _int_coefficients(key, w.shape[1]))) is not None:
+    """[n, LANES] int64 keyed hashes (the 64-bit sums, two's complement) of the n rows of `rows`
+    ([n, ...], any dtype), on the rows' device: by native/rowhash.c on a CPU where it is built, else
+    torch's form."""
+    b = _bytes(rows)
+    if b.numel() == 0:
+        return torch.zeros(len(b), LANES, dtype=torch.int64, device=b.device)
+    if b.is_cpu and (fast := native.row_hash(b, _key(key, b.shape[1]))) is not None:
         return fast
-    k = _coefficients(key, w.shape[1], str(w.device))
-    step = max(1, BLOCK_WORDS // w.shape[1])
-    cols = min(COLS, w.shape[1])
-    buf = torch.empty(min(step, len(w)), cols, dtype=torch.float64, device=w.device)
-    out = torch.zeros(LANES, len(w), dtype=torch.float64, device=w.device)
-    for i in range(0, len(w), step):
-        n = min(step, len(w) - i)
-        for j in range(0, w.shape[1], COLS):
-            m = min(COLS, w.shape[1] - j)
-            block = buf[:n, :m]
-            block.copy_(w[i : i + n, j : j + m])  # copy_ converts at memory speed, .to(float64) does not
-            part = torch.remainder(torch.mm(k[:, j : j + m], block.t()), P)  # [LANES, n], exact
-            out[:, i : i + n] = torch.remainder(out[:, i : i + n] + part, P)
-    return out.t().to(torch.int64)
+    return _torch_form(b, _key64(key, b.shape[1], str(b.device)))
+
+
+def _torch_form(b: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """NH in int64 tensor ops: each 8-byte pair of words as one int64, split into its two words."""
+    _check_wrapping(b.device)
+    n, length = b.shape
+    pairs = (length + 7) // 8
+    step = max(1, BLOCK_BYTES // (8 * pairs))
+    buf = torch.zeros(min(step, n), 8 * pairs, dtype=torch.uint8, device=b.device)
+    k_lo, k_hi = k[0::2], k[1::2]  # lane l's pairs start SHIFT // 2 pairs after lane l - 1's
+    out = torch.empty(n, LANES, dtype=torch.int64, device=b.device)
+    for i in range(0, n, step):
+        rn = min(step, n - i)
+        block = buf[:rn]
+        block[:, :length].copy_(b[i : i + rn])  # the columns past the row stay zero: its padding
+        p = block.view(torch.int64)  # [rn, pairs]
+        lo, hi = p & M32, (p >> 32) & M32
+        for lane in range(LANES):
+            at = SHIFT // 2 * lane
+            a = (lo + k_lo[at : at + pairs]) & M32
+            c = (hi + k_hi[at : at + pairs]) & M32
+            torch.sum(a * c, 1, out=out[i : i + rn, lane])  # both wrap mod 2^64: NH's own sum
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def _check_wrapping(device: torch.device) -> None:
+    """torch's int64 products and sums wrap mod 2^64 (two's complement) on CPUs and CUDA GPUs, which
+    the torch form relies on: checked once per device against Python integers."""
+    big = torch.full((1, 3), M32, dtype=torch.int64, device=device)
+    got = int((big * big).sum(1).item())
+    want = (3 * M32 * M32) % (1 << 64)
+    if got % (1 << 64) != want:
+        raise RuntimeError(
+            f"int64 arithmetic on {device} does not wrap mod 2^64: the room MAC cannot run there"
+        )

@@ -32,7 +32,6 @@ from pdserve.transfer.rank_commands import (
     merge_checksums,
 )
 from pdserve.transfer.room_rows import SLICE_RUNS, RoomSlots
-from pdserve.transfer.row_mac import P, _coefficients, row_macs
 from pdserve.transfer.tcp import (
     TcpReceiver,
     TcpSender,
@@ -85,18 +84,6 @@ def test_a_forged_row_that_keeps_its_int64_sum_changes_the_room_mac():
     other = RoomChecksum(key=bytes(32))
     other.update(0, 3, "kv", rows)
     assert other.value() != checksum(rows)
-
-
-def test_row_hashes_are_the_polynomial_hash_of_the_rows_words():
-    """row_macs against Python integers: sum_j k_j w_j mod P over each row's signed 16-bit words,
-    also for a wide row that takes the reduce-each-product path."""
-    for width in (10, (1 << 14) + 3):  # the second: 65548 words, more than COLS
-        rows = torch.randn(3, width, dtype=torch.float64, generator=torch.Generator().manual_seed(width))
-        got = row_macs(DEV_FRAME_KEY, rows)
-        words = rows.view(torch.int16).view(3, -1).tolist()
-        k = _coefficients(DEV_FRAME_KEY, len(words[0]), "cpu").tolist()  # [LANES, words]
-        want = [[sum(a * b for a, b in zip(lane, w)) % P for lane in k] for w in words]
-        assert got.tolist() == want
 
 
 def test_the_checksum_depends_on_the_rows_only():
