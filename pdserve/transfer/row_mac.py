@@ -8,10 +8,11 @@ over the row's bytes: the row of L bytes, zero-padded to a multiple of 8, read a
 
 with secret 32-bit key words k drawn from the cluster frame key and L (SHAKE-256), so rows of
 different lengths have unrelated keys. NH is 2^-32-almost-universal over rows of one length, and
-Toeplitz lanes (each the next one's key shifted by SHIFT words) multiply: two different rows of one
-length keep both lanes with chance at most 2^-64 over the key, whatever an attacker without the key
-knows of them (the +d / -d edits that kept a wrapping sum of the words change them). The hashes never
-travel: RoomChecksum folds them, in the rows' order, into a keyed BLAKE2b.
+Toeplitz lanes (each lane's key the last one's shifted by SHIFT words, 16 bytes, as RFC 4418's
+L1-HASH shifts its NH keys) multiply: two different rows of one length keep both lanes with chance
+at most 2^-64 over the key, whatever an attacker without the key knows of them (the +d / -d edits
+that kept a wrapping sum of the words change them). The hashes never travel: RoomChecksum folds
+them, in the rows' order, into a keyed BLAKE2b.
 
 On a CPU where native/rowhash.c is built (native/ops.py `row_hash`): one add, shift, multiply and
 add per 8 bytes and lane in AVX2, read where the rows lie (a pool's strided rows, any address), at
