@@ -46,6 +46,13 @@ from .lib import MAX_ROWS, _call, _floats, _lib, _out, _state, status  # noqa: F
 
 MAX_HEADS = 1024  # attend.c MAX_HEADS
 MAX_BATCH = 64  # queries with keys of their own (a decode batch) that attend / index_scores take
+ROW_HASH_LANES, ROW_HASH_SHIFT = 2, 4  # rowhash.c LANES, SHIFT (transfer/row_mac.py defines the hash)
+
+
+def row_hash_key_words(length: int) -> int:
+    """Key words the row hash of a row of `length` bytes takes: its 32-bit words (zero-padded to whole
+    8-byte pairs), plus ROW_HASH_SHIFT per lane after the first."""
+    return (length + 7) // 8 * 2 + ROW_HASH_SHIFT * (ROW_HASH_LANES - 1)
 
 
 def usable(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
@@ -355,18 +362,18 @@ def route_rows(
 
 def row_hash(b: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     """The keyed row hashes of transfer/row_mac.py by native/rowhash.c: b [n, L] uint8 rows on the
-    CPU (each row contiguous, any address) under key words k [ceil(L / 8) * 2 + 4] int32 -> [n, 2]
-    int64 (the 64-bit NH sums). None where the kernel is not built or the layout is not this one: the
+    CPU (each row contiguous, any address) under key words k [row_hash_key_words(L)] int32 ->
+    [n, ROW_HASH_LANES] int64 (the 64-bit NH sums). None where the kernel is not built or the layout is not this one: the
     caller keeps torch's form."""
     if b.dim() != 2 or b.dtype != torch.uint8 or not b.is_cpu or k.dtype != torch.int32 or not k.is_cpu:
         return None
     n, length = b.shape
     ld = b.stride(0) if n > 1 else length
-    words = (length + 7) // 8 * 2 + 4
-    if (length > 1 and b.stride(1) != 1) or ld < length or k.shape != (words,) or not k.is_contiguous():
+    bad_key = k.shape != (row_hash_key_words(length),) or not k.is_contiguous()
+    if (length > 1 and b.stride(1) != 1) or ld < length or bad_key:
         return None
     if _lib() is None:
         return None
-    out = torch.empty(n, 2, dtype=torch.int64)
+    out = torch.empty(n, ROW_HASH_LANES, dtype=torch.int64)
     _call("pd_row_hash", b.data_ptr(), ld, n, length, k.data_ptr(), out.data_ptr())
     return out

@@ -32,23 +32,18 @@ import torch
 
 from ..native import ops as native
 
-LANES = 2  # Toeplitz NH lanes per row
-SHIFT = 4  # key words between two lanes' keys
+LANES = native.ROW_HASH_LANES  # Toeplitz NH lanes per row (2)
+SHIFT = native.ROW_HASH_SHIFT  # key words between two lanes' keys (4)
 BLOCK_BYTES = 1 << 22  # torch's form takes rows in blocks of about this many bytes
 M32 = (1 << 32) - 1
 
 
-def key_words(length: int) -> int:
-    """Key words a row of `length` bytes takes: its padded 32-bit words, plus SHIFT per further lane."""
-    return (length + 7) // 8 * 2 + SHIFT * (LANES - 1)
-
-
 @functools.lru_cache(maxsize=64)
 def _key(key: bytes, length: int) -> torch.Tensor:
-    """[key_words(length)] int32 key words (their bits are the 32-bit words k) for rows of `length`
+    """[native.row_hash_key_words(length)] int32 key words (their bits are the 32-bit words k) for rows of `length`
     bytes, from the frame key alone (the same on every rank)."""
     raw = hashlib.shake_256(b"pdserve row mac nh v3" + key + length.to_bytes(8, "little")).digest(
-        4 * key_words(length)
+        4 * native.row_hash_key_words(length)
     )
     return torch.frombuffer(bytearray(raw), dtype=torch.int32)
 
