@@ -78,8 +78,7 @@ def generate(d_url: str, bootstrap: str, room: str, ids: list[int], stream: bool
     return {"status": r.status_code, "token_ids": [x["token"] for x in lines if "token" in x], **lines[-1]}
 
 
-def prefill(p_url: str, room: str, ids: list[int], delay_s: float = 0.0) -> httpx.Response:
-    time.sleep(delay_s)
+def prefill(p_url: str, room: str, ids: list[int]) -> httpx.Response:
     return http.post(
         f"{p_url}/v1/prefill", json={"token_ids": ids, "request_id": room, "handoff": True}, timeout=60
     )
@@ -193,7 +192,9 @@ def test_sender_killed_mid_handoff_fails_only_that_request(stack):
         ):
             assert time.monotonic() < deadline, "the decode instance never reserved the room"
             time.sleep(0.02)
-        time.sleep(0.2)  # the prefill is working on the room now
+        while not http.get(f"{v_url}/info").json()["in_use_tokens"]:  # the prefill holds the room's pages
+            assert time.monotonic() < deadline, "the prefill instance never took the room"
+            time.sleep(0.02)
         victim.kill()  # the whole prefill instance dies (its ranks follow it: PDEATHSIG) without a word
         start = time.monotonic()
         result = got.result(timeout=30)
