@@ -78,7 +78,10 @@ def generate(d_url: str, bootstrap: str, room: str, ids: list[int], stream: bool
     return {"status": r.status_code, "token_ids": [x["token"] for x in lines if "token" in x], **lines[-1]}
 
 
-def prefill(p_url: str, room: str, ids: list[int]) -> httpx.Response:
+def prefill(p_url: str, room: str, ids: list[int], delay_s: float = 0.0) -> httpx.Response:
+    time.sleep(
+        delay_s
+    )  # not a synchronization: delayed prefills reach the instance after their decode request
     return http.post(
         f"{p_url}/v1/prefill", json={"token_ids": ids, "request_id": room, "handoff": True}, timeout=60
     )
