@@ -46,9 +46,9 @@ def pack_cost(model: str, tokens: int, repeats: int) -> dict:
 
 def checksum_cost(model: str, tokens: int, repeats: int) -> dict:
     """The payload authentication a hand-off makes and raw WRITEs never make (docs/security.md):
-    the room MAC (`RoomChecksum` under the frame key: keyed row hashes folded by a keyed BLAKE2b) of
+    the room MAC (`RoomChecksum` under the frame key: keyed row hashes folded by row_mac.fold) of
     one decode rank's rows (tokens / 2 latent rows of every layer and, as the copied index ships
-    them, every token's index keys of each indexer layer), taken by the sender before its WRITEs and
+    them, every token's index keys of each indexer layer), taken by the sender around its WRITEs and
     by the receiver over the rows where they landed; and the TCP data frame's HMAC-SHA256 tag over
     the same bytes (taken by the TCP sender and receiver, not by NIXL)."""
     import hashlib

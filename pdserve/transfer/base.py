@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from .row_mac import row_macs
+from .row_mac import fold, row_macs
 
 
 class KVPoll(enum.Enum):
@@ -75,9 +75,10 @@ class RoomChecksum:
     """The room MAC: what one sender shipped to one receiver for one room, keyed by the cluster frame
     key and the same on both ends (docs/design.md invariant 11).
 
-    Per stream (src_rank, layer, kind), a keyed BLAKE2b runs over the keyed ROW HASHES of its
-    payloads in the order they were sent (`transfer/row_mac.py`: two Toeplitz NH hashes per row under
-    a secret key, taken on the rows' device); the streams are then combined sorted by key, so
+    Per stream (src_rank, layer, kind), a keyed MAC runs over the keyed ROW HASHES of its payloads in
+    the order they were sent (`transfer/row_mac.py`: two Toeplitz NH hashes per row under a secret
+    key, taken on the rows' device and kept there; `fold`: NH again over blocks of them, then a keyed
+    BLAKE2b over the row count and the block hashes); the streams are then combined sorted by key, so
     the result does not depend on how chunks of different streams interleave, nor on how a stream was
     cut into frames or chunks. A changed row changes its hashes (but with chance <= 2^-64), and the
     ordered MAC over them catches rows that were dropped, repeated or moved; without the key nobody
@@ -92,7 +93,7 @@ class RoomChecksum:
     def __init__(self, streams: dict | None = None, key: bytes | None = None):
         self.key = key
         self._given = dict(streams or {})  # whole streams (a sender's reply, merge_checksums)
-        self._parts: dict[tuple[int, int, str], list[tuple[tuple, int, bytes]]] = {}
+        self._parts: dict[tuple[int, int, str], list[tuple[tuple, int, torch.Tensor]]] = {}
         self._macs: dict | None = None  # streams, once computed since the last update
 
     def update(self, src: int, layer: int, kind: str, rows, order: tuple = ()) -> None:
@@ -101,9 +102,9 @@ class RoomChecksum:
             raise ValueError("a RoomChecksum takes rows only with the frame key")
         if not isinstance(rows, torch.Tensor):
             rows = torch.frombuffer(bytearray(rows), dtype=torch.uint8).view(1, -1) if len(rows) else None
-        digest = b"" if rows is None else row_macs(self.key, rows).cpu().numpy().tobytes()
         parts = self._parts.setdefault((src, layer, kind), [])
-        parts.append((order, len(parts), digest))
+        if rows is not None and len(rows):  # its row hashes stay on the rows' device until `streams`
+            parts.append((order, len(parts), row_macs(self.key, rows)))
         self._macs = None
 
     @property
@@ -112,10 +113,7 @@ class RoomChecksum:
         if self._macs is None:
             self._macs = dict(self._given)
             for key, parts in self._parts.items():
-                mac = hashlib.blake2b(key=self.key, digest_size=8, person=b"pdserve stream")
-                for _, _, digest in sorted(parts, key=lambda p: p[:2]):
-                    mac.update(digest)
-                self._macs[key] = _int63(mac.digest())
+                self._macs[key] = fold(self.key, [h for _, _, h in sorted(parts, key=lambda p: p[:2])])
         return self._macs
 
     def value(self) -> int:

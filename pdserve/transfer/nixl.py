@@ -48,8 +48,8 @@ own pages (room.RoomSlots, from the reservation: anything else fails the room) a
 rank's layout and the rows still expected (room.frame_rows); then its rows are hashed where they now are (pool landing: in the pool,
 nothing to copy; region landing: copied into the pool first, then hashed from the region, so
 bytes that change during the copy fail the room). A room's request runs only after every row
-arrived and its room MAC (RoomChecksum: keyed row hashes under the cluster frame key, folded by a
-keyed BLAKE2b) equals the sender's, which comes in the authenticated TransferDone: rows changed on
+arrived and its room MAC (RoomChecksum: keyed row hashes under the cluster frame key, folded by
+row_mac.fold) equals the sender's, which comes in the authenticated TransferDone: rows changed on
 the way (an on-path attacker rewriting a WRITE) fail the room before anything of it is committed.
 
 Stale writes (docs/design.md 3.7-3.8). A one-sided WRITE cannot be refused by its target. What a room's

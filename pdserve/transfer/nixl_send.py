@@ -91,6 +91,13 @@ def slice_runs(runs: tuple[Run, ...], start: int, n: int) -> list[Run]:
     return out
 
 
+def _hash(checksum: RoomChecksum, rank: int, unhashed: list) -> None:
+    """Takes the row hashes of `unhashed` (layer, kind, rows) in order, on the rows' device, and empties it."""
+    for layer, kind, rows in unhashed:
+        checksum.update(rank, layer, kind, rows)
+    unhashed.clear()
+
+
 @dataclasses.dataclass
 class _Posted:
     """One WRITE in flight: its handle, where it goes, when it is given up."""
@@ -237,6 +244,9 @@ class NixlSender:
             return str(e)
         checksum = sums.setdefault(dst, RoomChecksum(key=self.key))
         pos, items, pieces = 0, [], []  # chunk bytes, headers, local [addr, bytes]
+        # rows WRITTEN from the pool are hashed once their chunk's WRITE is posted: the receiver
+        # hashes that chunk while this rank does (a stream has one item per chunk, so its order holds)
+        unhashed: list[tuple[int, str, torch.Tensor]] = []
         remote: list | None = [] if dest else None  # pool destinations: remote [addr, bytes] per run
         for t in transfers:
             rb, done = self._row_bytes(t.kind), 0
@@ -250,7 +260,9 @@ class NixlSender:
                 if n == 0:
                     if not items:
                         return f"send chunks of {self.chunk_bytes} bytes hold no row of {rb} bytes"
-                    if err := self._write(cmd, ep, dst, offset, pos, items, pieces, remote):
+                    err = self._write(cmd, ep, dst, offset, pos, items, pieces, remote)
+                    _hash(checksum, self.rank, unhashed)
+                    if err:
                         return err
                     offset, pos, items, pieces = offset + pos, 0, [], []
                     self._offsets[dst] = offset
@@ -276,10 +288,7 @@ class NixlSender:
                     views, self.staging_used = [rows], spos + n * rb
                     self.bytes_packed += n * rb
                 else:
-                    # hashed on their device, in one call (row hashes do not depend on the split)
-                    checksum.update(
-                        self.rank, t.layer, t.kind, views[0] if len(views) == 1 else torch.cat(views)
-                    )
+                    unhashed += [(t.layer, t.kind, v) for v in views]
                     self.bytes_direct += n * rb
                 for rows in views:
                     _add_piece(pieces, rows.data_ptr(), rows.numel() * rows.element_size())
@@ -292,7 +301,9 @@ class NixlSender:
                         return str(e)
                 pos, done = pos + n * rb, done + n
         self._offsets[dst] = offset + pos
-        return self._write(cmd, ep, dst, offset, pos, items, pieces, remote) if items else None
+        err = self._write(cmd, ep, dst, offset, pos, items, pieces, remote) if items else None
+        _hash(checksum, self.rank, unhashed)
+        return err
 
     def _load_peer(self, ep: NixlEndpoint) -> str | None:
         known = self.peers.get(ep.agent)

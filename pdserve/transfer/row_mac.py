@@ -34,6 +34,7 @@ from ..native import ops as native
 
 LANES = native.ROW_HASH_LANES  # Toeplitz NH lanes per row (2)
 SHIFT = native.ROW_HASH_SHIFT  # key words between two lanes' keys (4)
+FOLD_ROWS = 64  # row hashes per block of the fold's second NH level (1 KB)
 BLOCK_BYTES = 1 << 22  # torch's form takes rows in blocks of about this many bytes
 M32 = (1 << 32) - 1
 
@@ -73,6 +74,38 @@ def row_macs(key: bytes, rows: torch.Tensor) -> torch.Tensor:
     if b.is_cpu and (fast := native.row_hash(b, _key(key, b.shape[1]))) is not None:
         return fast
     return _torch_form(b, _key64(key, b.shape[1], str(b.device)))
+
+
+def fold(key: bytes, hashes: list[torch.Tensor]) -> int:
+    """The keyed MAC (63 bits) of one stream's row hashes, `hashes` its parts ([n_i, LANES] int64,
+    any device) in the stream's order; it depends on the sequence only, not on how it is cut.
+
+    The N row hashes, as 16-byte little-endian rows laid end to end, are cut into blocks of
+    FOLD_ROWS hashes and a last, shorter block; each block gets NH's LANES hashes under a key of
+    its own (the fold key, derived from `key`, and the block's byte length, as `row_macs` keys rows);
+    a keyed BLAKE2b then runs over N and those block hashes. Two different sequences of N hashes
+    differ in some block, whose NH hashes then agree with chance <= 2^-64 over the fold key (drawn
+    apart from the row key, so the hashes it reads do not depend on it); a different N changes
+    BLAKE2b's input."""
+    mac = hashlib.blake2b(key=key, digest_size=8, person=b"pdserve stream")
+    h = hashes[0] if len(hashes) == 1 else torch.cat(hashes) if hashes else torch.zeros(0, LANES)
+    n = len(h)
+    mac.update(n.to_bytes(8, "little"))
+    if n:
+        b = h.to(torch.int64).contiguous().view(torch.uint8).reshape(-1)
+        full, width = n // FOLD_ROWS, FOLD_ROWS * 8 * LANES
+        parts = [b[: full * width].view(full, width)] if full else []
+        if n % FOLD_ROWS:
+            parts.append(b[full * width :].view(1, -1))
+        for p in parts:
+            mac.update(row_macs(_fold_key(key), p).cpu().numpy().tobytes())
+    return int.from_bytes(mac.digest(), "little") & ((1 << 63) - 1)
+
+
+@functools.lru_cache(maxsize=8)
+def _fold_key(key: bytes) -> bytes:
+    """The fold's NH key, apart from the row hashes' (`_key` derives words from it as from a frame key)."""
+    return hashlib.blake2b(key, digest_size=32, person=b"pdserve nh fold").digest()
 
 
 def _torch_form(b: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

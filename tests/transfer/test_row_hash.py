@@ -126,3 +126,49 @@ def test_layouts_the_kernel_refuses_fall_back():
     assert native.row_hash(b, k[:4]) is None  # a key of another length
     assert native.row_hash(b.t(), _key(KEY, 3)) is None  # bytes not contiguous
     assert native.row_hash(b, k.to(torch.int64)) is None
+
+
+# ---- the fold: one stream's row hashes -> its 63-bit MAC -----------------------------------------------
+def fold_definition(key: bytes, hashes: list[list[int]]) -> int:
+    """row_mac.fold over Python integers: BLAKE2b(key) over the row count and the NH lanes of each
+    block of FOLD_ROWS hashes (16 little-endian bytes each), the last block shorter, under the fold key."""
+    import hashlib
+
+    data = b"".join(struct.pack("<qq", *h) for h in hashes)
+    width = row_mac.FOLD_ROWS * 16
+    mac = hashlib.blake2b(key=key, digest_size=8, person=b"pdserve stream")
+    mac.update(len(hashes).to_bytes(8, "little"))
+    for at in range(0, len(data), width):
+        mac.update(struct.pack("<qq", *nh(row_mac._fold_key(key), data[at : at + width])))
+    return int.from_bytes(mac.digest(), "little") & ((1 << 63) - 1)
+
+
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 200])
+def test_the_fold_equals_its_definition_and_not_how_the_hashes_are_cut(n, monkeypatch):
+    g = torch.Generator().manual_seed(n)
+    hashes = torch.randint(-(1 << 63), (1 << 63) - 1, (n, LANES), dtype=torch.int64, generator=g)
+    want = fold_definition(KEY, hashes.tolist())
+    assert row_mac.fold(KEY, [hashes]) == want
+    assert row_mac.fold(KEY, [hashes[:1], hashes[1:70], hashes[70:]]) == want
+    assert row_mac.fold(KEY, list(hashes.split(7))) == want
+    with monkeypatch.context() as m:  # torch's form of the second level (a GPU's)
+        m.setattr(row_mac.native, "row_hash", lambda b, k: None)
+        assert row_mac.fold(KEY, [hashes]) == want
+
+
+def test_the_fold_sees_every_hash_the_count_and_the_key():
+    hashes = torch.randint(
+        -(1 << 40), 1 << 40, (130, LANES), dtype=torch.int64, generator=torch.Generator().manual_seed(4)
+    )
+    want = row_mac.fold(KEY, [hashes])
+    for row, lane in ((0, 0), (63, 1), (64, 0), (129, 1)):  # first / last of a full block, the tail
+        changed = hashes.clone()
+        changed[row, lane] ^= 1 << 33
+        assert row_mac.fold(KEY, [changed]) != want, (row, lane)
+    swapped = hashes[[1, 0] + list(range(2, 130))]
+    assert row_mac.fold(KEY, [swapped]) != want
+    zero_row = torch.zeros(1, LANES, dtype=torch.int64)  # an all-zero hash padded on: another count
+    short = hashes[:127]
+    assert row_mac.fold(KEY, [short, zero_row]) != row_mac.fold(KEY, [short])
+    assert row_mac.fold(bytes(32), [hashes]) != want
+    assert row_mac.fold(KEY, []) == fold_definition(KEY, []) != row_mac.fold(KEY, [zero_row])
