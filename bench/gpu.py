@@ -6,7 +6,8 @@ Claims measured, on the `mla` preset (released MLA dims: kv_lora_rank 512, rope 
   1. decode step time (batch 1 and 8, one new token each) at 8k and 32k context, per ops;
   2. prefill tokens/s of an 8k and a 32k prompt (chunked at 4096), per ops;
   3. hand-off bandwidth: a NIXL VRAM-to-VRAM WRITE of one 32k-token layer set between two agents
-     in two processes, vs torch's device-to-device copy of the same bytes.
+     in two processes, vs torch's device-to-device copy of the same bytes (bench/gpu_nixl.py
+     `handoff`; that script sweeps sizes and UCX settings).
 The flashinfer rows are {"error": ...} where flashinfer cannot run (attn_ops.flashinfer_blocker).
 
 Run:  python bench/gpu.py [--out bench/results/gpu.json] [--contexts 8192,32768]
@@ -23,9 +24,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from gpu_nixl import handoff  # noqa: E402  (bench/ is on sys.path when a script runs)
 
 from pdserve.checkpoints.random_checkpoint import make_model  # noqa: E402
 from pdserve.engine.attn_ops import gather_facts, select_attention_ops  # noqa: E402
@@ -64,71 +66,6 @@ def engine_run(model: str, ops: str, context: int, batch: int) -> dict:
         "decode_step_ms": round(1000 * sum(timed) / max(1, len(timed)), 3),
         "decode_steps_timed": len(timed),
     }
-
-
-def _receiver(nbytes: int, q_out, q_in, results) -> None:
-    from pdserve.transfer.nixl_agent import bind_device, make_agent, mem_type
-
-    buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
-    bind_device(buf)
-    agent = make_agent("bench-gpu-recv")
-    agent.register_memory(buf)
-    q_out.put((agent.get_agent_metadata(), buf.data_ptr(), mem_type(buf)))
-    deadline = time.monotonic() + 300
-    got = 0
-    while got < 6 and time.monotonic() < deadline:  # one warm-up WRITE, five timed
-        got += sum(len(m) for m in agent.get_new_notifs().values())
-        time.sleep(0.0005)
-    results.put(got)
-    q_in.get(timeout=300)
-
-
-def _sender(nbytes: int, q_in, q_out, results) -> None:
-    from pdserve.transfer.nixl_agent import make_agent, mem_type
-
-    torch.cuda.set_device(0)
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda:0")
-    agent = make_agent("bench-gpu-send")
-    agent.register_memory(src)
-    meta, addr, mem = q_in.get(timeout=300)
-    peer = agent.add_remote_agent(meta)
-    peer = peer.decode() if isinstance(peer, bytes) else peer
-    local = agent.get_xfer_descs([(src.data_ptr(), nbytes, 0)], mem_type(src))
-    remote = agent.get_xfer_descs([(addr, nbytes, 0)], mem)
-    times = []
-    for i in range(6):
-        h = agent.initialize_xfer("WRITE", local, remote, peer, f"w{i}".encode())
-        t0 = time.perf_counter()
-        state = agent.transfer(h)
-        while state == "PROC":
-            state = agent.check_xfer_state(h)
-        times.append(time.perf_counter() - t0)
-        agent.release_xfer_handle(h)
-        if state != "DONE":
-            results.put({"error": f"WRITE {state}"})
-            q_out.put("done")
-            return
-    results.put({"nixl_vram_gb_per_s": round(nbytes / min(times[1:]) / 1e9, 2), "bytes": nbytes})
-    q_out.put("done")
-
-
-def handoff(nbytes: int) -> dict:
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda:0")
-    dst = torch.empty_like(src)
-    copy_s = min(_sync_time(lambda: dst.copy_(src)) for _ in range(6))
-    ctx = mp.get_context("spawn")
-    to_sender, to_receiver, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    procs = [
-        ctx.Process(target=_receiver, args=(nbytes, to_sender, to_receiver, results)),
-        ctx.Process(target=_sender, args=(nbytes, to_sender, to_receiver, results)),
-    ]
-    for p in procs:
-        p.start()
-    got = [results.get(timeout=600) for _ in range(2)]
-    for p in procs:
-        p.join(60)
-    out = next(g for g in got if isinstance(g, dict))
-    return {**out, "device_copy_gb_per_s": round(nbytes / copy_s / 1e9, 2)}
 
 
 def main() -> None:
