@@ -209,7 +209,7 @@ def log_tail(log: str, lines: int = 15) -> list[str]:
 
 
 def handoff(nbytes: int, device: str = "cuda", repeats: int = 5) -> dict:
-    """bench/gpu.py's row: one size, UCX as configured: the WRITE's and the copy's GB/s (best of repeats)."""
+    """bench/gpu.py's row: one size, UCX as configured: the WRITE's GB/s (its best of repeats) and the copy's (median)."""
     with tempfile.TemporaryDirectory() as tmp:
         res = write_rates(device, [nbytes], repeats, {}, str(Path(tmp) / "ucx.log"))
     w = res["writes"][nbytes]
