@@ -229,6 +229,28 @@ def test_payloads_given_their_order_count_in_it_whatever_order_they_come():
     assert RoomChecksum(landed.streams).value() == sent  # a reply's streams, merged
 
 
+def test_a_rooms_mac_is_taken_once_every_row_came(monkeypatch):
+    """A receiver is asked for its status while rows still arrive (decode rooms poll it): the room
+    MAC, which folds every row hash, is taken only once the room is complete (0 before, no fold),
+    and then equals the sender's."""
+    from pdserve.transfer import base
+    from pdserve.transfer.room_rows import RoomRows, count_rows
+
+    folds, real = [], base.fold
+    monkeypatch.setattr(base, "fold", lambda *a: folds.append(1) or real(*a))
+    rows = torch.randn(10, 16, generator=torch.Generator().manual_seed(6))
+    room = RoomRows(new_ticket(), {0: 10}, checksum=RoomChecksum(key=DEV_FRAME_KEY))
+    head = {"src_rank": 0, "layer": 3, "kind": "kv"}
+    count_rows(room, head, [rows[:4]])
+    for _ in range(3):
+        s = room.status()
+        assert (s.rows, s.complete, s.checksum) == (4, False, 0)
+    assert not folds
+    count_rows(room, head, [rows[4:]])
+    s = room.status()
+    assert s.complete and s.checksum == checksum(rows) and folds
+
+
 def _one_nixl_room(cfg, src, plan, decode, name: str, on_path=None) -> tuple[dict, dict, dict]:
     """Sends `plan` from `src` into fresh decode pools over NIXL (several chunks in flight):
     (the sender's reply, each decode rank's final status, the decode pools). on_path(rank, pool),
