@@ -5,8 +5,9 @@ and thresholds the WRITE uses, and what it gives).
 For every setting (an environment for UCX: `SETTINGS`, or those named by --settings) one receiver
 and one sender process start (spawned, so UCX reads the setting at its start); the sender WRITEs
 each size once untimed, then --repeats times timed (from `transfer` until `check_xfer_state` says
-DONE); the receiver counts the notifications. Each pair's stdout and stderr are kept and the lines
-in which UCX names its protocols (the setting's UCX_PROTO_INFO=y) go into the JSON. A device copy
+DONE); the receiver counts the notifications. Each pair's stdout and stderr are kept, and the
+protocol tables UCX prints for remote memory writes (UCX_PROTO_INFO=y: size range, protocol,
+transport) go into the JSON (`ucx_protocols`), a failed setting's log tail too. A device copy
 (`dst.copy_(src)`, synchronised) of each size is the baseline, so each row carries
 `write_over_copy` (the issue's target: >= 0.5). A fixed cost per WRITE shows as a ratio that
 rises with size; a slow transport as one that does not.
@@ -69,15 +70,16 @@ def _receiver(device: str, nbytes: int, writes: int, q_out, q_in, results, log: 
     agent = make_agent("bench-nixl-recv")
     agent.register_memory(buf)
     q_out.put((agent.get_agent_metadata(), buf.data_ptr(), mem_type(buf), buf.device.index or 0))
-    deadline, got, done = time.monotonic() + 300, 0, False
-    while got < writes and not done and time.monotonic() < deadline:  # or the sender is done (failed)
+    # every WRITE's notification, or what came until 2 s after the sender stopped (a WRITE failed)
+    deadline, got, done_at = time.monotonic() + 300, 0, None
+    while got < writes and time.monotonic() < min(deadline, (done_at or deadline) + 2):
         got += sum(len(m) for m in agent.get_new_notifs().values())
-        try:
-            done = q_in.get_nowait() == "done"
-        except queue.Empty:
-            time.sleep(0.0005)
+        if done_at is None and not q_in.empty():
+            q_in.get()  # "done"
+            done_at = time.monotonic()
+        time.sleep(0.0005)
     results.put(("receiver", got))
-    if not done:
+    if done_at is None:
         q_in.get(timeout=300)
 
 
