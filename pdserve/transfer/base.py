@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from .row_mac import fold, row_macs
+from .row_mac import fold, int63, row_macs
 
 
 class KVPoll(enum.Enum):
@@ -123,11 +123,7 @@ class RoomChecksum:
         h = hashlib.blake2b(digest_size=8, person=b"pdserve room")
         for (src, layer, kind), c in sorted(self.streams.items()):
             h.update(f"{src}/{layer}/{kind}/{c};".encode())
-        return _int63(h.digest())
-
-
-def _int63(digest: bytes) -> int:
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+        return int63(h.digest())
 
 
 class SendClock:

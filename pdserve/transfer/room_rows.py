@@ -257,7 +257,6 @@ def count_rows(r: RoomRows, h: dict, parts: list[torch.Tensor]) -> None:
     if r.first_at is None:
         r.first_at = time.monotonic()
     r.received[key] = r.received.get(key, 0) + sum(len(rows) for rows in parts)
-    if parts:  # one hash call: row hashes do not depend on how the rows are split
-        rows = parts[0] if len(parts) == 1 else torch.cat(parts)
+    for rows in parts:  # each where it lies: row hashes do not depend on how the rows are split
         r.checksum.update(h["src_rank"], h["layer"], h["kind"], rows, h.get("order", ()))
     r.last_at = time.monotonic()

@@ -12,7 +12,10 @@ Toeplitz lanes (each lane's key the last one's shifted by SHIFT words, 16 bytes,
 L1-HASH shifts its NH keys) multiply: two different rows of one length keep both lanes with chance
 at most 2^-64 over the key, whatever an attacker without the key knows of them (the +d / -d edits
 that kept a wrapping sum of the words change them). The hashes never travel: RoomChecksum folds
-them, in the rows' order, into a keyed BLAKE2b.
+them, in the rows' order, with `fold`: the same NH once more, over blocks of FOLD_ROWS row hashes
+under a second key, then a keyed BLAKE2b over the row count and the block hashes (UMAC's shape: a
+universal hash of a universal hash, then a PRF), so BLAKE2b, the one serial step, reads 1/FOLD_ROWS
+of the row hashes.
 
 On a CPU where native/rowhash.c is built (native/ops.py `row_hash`): one add, shift, multiply and
 add per 8 bytes and lane in AVX2, read where the rows lie (a pool's strided rows, any address), at
@@ -88,10 +91,10 @@ def fold(key: bytes, hashes: list[torch.Tensor]) -> int:
     apart from the row key, so the hashes it reads do not depend on it); a different N changes
     BLAKE2b's input."""
     mac = hashlib.blake2b(key=key, digest_size=8, person=b"pdserve stream")
-    h = hashes[0] if len(hashes) == 1 else torch.cat(hashes) if hashes else torch.zeros(0, LANES)
-    n = len(h)
+    n = sum(len(h) for h in hashes)
     mac.update(n.to_bytes(8, "little"))
     if n:
+        h = hashes[0] if len(hashes) == 1 else torch.cat(hashes)
         b = h.to(torch.int64).contiguous().view(torch.uint8).reshape(-1)
         full, width = n // FOLD_ROWS, FOLD_ROWS * 8 * LANES
         parts = [b[: full * width].view(full, width)] if full else []
@@ -99,7 +102,12 @@ def fold(key: bytes, hashes: list[torch.Tensor]) -> int:
             parts.append(b[full * width :].view(1, -1))
         for p in parts:
             mac.update(row_macs(_fold_key(key), p).cpu().numpy().tobytes())
-    return int.from_bytes(mac.digest(), "little") & ((1 << 63) - 1)
+    return int63(mac.digest())
+
+
+def int63(digest: bytes) -> int:
+    """A digest's first 8 bytes as a non-negative 63-bit integer (what a MAC travels as)."""
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 @functools.lru_cache(maxsize=8)

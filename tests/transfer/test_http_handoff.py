@@ -79,9 +79,8 @@ def generate(d_url: str, bootstrap: str, room: str, ids: list[int], stream: bool
 
 
 def prefill(p_url: str, room: str, ids: list[int], delay_s: float = 0.0) -> httpx.Response:
-    time.sleep(
-        delay_s
-    )  # not a synchronization: delayed prefills reach the instance after their decode request
+    # not a synchronization: delayed prefills reach the instance after their decode request
+    time.sleep(delay_s)
     return http.post(
         f"{p_url}/v1/prefill", json={"token_ids": ids, "request_id": room, "handoff": True}, timeout=60
     )
