@@ -9,9 +9,13 @@ phase of a noisy VM for both):
 Per hand-off, on the hosts' one monotonic clock:
     ttft     from the prefill call until every decode rank holds every row, each rank's room MAC
              equal to the senders' (when the decode's first step can start; that step, the same
-             both ways, is left out, so `exposed / ttft` is an upper bound of its share);
-    exposed  from the last prefill rank's end of compute (PrefillResult.computed_at) to that point:
-             the part of the hand-off that the prefill's compute did not hide;
+             both ways, is left out, so `exposed / ttft` is an upper bound of its share). The end
+             is the last decode rank's own stamp of its last row checked (RoomStatus.last_row_at:
+             stored, hashed, room MAC taken), as the floor's receivers stamp their read; this
+             process's polls see it `poll_lag` later (recorded apart). The first step also needs
+             the prefill's first token: ttft ends at the later of that check and the prefill's reply;
+    exposed  from the last prefill rank's end of compute (PrefillResult.computed_at) to that check,
+             0 when it came first: the part of the hand-off that the prefill's compute did not hide;
     rate     unstreamed only: payload bytes / (rows checked - the send call), the hand-off's own
              rate, against the verified floor measured in rounds between the hand-offs over the same
              pairs and bytes: raw NIXL WRITEs whose receivers read every byte once
@@ -39,8 +43,10 @@ TARGET_RATE = 0.9  # hand-off rate >= 0.9 of the verified floor
 PAGE = 64
 
 
-def _wait_rows(dec, room: str, sums: dict[int, int]) -> float:
-    """time.monotonic() once every decode rank holds the room's rows with the senders' room MAC."""
+def _wait_rows(dec, room: str, sums: dict[int, int]) -> tuple[float, float]:
+    """(checked, seen): when the last decode rank had checked its last row of the room (its own
+    stamp: rows stored, hashed and the room MAC taken, as the floor's receivers stamp their read),
+    and when this process saw every rank complete with the senders' room MAC (polling)."""
     while True:
         status = dec.room_status(room)
         if any(s.error for s in status):
@@ -50,7 +56,8 @@ def _wait_rows(dec, room: str, sums: dict[int, int]) -> float:
             bad = [r for r, s in enumerate(status) if s.checksum != sums.get(r, 0)]
             if bad:
                 raise RuntimeError(f"room {room}: decode ranks {bad} disagree with the senders' room MAC")
-            return now
+            stamps = [s.last_row_at for s in status if s.expected]
+            return max(stamps, default=now), now
         time.sleep(0.0005)
 
 
@@ -67,22 +74,26 @@ def one(pre, dec, ids: list[int], stream: bool, room: str) -> dict:
         t0 = time.monotonic()
         if stream:
             result, sums = pre.prefill_send(room, ids, SamplingParams(), dec.decode_side(pages), 0, *args)
-            sent_at = t0
+            sent_at, replied = t0, time.monotonic()
         else:
             result = pre.prefill(room, ids, SamplingParams())
+            replied = time.monotonic()
             plan = plan_transfer(pre.prefill_side(result.slots), dec.decode_side(pages), n)
             sent_at = time.monotonic()
             sums = pre.send(room, room, reservation.ticket, plan, reservation.endpoints)
-        done = _wait_rows(dec, room, sums)
+        done, seen = _wait_rows(dec, room, sums)
         nbytes = dec.handoff_bytes(pages, n)
     finally:
         pre.release(room)
         dec.forget(room, True)
         dec.allocator.free(pages)
     return {
-        "ttft_s": done - t0,
-        "exposed_s": done - result.computed_at,
+        "ttft_s": max(done, replied) - t0,  # the first step needs the rows and the prefill's first token
+        "exposed_s": max(
+            0.0, done - result.computed_at
+        ),  # streamed rows may all be checked before the last layer ends
         "handoff_s": done - sent_at,
+        "poll_lag_s": seen - done,
         "bytes": nbytes,
     }
 
@@ -146,7 +157,7 @@ def _pair_bytes(pre, dec, tokens: int) -> dict[tuple[int, int], int]:
 
 
 def _stats(rs: list[dict]) -> dict:
-    out = {k: spread([r[k] for r in rs]) for k in ("ttft_s", "exposed_s", "handoff_s")}
+    out = {k: spread([r[k] for r in rs]) for k in ("ttft_s", "exposed_s", "handoff_s", "poll_lag_s")}
     out["bytes"] = rs[0]["bytes"]
     out["exposed_share"] = out["exposed_s"]["median"] / out["ttft_s"]["median"]
     out["GBps_median"] = rs[0]["bytes"] / out["handoff_s"]["median"] / 1e9

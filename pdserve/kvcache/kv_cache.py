@@ -18,6 +18,8 @@ through host memory while NIXL WRITEs VRAM to VRAM (transfer/nixl*.py).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..model.config import ModelConfig
@@ -90,6 +92,8 @@ class KVPool:
         )  # [Li, slots, Di]
         # Per-key dequantization scale; None when keys are stored in the model dtype.
         self.index_scale = torch.ones(shape, dtype=torch.float32, device=device) if self.fp8 else None
+        self.hasher: Callable[[torch.Tensor], torch.Tensor] | None = None  # keep_row_hashes
+        self.row_hashes: dict[str, torch.Tensor] = {}  # kind -> [tables, rows, lanes] int64
 
     @property
     def nbytes(self) -> int:
@@ -112,6 +116,40 @@ class KVPool:
         """E + I: one token's bytes in a pool holding every layer (see kvcache/capacity.py)."""
         return entry_bytes(cfg, kv_cache_dtype, dtype) + index_bytes(cfg, kv_cache_dtype, dtype)
 
+    def keep_row_hashes(self, hasher: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """From now on every write also stores hasher(rows as stored) ([n, lanes] int64: a hand-off's
+        keyed row hashes, transfer/row_mac.py) beside its rows, and copies copy them, so a sender
+        reads the hashes of the rows it WRITEs (`span_hashes`) instead of hashing them while it sends.
+        The rows already stored are hashed now. Rows changed other than through this pool's writes
+        keep stale hashes, which a receiver's room MAC then refuses. Not for fp8 pools (rows travel
+        dequantized from them, never as stored)."""
+        if self.fp8:
+            raise ValueError("an fp8 pool's rows never travel as stored: no row hashes")
+        self.hasher = hasher
+        lanes = hasher(self.kv.new_zeros(1, self.kv.shape[-1])).shape[1]
+        self.row_hashes = {}
+        for kind, table in (("kv", self.kv), ("index", self.index_k)):
+            out = torch.empty(*table.shape[:2], lanes, dtype=torch.int64, device=table.device)
+            for i, rows in enumerate(table):  # a layer at a time
+                out[i] = hasher(rows)
+            self.row_hashes[kind] = out
+
+    def row_hash_nbytes(self, lanes: int) -> int:
+        """What keep_row_hashes allocates for `lanes` int64 hashes per row (a meta pool answers too)."""
+        return (
+            (self.kv.shape[0] * self.kv.shape[1] + self.index_k.shape[0] * self.index_k.shape[1]) * lanes * 8
+        )
+
+    def span_hashes(self, kind: str, layer: int, start: int, n: int, step: int) -> torch.Tensor | None:
+        """The row hashes ([n, lanes], a view) of `span`'s rows, or None when `span` gives none or
+        the pool keeps no row hashes."""
+        at = self._span(kind, layer, start, n, step) if self.hasher is not None else None
+        return None if at is None else self.row_hashes[kind][at[0], at[1] : at[1] + n]
+
+    def _put_hashes(self, kind: str, row: int, rows: torch.Tensor | slice, stored: torch.Tensor) -> None:
+        if self.hasher is not None:
+            _put(self.row_hashes[kind][row], rows, self.hasher(stored))
+
     def write(self, layer: int, slots: torch.Tensor, kv: torch.Tensor, index_k: torch.Tensor | None) -> None:
         """Latent entries and (in indexer layers) index keys of the same slots."""
         self.write_kv(layer, slots, kv)
@@ -123,6 +161,7 @@ class KVPool:
             kv = kv.float().clamp(-FP8_MAX, FP8_MAX)
         row, rows, kv = self.kv_row[layer], self._kv_rows(rows), kv.to(self.kv.dtype)
         _put(self.kv[row], rows, kv)
+        self._put_hashes("kv", row, rows, kv)
 
     def write_index(self, layer: int, rows: torch.Tensor | slice, index_k: torch.Tensor) -> None:
         """Index rows may differ from latent rows (a decode rank's copied index holds every slot)."""
@@ -132,6 +171,7 @@ class KVPool:
             self.index_scale[row, _on(rows, self.index_scale)] = scale.to(self.index_scale.device)
         index_k = index_k.to(self.index_k.dtype)
         _put(self.index_k[row], rows, index_k)
+        self._put_hashes("index", row, rows, index_k)
 
     def read_into(self, kind: str, layer: int, slots: torch.Tensor | slice, out: torch.Tensor) -> None:
         """read_kv ("kv") or read_index ("index") of 1-D `slots` (or a slice, a strided one too),
@@ -183,11 +223,16 @@ class KVPool:
         table = self.kv[row]
         src, dst = self._kv_rows(_on(src, table)), self._kv_rows(_on(dst, table))
         table[dst] = table[src]
+        if self.hasher is not None:
+            self.row_hashes["kv"][row, dst] = self.row_hashes["kv"][row, src]
 
     def copy_index(self, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Index rows src -> dst as stored, with their fp8 scales."""
         row = self.index_row[layer]
         self.index_k[row, _on(dst, self.index_k)] = self.index_k[row, _on(src, self.index_k)]
+        if self.hasher is not None:
+            h = self.row_hashes["index"]
+            h[row, _on(dst, h)] = h[row, _on(src, h)]
         if self.fp8:
             self.index_scale[row, _on(dst, self.index_scale)] = self.index_scale[
                 row, _on(src, self.index_scale)

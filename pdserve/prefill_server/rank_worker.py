@@ -31,6 +31,7 @@ from ..runtime.memory_check import check_device_fits
 from ..runtime.pipe_tensors import to_pipe
 from ..transfer.backends import make_sender
 from ..transfer.rank_commands import SendCmd, SenderStatus, SenderStatusCmd, SendReply, StreamedSend
+from ..transfer.row_mac import LANES
 from .cp_backend import ChunkPlan, CPBackend, layer_owners
 from .handoff_stream import LayerStream
 from .layouts import split_positions
@@ -102,7 +103,8 @@ class PrefillRankWorker(RankWorker):
         layers = None
 
         def fits(meta_model) -> None:  # before anything is allocated: weights + KV + workspace
-            kv = self._make_pool(meta_model.config, layers, "meta").nbytes
+            pool = self._make_pool(meta_model.config, layers, "meta")
+            kv = pool.nbytes + (pool.row_hash_nbytes(LANES) if cfg.transfer == "nixl" else 0)  # NixlSender's
             check_device_fits(f"prefill rank {rank}", dev, weight_bytes_by_dtype(meta_model), kv)
 
         if cfg.cache == "layer-split":

@@ -102,9 +102,18 @@ class RoomChecksum:
             raise ValueError("a RoomChecksum takes rows only with the frame key")
         if not isinstance(rows, torch.Tensor):
             rows = torch.frombuffer(bytearray(rows), dtype=torch.uint8).view(1, -1) if len(rows) else None
+        self.add_hashes(
+            src, layer, kind, row_macs(self.key, rows) if rows is not None and len(rows) else None, order
+        )
+
+    def add_hashes(
+        self, src: int, layer: int, kind: str, hashes: torch.Tensor | None, order: tuple = ()
+    ) -> None:
+        """`update` with the rows' hashes already taken ([n, LANES], row_mac.row_macs under this key:
+        a pool that keeps them, KVPool.keep_row_hashes); they stay on their device until `streams`."""
         parts = self._parts.setdefault((src, layer, kind), [])
-        if rows is not None and len(rows):  # its row hashes stay on the rows' device until `streams`
-            parts.append((order, len(parts), row_macs(self.key, rows)))
+        if hashes is not None and len(hashes):
+            parts.append((order, len(parts), hashes))
         self._macs = None
 
     @property

@@ -6,6 +6,7 @@ in transfer/nixl.py."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import msgpack
@@ -17,6 +18,7 @@ from .frames import DEV_FRAME_KEY, seal_notif
 from .nixl_agent import NixlEndpoint, agent_name, make_agent, mem_type
 from .plan import Run, Transfer
 from .rank_commands import SendCmd, SendReply
+from .row_mac import row_macs
 from .tcp import pack_rows
 
 SEND_POLL_S = 0.0001
@@ -122,6 +124,7 @@ class NixlSender:
         chunk_bytes: int = CHUNK_BYTES,
         name: str | None = None,
         staging_bytes: int = 64 << 20,
+        hash_at_store: bool = True,
     ):
         self.rank, self.pool, self.chunk_bytes = rank, pool, min(chunk_bytes, staging_bytes)
         self.key = key  # notifications carry an HMAC trailer under it (frames.seal_notif)
@@ -130,10 +133,13 @@ class NixlSender:
         self.staging = torch.empty(staging_bytes, dtype=torch.uint8, device=pool.kv.device)  # VRAM on cuda
         self.mem = mem_type(self.staging)
         self.reg = self.agent.register_memory(self.staging)
-        # The pool too, so rows that lie contiguously in it (KVPool.span) are WRITTEN without packing.
+        # The pool too, so rows that lie contiguously in it (KVPool.span) are WRITTEN without packing,
+        # their row hashes taken as the pool stores them (off the hand-off's path) and read here.
         self.pool_regs = (
             [] if pool.fp8 else [self.agent.register_memory(t) for t in (pool.kv, pool.index_k) if t.numel()]
         )
+        if not pool.fp8 and hash_at_store:
+            pool.keep_row_hashes(functools.partial(row_macs, key))
         self.peers: dict[str, int] = {}  # decode agent -> generation whose metadata is loaded
         self.handles = 0  # xfer handles not yet released
         self.stuck: list = []  # handles NIXL could not release (never expected; shown by status)
@@ -288,7 +294,12 @@ class NixlSender:
                     views, self.staging_used = [rows], spos + n * rb
                     self.bytes_packed += n * rb
                 else:
-                    unhashed += [(t.layer, t.kind, v) for v in views]
+                    kept = [self.pool.span_hashes(t.kind, t.layer, r.src, r.length, r.step) for r in runs]
+                    if all(h is not None for h in kept):  # hashed as stored (KVPool.keep_row_hashes)
+                        for h in kept:
+                            checksum.add_hashes(self.rank, t.layer, t.kind, h.clone())
+                    else:
+                        unhashed += [(t.layer, t.kind, v) for v in views]
                     self.bytes_direct += n * rb
                 for rows in views:
                     _add_piece(pieces, rows.data_ptr(), rows.numel() * rows.element_size())

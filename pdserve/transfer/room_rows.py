@@ -37,7 +37,7 @@ class RoomStatus:
     checksum: int = 0
     error: str | None = None
     first_row_at: float | None = None  # time.monotonic() when its first rows were counted (checksummed)
-    last_row_at: float | None = None  # ... and when its latest were
+    last_row_at: float | None = None  # ... and when its latest were (the last: with the room MAC taken)
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ class RoomRows:
     checksum: RoomChecksum = field(default_factory=RoomChecksum)
     error: str | None = None
     first_at: float | None = None  # time.monotonic() when its first rows were counted (and checksummed)
-    last_at: float | None = None  # ... and when its latest were
+    last_at: float | None = None  # ... and when its latest were (the last: with the room MAC taken)
 
     def status(self) -> RoomStatus:
         rows, expected = sum(self.received.values()), sum(self.expected.values())
@@ -259,4 +259,6 @@ def count_rows(r: RoomRows, h: dict, parts: list[torch.Tensor]) -> None:
     r.received[key] = r.received.get(key, 0) + sum(len(rows) for rows in parts)
     for rows in parts:  # each where it lies: row hashes do not depend on how the rows are split
         r.checksum.update(h["src_rank"], h["layer"], h["kind"], rows, h.get("order", ()))
+    if r.expected and sum(r.received.values()) == sum(r.expected.values()):
+        r.checksum.value()  # the last rows: the room MAC now (cached for status), so last_at is when it was checked
     r.last_at = time.monotonic()

@@ -169,3 +169,46 @@ def test_a_residue_major_pool_stores_the_same_slots(residues):
     assert (
         major.span("kv", 0, 38, 2, residues) is None and major.span("kv", 0, -1, 1, residues) is None
     )  # out of range
+
+
+@pytest.mark.parametrize("residues", [1, 2])
+def test_kept_row_hashes_follow_every_write_and_copy(residues):
+    """keep_row_hashes: the hash a pool keeps for each row (what a NIXL sender reads instead of hashing
+    the rows it WRITEs) equals the hash of the row as stored, through writes by slots and by slice
+    (float64 values stored as bf16: the stored bytes are hashed), index writes, copies, and for rows
+    stored before it was turned on."""
+    from functools import partial
+
+    from pdserve.transfer.row_mac import row_macs
+
+    cfg, key = tiny(), b"pool row hashes".ljust(32, b".")
+    pool = KVPool(cfg, 40, torch.bfloat16, residues=residues)
+    g = torch.Generator().manual_seed(9)
+    indexed = cfg.indexer_layers[0]
+
+    def rows(n: int, width: int) -> torch.Tensor:
+        return torch.randn(n, width, generator=g, dtype=torch.float64)
+
+    pool.write(indexed, torch.arange(10), rows(10, cfg.kv_entry_dim), rows(10, cfg.index_head_dim))
+    pool.keep_row_hashes(partial(row_macs, key))
+    assert sum(h.numel() * 8 for h in pool.row_hashes.values()) == pool.row_hash_nbytes(
+        2
+    )  # the fit check's count
+    for layer in range(cfg.num_layers):
+        slots = torch.randperm(40, generator=g)[:25]
+        idx = rows(25, cfg.index_head_dim) if cfg.has_indexer(layer) else None
+        pool.write(layer, slots, rows(25, cfg.kv_entry_dim), idx)
+        pool.write_kv(layer, slice(3, 9), rows(6, cfg.kv_entry_dim))
+    pool.write_index(indexed, slice(12, 20), rows(8, cfg.index_head_dim))
+    pool.copy_kv(0, torch.tensor([1, 2]), torch.tensor([30, 31]))
+    pool.copy_index(indexed, torch.tensor([4, 5]), torch.tensor([36, 39]))
+    for layer in range(cfg.num_layers):
+        spans = [("kv", r, 40 // residues, residues) for r in range(residues)]
+        spans += [("index", 0, 40, 1)] if cfg.has_indexer(layer) else []
+        for kind, start, n, step in spans:
+            kept = pool.span_hashes(kind, layer, start, n, step)
+            assert torch.equal(kept, row_macs(key, pool.span(kind, layer, start, n, step)))
+    assert pool.span_hashes("kv", 0, 0, 4, residues + 1) is None  # no span: no hashes either
+    assert KVPool(cfg, 40, torch.bfloat16).span_hashes("kv", 0, 0, 4, 1) is None  # a pool that keeps none
+    with pytest.raises(ValueError, match="fp8"):
+        KVPool(cfg, 8, torch.bfloat16, kv_cache_dtype="fp8_e4m3").keep_row_hashes(partial(row_macs, key))
