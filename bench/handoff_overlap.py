@@ -17,10 +17,11 @@ Per hand-off, on the hosts' one monotonic clock:
     exposed  from the last prefill rank's end of compute (PrefillResult.computed_at) to that check,
              0 when it came first: the part of the hand-off that the prefill's compute did not hide;
     rate     unstreamed only: payload bytes / (rows checked - the send call), the hand-off's own
-             rate, against the verified floor measured in rounds between the hand-offs over the same
-             pairs and bytes: raw NIXL WRITEs whose receivers read every byte once
+             rate, over its sends and --resends more of each prefill's rows into fresh rooms
+             (`sends_s`), against the verified floor measured in a round after each of them over
+             the same pairs and bytes: raw NIXL WRITEs whose receivers read every byte once
              (bench/transfer_raw.py, as bench/transfer_floor.py; invariant 8's one read).
-Medians of the repeats; min and max recorded.
+Medians of the repeats (the rate: of every send and every floor round); min and max recorded.
 
     python bench/handoff_overlap.py                              16k and 64k, 2 repeats each way
     python bench/handoff_overlap.py --tokens 4096 --repeats 3 --transfer tcp
@@ -47,6 +48,8 @@ def _wait_rows(dec, room: str, sums: dict[int, int]) -> tuple[float, float]:
     """(checked, seen): when the last decode rank had checked its last row of the room (its own
     stamp: rows stored, hashed and the room MAC taken, as the floor's receivers stamp their read),
     and when this process saw every rank complete with the senders' room MAC (polling)."""
+    from pdserve.decode_server.loop import TRANSFER_POLL_S
+
     while True:
         status = dec.room_status(room)
         if any(s.error for s in status):
@@ -58,35 +61,69 @@ def _wait_rows(dec, room: str, sums: dict[int, int]) -> tuple[float, float]:
                 raise RuntimeError(f"room {room}: decode ranks {bad} disagree with the senders' room MAC")
             stamps = [s.last_row_at for s in status if s.expected]
             return max(stamps, default=now), now
-        time.sleep(0.0005)
+        time.sleep(
+            TRANSFER_POLL_S
+        )  # the decode loop's own poll of pending hand-offs (the end is the ranks' stamp)
 
 
-def one(pre, dec, ids: list[int], stream: bool, room: str) -> dict:
-    from pdserve.request import SamplingParams
+def _resend(pre, dec, request: str, slots: list[int], room: str) -> float:
+    """Seconds of one more unstreamed hand-off of a held prefill's rows, into a fresh decode room
+    (from the send call to the last decode rank's check, as `one` times its own)."""
     from pdserve.transfer.plan import plan_transfer
 
-    n = len(ids)
+    n = len(slots)
     pages = dec.allocator.allocate(n)
     try:
         reservation = dec.reservation(room, pages, prompt_len=n)
         dec.expect_totals(room, reservation.ticket, pages, n)
-        args = (reservation.ticket, reservation.endpoints)
-        t0 = time.monotonic()
-        if stream:
-            result, sums = pre.prefill_send(room, ids, SamplingParams(), dec.decode_side(pages), 0, *args)
-            sent_at, replied = t0, time.monotonic()
-        else:
-            result = pre.prefill(room, ids, SamplingParams())
-            replied = time.monotonic()
-            plan = plan_transfer(pre.prefill_side(result.slots), dec.decode_side(pages), n)
-            sent_at = time.monotonic()
-            sums = pre.send(room, room, reservation.ticket, plan, reservation.endpoints)
-        done, seen = _wait_rows(dec, room, sums)
-        nbytes = dec.handoff_bytes(pages, n)
+        plan = plan_transfer(pre.prefill_side(slots), dec.decode_side(pages), n)
+        sent_at = time.monotonic()
+        sums = pre.send(request, room, reservation.ticket, plan, reservation.endpoints)
+        return _wait_rows(dec, room, sums)[0] - sent_at
     finally:
-        pre.release(room)
         dec.forget(room, True)
         dec.allocator.free(pages)
+
+
+def one(pre, dec, ids: list[int], stream: bool, room: str, resends: int = 0, between=None) -> dict:
+    """One hand-off of a fresh prefill of `ids`; unstreamed, `resends` more of its rows after it
+    (their seconds in "sends_s" with its own), between(), if given, after each."""
+    from pdserve.request import SamplingParams
+    from pdserve.transfer.plan import plan_transfer
+
+    n = len(ids)
+    sends: list[float] = []
+    try:
+        pages = dec.allocator.allocate(n)
+        try:
+            reservation = dec.reservation(room, pages, prompt_len=n)
+            dec.expect_totals(room, reservation.ticket, pages, n)
+            args = (reservation.ticket, reservation.endpoints)
+            t0 = time.monotonic()
+            if stream:
+                result, sums = pre.prefill_send(room, ids, SamplingParams(), dec.decode_side(pages), 0, *args)
+                sent_at, replied = t0, time.monotonic()
+            else:
+                result = pre.prefill(room, ids, SamplingParams())
+                replied = time.monotonic()
+                plan = plan_transfer(pre.prefill_side(result.slots), dec.decode_side(pages), n)
+                sent_at = time.monotonic()
+                sums = pre.send(room, room, reservation.ticket, plan, reservation.endpoints)
+            done, seen = _wait_rows(dec, room, sums)
+            nbytes = dec.handoff_bytes(pages, n)
+        finally:
+            dec.forget(room, True)
+            dec.allocator.free(pages)
+        if not stream:  # the prefill's rows are still held: sent again into fresh rooms
+            sends.append(done - sent_at)
+            for k in range(resends):
+                if between is not None:
+                    between()
+                sends.append(_resend(pre, dec, room, result.slots, f"{room}-again-{k}"))
+            if between is not None:
+                between()
+    finally:
+        pre.release(room)
     return {
         "ttft_s": max(done, replied) - t0,  # the first step needs the rows and the prefill's first token
         "exposed_s": max(
@@ -94,11 +131,12 @@ def one(pre, dec, ids: list[int], stream: bool, room: str) -> dict:
         ),  # streamed rows may all be checked before the last layer ends
         "handoff_s": done - sent_at,
         "poll_lag_s": seen - done,
+        "sends_s": sends,
         "bytes": nbytes,
     }
 
 
-def measure(model: str, transfer: str, tokens: int, repeats: int) -> dict:
+def measure(model: str, transfer: str, tokens: int, repeats: int, resends: int = 0) -> dict:
     from pdserve.decode_server.instance import DecodeInstance
     from pdserve.decode_server.worker_config import DecodeWorkerConfig
     from pdserve.prefill_server.instance import PrefillInstance
@@ -116,20 +154,30 @@ def measure(model: str, transfer: str, tokens: int, repeats: int) -> dict:
     ):
         ids = [(7 * i) % 500 + 4 for i in range(tokens)]
         pids = pre.ranks.pids + dec.ranks.pids
+
+        def between() -> None:  # a raw and a verified floor round over the same pairs and bytes
+            floor(_pair_bytes(pre, dec, tokens), pre.model_config.kv_entry_dim * 4, pids)
+
         try:
             for mode in ("streamed", "unstreamed"):  # warm-up, untimed: peers loaded, buffers touched
                 one(pre, dec, ids[: min(tokens, 256)], mode == "streamed", f"warm-{mode}-{tokens}")
             for i in range(repeats):
                 for mode in ("streamed", "unstreamed") if i % 2 == 0 else ("unstreamed", "streamed"):
-                    r = one(pre, dec, ids, mode == "streamed", f"{mode}-{tokens}-{i}")
+                    r = one(
+                        pre,
+                        dec,
+                        ids,
+                        mode == "streamed",
+                        f"{mode}-{tokens}-{i}",
+                        resends,
+                        between if floor else None,
+                    )
                     runs[mode].append(r)
                     print(
                         f"{tokens} tokens {transfer} {mode:10s}: TTFT {r['ttft_s']:.2f} s, exposed "
                         f"{1000 * r['exposed_s']:.1f} ms, hand-off {1000 * r['handoff_s']:.1f} ms",
                         flush=True,
                     )
-                    if floor is not None and mode == "unstreamed":
-                        floor(_pair_bytes(pre, dec, tokens), pre.model_config.kv_entry_dim * 4, pids)
             out = {mode: _stats(rs) for mode, rs in runs.items()}
             if floor is not None:
                 ver = floor.result("verified")
@@ -160,7 +208,10 @@ def _stats(rs: list[dict]) -> dict:
     out = {k: spread([r[k] for r in rs]) for k in ("ttft_s", "exposed_s", "handoff_s", "poll_lag_s")}
     out["bytes"] = rs[0]["bytes"]
     out["exposed_share"] = out["exposed_s"]["median"] / out["ttft_s"]["median"]
-    out["GBps_median"] = rs[0]["bytes"] / out["handoff_s"]["median"] / 1e9
+    sends = [s for r in rs for s in r["sends_s"]]  # unstreamed: every send of the prefills' rows
+    if sends:
+        out["sends_s"] = spread(sends)
+    out["GBps_median"] = rs[0]["bytes"] / (out["sends_s"] if sends else out["handoff_s"])["median"] / 1e9
     return out
 
 
@@ -233,23 +284,36 @@ def main(argv=None) -> None:
         "--repeats", type=int, default=2, help="hand-offs each way per length; medians (default 2)"
     )
     ap.add_argument(
+        "--resends",
+        type=int,
+        default=4,
+        help="after each unstreamed hand-off, this many more of the same prefill's rows into fresh "
+        "rooms, each followed by a floor round: the rate's samples (default 4)",
+    )
+    ap.add_argument(
         "--idle-wait", type=float, default=60, help="seconds to wait for an idle machine (default 60)"
     )
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the built-in small model)")
     ap.add_argument("--out", default="bench/results", help="output directory for handoff_overlap.json/.png")
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.tokens.split(",") if x.strip()]
-    if not lengths or min(lengths) < 1 or args.repeats < 1:
-        ap.error("--tokens must be positive lengths and --repeats >= 1")
+    if not lengths or min(lengths) < 1 or args.repeats < 1 or not 0 <= args.resends <= 100:
+        ap.error("--tokens must be positive lengths, --repeats >= 1 and --resends in [0, 100]")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     model = resolve_model(args.model)
     idle = idle_side(args.idle_wait, "hand-offs")
-    res = {str(n): measure(model, args.transfer, n, args.repeats) for n in lengths}
+    res = {str(n): measure(model, args.transfer, n, args.repeats, args.resends) for n in lengths}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     doc = {
         "machine": machine_info(("torch", "nixl")),
-        "config": {"tokens": lengths, "transfer": args.transfer, "repeats": args.repeats, "model": model},
+        "config": {
+            "tokens": lengths,
+            "transfer": args.transfer,
+            "repeats": args.repeats,
+            "resends": args.resends,
+            "model": model,
+        },
         "idle_before": idle,
         "results": res,
         "summary": summary_rows(res, args.transfer),
