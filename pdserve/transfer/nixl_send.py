@@ -6,7 +6,6 @@ in transfer/nixl.py."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 
 import msgpack
@@ -93,13 +92,6 @@ def slice_runs(runs: tuple[Run, ...], start: int, n: int) -> list[Run]:
     return out
 
 
-def _hash(checksum: RoomChecksum, rank: int, unhashed: list) -> None:
-    """Takes the row hashes of `unhashed` (layer, kind, rows) in order, on the rows' device, and empties it."""
-    for layer, kind, rows in unhashed:
-        checksum.update(rank, layer, kind, rows)
-    unhashed.clear()
-
-
 @dataclasses.dataclass
 class _Posted:
     """One WRITE in flight: its handle, where it goes, when it is given up."""
@@ -124,7 +116,6 @@ class NixlSender:
         chunk_bytes: int = CHUNK_BYTES,
         name: str | None = None,
         staging_bytes: int = 64 << 20,
-        hash_at_store: bool = True,
     ):
         self.rank, self.pool, self.chunk_bytes = rank, pool, min(chunk_bytes, staging_bytes)
         self.key = key  # notifications carry an HMAC trailer under it (frames.seal_notif)
@@ -138,8 +129,8 @@ class NixlSender:
         self.pool_regs = (
             [] if pool.fp8 else [self.agent.register_memory(t) for t in (pool.kv, pool.index_k) if t.numel()]
         )
-        if not pool.fp8 and hash_at_store:
-            pool.keep_row_hashes(functools.partial(row_macs, key))
+        if not pool.fp8:
+            pool.keep_row_hashes(lambda rows: row_macs(key, rows))
         self.peers: dict[str, int] = {}  # decode agent -> generation whose metadata is loaded
         self.handles = 0  # xfer handles not yet released
         self.stuck: list = []  # handles NIXL could not release (never expected; shown by status)
@@ -250,9 +241,6 @@ class NixlSender:
             return str(e)
         checksum = sums.setdefault(dst, RoomChecksum(key=self.key))
         pos, items, pieces = 0, [], []  # chunk bytes, headers, local [addr, bytes]
-        # rows WRITTEN from the pool are hashed once their chunk's WRITE is posted: the receiver
-        # hashes that chunk while this rank does (a stream has one item per chunk, so its order holds)
-        unhashed: list[tuple[int, str, torch.Tensor]] = []
         remote: list | None = [] if dest else None  # pool destinations: remote [addr, bytes] per run
         for t in transfers:
             rb, done = self._row_bytes(t.kind), 0
@@ -267,7 +255,6 @@ class NixlSender:
                     if not items:
                         return f"send chunks of {self.chunk_bytes} bytes hold no row of {rb} bytes"
                     err = self._write(cmd, ep, dst, offset, pos, items, pieces, remote)
-                    _hash(checksum, self.rank, unhashed)
                     if err:
                         return err
                     offset, pos, items, pieces = offset + pos, 0, [], []
@@ -294,12 +281,9 @@ class NixlSender:
                     views, self.staging_used = [rows], spos + n * rb
                     self.bytes_packed += n * rb
                 else:
-                    kept = [self.pool.span_hashes(t.kind, t.layer, r.src, r.length, r.step) for r in runs]
-                    if all(h is not None for h in kept):  # hashed as stored (KVPool.keep_row_hashes)
-                        for h in kept:
-                            checksum.add_hashes(self.rank, t.layer, t.kind, h.clone())
-                    else:
-                        unhashed += [(t.layer, t.kind, v) for v in views]
+                    for r in runs:  # their hashes, taken as the pool stored them (KVPool.keep_row_hashes)
+                        kept = self.pool.span_hashes(t.kind, t.layer, r.src, r.length, r.step)
+                        checksum.add_hashes(self.rank, t.layer, t.kind, kept.clone())
                     self.bytes_direct += n * rb
                 for rows in views:
                     _add_piece(pieces, rows.data_ptr(), rows.numel() * rows.element_size())
@@ -312,9 +296,7 @@ class NixlSender:
                         return str(e)
                 pos, done = pos + n * rb, done + n
         self._offsets[dst] = offset + pos
-        err = self._write(cmd, ep, dst, offset, pos, items, pieces, remote) if items else None
-        _hash(checksum, self.rank, unhashed)
-        return err
+        return self._write(cmd, ep, dst, offset, pos, items, pieces, remote) if items else None
 
     def _load_peer(self, ep: NixlEndpoint) -> str | None:
         known = self.peers.get(ep.agent)

@@ -7,7 +7,6 @@ strided runs (a DCP destination) and with hundreds of two-row runs (shuffled sma
 from __future__ import annotations
 
 import random
-import threading
 import time
 
 import msgpack
@@ -259,13 +258,13 @@ def test_a_rooms_mac_is_taken_once_every_row_came(monkeypatch):
 
 
 def _one_nixl_room(
-    cfg, src, plan, decode, name: str, on_path=None, hash_at_store: bool = True, before_send=None
+    cfg, src, plan, decode, name: str, on_path=None, before_send=None
 ) -> tuple[dict, dict, dict]:
     """Sends `plan` from `src` into fresh decode pools over NIXL (several chunks in flight):
     (the sender's reply, each decode rank's final status, the decode pools). on_path(rank, pool),
     if given, runs on the receiver before it takes each notification, after that chunk's WRITE
     landed: an on-path attacker who rewrote the WRITE's bytes. before_send(), if given, runs once
-    the sender is made (and `src` keeps its row hashes, unless not hash_at_store)."""
+    the sender is made (and `src` keeps its row hashes)."""
     ranks = range(decode.tp_size)
     dst = {r: KVPool(cfg, 400, src.dtype) for r in ranks}
     recv = {r: NixlReceiver(r, lambda r=r: dst[r], name=f"{name}-d{r}") for r in ranks}
@@ -273,7 +272,7 @@ def _one_nixl_room(
         for r in ranks:
             take = recv[r]._on_notif
             recv[r]._on_notif = lambda msg, r=r, take=take: (on_path(r, dst[r]), take(msg))
-    sender = NixlSender(0, src, chunk_bytes=16 << 10, name=f"{name}-p", hash_at_store=hash_at_store)
+    sender = NixlSender(0, src, chunk_bytes=16 << 10, name=f"{name}-p")
     if before_send is not None:
         before_send()
     try:
@@ -330,48 +329,6 @@ def test_rows_sent_straight_from_the_pool_arrive_with_equal_room_macs(model_path
             for run in t.runs:
                 got = dst[t.dst_rank].read_kv(t.layer, torch.arange(run.dst, run.dst + run.length))
                 assert torch.equal(got, src.read_kv(t.layer, torch.tensor(list(run.src_rows()))))
-
-
-@pytest.mark.parametrize("hash_at_store", [True, False])
-def test_rows_sent_from_a_pool_that_keeps_their_hashes_are_not_hashed_again(
-    model_path, monkeypatch, hash_at_store
-):
-    """A NIXL sender turns on its pool's row hashes (KVPool.keep_row_hashes), taken as rows are
-    stored, and reads them for the rows it WRITEs from the pool: while it sends, only the receivers
-    (their own threads) hash rows, and the room MACs agree. Without them the sender hashes too."""
-    from pdserve.transfer import base
-
-    cfg = ModelConfig.from_pretrained(model_path)
-    src = _filled_pool(cfg)
-    prefill, decode = layout(cfg, "dcp2")
-    plan = plan_transfer(prefill, decode, 300)
-    hashed_on, real = [], base.row_macs
-    monkeypatch.setattr(base, "row_macs", lambda *a: hashed_on.append(threading.current_thread()) or real(*a))
-    reply, status, _ = _one_nixl_room(
-        cfg, src, plan, decode, f"test-kept-{hash_at_store}", None, hash_at_store
-    )
-    sums = merge_checksums([reply])
-    assert all(status[r].error is None and status[r].checksum == sums[r] for r in status)
-    assert hashed_on and (threading.main_thread() in hashed_on) != hash_at_store
-
-
-def test_a_row_changed_behind_the_pools_back_fails_the_room_mac(model_path):
-    """A row changed in a prefill pool other than through its writes keeps the hash stored with it:
-    the receiver hashes the bytes that landed, so that decode rank's room MAC disagrees with the
-    sender's (the hand-off fails rather than deliver a row the model never stored); the others agree."""
-    cfg = ModelConfig.from_pretrained(model_path)
-    src = _filled_pool(cfg)
-    prefill, decode = layout(cfg, "dcp2")
-    plan = plan_transfer(prefill, decode, 300)
-    t = next(t for t in plan if t.kind == "kv" and t.dst_rank == 1)
-
-    def change() -> None:  # after the sender turned the pool's row hashes on
-        src.kv[src.kv_row[t.layer], src.kv_row_ids(torch.tensor([t.runs[0].src]))] += 1.0
-
-    reply, status, _ = _one_nixl_room(cfg, src, plan, decode, "test-stale", before_send=change)
-    sums = merge_checksums([reply])
-    assert status[1].complete and status[1].checksum != sums[1]
-    assert status[0].checksum == sums[0]
 
 
 # ---- a forged payload whose old checksum (crc32 of wrapping int64 row sums) matches --------------------------
