@@ -31,6 +31,7 @@ Writes bench/results/handoff_overlap.json and .png. bench/ is on sys.path when a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -66,60 +67,61 @@ def _wait_rows(dec, room: str, sums: dict[int, int]) -> tuple[float, float]:
         )  # the decode loop's own poll of pending hand-offs (the end is the ranks' stamp)
 
 
-def _resend(pre, dec, request: str, slots: list[int], room: str) -> float:
-    """Seconds of one more unstreamed hand-off of a held prefill's rows, into a fresh decode room
-    (from the send call to the last decode rank's check, as `one` times its own)."""
-    from pdserve.transfer.plan import plan_transfer
-
-    n = len(slots)
+@contextlib.contextmanager
+def _room(dec, room: str, n: int):
+    """(pages, reservation) of a fresh decode room for n tokens, expecting its rows; forgotten and
+    its pages freed after."""
     pages = dec.allocator.allocate(n)
     try:
         reservation = dec.reservation(room, pages, prompt_len=n)
         dec.expect_totals(room, reservation.ticket, pages, n)
-        plan = plan_transfer(pre.prefill_side(slots), dec.decode_side(pages), n)
-        sent_at = time.monotonic()
-        sums = pre.send(request, room, reservation.ticket, plan, reservation.endpoints)
-        return _wait_rows(dec, room, sums)[0] - sent_at
+        yield pages, reservation
     finally:
         dec.forget(room, True)
         dec.allocator.free(pages)
 
 
-def one(pre, dec, ids: list[int], stream: bool, room: str, resends: int = 0, between=None) -> dict:
-    """One hand-off of a fresh prefill of `ids`; unstreamed, `resends` more of its rows after it
-    (their seconds in "sends_s" with its own), between(), if given, after each."""
-    from pdserve.request import SamplingParams
+def _send(
+    pre, dec, request: str, slots: list[int], room: str, pages, reservation
+) -> tuple[float, float, float]:
+    """(sent, checked, seen) of an unstreamed hand-off of a held prefill's rows into a reserved room:
+    when the send call began, then `_wait_rows`."""
     from pdserve.transfer.plan import plan_transfer
+
+    plan = plan_transfer(pre.prefill_side(slots), dec.decode_side(pages), len(slots))
+    sent_at = time.monotonic()
+    sums = pre.send(request, room, reservation.ticket, plan, reservation.endpoints)
+    return (sent_at, *_wait_rows(dec, room, sums))
+
+
+def one(pre, dec, ids: list[int], stream: bool, room: str, resends: int = 0, between=None) -> dict:
+    """One hand-off of a fresh prefill of `ids`; unstreamed, `resends` more of its rows after it into
+    fresh rooms (their seconds in "sends_s" with its own), between(), if given, after each."""
+    from pdserve.request import SamplingParams
 
     n = len(ids)
     sends: list[float] = []
     try:
-        pages = dec.allocator.allocate(n)
-        try:
-            reservation = dec.reservation(room, pages, prompt_len=n)
-            dec.expect_totals(room, reservation.ticket, pages, n)
-            args = (reservation.ticket, reservation.endpoints)
+        with _room(dec, room, n) as (pages, reservation):
             t0 = time.monotonic()
             if stream:
+                args = (reservation.ticket, reservation.endpoints)
                 result, sums = pre.prefill_send(room, ids, SamplingParams(), dec.decode_side(pages), 0, *args)
                 sent_at, replied = t0, time.monotonic()
+                done, seen = _wait_rows(dec, room, sums)
             else:
                 result = pre.prefill(room, ids, SamplingParams())
                 replied = time.monotonic()
-                plan = plan_transfer(pre.prefill_side(result.slots), dec.decode_side(pages), n)
-                sent_at = time.monotonic()
-                sums = pre.send(room, room, reservation.ticket, plan, reservation.endpoints)
-            done, seen = _wait_rows(dec, room, sums)
+                sent_at, done, seen = _send(pre, dec, room, result.slots, room, pages, reservation)
             nbytes = dec.handoff_bytes(pages, n)
-        finally:
-            dec.forget(room, True)
-            dec.allocator.free(pages)
         if not stream:  # the prefill's rows are still held: sent again into fresh rooms
             sends.append(done - sent_at)
             for k in range(resends):
                 if between is not None:
                     between()
-                sends.append(_resend(pre, dec, room, result.slots, f"{room}-again-{k}"))
+                with _room(dec, f"{room}-again-{k}", n) as (pages, reservation):
+                    again = _send(pre, dec, room, result.slots, f"{room}-again-{k}", pages, reservation)
+                sends.append(again[1] - again[0])
             if between is not None:
                 between()
     finally:

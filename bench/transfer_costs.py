@@ -48,8 +48,9 @@ def checksum_cost(model: str, tokens: int, repeats: int) -> dict:
     """The payload authentication a hand-off makes and raw WRITEs never make (docs/security.md):
     the room MAC (`RoomChecksum` under the frame key: keyed row hashes folded by row_mac.fold) of
     one decode rank's rows (tokens / 2 latent rows of every layer and, as the copied index ships
-    them, every token's index keys of each indexer layer), taken by the sender around its WRITEs and
-    by the receiver over the rows where they landed; and the TCP data frame's HMAC-SHA256 tag over
+    them, every token's index keys of each indexer layer), taken by the receiver over the rows where
+    they landed and by a sender over rows it packs (a NIXL sender reads the row hashes its pool kept
+    for rows it WRITEs from the pool, KVPool.keep_row_hashes); and the TCP data frame's HMAC-SHA256 tag over
     the same bytes (taken by the TCP sender and receiver, not by NIXL)."""
     import hashlib
     import hmac
@@ -82,7 +83,7 @@ def checksum_cost(model: str, tokens: int, repeats: int) -> dict:
     print(
         f"room MAC: {nbytes / MB:.1f} MB of one decode rank's rows (not in cache) in {1000 * med:.1f} ms "
         f"median ({nbytes / med / 1e9:.2f} GB/s, {1000 * med / (nbytes / MB):.2f} ms per MB, one core), taken "
-        f"by the sender and by the receiver; TCP frame tag (HMAC-SHA256) over the same bytes: "
+        f"by the receiver (and a sender over the rows it packs); TCP frame tag (HMAC-SHA256) over the same bytes: "
         f"{1000 * tag:.1f} ms ({1000 * tag / (nbytes / MB):.2f} ms per MB)",
         flush=True,
     )

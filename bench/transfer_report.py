@@ -72,12 +72,12 @@ def summary_rows(res: dict, ratios: dict, args) -> list[dict]:
     shares = {t: ratios[f"room_macs_share_of_handoff_{t}"] for t in res["handoff"]}
     rows.append(
         {
-            "claim": "payload authentication of a hand-off: the room MAC (sender and receiver), the TCP frame tag",
+            "claim": "payload authentication of a hand-off: the room MAC (receiver; sender over TCP), the TCP frame tag",
             "result": f"room MAC {mac['ms_per_MB']:.2f} ms per MB on one core ({mac['GBps']:.2f} GB/s), "
             f"TCP tag (HMAC-SHA256) {mac['tcp_tag_ms_per_MB']:.2f} ms per MB",
             "baseline": "the hand-offs above, same rows",
             "bound": ", ".join(
-                f"both room MACs = {100 * v:.0f}% of a {t} hand-off's time" for t, v in shares.items()
+                f"room MACs = {100 * v:.0f}% of a {t} hand-off's time" for t, v in shares.items()
             ),
             "target": "stated (docs/security.md)",
         }

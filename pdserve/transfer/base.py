@@ -102,9 +102,7 @@ class RoomChecksum:
             raise ValueError("a RoomChecksum takes rows only with the frame key")
         if not isinstance(rows, torch.Tensor):
             rows = torch.frombuffer(bytearray(rows), dtype=torch.uint8).view(1, -1) if len(rows) else None
-        self.add_hashes(
-            src, layer, kind, row_macs(self.key, rows) if rows is not None and len(rows) else None, order
-        )
+        self.add_hashes(src, layer, kind, None if rows is None else row_macs(self.key, rows), order)
 
     def add_hashes(
         self, src: int, layer: int, kind: str, hashes: torch.Tensor | None, order: tuple = ()

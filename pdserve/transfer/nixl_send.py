@@ -254,8 +254,7 @@ class NixlSender:
                 if n == 0:
                     if not items:
                         return f"send chunks of {self.chunk_bytes} bytes hold no row of {rb} bytes"
-                    err = self._write(cmd, ep, dst, offset, pos, items, pieces, remote)
-                    if err:
+                    if err := self._write(cmd, ep, dst, offset, pos, items, pieces, remote):
                         return err
                     offset, pos, items, pieces = offset + pos, 0, [], []
                     self._offsets[dst] = offset

@@ -155,14 +155,19 @@ class RoomRows:
     first_at: float | None = None  # time.monotonic() when its first rows were counted (and checksummed)
     last_at: float | None = None  # ... and when its latest were (the last: with the room MAC taken)
 
+    @property
+    def complete(self) -> bool:
+        """Every expected row came."""
+        return sum(self.received.values()) == sum(self.expected.values())
+
     def status(self) -> RoomStatus:
-        rows, expected = sum(self.received.values()), sum(self.expected.values())
+        complete = self.complete
         return RoomStatus(
             True,
-            rows,
-            expected,
-            rows == expected,
-            self.checksum.value() if rows == expected else 0,  # the MAC of every row: once they came
+            sum(self.received.values()),
+            sum(self.expected.values()),
+            complete,
+            self.checksum.value() if complete else 0,  # the MAC of every row: once they came
             self.error,
             self.first_at,
             self.last_at,
@@ -259,6 +264,6 @@ def count_rows(r: RoomRows, h: dict, parts: list[torch.Tensor]) -> None:
     r.received[key] = r.received.get(key, 0) + sum(len(rows) for rows in parts)
     for rows in parts:  # each where it lies: row hashes do not depend on how the rows are split
         r.checksum.update(h["src_rank"], h["layer"], h["kind"], rows, h.get("order", ()))
-    if r.expected and sum(r.received.values()) == sum(r.expected.values()):
+    if r.complete:
         r.checksum.value()  # the last rows: the room MAC now (cached for status), so last_at is when it was checked
     r.last_at = time.monotonic()
